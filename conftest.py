@@ -1,0 +1,1 @@
+# Repository-root conftest: puts the root on sys.path so `examples` imports in tests.
