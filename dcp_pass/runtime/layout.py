@@ -1,0 +1,376 @@
+"""Striped (virtual) KV layout of decode context parallelism.
+
+A DCP group of size ``c`` stripes the KV cache by token position: rank ``r`` owns
+every virtual position ``v`` with ``v % c == r`` and stores it at physical row
+``v // c`` of its own pool (SPEC.md section 2). Everything here is plain index
+arithmetic, so the same helpers serve the eager allocator, the compile pass and
+the tests.
+
+Scalars may be Python ints, SymInts (inside a traced graph) or int64 tensors.
+Arguments are validated only when they are concrete Python ints: checking a
+SymInt would install a guard and checking a tensor would force a device sync.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Hashable, Union
+
+import torch
+
+__all__ = [
+    "CacheCapacityError",
+    "OutOfKVPagesError",
+    "owner",
+    "physical",
+    "local_length",
+    "local_capacity",
+    "owned_positions",
+    "filter_owned",
+    "shard_full_cache",
+    "striped_write_",
+    "striped_read",
+    "StripedCache",
+    "PagedVirtualAllocator",
+]
+
+IntLike = Union[int, torch.SymInt, torch.Tensor]
+
+
+class CacheCapacityError(ValueError):
+    """A striped cache was asked to hold more tokens or sequences than it was sized for."""
+
+
+class OutOfKVPagesError(RuntimeError):
+    """The shared virtual allocator has too few free pages for a request."""
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _is_concrete_int(x: object) -> bool:
+    # bool is an int subclass but never a meaningful size or rank here.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_group_size(c: IntLike) -> None:
+    if _is_concrete_int(c) and c < 1:
+        raise ValueError(f"DCP group size c must be >= 1, got c={c}")
+
+
+def _check_rank(c: IntLike, r: IntLike) -> None:
+    _check_group_size(c)
+    if _is_concrete_int(c) and _is_concrete_int(r) and not 0 <= r < c:
+        raise ValueError(f"DCP rank r must satisfy 0 <= r < c, got r={r} with c={c}")
+
+
+def _check_non_negative(name: str, value: IntLike) -> None:
+    if _is_concrete_int(value) and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {name}={value}")
+
+
+# ------------------------------------------------------------------ scalar layout math
+
+
+def owner(v: IntLike, c: int) -> IntLike:
+    """DCP rank that stores virtual position ``v``."""
+    _check_group_size(c)
+    return v % c
+
+
+def physical(v: IntLike, c: int) -> IntLike:
+    """Row of the owner's physical pool that holds virtual position ``v``."""
+    _check_group_size(c)
+    return v // c
+
+
+def local_length(L: IntLike, c: int, r: IntLike) -> IntLike:
+    """Number of positions in ``[0, L)`` owned by rank ``r``: ``L // c + (r < L % c)``.
+
+    Computed as ``(L + c - 1 - r) // c``, which equals the spec formula for every
+    ``L >= 0`` and ``0 <= r < c`` but needs no bool-to-int conversion, so it stays a
+    single expression for ints (returns int), SymInts and int64 tensors (elementwise).
+    """
+    _check_rank(c, r)
+    _check_non_negative("L", L)
+    return (L + (c - 1 - r)) // c
+
+
+def local_capacity(virtual_tokens: IntLike, c: int) -> IntLike:
+    """Physical rows one rank needs so that any rank can hold ``virtual_tokens``: ceil(T / c)."""
+    _check_group_size(c)
+    _check_non_negative("virtual_tokens", virtual_tokens)
+    return (virtual_tokens + (c - 1)) // c
+
+
+def owned_positions(start: int, end: int, c: int, r: int) -> torch.Tensor:
+    """Ascending global positions ``p`` in ``[start, end)`` with ``p % c == r``."""
+    _check_rank(c, r)
+    _check_non_negative("start", start)
+    if _is_concrete_int(start) and _is_concrete_int(end) and end < start:
+        raise ValueError(f"empty range must have end >= start, got [{start}, {end})")
+    first = start + (r - start) % c
+    # torch.arange rejects start > end for a positive step, which happens when the
+    # range is shorter than the distance to the first owned position.
+    return torch.arange(min(first, end), end, c, dtype=torch.long)
+
+
+def filter_owned(
+    indices: torch.Tensor, c: int, r: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a 1-D LongTensor of virtual indices into the part rank ``r`` stores.
+
+    Returns ``(kept, owned, slots)``, all int64 and of equal length, in input order:
+
+    * ``kept``  - positions into ``indices`` of the entries owned by ``r``
+      (``indices[kept] == owned``); use it to select the matching value rows;
+    * ``owned`` - the owned virtual indices themselves (``owned % c == r``);
+    * ``slots`` - their physical rows in rank ``r``'s pool, ``owned // c``.
+    """
+    _check_rank(c, r)
+    if indices.dim() != 1:
+        raise ValueError(f"filter_owned expects a 1-D index tensor, got shape {tuple(indices.shape)}")
+    if indices.dtype != torch.long:
+        raise ValueError(f"filter_owned expects int64 indices, got {indices.dtype}")
+    kept = torch.nonzero(indices % c == r).reshape(-1)
+    owned = indices[kept]
+    return kept, owned, owned // c
+
+
+# --------------------------------------------------------------- dense striped caches
+
+
+def shard_full_cache(full: torch.Tensor, c: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s shard of an unsharded ``[B, T, D]`` cache, shaped ``[B, ceil(T/c), D]``.
+
+    Rows past the rank's local length are zero: ranks with ``r >= T % c`` own one
+    position fewer than the capacity all ranks share.
+    """
+    _check_rank(c, r)
+    if full.dim() != 3:
+        raise ValueError(f"shard_full_cache expects [B, T, D], got shape {tuple(full.shape)}")
+    batch, tokens, dim = full.shape
+    shard = full.new_zeros(batch, local_capacity(tokens, c), dim)
+    owned = full[:, r::c]
+    shard[:, : owned.shape[1]] = owned
+    return shard
+
+
+def striped_write_(
+    storage: torch.Tensor,
+    values: torch.Tensor,
+    start_pos: int,
+    c: int,
+    r: int,
+    batch_start: int = 0,
+) -> torch.Tensor:
+    """Write the owned tokens of ``values`` in place into a rank's ``[B, Tl, D]`` pool.
+
+    ``values`` is ``[b, s, D]`` covering global positions ``[start_pos, start_pos+s)``
+    of sequences ``batch_start .. batch_start+b-1``. Positions owned by ``r`` land at
+    row ``p // c``; every other row is left untouched. Returns ``storage``.
+    """
+    _check_rank(c, r)
+    _check_non_negative("start_pos", start_pos)
+    seq = values.shape[1]
+    positions = owned_positions(start_pos, start_pos + seq, c, r).to(storage.device)
+    rows = storage.narrow(0, batch_start, values.shape[0])
+    rows.index_copy_(1, positions // c, values.index_select(1, positions - start_pos).to(storage.dtype))
+    return storage
+
+
+def striped_read(storage: torch.Tensor, bsz: int, end_pos: int, c: int, r: int) -> torch.Tensor:
+    """View of the first ``bsz`` sequences' owned rows for global length ``end_pos``."""
+    _check_rank(c, r)
+    return storage[:bsz, : local_length(end_pos, c, r)]
+
+
+class StripedCache:
+    """Contiguous per-sequence striped KV cache held by one DCP rank."""
+
+    def __init__(
+        self,
+        max_batch: int,
+        max_seq_len: int,
+        dim: int,
+        c: int,
+        rank: int,
+        dtype: torch.dtype = torch.float32,
+        device: Union[str, torch.device] = "cpu",
+    ) -> None:
+        _check_rank(c, rank)
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("dim", dim)):
+            _check_non_negative(name, value)
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.dim = dim
+        self.c = c
+        self.rank = rank
+        self.storage = torch.zeros(
+            max_batch, local_capacity(max_seq_len, c), dim, dtype=dtype, device=device
+        )
+
+    @classmethod
+    def from_full(cls, full: torch.Tensor, c: int, rank: int) -> "StripedCache":
+        """Cache sized exactly for an unsharded ``[B, T, D]`` cache, holding rank's shard of it."""
+        batch, tokens, dim = full.shape
+        cache = cls(batch, tokens, dim, c, rank, dtype=full.dtype, device=full.device)
+        cache.write(full, 0)
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def _check_batch_range(self, batch_start: int, bsz: int) -> None:
+        if batch_start < 0 or bsz < 0 or batch_start + bsz > self.max_batch:
+            raise CacheCapacityError(
+                f"batch rows [{batch_start}, {batch_start + bsz}) exceed max_batch={self.max_batch}"
+            )
+
+    def _check_token_range(self, start_pos: int, end_pos: int) -> None:
+        if start_pos < 0 or end_pos < start_pos or end_pos > self.max_seq_len:
+            raise CacheCapacityError(
+                f"token positions [{start_pos}, {end_pos}) exceed max_seq_len={self.max_seq_len}"
+            )
+
+    def write(self, values: torch.Tensor, start_pos: int, batch_start: int = 0) -> None:
+        """Store the owned positions of ``values [b, s, dim]`` placed at ``start_pos``."""
+        if values.dim() != 3 or values.shape[2] != self.dim:
+            raise ValueError(f"values must be [b, s, {self.dim}], got shape {tuple(values.shape)}")
+        bsz, seq, _ = values.shape
+        self._check_batch_range(batch_start, bsz)
+        self._check_token_range(start_pos, start_pos + seq)
+        striped_write_(self.storage, values, start_pos, self.c, self.rank, batch_start=batch_start)
+
+    def read(self, bsz: int, end_pos: int, batch_start: int = 0) -> torch.Tensor:
+        """View ``[bsz, local_length(end_pos), dim]`` of this rank's rows for ``[0, end_pos)``."""
+        self._check_batch_range(batch_start, bsz)
+        self._check_token_range(0, end_pos)
+        rows = self.storage[batch_start : batch_start + bsz]
+        return striped_read(rows, bsz, end_pos, self.c, self.rank)
+
+
+# ------------------------------------------------------------- paged virtual allocator
+
+
+class PagedVirtualAllocator:
+    """One virtual page allocator shared by every rank of a DCP group.
+
+    Every rank runs the same allocation sequence and therefore sees the same
+    request-to-token map of virtual indices. A virtual page of ``P * c`` tokens maps
+    to physical page ``page`` on every rank, each holding its ``P`` owned rows, so a
+    request's tokens stay balanced across ranks within one token.
+    """
+
+    def __init__(self, physical_capacity_tokens: int, physical_page_size: int, c: int) -> None:
+        _check_group_size(c)
+        if physical_page_size < 1:
+            raise ValueError(f"physical_page_size must be >= 1, got {physical_page_size}")
+        _check_non_negative("physical_capacity_tokens", physical_capacity_tokens)
+        if physical_capacity_tokens % physical_page_size:
+            raise ValueError(
+                f"physical_capacity_tokens={physical_capacity_tokens} must be a multiple of "
+                f"physical_page_size={physical_page_size}"
+            )
+        self.physical_capacity_tokens = physical_capacity_tokens
+        self.physical_page_size = physical_page_size
+        self.c = c
+        # Min-heap: lowest free page first, so allocation order is deterministic and
+        # identical on every rank that replays the same calls.
+        self._free_pages: list[int] = list(range(self.num_pages))
+        self._pages: dict[Hashable, list[int]] = {}
+        self._lengths: dict[Hashable, int] = {}
+
+    @property
+    def virtual_capacity(self) -> int:
+        return self.physical_capacity_tokens * self.c
+
+    @property
+    def virtual_page_size(self) -> int:
+        return self.physical_page_size * self.c
+
+    @property
+    def num_pages(self) -> int:
+        return self.physical_capacity_tokens // self.physical_page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def request_ids(self) -> list[Hashable]:
+        return list(self._pages)
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.virtual_page_size)
+
+    def _require(self, request_id: Hashable) -> None:
+        if request_id not in self._pages:
+            raise KeyError(f"unknown request {request_id!r}")
+
+    def _token_map(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        # Logical token t of a request lives at offset t % (P*c) of its page t // (P*c).
+        logical = torch.arange(start, end, dtype=torch.long)
+        page_ids = torch.tensor(pages, dtype=torch.long)
+        if page_ids.numel() == 0:
+            return logical
+        return page_ids[logical // self.virtual_page_size] * self.virtual_page_size + (
+            logical % self.virtual_page_size
+        )
+
+    def allocate(self, request_id: Hashable, num_tokens: int) -> torch.Tensor:
+        """Append ``num_tokens`` tokens to a request (created if new); return their virtual indices."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        pages = self._pages.get(request_id, [])
+        old_len = self._lengths.get(request_id, 0)
+        new_len = old_len + num_tokens
+        needed = self._pages_for(new_len) - len(pages)
+        if needed > len(self._free_pages):
+            raise OutOfKVPagesError(
+                f"request {request_id!r} needs {needed} more virtual pages to grow from "
+                f"{old_len} to {new_len} tokens (+{num_tokens}), but only "
+                f"{len(self._free_pages)} of {self.num_pages} pages are free "
+                f"({len(self._free_pages) * self.virtual_page_size} free virtual tokens, "
+                f"page size {self.virtual_page_size})"
+            )
+        pages = pages + [heapq.heappop(self._free_pages) for _ in range(needed)]
+        self._pages[request_id] = pages
+        self._lengths[request_id] = new_len
+        return self._token_map(pages, old_len, new_len)
+
+    def free(self, request_id: Hashable) -> None:
+        """Release a request and return its pages to the free list."""
+        self._require(request_id)
+        for page in self._pages.pop(request_id):
+            heapq.heappush(self._free_pages, page)
+        del self._lengths[request_id]
+
+    def seq_len(self, request_id: Hashable) -> int:
+        self._require(request_id)
+        return self._lengths[request_id]
+
+    def page_table(self, request_id: Hashable) -> torch.Tensor:
+        """Virtual page ids of a request, in token order (also its physical page ids on every rank)."""
+        self._require(request_id)
+        return torch.tensor(self._pages[request_id], dtype=torch.long)
+
+    def req_to_token(self, request_id: Hashable) -> torch.Tensor:
+        """Virtual index of every token of a request; the same on every rank."""
+        self._require(request_id)
+        return self._token_map(self._pages[request_id], 0, self._lengths[request_id])
+
+    def local_slots(self, virtual_indices: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(owned_mask, physical_slots)``: which indices ``rank`` stores, and where.
+
+        ``physical_slots`` has one entry per True in ``owned_mask``, in input order.
+        Virtual page ``v // (P*c)`` is physical page ``v // (P*c)`` on every rank at
+        offset ``(v % (P*c)) // c``, which is simply ``v // c``.
+        """
+        _check_rank(self.c, rank)
+        owned_mask = virtual_indices % self.c == rank
+        return owned_mask, virtual_indices[owned_mask] // self.c
+
+    def local_token_count(self, request_id: Hashable, rank: int) -> int:
+        """Tokens of a request stored on ``rank``; pages start at multiples of c, so this is local_length."""
+        return local_length(self.seq_len(request_id), self.c, rank)
