@@ -1,0 +1,686 @@
+"""Shard-local absorbed-MLA decode attention: reference, Triton split-KV kernel, dispatcher.
+
+Every DCP rank runs attention for all query heads of its DCP group over its own
+stripe of the latent KV cache and returns a partial output plus its log-sum-exp
+(LSE); `dcp_pass.runtime.merge` combines the partials exactly.
+
+Shapes (canonical layout, any strides):
+
+* ``q_lat``  [B, S, H, Dl]  absorbed query (latent part; the whole query when the
+  cache is fused and ``pe`` is None)
+* ``q_rope`` [B, S, H, Dr] or None
+* ``kv``     [B, T, Dk]     latent cache (``kv[..., :Dl]`` are the keys); fused when
+  ``pe`` is None: then ``Dl`` = latent + rope columns and ``q_lat`` carries both parts
+* ``pe``     [B, T, Dr] or None  rotary keys
+* values are ``kv[..., :v_dim]``
+
+``scores = (q_lat . kv[..., :Dl] + q_rope . pe) * scale (+ mask)``; keys past
+``kv_lens[b]`` and (with ``causal=(q_pos, c, r)``) keys whose global position
+``k * c + r`` is after the query's global position are invisible. A row with no
+visible key returns output 0 and LSE -inf (never NaN). The LSE is returned in base
+e (``lse_base="e"``) or base 2 (``"2"``); the merge must use the same base.
+
+The Triton path is two-stage flash-decoding: stage 1 gives each program a block of
+(query token, head) rows and one split of the row's keys, so each KV tile is read
+once for all rows of the block (the latent tile serves as keys and values); stage 2
+merges the splits. Split sizes are derived on the device from ``kv_lens``, the
+number of splits from shapes only: no host syncs, CUDA-graph capturable. Nothing is
+registered with ``torch.library`` here: the compile pass wraps these functions in
+its own custom op.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+try:  # triton is optional at import time (CPU-only installs still get the reference)
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "mla_attention",
+    "mla_attention_reference",
+    "mla_attention_reference_paged",
+    "mla_attention_triton",
+    "mla_attention_triton_paged",
+    "MLAKernelConfig",
+    "pick_config",
+    "triton_supported",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+Causal = Optional[Tuple[torch.Tensor, int, int]]
+
+
+# --------------------------------------------------------------------------------------
+# argument normalisation shared by every path
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Parts:
+    """Where the two score terms live: 'main' (also the values) and 'tail' (rope)."""
+
+    q_main: torch.Tensor  # [B, S, H, Dm]
+    k_main: torch.Tensor  # [B, T, Dm]  (a column slice of kv)
+    q_tail: Optional[torch.Tensor]  # [B, S, H, Dt]
+    k_tail: Optional[torch.Tensor]  # [B, T, Dt]
+
+
+def _check_base(lse_base) -> str:
+    base = str(lse_base)
+    if base not in ("e", "2"):
+        raise ValueError(f"lse_base must be 'e' or '2', got {lse_base!r}")
+    return base
+
+
+def _split_parts(q_lat, q_rope, kv, pe, v_dim) -> _Parts:
+    if q_lat.dim() != 4:
+        raise ValueError(f"q_lat must be [B, S, H, D], got shape {tuple(q_lat.shape)}")
+    if kv.dim() != 3:
+        raise ValueError(f"kv must be [B, T, Dk], got shape {tuple(kv.shape)}")
+    dl = q_lat.shape[-1]
+    if pe is None:
+        if q_rope is not None:
+            raise ValueError("q_rope given but pe is None: a fused cache needs the rope part inside q_lat")
+        if kv.shape[-1] < dl:
+            raise ValueError(f"fused cache has {kv.shape[-1]} columns, q_lat needs {dl}")
+        if not 0 < v_dim <= dl:
+            raise ValueError(f"v_dim={v_dim} must be in (0, {dl}] for a fused cache")
+        # fused: the first v_dim columns are latent (keys and values), the rest rope
+        q_main, k_main = q_lat[..., :v_dim], kv[..., :v_dim]
+        if dl > v_dim:
+            q_tail, k_tail = q_lat[..., v_dim:], kv[..., v_dim:dl]
+        else:
+            q_tail = k_tail = None
+    else:
+        if q_rope is None:
+            raise ValueError("pe given but q_rope is None")
+        if kv.shape[-1] < dl:
+            raise ValueError(f"kv has {kv.shape[-1]} columns, q_lat needs {dl}")
+        if q_rope.shape[-1] != pe.shape[-1]:
+            raise ValueError(f"q_rope dim {q_rope.shape[-1]} != pe dim {pe.shape[-1]}")
+        if not 0 < v_dim <= kv.shape[-1]:
+            raise ValueError(f"v_dim={v_dim} must be in (0, {kv.shape[-1]}]")
+        q_main, k_main = q_lat, kv[..., :dl]
+        q_tail, k_tail = (q_rope, pe) if pe.shape[-1] > 0 else (None, None)
+    return _Parts(q_main, k_main, q_tail, k_tail)
+
+
+# --------------------------------------------------------------------------------------
+# reference (torch, fp32 or fp64)
+# --------------------------------------------------------------------------------------
+def _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc_dtype):
+    """Returns (out [B,S,H,v_dim], lse_e [B,S,H]) in ``acc_dtype``."""
+    parts = _split_parts(q_lat, q_rope, kv, pe, v_dim)
+    B, S, H, _ = q_lat.shape
+    T = kv.shape[1]
+    dev = q_lat.device
+    scores = torch.einsum(
+        "bshd,btd->bsht", parts.q_main.to(acc_dtype), parts.k_main.to(acc_dtype)
+    )
+    if parts.q_tail is not None:
+        scores = scores + torch.einsum(
+            "bshd,btd->bsht", parts.q_tail.to(acc_dtype), parts.k_tail.to(acc_dtype)
+        )
+    scores = scores * scale
+    if mask is not None:
+        scores = scores + mask.to(acc_dtype)
+    visible = torch.ones(B, S, 1, T, dtype=torch.bool, device=dev)
+    t_idx = torch.arange(T, device=dev)
+    if kv_lens is not None:
+        lens = kv_lens.to(device=dev, dtype=torch.long).clamp(min=0)
+        visible = visible & (t_idx.view(1, 1, 1, T) < lens.view(B, 1, 1, 1))
+    if causal is not None:
+        q_pos, c, r = causal
+        gpos = t_idx * int(c) + int(r)
+        visible = visible & (gpos.view(1, 1, 1, T) <= q_pos.to(dev).long().view(B, S, 1, 1))
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) if T > 0 else scores.new_full((B, S, H), float("-inf"))
+    empty = torch.isneginf(lse) | torch.isnan(lse)
+    lse = lse.masked_fill(empty, float("-inf"))
+    p = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
+    p = p.masked_fill(empty.unsqueeze(-1), 0.0)
+    out = torch.einsum("bsht,btd->bshd", p, kv[..., :v_dim].to(acc_dtype))
+    return out, lse
+
+
+def mla_attention_reference(
+    q_lat: torch.Tensor,
+    q_rope: Optional[torch.Tensor],
+    kv: torch.Tensor,
+    pe: Optional[torch.Tensor],
+    v_dim: int,
+    scale: float,
+    mask: Optional[torch.Tensor] = None,
+    kv_lens: Optional[torch.Tensor] = None,
+    lse_base: str = "e",
+    causal: Causal = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch MLA attention in fp32 (fp64 when the query is fp64).
+
+    Returns ``(out [B,S,H,v_dim] in q dtype, lse fp32 [B,S,H])`` in ``lse_base``.
+    """
+    base = _check_base(lse_base)
+    acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
+    o, lse = _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc)
+    if base == "2":
+        lse = lse * LOG2E
+    return _finish(o, lse, q_lat.dtype, out, lse_out)
+
+
+def _finish(o, lse, out_dtype, out, lse_out):
+    if out is None:
+        out = o.to(out_dtype)
+    else:
+        out.copy_(o)
+    if lse_out is None:
+        lse_out = lse.to(torch.float32)
+    else:
+        lse_out.copy_(lse)
+    return out, lse_out
+
+
+def _gather_pages(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """[num_pages, P, D] pool + [B, max_pages] table -> contiguous [B, max_pages * P, D]."""
+    B, max_pages = page_table.shape
+    P = pool.shape[1]
+    idx = page_table.long().clamp(0, max(pool.shape[0] - 1, 0))
+    if pool.shape[0] == 0:
+        return pool.new_zeros(B, max_pages * P, pool.shape[-1])
+    return pool[idx].reshape(B, max_pages * P, pool.shape[-1])
+
+
+def mla_attention_reference_paged(
+    q_lat: torch.Tensor,
+    q_rope: Optional[torch.Tensor],
+    kv_pool: torch.Tensor,
+    pe_pool: Optional[torch.Tensor],
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    v_dim: int,
+    scale: float,
+    mask: Optional[torch.Tensor] = None,
+    lse_base: str = "e",
+    causal: Causal = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Paged reference: local token j of row b is ``pool[page_table[b, j // P], j % P]``."""
+    kv = _gather_pages(kv_pool, page_table)
+    pe = _gather_pages(pe_pool, page_table) if pe_pool is not None else None
+    return mla_attention_reference(
+        q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, out=out, lse_out=lse_out
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+def _stage1_kernel_src(
+    Q, QT, KV, KT, PT, LENS, MASK, QPOS, O, L,
+    T, H, SH, cp_world, cp_rank, sm_scale_log2, lse_scale,
+    sq_b, sq_s, sq_h, sq_d,
+    sqt_b, sqt_s, sqt_h, sqt_d,
+    skv_b, skv_t, skv_d,
+    skt_b, skt_t, skt_d,
+    spt_b, spt_p,
+    sm_b, sm_s, sm_h, sm_t,
+    sqp_b, sqp_s,
+    so_b, so_sp, so_s, so_h, so_d,
+    sl_b, sl_sp, sl_s, sl_h,
+    D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
+    PAGED: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One (row block, split, batch row): online softmax over the split's keys.
+
+    Writes the normalised partial output and its base-2 LSE times ``lse_scale``
+    (the final output directly when NUM_SPLITS == 1).
+    """
+    pid_h = tl.program_id(0)
+    pid_sp = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+
+    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < SH
+    s_idx = rows // H
+    h_idx = rows % H
+    offs_dm = tl.arange(0, BLOCK_DM)
+    dm_ok = offs_dm < D_MAIN
+
+    q_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_dm[None, :] * sq_d
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dm_ok[None, :], other=0.0)
+    if HAS_TAIL:
+        offs_dt = tl.arange(0, BLOCK_DT)
+        dt_ok = offs_dt < D_TAIL
+        qt_ptrs = QT + b * sqt_b + s_idx[:, None] * sqt_s + h_idx[:, None] * sqt_h + offs_dt[None, :] * sqt_d
+        qt = tl.load(qt_ptrs, mask=row_ok[:, None] & dt_ok[None, :], other=0.0)
+
+    if HAS_LENS:
+        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), T)
+    else:
+        kv_len = T
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_sp * split_len
+    end = tl.minimum(start + split_len, kv_len)
+    if CAUSAL:
+        qpos = tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1)
+        qmax = tl.max(qpos, axis=0)
+        # keys k with k * c + r <= qmax are the only ones any row of the block can see
+        kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
+        end = tl.minimum(end, kcap.to(tl.int32))
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DM], dtype=tl.float32)
+
+    kv_row = KV + b * skv_b
+    kt_row = KT + b * skt_b
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        if PAGED:
+            page = tl.load(PT + b * spt_b + (offs_n // PAGE) * spt_p, mask=n_ok, other=0).to(tl.int64)
+            in_page = (offs_n % PAGE).to(tl.int64)
+            k_off = page * skv_b + in_page * skv_t
+            kv_base = KV
+            if HAS_TAIL:
+                kt_off = page * skt_b + in_page * skt_t
+                kt_base = KT
+        else:
+            k_off = offs_n.to(tl.int64) * skv_t
+            kv_base = kv_row
+            if HAS_TAIL:
+                kt_off = offs_n.to(tl.int64) * skt_t
+                kt_base = kt_row
+        k = tl.load(
+            kv_base + k_off[:, None] + offs_dm[None, :] * skv_d,
+            mask=n_ok[:, None] & dm_ok[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        if HAS_TAIL:
+            kt = tl.load(
+                kt_base + kt_off[:, None] + offs_dt[None, :] * skt_d,
+                mask=n_ok[:, None] & dt_ok[None, :],
+                other=0.0,
+            )
+            if IEEE:
+                qk = tl.dot(qt, tl.trans(kt), qk, input_precision="ieee")
+            else:
+                qk = tl.dot(qt, tl.trans(kt), qk)
+        qk = qk * sm_scale_log2
+        valid = n_ok[None, :]
+        if HAS_MASK:
+            mk = tl.load(
+                MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
+                mask=row_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
+            qk = qk + mk * 1.4426950408889634
+        if CAUSAL:
+            valid = valid & ((offs_n[None, :] * cp_world + cp_rank) <= qpos[:, None])
+        qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(k.dtype), k, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(k.dtype), k, acc)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)) * lse_scale
+    o_ptrs = O + b * so_b + pid_sp * so_sp + s_idx[:, None] * so_s + h_idx[:, None] * so_h + offs_dm[None, :] * so_d
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dm[None, :] < D_V))
+    tl.store(L + b * sl_b + pid_sp * sl_sp + s_idx * sl_s + h_idx * sl_h, lse, mask=row_ok)
+
+
+def _reduce_kernel_src(
+    OP, LP, O, L,
+    H, lse_scale,
+    sop_b, sop_sp, sop_r, sop_d,
+    slp_b, slp_sp, slp_r,
+    so_b, so_s, so_h, so_d,
+    sl_b, sl_s, sl_h,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Merge NUM_SPLITS base-2 partials of one (row, batch) into the final output."""
+    r = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    s_idx = r // H
+    h_idx = r % H
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D_V
+    lp = LP + b * slp_b + r * slp_r
+    op = OP + b * sop_b + r * sop_r + offs_d * sop_d
+    m = tl.load(lp)
+    for sp in range(1, NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lp + sp * slp_sp))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.exp2(tl.load(lp) - m_use)
+    acc = den * tl.load(op, mask=d_ok, other=0.0)
+    for sp in range(1, NUM_SPLITS):
+        w = tl.exp2(tl.load(lp + sp * slp_sp) - m_use)
+        acc += w * tl.load(op + sp * sop_sp, mask=d_ok, other=0.0)
+        den += w
+    empty = den == 0.0
+    out = acc / tl.where(empty, 1.0, den)
+    lse = tl.where(empty, float("-inf"), m_use + tl.log2(tl.where(empty, 1.0, den))) * lse_scale
+    tl.store(O + b * so_b + s_idx * so_s + h_idx * so_h + offs_d * so_d, out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(L + b * sl_b + s_idx * sl_s + h_idx * sl_h, lse)
+
+
+if HAS_TRITON:
+    _stage1_jit = triton.jit(_stage1_kernel_src)
+    _reduce_jit = triton.jit(_reduce_kernel_src)
+    # With TRITON_INTERPRET=1 set before triton's import, triton.jit returns interpreted
+    # functions and the kernels run on CPU tensors (tests); the flag must precede the
+    # import because triton's own library functions (tl.cdiv, tl.max) are jitted too.
+    INTERPRETED = not isinstance(_stage1_jit, triton.runtime.JITFunction)
+else:  # pragma: no cover
+    INTERPRETED = False
+
+
+# --------------------------------------------------------------------------------------
+# launch configuration (shape-derived only)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MLAKernelConfig:
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, (int(n) - 1)).bit_length())
+
+
+def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, device: torch.device,
+                num_splits: Optional[int] = None) -> MLAKernelConfig:
+    """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture)."""
+    if device.type != "cuda":  # interpreter: small blocks, a few splits to exercise stage 2
+        block_h = min(_pow2(rows), 32)
+        block_n = 16
+        ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), block_n)))
+        return MLAKernelConfig(block_h, block_n, 4, 1, ns)
+    if rows <= 16:
+        block_h, block_n, warps, stages = 16, 64, 4, 2
+    elif rows <= 32:
+        block_h, block_n, warps, stages = 32, 64, 4, 2
+    else:
+        block_h, block_n, warps, stages = 64, 32, 8, 2
+    if _pow2(d_main) + _pow2(d_tail) > 640:  # wider than 512 + 64: smaller tiles
+        block_n = min(block_n, 32)
+    n_hb = triton.cdiv(rows, block_h)
+    if num_splits is None:
+        target = 2 * _sm_count(device)
+        per_split = max(1, batch * n_hb)
+        ns = triton.cdiv(target, per_split)
+        ns = max(1, min(ns, triton.cdiv(max(t_cap, 1), 256)))
+    else:
+        ns = num_splits
+    return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)))
+
+
+def triton_supported(q_lat, q_rope, kv, pe, v_dim) -> bool:
+    """Whether the Triton path handles these operands (else use the reference)."""
+    if not HAS_TRITON:
+        return False
+    if kv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if q_lat.dtype != kv.dtype or (q_rope is not None and q_rope.dtype != kv.dtype):
+        return False
+    if pe is not None and pe.dtype != kv.dtype:
+        return False
+    d_main = v_dim if pe is None else q_lat.shape[-1]
+    if pe is not None and v_dim > d_main:
+        return False  # values wider than the key part: not a decode MLA layout
+    d_tail = (q_lat.shape[-1] - v_dim) if pe is None else pe.shape[-1]
+    return _pow2(d_main) <= 1024 and _pow2(d_tail) <= 256
+
+
+# --------------------------------------------------------------------------------------
+# Triton entry points
+# --------------------------------------------------------------------------------------
+def _bcast_mask(mask, B, S, H, T, device):
+    if mask is None:
+        return None
+    m = mask
+    if m.dtype != torch.float32:
+        m = m.float()
+    if m.device != device:
+        m = m.to(device)
+    return torch.broadcast_to(m, (B, S, H, T))
+
+
+def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv_lens, lse_base,
+            causal, out, lse_out, num_splits, config):
+    base = _check_base(lse_base)
+    parts = _split_parts(q_lat, q_rope, kv, pe, v_dim)
+    B, S, H, _ = q_lat.shape
+    paged = page_table is not None
+    T = page_table.shape[1] * page_size if paged else kv.shape[1]
+    device = q_lat.device
+    if out is None:
+        out = torch.empty(B, S, H, v_dim, dtype=q_lat.dtype, device=device)
+    if lse_out is None:
+        lse_out = torch.empty(B, S, H, dtype=torch.float32, device=device)
+    SH = S * H
+    if B == 0 or SH == 0:
+        return out, lse_out
+    if T == 0 or (paged and kv.shape[0] == 0):  # empty shard: neutral partials, no launch
+        out.zero_()
+        lse_out.fill_(float("-inf"))
+        return out, lse_out
+
+    d_main = parts.q_main.shape[-1]
+    d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
+    cfg = config or pick_config(SH, d_main, d_tail, B, T, device, num_splits)
+    if num_splits is not None and config is not None:
+        cfg = MLAKernelConfig(cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits)
+    ns = cfg.num_splits
+    if device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError("mla_attention_triton on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
+    stage1, reduce_k = _stage1_jit, _reduce_jit
+
+    mask_b = _bcast_mask(mask, B, S, H, T, device)
+    dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
+    qt = parts.q_tail if parts.q_tail is not None else dummy
+    kt = parts.k_tail if parts.k_tail is not None else dummy
+    qs = parts.q_main.stride()
+    qts = parts.q_tail.stride() if parts.q_tail is not None else (0, 0, 0, 0)
+    if paged:
+        kvs = (parts.k_main.stride(0), parts.k_main.stride(1), parts.k_main.stride(2))
+        kts = (kt.stride(0), kt.stride(1), kt.stride(2)) if parts.k_tail is not None else (0, 0, 0)
+        pt = page_table
+        pts = page_table.stride()
+    else:
+        kvs = parts.k_main.stride()
+        kts = parts.k_tail.stride() if parts.k_tail is not None else (0, 0, 0)
+        pt, pts = dummy, (0, 0)
+    lens = kv_lens if kv_lens is not None else dummy
+    if kv_lens is not None and kv_lens.device != device:
+        raise ValueError("kv_lens must be on the query's device")
+    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
+    if causal is not None:
+        q_pos, cp_world, cp_rank = causal
+        q_pos = torch.broadcast_to(q_pos, (B, S))
+        qps = q_pos.stride()
+        cp_world, cp_rank = int(cp_world), int(cp_rank)
+    else:
+        q_pos, qps, cp_world, cp_rank = dummy, (0, 0), 1, 0
+
+    if ns == 1:
+        o_part, l_part = out, lse_out
+        ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
+        lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
+        l_scale = LN2 if base == "e" else 1.0
+    else:
+        o_part = torch.empty(B, ns, SH, v_dim, dtype=torch.float32, device=device)
+        l_part = torch.empty(B, ns, SH, dtype=torch.float32, device=device)
+        ops = (o_part.stride(0), o_part.stride(1), H * o_part.stride(2), o_part.stride(2), o_part.stride(3))
+        lps = (l_part.stride(0), l_part.stride(1), H * l_part.stride(2), l_part.stride(2))
+        l_scale = 1.0
+    is_f32 = kv.dtype == torch.float32
+
+    grid = (triton.cdiv(SH, cfg.block_h), ns, B)
+    stage1[grid](
+        parts.q_main, qt, parts.k_main, kt, pt, lens, mask_b if mask_b is not None else dummy, q_pos,
+        o_part, l_part,
+        T, H, SH, cp_world, cp_rank, float(scale) * LOG2E, l_scale,
+        *qs, *qts, *kvs, *kts, *pts, *ms, *qps, *ops, *lps,
+        D_MAIN=d_main, D_TAIL=d_tail, D_V=v_dim,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(max(d_tail, 1)),
+        NUM_SPLITS=ns, PAGE=page_size if paged else 1,
+        PAGED=paged, HAS_TAIL=parts.q_tail is not None, HAS_LENS=kv_lens is not None,
+        HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if ns > 1:
+        reduce_k[(SH, B)](
+            o_part, l_part, out, lse_out,
+            H, LN2 if base == "e" else 1.0,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            l_part.stride(0), l_part.stride(1), l_part.stride(2),
+            out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+            lse_out.stride(0), lse_out.stride(1), lse_out.stride(2),
+            D_V=v_dim, BLOCK_DV=_pow2(v_dim), NUM_SPLITS=ns,
+            num_warps=4 if v_dim >= 256 else 1,
+        )
+    return out, lse_out
+
+
+def mla_attention_triton(
+    q_lat: torch.Tensor,
+    q_rope: Optional[torch.Tensor],
+    kv: torch.Tensor,
+    pe: Optional[torch.Tensor],
+    v_dim: int,
+    scale: float,
+    mask: Optional[torch.Tensor] = None,
+    kv_lens: Optional[torch.Tensor] = None,
+    lse_base: str = "e",
+    causal: Causal = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None,
+    config: Optional[MLAKernelConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton split-KV MLA attention; same contract as :func:`mla_attention_reference`.
+
+    CUDA tensors use the compiled kernel, CPU tensors Triton's interpreter.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not importable")
+    return _launch(q_lat, q_rope, kv, pe, None, 1, v_dim, scale, mask, kv_lens, lse_base, causal,
+                   out, lse_out, num_splits, config)
+
+
+def mla_attention_triton_paged(
+    q_lat: torch.Tensor,
+    q_rope: Optional[torch.Tensor],
+    kv_pool: torch.Tensor,
+    pe_pool: Optional[torch.Tensor],
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    v_dim: int,
+    scale: float,
+    mask: Optional[torch.Tensor] = None,
+    lse_base: str = "e",
+    causal: Causal = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None,
+    config: Optional[MLAKernelConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Paged Triton MLA attention over ``kv_pool [num_pages, P, Dk]`` and ``page_table [B, max_pages]``."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not importable")
+    if kv_pool.dim() != 3:
+        raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(kv_pool.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != q_lat.shape[0]:
+        raise ValueError(f"page_table must be [B, max_pages], got {tuple(page_table.shape)}")
+    return _launch(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_pool.shape[1], v_dim, scale, mask,
+                   kv_lens, lse_base, causal, out, lse_out, num_splits, config)
+
+
+# --------------------------------------------------------------------------------------
+# dispatcher
+# --------------------------------------------------------------------------------------
+def mla_attention(
+    q_lat: torch.Tensor,
+    q_rope: Optional[torch.Tensor],
+    kv: torch.Tensor,
+    pe: Optional[torch.Tensor],
+    v_dim: int,
+    scale: float,
+    mask: Optional[torch.Tensor] = None,
+    kv_lens: Optional[torch.Tensor] = None,
+    lse_base: str = "e",
+    causal: Causal = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton on CUDA when supported, the torch reference otherwise."""
+    if q_lat.is_cuda and triton_supported(q_lat, q_rope, kv, pe, v_dim):
+        return mla_attention_triton(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
+                                    out=out, lse_out=lse_out)
+    return mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
+                                   out=out, lse_out=lse_out)
+
+
+def mla_attention_paged(
+    q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None, lse_base="e",
+    causal: Causal = None, *, out=None, lse_out=None,
+):
+    """Paged dispatcher: Triton on CUDA when supported, the torch reference otherwise."""
+    if q_lat.is_cuda and triton_supported(q_lat, q_rope, kv_pool, pe_pool, v_dim):
+        return mla_attention_triton_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale,
+                                          mask, lse_base, causal, out=out, lse_out=lse_out)
+    return mla_attention_reference_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale,
+                                         mask, lse_base, causal, out=out, lse_out=lse_out)
