@@ -1,0 +1,454 @@
+"""Tests of the shard-local MLA attention kernels (dcp_pass.runtime.kernels.mla_attention).
+
+CPU part: the Triton kernels run under Triton's interpreter. TRITON_INTERPRET=1 must be
+set before triton is imported, and setting it inside a shared pytest process would turn
+every other module's kernels into interpreted ones, so the CPU checks run in one worker
+subprocess (this file run as a script) and each pytest test reports one check's result.
+Small shapes, fp32 and fp16 only (a bf16 tl.dot is wrong in the interpreter), random data
+drawn fresh for every check, outputs poisoned with NaN, compared with a float64 reference.
+
+GPU part (``-m gpu``, skipped without CUDA): real DeepSeek-V3 shapes in bf16 against the
+fp32 reference, plus CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+LOG2E = 1.4426950408889634
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+# ======================================================================================
+# helpers shared by the worker and the GPU tests
+# ======================================================================================
+def _mod():
+    from dcp_pass.runtime.kernels import mla_attention as m
+
+    return m
+
+
+def ref64(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, causal=None):
+    """float64 reference: (out, lse_e) in float64."""
+    m = _mod()
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    return m._reference_impl(d(q_lat), d(q_rope), d(kv), d(pe), v_dim, scale, None if mask is None else mask.double(),
+                             kv_lens, causal, torch.float64)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    return (a - b).norm().item() / max(den, 1e-30)
+
+
+def check_close(out, lse, ref_out, ref_lse, tol, lse_base="e"):
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    assert not torch.isnan(lse).any(), "NaN LSE"
+    if lse_base == "2":
+        ref_lse = ref_lse * LOG2E
+    err = rel_err(out, ref_out)
+    assert err < tol, f"output rel err {err:.3e} >= {tol}"
+    neg = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), neg), "empty rows differ (-inf LSE pattern)"
+    if (~neg).any():
+        lerr = (lse.double()[~neg] - ref_lse[~neg]).abs().max().item()
+        assert lerr < max(tol, 1e-4) * 10, f"lse abs err {lerr:.3e}"
+    if neg.any():
+        assert (out.double()[neg] == 0).all(), "empty rows must have output 0"
+
+
+def poisoned(B, S, H, v_dim, dtype, device):
+    out = torch.full((B, S, H, v_dim), float("nan"), dtype=dtype, device=device)
+    lse = torch.full((B, S, H), float("nan"), dtype=torch.float32, device=device)
+    return out, lse
+
+
+def make_inputs(B, S, H, Dl, Dr, T, dtype, device="cpu", fused=False, v_dim=None, gen=None):
+    """Random MLA operands. fused: kv has Dl + Dr columns and q_lat carries both parts."""
+    g = gen
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)  # noqa: E731
+    if fused:
+        q_lat, kv = rnd(B, S, H, Dl + Dr), rnd(B, T, Dl + Dr)
+        return q_lat, None, kv, None, (v_dim or Dl)
+    return rnd(B, S, H, Dl), rnd(B, S, H, Dr), rnd(B, T, Dl), rnd(B, T, Dr), (v_dim or Dl)
+
+
+def local_merge(outs, lses):
+    """Exact LSE merge over the first dim (base e), float64."""
+    lses = lses.double()
+    lse = torch.logsumexp(lses, dim=0)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    w = torch.exp(lses - safe)
+    w = torch.where(torch.isneginf(lses), torch.zeros_like(w), w)
+    return (w.unsqueeze(-1) * outs.double()).sum(0), lse
+
+
+def merge(outs, lses):
+    """Use the project's merge_partials when it exists, else the local one."""
+    try:
+        from dcp_pass.runtime.merge import merge_partials
+    except Exception:
+        return local_merge(outs, lses)
+    o, lse = merge_partials(outs, lses, "e", torch.float64, True)
+    return o, lse
+
+
+# ======================================================================================
+# CPU checks (run in the interpreter worker)
+# ======================================================================================
+TOL = {torch.float32: 2e-5, torch.float16: 1e-2}
+
+
+def _gen(seed_extra=0):
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(os.urandom(4), "little") + seed_extra)
+    return g
+
+
+def _run_and_compare(dtype, *, B=2, S=2, H=4, Dl=32, Dr=8, T=40, fused=False, v_dim=None, mask=None,
+                     kv_lens=None, causal=None, lse_base="e", num_splits=None, q_transpose=False):
+    m = _mod()
+    g = _gen()
+    q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, Dl, Dr, T, dtype, fused=fused, v_dim=v_dim, gen=g)
+    if q_transpose:  # non-contiguous query: stored [B, H, S, D]
+        q_lat = q_lat.transpose(1, 2).contiguous().transpose(1, 2)
+    scale = 0.7 / math.sqrt(q_lat.shape[-1])
+    out, lse = poisoned(B, S, H, vd, dtype, "cpu")
+    m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, lse_base, causal, out=out, lse_out=lse,
+                           num_splits=num_splits)
+    ro, rl = ref64(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, causal)
+    check_close(out, lse, ro, rl, TOL[dtype], lse_base)
+    # the public reference (fp32) agrees too
+    po, pl = m.mla_attention_reference(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, lse_base, causal)
+    check_close(po, pl, ro, rl, TOL[dtype], lse_base)
+
+
+def check_basic_fp32():
+    _run_and_compare(torch.float32)
+
+
+def check_basic_fp16():
+    _run_and_compare(torch.float16)
+
+
+def check_fused_cache_fp16():
+    _run_and_compare(torch.float16, fused=True, Dl=32, Dr=8)
+
+
+def check_non_pow2_dims_fp32():
+    _run_and_compare(torch.float32, Dl=24, Dr=6, T=37, H=3, S=1)
+    _run_and_compare(torch.float32, fused=True, Dl=24, Dr=6, T=21, H=5, S=1)
+
+
+def check_v_dim_narrower_than_keys_fp32():
+    _run_and_compare(torch.float32, Dl=32, Dr=8, v_dim=20)
+
+
+def check_single_split_and_many_splits_fp32():
+    _run_and_compare(torch.float32, num_splits=1)
+    _run_and_compare(torch.float32, num_splits=7, T=45)  # more splits than tiles: empty splits
+
+
+def check_ragged_kv_lens_with_empty_rows_fp16():
+    lens = torch.tensor([0, 17, 40, 5])
+    _run_and_compare(torch.float16, B=4, kv_lens=lens)
+    _run_and_compare(torch.float16, B=4, kv_lens=lens, num_splits=1)
+
+
+def check_kv_lens_int32_and_overlong_fp32():
+    _run_and_compare(torch.float32, B=2, kv_lens=torch.tensor([99, 3], dtype=torch.int32))
+
+
+def check_additive_mask_fp32():
+    B, S, H, T = 2, 2, 4, 33
+    g = _gen()
+    mask = torch.randn(B, S, H, T, generator=g)
+    mask[mask < -1.0] = float("-inf")
+    mask[1, 0, 2, :] = float("-inf")  # one fully masked row
+    _run_and_compare(torch.float32, B=B, S=S, H=H, T=T, mask=mask)
+
+
+def check_broadcast_mask_fp16():
+    B, S, H, T = 2, 2, 4, 33
+    mask = torch.zeros(B, 1, 1, T)
+    mask[:, :, :, ::3] = float("-inf")
+    mask[:, :, :, 1::5] = -2.5
+    _run_and_compare(torch.float16, B=B, S=S, H=H, T=T, mask=mask)
+
+
+def check_base2_lse_fp32():
+    _run_and_compare(torch.float32, lse_base="2")
+    _run_and_compare(torch.float32, lse_base="2", kv_lens=torch.tensor([0, 9]))
+
+
+def check_empty_shard_T0():
+    m = _mod()
+    for dtype in (torch.float32, torch.float16):
+        q_lat, q_rope, kv, pe, vd = make_inputs(2, 2, 3, 32, 8, 0, dtype, gen=_gen())
+        out, lse = poisoned(2, 2, 3, vd, dtype, "cpu")
+        m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, 0.1, out=out, lse_out=lse)
+        assert (out == 0).all() and torch.isneginf(lse).all()
+        ro, rl = m.mla_attention_reference(q_lat, q_rope, kv, pe, vd, 0.1)
+        assert (ro == 0).all() and torch.isneginf(rl).all()
+
+
+def check_non_contiguous_query_fp32():
+    _run_and_compare(torch.float32, q_transpose=True, S=3)
+
+
+def check_causal_global_positions_fp32():
+    B, S, T = 2, 3, 20
+    c, r = 3, 1
+    q_pos = torch.tensor([[40, 45, 58], [2, 3, 7]])  # row 1: only a few keys visible
+    _run_and_compare(torch.float32, B=B, S=S, T=T, causal=(q_pos, c, r))
+    q_pos0 = torch.tensor([[0, 0, 1], [0, 5, 6]])  # rank 1 owns pos 1, 4, 7..: query at 0 sees none
+    _run_and_compare(torch.float32, B=B, S=S, T=T, causal=(q_pos0, c, r), num_splits=1)
+
+
+def _striping(dtype, c, L_list, S, fused, tol):
+    """Split a full sequence into c stripes, attend per stripe in global positions, merge."""
+    m = _mod()
+    g = _gen()
+    B, H, Dl, Dr = len(L_list), 4, 32, 8
+    Lmax = max(L_list)
+    q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, Dl, Dr, Lmax, dtype, fused=fused, gen=g)
+    scale = 0.5
+    lens = torch.tensor(L_list)
+    # the S new tokens are the last S positions of each sequence (speculative verification)
+    q_pos = lens.view(B, 1) - S + torch.arange(S).view(1, S)
+    full_o, full_l = ref64(q_lat, q_rope, kv, pe, vd, scale, kv_lens=lens, causal=(q_pos, 1, 0))
+    outs, lses = [], []
+    for r in range(c):
+        kv_r = kv[:, r::c].contiguous()
+        pe_r = pe[:, r::c].contiguous() if pe is not None else None
+        lens_r = torch.div(lens - r + c - 1, c, rounding_mode="floor").clamp(min=0)  # L//c + (r < L%c)
+        assert torch.equal(lens_r, lens // c + (r < lens % c).long())
+        T_r = kv_r.shape[1]
+        if T_r == 0:
+            kv_r = kv.new_zeros(B, 0, kv.shape[-1])
+        o, lse = poisoned(B, S, H, vd, dtype, "cpu")
+        m.mla_attention_triton(q_lat, q_rope, kv_r, pe_r, vd, scale, None, lens_r, "e", (q_pos, c, r),
+                               out=o, lse_out=lse)
+        assert torch.isfinite(o).all()
+        outs.append(o)
+        lses.append(lse)
+    mo, ml = merge(torch.stack(outs), torch.stack(lses))
+    check_close(mo, ml.float(), full_o, full_l, tol)
+
+
+def check_dcp_striping_merge_fp32():
+    _striping(torch.float32, 3, [31, 26, 2], S=3, fused=False, tol=TOL[torch.float32])
+
+
+def check_dcp_striping_merge_fused_fp16():
+    _striping(torch.float16, 4, [45, 7, 3], S=2, fused=True, tol=TOL[torch.float16])
+
+
+def _paged(dtype, fused, P, lens_list, mask=False, causal=False):
+    m = _mod()
+    g = _gen()
+    B, S, H, Dl, Dr = len(lens_list), 2, 4, 32, 8
+    max_pages = max(1, -(-max(lens_list) // P))
+    num_pages = B * max_pages + 3
+    q_lat, q_rope, kv_all, pe_all, vd = make_inputs(B, S, H, Dl, Dr, num_pages * P, dtype, fused=fused, gen=g)
+    pool = kv_all[0].reshape(num_pages, P, -1)  # batch row 0 of the draw serves as the pool
+    pe_pool = pe_all[0].reshape(num_pages, P, -1) if pe_all is not None else None
+    perm = torch.randperm(num_pages, generator=g)
+    page_table = torch.full((B, max_pages), -1, dtype=torch.int32)
+    k = 0
+    for b in range(B):
+        for j in range(-(-lens_list[b] // P)):
+            page_table[b, j] = perm[k]
+            k += 1
+    lens = torch.tensor(lens_list)
+    scale = 0.3
+    T = max_pages * P
+    msk = None
+    if mask:
+        msk = torch.randn(B, S, H, T, generator=g)
+        msk[msk < -1.2] = float("-inf")
+    cz = None
+    if causal:
+        cz = (lens.view(B, 1) * 2 - S + torch.arange(S).view(1, S), 2, 1)
+    out, lse = poisoned(B, S, H, vd, dtype, "cpu")
+    m.mla_attention_triton_paged(q_lat, q_rope, pool, pe_pool, page_table, lens, vd, scale, msk, "e", cz,
+                                 out=out, lse_out=lse)
+    # contiguous copy of each row's pages, through the float64 reference
+    kv_c = m._gather_pages(pool, page_table)
+    pe_c = m._gather_pages(pe_pool, page_table) if pe_pool is not None else None
+    ro, rl = ref64(q_lat, q_rope, kv_c, pe_c, vd, scale, msk, lens, cz)
+    check_close(out, lse, ro, rl, TOL[dtype])
+    po, pl = m.mla_attention_reference_paged(q_lat, q_rope, pool, pe_pool, page_table, lens, vd, scale, msk, "e", cz)
+    check_close(po, pl, ro, rl, TOL[dtype])
+    # and the contiguous Triton path on the same data agrees with the paged one
+    co, cl = m.mla_attention_triton(q_lat, q_rope, kv_c, pe_c, vd, scale, msk, lens, "e", cz)
+    check_close(co, cl, ro, rl, TOL[dtype])
+
+
+def check_paged_vs_contiguous_fp32():
+    _paged(torch.float32, False, 8, [19, 0, 33])
+
+
+def check_paged_fused_mask_causal_fp16():
+    _paged(torch.float16, True, 16, [40, 5], mask=True, causal=True)
+
+
+def check_dispatcher_cpu_uses_reference():
+    m = _mod()
+    q_lat, q_rope, kv, pe, vd = make_inputs(1, 1, 2, 32, 8, 9, torch.float32, gen=_gen())
+    o, l = m.mla_attention(q_lat, q_rope, kv, pe, vd, 0.2)
+    ro, rl = m.mla_attention_reference(q_lat, q_rope, kv, pe, vd, 0.2)
+    assert torch.equal(o, ro) and torch.equal(l, rl)
+
+
+def check_bad_arguments():
+    m = _mod()
+    q_lat, q_rope, kv, pe, vd = make_inputs(1, 1, 2, 32, 8, 9, torch.float32, gen=_gen())
+    for fn in (m.mla_attention_reference, m.mla_attention_triton):
+        for args in ((q_lat, q_rope, kv, None, vd, 0.1), (q_lat, None, kv, pe, vd, 0.1)):
+            try:
+                fn(*args)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("mismatched rope operands must raise ValueError")
+        try:
+            fn(q_lat, q_rope, kv, pe, vd, 0.1, lse_base="10")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("bad lse_base must raise")
+
+
+CPU_CHECKS = sorted(n for n in list(globals()) if n.startswith("check_") and n != "check_close")
+
+
+def _worker_main():
+    results = {}
+    for name in CPU_CHECKS:
+        try:
+            globals()[name]()
+            results[name] = {"ok": True, "msg": ""}
+        except BaseException:  # noqa: BLE001 - reported back to pytest
+            results[name] = {"ok": False, "msg": traceback.format_exc()}
+    print("@@RESULTS@@" + json.dumps(results))
+
+
+# ======================================================================================
+# pytest side
+# ======================================================================================
+@pytest.fixture(scope="module")
+def cpu_results():
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    marker = "@@RESULTS@@"
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(marker)), None)
+    if line is None:
+        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(line[len(marker):])
+
+
+@pytest.mark.parametrize("name", CPU_CHECKS)
+def test_cpu_interpreter(cpu_results, name):
+    res = cpu_results[name]
+    assert res["ok"], res["msg"]
+
+
+# ---------------------------------------------------------------- GPU (real shapes, bf16)
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DSV3 = dict(Dl=512, Dr=64, scale=192 ** -0.5)
+
+
+def _gpu_case(dtype, B, S, H, T, fused, lens=None, causal=None, mask=None, lse_base="e", tol=2e-2):
+    m = _mod()
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, DSV3["Dl"], DSV3["Dr"], T, dtype, "cuda", fused=fused, gen=g)
+    out, lse = poisoned(B, S, H, vd, dtype, "cuda")
+    m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, DSV3["scale"], mask, lens, lse_base, causal,
+                           out=out, lse_out=lse)
+    ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, vd, DSV3["scale"], mask, lens, causal, torch.float32)
+    check_close(out, lse, ro, rl, tol, lse_base)
+    return q_lat, q_rope, kv, pe, vd
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_bf16_real_shapes(H, fused):
+    lens = torch.tensor([4096, 1, 0, 2500], device="cuda")
+    _gpu_case(torch.bfloat16, 4, 1, H, 4096, fused, lens=lens)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp16_base2_mask_causal_multitoken():
+    B, S, H, T, c, r = 3, 4, 16, 3000, 2, 1
+    lens = torch.tensor([3000, 1700, 9], device="cuda")
+    q_pos = (lens.view(B, 1) * c - S + torch.arange(S, device="cuda").view(1, S))
+    mask = torch.zeros(B, 1, 1, T, device="cuda")
+    mask[..., ::7] = float("-inf")
+    _gpu_case(torch.float16, B, S, H, T, True, lens=lens, causal=(q_pos, c, r), mask=mask, lse_base="2")
+
+
+@gpu
+@needs_cuda
+def test_gpu_paged_bf16():
+    m = _mod()
+    B, S, H, P = 4, 1, 128, 64
+    lens_l = [5000, 64, 0, 777]
+    max_pages = -(-max(lens_l) // P)
+    num_pages = B * max_pages
+    pool = torch.randn(num_pages, P, 576, device="cuda", dtype=torch.bfloat16)
+    pt = torch.randperm(num_pages, device="cuda").view(B, max_pages).to(torch.int32)
+    q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor(lens_l, device="cuda")
+    out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
+    m.mla_attention_triton_paged(q, None, pool, None, pt, lens, 512, DSV3["scale"], out=out, lse_out=lse)
+    kv = m._gather_pages(pool, pt)
+    ro, rl = m._reference_impl(q, None, kv, None, 512, DSV3["scale"], None, lens, None, torch.float32)
+    check_close(out, lse, ro, rl, 2e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_capture():
+    m = _mod()
+    B, S, H, T = 8, 1, 128, 8192
+    q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16)
+    lens = torch.randint(1, T, (B,), device="cuda")
+    m.mla_attention_triton(q, None, kv, None, 512, DSV3["scale"], None, lens)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, l = m.mla_attention_triton(q, None, kv, None, 512, DSV3["scale"], None, lens)
+    q.copy_(torch.randn_like(q))
+    lens.copy_(torch.randint(1, T, (B,), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rl = m._reference_impl(q, None, kv, None, 512, DSV3["scale"], None, lens, None, torch.float32)
+    check_close(o, l, ro, rl, 2e-2)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    sys.path.insert(0, ROOT)
+    _worker_main()
