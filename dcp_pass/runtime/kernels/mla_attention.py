@@ -444,23 +444,28 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
         block_n = 16
         ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), block_n)))
         return MLAKernelConfig(block_h, block_n, 4, 1, ns)
+    # (block_h, block_n, warps, stages, waves): resource use checked offline for sm_90
+    # (docs/kernel_notes.md): no spills for the 16-row tile; the 64-row wgmma tile
+    # keeps a [64, 512] fp32 accumulator over 2 warpgroups and spills a little.
     if rows <= 16:
-        block_h, block_n, warps, stages = 16, 64, 4, 2
+        block_h, block_n, warps, stages, waves = 16, 32, 4, 2, 2
     elif rows <= 32:
-        block_h, block_n, warps, stages = 32, 64, 4, 2
+        block_h, block_n, warps, stages, waves = 32, 32, 8, 2, 2
     else:
-        block_h, block_n, warps, stages = 64, 32, 8, 2
+        block_h, block_n, warps, stages, waves = 64, 32, 8, 2, 1
     if _pow2(d_main) + _pow2(d_tail) > 640:  # wider than 512 + 64: smaller tiles
-        block_n = min(block_n, 32)
+        block_n = min(block_n, 16)
     n_hb = triton.cdiv(rows, block_h)
-    if num_splits is None:
-        target = 2 * _sm_count(device)
-        per_split = max(1, batch * n_hb)
-        ns = triton.cdiv(target, per_split)
-        ns = max(1, min(ns, triton.cdiv(max(t_cap, 1), 256)))
-    else:
-        ns = num_splits
+    ns = num_splits if num_splits is not None else split_count(batch, n_hb, t_cap, device, waves)
     return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)))
+
+
+def split_count(batch: int, n_head_blocks: int, t_cap: int, device: torch.device, waves: float = 1.0,
+                min_tokens: int = 256) -> int:
+    """Splits so that about ``waves`` x SM-count programs run, each over >= min_tokens keys."""
+    target = max(1, int(waves * _sm_count(device)))
+    ns = triton.cdiv(target, max(1, batch * n_head_blocks))
+    return max(1, min(ns, triton.cdiv(max(t_cap, 1), min_tokens)))
 
 
 def triton_supported(q_lat, q_rope, kv, pe, v_dim) -> bool:

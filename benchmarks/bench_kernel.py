@@ -1,0 +1,216 @@
+"""Local (shard) MLA decode attention on one GPU: Triton kernel vs einsum vs flex_attention.
+
+DeepSeek-V3 shapes: fused 512 + 64 latent cache in bf16, scale 192**-0.5, one query token.
+Ceilings are measured in the same run (device-to-device copy bandwidth, bf16 matmul rate)
+and every kernel time is set against the floor max(bytes / copy bw, flops / matmul rate).
+
+    python benchmarks/bench_kernel.py --out results.json [--sweep] [--no-table] [--flex]
+
+--sweep times a set of launch configurations at a few shapes (to pick the heuristics
+in mla_attention.pick_config); the table uses the dispatcher's own choices.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, fmt_table, matmul_rate, write_json  # noqa: E402
+
+from dcp_pass.runtime.kernels import mla_attention as M  # noqa: E402
+
+D = KV_LORA + ROPE
+L2_BYTES = 60 << 20
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script under TRITON_INTERPRET=1
+
+
+def counts(B, S, H, T):
+    kv_bytes = B * T * D * 2
+    io_bytes = B * S * H * (D + KV_LORA) * 2 + B * S * H * 4
+    flops = 2 * B * S * H * T * (D + KV_LORA)
+    return kv_bytes + io_bytes, flops
+
+
+def make_case(B, S, H, T, device=DEV):
+    """Random inputs; several copies when one set would sit in L2 (rotated per call)."""
+    one = B * T * D * 2
+    n = max(1, min(16, math.ceil(4 * L2_BYTES / max(one, 1)))) if one < 2 * L2_BYTES else 1
+    sets = []
+    for _ in range(n):
+        q = torch.randn(B, S, H, D, dtype=torch.bfloat16, device=device)
+        kv = torch.randn(B, T, D, dtype=torch.bfloat16, device=device)
+        sets.append((q, kv))
+    return sets
+
+
+def einsum_mla(q, kv, scale=SCALE):
+    """The model's absorbed-MLA einsum math in bf16 (scores in bf16, softmax in fp32)."""
+    scores = torch.einsum("bshc,btc->bsht", q, kv) * scale
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("bsht,btc->bshc", p, kv[..., :KV_LORA])
+
+
+def rotating(fn, sets):
+    it = itertools.cycle(sets)
+    return lambda: fn(*next(it))
+
+
+def time_triton(sets, config=None):
+    def run(q, kv):
+        return M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config)
+
+    run(*sets[0])
+    return bench(rotating(run, sets))
+
+
+def check(sets):
+    q, kv = sets[0]
+    o, lse = M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE)
+    ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, None, None, None, torch.float32)
+    err = ((o[:1].float() - ro).norm() / ro.norm()).item()
+    lerr = (lse[:1] - rl).abs().max().item()
+    return err, lerr
+
+
+def sweep(results, ceil):
+    shapes = [(16, 1, 131072), (16, 8, 65536), (16, 32, 16384), (16, 32, 131072),
+              (128, 1, 131072), (128, 8, 32768), (128, 32, 65536)]
+    if DEV == "cpu":
+        shapes = [(16, 1, 64), (128, 1, 64)]
+    cfgs = {
+        16: [(16, 32, 4, 2), (16, 32, 4, 3), (16, 64, 4, 2), (16, 16, 4, 4), (16, 64, 8, 2)],
+        128: [(64, 32, 8, 2), (64, 16, 8, 3), (64, 16, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)],
+    }
+    out = []
+    for H, B, T in shapes:
+        sets = make_case(B, 1, H, T)
+        nbytes, flops = counts(B, 1, H, T)
+        floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
+        for (bh, bn, w, st) in cfgs[H]:
+            n_hb = -(-H // bh)
+            for waves in (1, 2, 4):
+                ns = M.split_count(B, n_hb, T, torch.device(DEV), waves)
+                cfg = M.MLAKernelConfig(bh, bn, w, st, ns)
+                rec = dict(H=H, B=B, T=T, block_h=bh, block_n=bn, warps=w, stages=st, waves=waves, splits=ns)
+                try:
+                    t = time_triton(sets, cfg)
+                    rec.update(ms=t, floor_ms=floor, of_floor=floor / t,
+                               bw_frac=nbytes / (t * 1e-3) / ceil["copy_bw"],
+                               mm_frac=flops / (t * 1e-3) / ceil["mm_rate"])
+                except Exception as e:  # a config may not compile (shared memory) on this GPU
+                    rec.update(error=repr(e)[:300])
+                out.append(rec)
+                print("sweep", rec, flush=True)
+        del sets
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    results["sweep"] = out
+    best = {}
+    for r in out:
+        if "ms" in r:
+            k = (r["H"], r["B"], r["T"])
+            if k not in best or r["ms"] < best[k]["ms"]:
+                best[k] = r
+    results["sweep_best"] = list(best.values())
+    print(fmt_table(list(best.values()), [("H", "H"), ("B", "B"), ("T", "T"), ("cfg", lambda r: f"{r['block_h']}/{r['block_n']}/{r['warps']}w/{r['stages']}s x{r['waves']}"),
+                                           ("splits", "splits"), ("ms", "ms"), ("of floor", "of_floor")]), flush=True)
+
+
+def flex_token(results):
+    """One small shape through torch flex_attention (compiled), as the notes call it."""
+    rec = dict(B=1, H=16, T=4096)
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q = torch.randn(1, 16, 1, D, dtype=torch.bfloat16, device="cuda")
+        kv = torch.randn(1, 1, 4096, D, dtype=torch.bfloat16, device="cuda")
+        v = kv[..., :KV_LORA]
+        f = torch.compile(flex_attention)
+        f(q, kv, v, scale=SCALE, enable_gqa=True, return_lse=True)
+        rec["ms"] = bench(lambda: f(q, kv, v, scale=SCALE, enable_gqa=True, return_lse=True))
+        rec["triton_ms"] = time_triton(make_case(1, 1, 16, 4096))
+    except Exception as e:
+        rec["error"] = repr(e)[:300]
+    results["flex"] = rec
+    print("flex", rec, flush=True)
+
+
+def table(results, ceil, heads, batches, ctxs, einsum=True):
+    rows = []
+    for H, B, T in itertools.product(heads, batches, ctxs):
+        rec = dict(H=H, B=B, T=T)
+        try:
+            sets = make_case(B, 1, H, T)
+            nbytes, flops = counts(B, 1, H, T)
+            cfg = M.pick_config(H, KV_LORA, ROPE, B, T, torch.device(DEV))
+            rec.update(cfg=f"{cfg.block_h}/{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s", splits=cfg.num_splits,
+                       bytes=nbytes, flops=flops)
+            err, lerr = check(sets)
+            rec.update(rel_err=err, lse_err=lerr)
+            t = time_triton(sets)
+            floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
+            rec.update(ms=t, floor_ms=floor, of_floor=floor / t,
+                       tb_s=nbytes / (t * 1e-3) / 1e12, bw_frac=nbytes / (t * 1e-3) / ceil["copy_bw"],
+                       tflops=flops / (t * 1e-3) / 1e12, mm_frac=flops / (t * 1e-3) / ceil["mm_rate"],
+                       bound="memory" if nbytes / ceil["copy_bw"] >= flops / ceil["mm_rate"] else "compute")
+            if einsum:
+                try:
+                    te = bench(rotating(einsum_mla, sets), warmup_ms=10, rep_ms=50)
+                    rec.update(einsum_ms=te, speedup_vs_einsum=te / t)
+                except torch.OutOfMemoryError:
+                    rec.update(einsum_ms=None)
+            del sets
+        except Exception as e:
+            rec["error"] = repr(e)[:300]
+            traceback.print_exc()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(rec)
+        print("row", rec, flush=True)
+        results["table"] = rows
+    cols = [("H", "H"), ("B", "B"), ("T/rank", "T"), ("config", "cfg"), ("splits", "splits"), ("ms", "ms"),
+            ("floor ms", "floor_ms"), ("floor/ms", "of_floor"), ("TB/s", "tb_s"), ("% copy bw", lambda r: f"{100 * r['bw_frac']:.0f}" if "bw_frac" in r else ""),
+            ("TFLOP/s", "tflops"), ("% mm rate", lambda r: f"{100 * r['mm_frac']:.0f}" if "mm_frac" in r else ""),
+            ("einsum ms", lambda r: r.get("einsum_ms") or ""), ("vs einsum", lambda r: f"{r['speedup_vs_einsum']:.1f}x" if r.get("speedup_vs_einsum") else "")]
+    md = fmt_table(rows, cols)
+    results["table_md"] = md
+    print(md, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/kernel.json")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-table", action="store_true")
+    ap.add_argument("--flex", action="store_true")
+    ap.add_argument("--no-einsum", action="store_true")
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--ctx", default="4096,16384,65536,131072")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    results = dict(env=env_info())
+    ceil = dict(copy_bw=copy_bandwidth(device=DEV), mm_rate=matmul_rate(device=DEV))
+    results["ceilings"] = ceil
+    print("ceilings: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s" % (ceil["copy_bw"] / 1e12, ceil["mm_rate"] / 1e12), flush=True)
+    write_json(a.out, results)
+    if a.sweep:
+        sweep(results, ceil)
+        write_json(a.out, results)
+    if not a.no_table:
+        table(results, ceil, [int(x) for x in a.heads.split(",")], [int(x) for x in a.batches.split(",")],
+              [int(x) for x in a.ctx.split(",")], einsum=not a.no_einsum)
+        write_json(a.out, results)
+    if a.flex:
+        flex_token(results)
+        write_json(a.out, results)
+
+
+if __name__ == "__main__":
+    main()
