@@ -1,0 +1,230 @@
+"""Exact log-sum-exp merge of partial attention results, and output/LSE packing.
+
+Every DCP rank attends over its own stripe of the KV cache and produces a partial
+output ``o_r`` normalised over that stripe, plus the stripe's log-sum-exp ``lse_r``.
+The full-context result is recovered exactly:
+
+    lse = log_b(sum_r b ** lse_r)
+    o   = sum_r b ** (lse_r - lse) * o_r
+
+with ``b`` the base of the attention kernel's LSE ("e" for FlashMLA, "2" for
+FlashInfer). Mixing bases silently scales every weight by ln 2, so the base is an
+explicit, validated argument everywhere.
+
+The reference here is plain torch with no data-dependent Python branches, so the
+compile pass can emit it into a graph and aot_autograd / inductor can trace it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LSE_BASES",
+    "check_base",
+    "merge_partials",
+    "merge_partials_dispatch",
+    "pack_output_lse",
+    "unpack_output_lse",
+    "packed_lse_columns",
+    "rescale_partial",
+    "global_lse",
+    "merge_packed",
+]
+
+LSE_BASES = ("e", "2")
+
+
+def check_base(base: str) -> str:
+    """Validate an LSE base name; returns it unchanged."""
+    if base not in LSE_BASES:
+        raise ValueError(f"LSE base must be one of {LSE_BASES} (as a string), got {base!r}")
+    return base
+
+
+def _exp(x: Tensor, base: str) -> Tensor:
+    return torch.exp(x) if base == "e" else torch.exp2(x)
+
+
+def _log(x: Tensor, base: str) -> Tensor:
+    return torch.log(x) if base == "e" else torch.log2(x)
+
+
+def _masked_lse(lses: Tensor) -> Tensor:
+    # NaN, +inf and -inf all mean "this shard saw no keys" (FlashMLA reports +inf
+    # for an empty sequence, other kernels -inf or NaN). Mapping every one of them
+    # to -inf makes the shard's weight exactly 0 below.
+    lse32 = lses.float()
+    return torch.where(torch.isfinite(lse32), lse32, torch.full_like(lse32, float("-inf")))
+
+
+def _global_lse(masked: Tensor, base: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """From masked partial LSEs [c, ...]: (weights [c, ...], total [...], lse [...]).
+
+    ``weights`` are b**(lse_r - max) (0 for empty shards), ``total`` their sum.
+    """
+    m = masked.amax(dim=0)
+    # An all-empty row has max -inf; shifting by it would give -inf - -inf = NaN.
+    # Shift by 0 instead: every weight is then exp(-inf) = 0 and the row stays empty.
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = _exp(masked - m, base)
+    total = w.sum(dim=0)
+    # log(0) = -inf, so an all-empty row gets lse = -inf without a branch.
+    lse = m + _log(total, base)
+    return w, total, lse
+
+
+def merge_partials(
+    outputs: Tensor,
+    lses: Tensor,
+    base: str = "e",
+    out_dtype: Optional[torch.dtype] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Merge c partial attention results exactly.
+
+    outputs: [c, ..., D] (fp32/bf16/fp16), lses: [c, ...] (any float dtype; read as fp32).
+    Returns the merged output [..., D] in ``out_dtype`` (default outputs.dtype), and
+    with ``return_lse`` also the merged fp32 LSE [...] in the same base.
+    Empty shards (LSE NaN/+inf/-inf) get weight 0; an all-empty row is 0 with LSE -inf.
+    """
+    check_base(base)
+    if outputs.dim() != lses.dim() + 1 or outputs.shape[:-1] != lses.shape:
+        raise ValueError(
+            f"merge_partials: outputs {tuple(outputs.shape)} must be lses {tuple(lses.shape)} + [D]"
+        )
+    out_dtype = outputs.dtype if out_dtype is None else out_dtype
+    masked = _masked_lse(lses)
+    w, total, lse = _global_lse(masked, base)
+    # Normalise the weights once per row; guarding the divisor keeps all-empty rows
+    # at 0 instead of 0/0.
+    scale = w / torch.where(total > 0, total, torch.ones_like(total))
+    o32 = outputs.float()
+    # An empty shard's output may be garbage (NaN from 0/0 in its softmax); 0 * NaN
+    # would poison the sum, so zero it explicitly.
+    o32 = torch.where((masked > float("-inf")).unsqueeze(-1), o32, torch.zeros_like(o32))
+    out = (scale.unsqueeze(-1) * o32).sum(dim=0).to(out_dtype)
+    if return_lse:
+        return out, lse
+    return out
+
+
+def global_lse(lses: Tensor, base: str = "e") -> Tensor:
+    """fp32 logsumexp over dim 0 of partial LSEs [c, ...], empty shards ignored (-inf if all empty)."""
+    check_base(base)
+    return _global_lse(_masked_lse(lses), base)[2]
+
+
+def rescale_partial(o: Tensor, lse: Tensor, global_lse: Tensor, base: str = "e") -> Tensor:
+    """fp32 ``o * b**(lse - global_lse)``, with empty shards (or empty rows) giving 0.
+
+    This is one rank's contribution to the merged output when the sum over ranks is
+    done by a collective (reduce-scatter / all-reduce) instead of locally.
+    """
+    check_base(base)
+    masked = _masked_lse(lse)
+    valid = masked > float("-inf")
+    # global_lse is finite whenever this shard is valid (it is >= this shard's lse);
+    # where it is -inf the shard is invalid too and the weight is forced to 0.
+    g = torch.where(torch.isfinite(global_lse), global_lse, torch.zeros_like(global_lse))
+    w = torch.where(valid, _exp(masked - g, base), torch.zeros_like(masked))
+    o32 = torch.where(valid.unsqueeze(-1), o.float(), torch.zeros((), dtype=torch.float32, device=o.device))
+    return o32 * w.unsqueeze(-1)
+
+
+def packed_lse_columns(dtype: torch.dtype) -> int:
+    """Number of tail columns of ``dtype`` that hold one fp32 LSE."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if size > 4 or 4 % size:
+        raise ValueError(f"cannot pack an fp32 LSE into columns of {dtype} ({size}-byte elements)")
+    return 4 // size
+
+
+def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:
+    """[..., D] output + fp32 [...] LSE -> one [..., D + k] buffer of o.dtype.
+
+    The LSE's 4 bytes are reinterpreted (not converted) into k = 4 // o.element_size()
+    tail columns so a single collective moves both, and the round trip is bit-exact
+    (NaN payloads and -0.0 included). Uses dtype views only, so it traces.
+    """
+    if o.shape[:-1] != lse.shape:
+        raise ValueError(f"pack_output_lse: o {tuple(o.shape)} must be lse {tuple(lse.shape)} + [D]")
+    k = packed_lse_columns(o.dtype)
+    # contiguous() first: a dtype view needs a unit-stride last dimension.
+    tail = lse.to(torch.float32).contiguous().unsqueeze(-1).view(o.dtype)
+    assert tail.shape[-1] == k
+    return torch.cat([o, tail], dim=-1)
+
+
+def unpack_output_lse(packed: Tensor, D: int) -> Tuple[Tensor, Tensor]:
+    """Inverse of pack_output_lse: [..., D + k] -> (o [..., D] view, fp32 lse [...])."""
+    k = packed_lse_columns(packed.dtype)
+    if packed.shape[-1] != D + k:
+        raise ValueError(f"unpack_output_lse: last dim {packed.shape[-1]} != D + k = {D} + {k}")
+    o = packed[..., :D]
+    # The tail slice is not aligned for a wider dtype view in general (row stride D+k
+    # may be odd); a small contiguous copy makes the reinterpretation legal.
+    lse = packed[..., D:].contiguous().view(torch.float32).squeeze(-1)
+    return o, lse
+
+
+def _eager_cuda(t: Tensor) -> bool:
+    """True when ``t`` is a real CUDA tensor outside any tracing, where a raw Triton
+    launch is safe. Under dynamo, make_fx or fake tensors the traceable reference is
+    used instead."""
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def _triton_usable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def merge_partials_dispatch(
+    outputs: Tensor,
+    lses: Tensor,
+    base: str = "e",
+    out_dtype: Optional[torch.dtype] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """merge_partials, on the Triton kernel for eager CUDA tensors, else the reference.
+
+    Under torch.compile the reference is used: a raw Triton launch is not traceable
+    with fake tensors, and inductor fuses the reference into one kernel anyway.
+    """
+    if _eager_cuda(outputs) and _triton_usable():
+        from dcp_pass.runtime.kernels.merge_triton import merge_partials_triton
+
+        return merge_partials_triton(outputs, lses, base, out_dtype, return_lse)
+    return merge_partials(outputs, lses, base, out_dtype, return_lse)
+
+
+def merge_packed(
+    packed: Tensor,
+    D: int,
+    base: str = "e",
+    out_dtype: Optional[torch.dtype] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Merge a packed buffer [c, ..., D + k] (pack_output_lse per shard).
+
+    Eager CUDA uses the fused Triton unpack+merge; everything else unpacks with
+    views and runs the reference merge (traceable).
+    """
+    if _eager_cuda(packed) and _triton_usable():
+        from dcp_pass.runtime.kernels.merge_triton import unpack_merge_triton
+
+        return unpack_merge_triton(packed, D, base, out_dtype, return_lse)
+    o, lse = unpack_output_lse(packed, D)
+    return merge_partials(o, lse, base, out_dtype, return_lse)
