@@ -1,0 +1,215 @@
+"""Extend (prefill with a cached prefix) on a striped DCP cache.
+
+Extend is outside the decode cost model (SPEC.md section 7). Two correct ways:
+
+* **gather path** (:func:`extend_attention_gather`): all-gather the cached prefix
+  shards of the DCP group, restore token order (:func:`gather_prefix`), append the
+  new tokens and run ordinary causal attention; then write the new tokens striped.
+  Work and traffic grow with the prefix length; no merge is needed.
+* **DCP path** (:func:`extend_attention_dcp`): write the new tokens striped first,
+  then every rank attends over its own shard with causality in *global* positions
+  (local key ``k`` is global position ``k * c + rank``; query ``i`` of row ``b`` is
+  at ``prefix_len[b] + i``) and the partials are merged by the usual DCP exchange.
+
+Caches are per-sequence striped tensors ``[B, Tl, D]`` (see
+:class:`~dcp_pass.runtime.layout.StripedCache`): row ``b``'s position ``p`` owned by
+this rank sits at local row ``p // c``. A fused cache (latent + rope columns) is
+passed as ``local_kv`` with ``local_pe=None``; a split cache passes both.
+``prefix_lens`` may be an int or a length-``B`` sequence / tensor (ragged rows).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from dcp_pass.runtime.kernels.mla_attention import mla_attention
+from dcp_pass.runtime.layout import local_capacity, local_length, striped_write_
+
+__all__ = [
+    "gather_prefix",
+    "write_new_tokens_",
+    "extend_attention_gather",
+    "extend_attention_dcp",
+    "query_positions",
+]
+
+Lens = Union[int, Sequence[int], torch.Tensor]
+Group = Union[None, str, dist.ProcessGroup]
+
+
+def _lens(prefix_lens: Lens, batch: int) -> torch.Tensor:
+    t = torch.as_tensor(prefix_lens, dtype=torch.long).to("cpu")
+    if t.dim() == 0:
+        t = t.expand(batch).clone()
+    if t.shape != (batch,):
+        raise ValueError(f"prefix_lens must be an int or have {batch} entries, got shape {tuple(t.shape)}")
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"prefix_lens must be >= 0, got {t.tolist()}")
+    return t
+
+
+def _resolve_group(group: Group) -> Optional[dist.ProcessGroup]:
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group)
+    return group
+
+
+def _group_name(group: Group, c: int) -> str:
+    if c == 1:
+        return ""  # no collective is issued for a group of one
+    if isinstance(group, str):
+        return group
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def gather_prefix(local_cache: torch.Tensor, prefix_len: Lens, group: Group, c: int) -> torch.Tensor:
+    """All-gather the prefix shards of a DCP group and restore token order.
+
+    ``local_cache``: this rank's striped ``[B, Tl, D]`` cache. Returns ``[B, Lmax, D]``
+    with ``Lmax = max(prefix_len)``; row ``b`` holds positions ``0 .. prefix_len[b]-1``
+    in order and zeros after them. Collective: every rank of ``group`` must call it.
+    """
+    if local_cache.dim() != 3:
+        raise ValueError(f"local_cache must be [B, Tl, D], got shape {tuple(local_cache.shape)}")
+    B, Tl, Dk = local_cache.shape
+    lens = _lens(prefix_len, B)
+    lmax = int(lens.max()) if B else 0
+    tm = local_capacity(lmax, c)  # rows every rank contributes (rank 0 needs the most)
+    if tm > Tl:
+        raise ValueError(f"prefix of {lmax} tokens needs {tm} local rows per rank, the cache has {Tl}")
+    mine = local_cache[:, :tm].contiguous()
+    if c == 1:
+        shards = mine.unsqueeze(0)
+    else:
+        parts = [torch.empty_like(mine) for _ in range(c)]
+        dist.all_gather(parts, mine, group=_resolve_group(group))
+        shards = torch.stack(parts)  # [c, B, tm, D], slot r from DCP rank r
+    # position j * c + r comes from shard r, local row j
+    full = shards.permute(1, 2, 0, 3).reshape(B, tm * c, Dk)[:, :lmax]
+    valid = torch.arange(lmax).view(1, lmax) < lens.view(B, 1)
+    # rows past a prefix hold whatever the local pool had there: never let it through
+    return torch.where(valid.to(full.device).unsqueeze(-1), full, torch.zeros((), dtype=full.dtype, device=full.device))
+
+
+def query_positions(prefix_lens: Lens, batch: int, seq: int, device=None) -> torch.Tensor:
+    """Global positions ``[B, S]`` of the new tokens: ``prefix_len[b] + i``."""
+    return (_lens(prefix_lens, batch).view(batch, 1) + torch.arange(seq).view(1, seq)).to(device)
+
+
+def write_new_tokens_(local_cache: torch.Tensor, new: torch.Tensor, prefix_lens: Lens, c: int, rank: int) -> None:
+    """Write ``new [B, S, D]`` (row ``b`` at positions ``prefix_len[b] ..``) striped, in place."""
+    B, S = new.shape[:2]
+    lens = _lens(prefix_lens, B)
+    need = int(local_length(lens + S, c, rank).max()) if B else 0
+    if need > local_cache.shape[1]:
+        raise ValueError(
+            f"extending to {int((lens + S).max())} tokens needs {need} local rows on rank {rank}, "
+            f"the cache has {local_cache.shape[1]}"
+        )
+    for b in range(B):
+        striped_write_(local_cache, new[b : b + 1], int(lens[b]), c, rank, batch_start=b)
+
+
+def _with_new(prefix: torch.Tensor, new: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """[B, Lmax, D] prefix + [B, S, D] new -> [B, Lmax + S, D], new at prefix_len[b] + i."""
+    B, S, Dk = new.shape
+    full = torch.zeros(B, prefix.shape[1] + S, Dk, dtype=new.dtype, device=new.device)
+    full[:, : prefix.shape[1]] = prefix.to(new.dtype)
+    idx = query_positions(lens, B, S, new.device)
+    full.scatter_(1, idx.unsqueeze(-1).expand(B, S, Dk), new)
+    return full
+
+
+def extend_attention_gather(
+    q_lat: torch.Tensor,
+    q_rope: Optional[torch.Tensor],
+    new_kv: torch.Tensor,
+    new_pe: Optional[torch.Tensor],
+    local_kv: torch.Tensor,
+    local_pe: Optional[torch.Tensor],
+    prefix_lens: Lens,
+    group: Group,
+    c: int,
+    rank: int,
+    v_dim: int,
+    scale: float,
+    lse_base: str = "e",
+    write: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gather path: ordinary causal attention over (gathered prefix + new tokens).
+
+    ``q_lat [B, S, H, Dl]`` / ``q_rope`` are the new tokens' queries (any head set:
+    the result is final for those heads, no merge). Returns ``(out [B, S, H, v_dim],
+    lse [B, S, H])``. With ``write`` the new tokens are then written striped into
+    ``local_kv`` / ``local_pe``. Collective over ``group`` when ``c > 1``.
+    """
+    B, S = new_kv.shape[:2]
+    lens = _lens(prefix_lens, B)
+    kv = _with_new(gather_prefix(local_kv, lens, group, c), new_kv, lens)
+    pe = None
+    if local_pe is not None:
+        pe = _with_new(gather_prefix(local_pe, lens, group, c), new_pe, lens)
+    q_pos = query_positions(lens, B, S, q_lat.device)
+    out, lse = mla_attention(
+        q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=(lens + S).to(q_lat.device),
+        lse_base=lse_base, causal=(q_pos, 1, 0),
+    )
+    if write:
+        write_new_tokens_(local_kv, new_kv, lens, c, rank)
+        if local_pe is not None:
+            write_new_tokens_(local_pe, new_pe, lens, c, rank)
+    return out, lse
+
+
+def extend_attention_dcp(
+    q_lat: torch.Tensor,
+    q_rope: Optional[torch.Tensor],
+    new_kv: torch.Tensor,
+    new_pe: Optional[torch.Tensor],
+    local_kv: torch.Tensor,
+    local_pe: Optional[torch.Tensor],
+    prefix_lens: Lens,
+    c: int,
+    rank: int,
+    v_dim: int,
+    scale: float,
+    lse_base: str = "e",
+    exchange: Optional[str] = None,
+    group: Group = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """DCP path: write new tokens striped, shard-local attention with global causality.
+
+    ``q_lat`` holds all query heads of the DCP group. ``exchange=None`` returns the
+    rank-local partial ``(out [B,S,H,v_dim], lse [B,S,H])``; ``"a2a"`` / ``"ag_rs"``
+    merge it with the packed all-to-all / reduce-scatter exchange and return this
+    rank's head shard ``[B, S, H/c, v_dim]``; ``"replicated"`` returns all heads
+    merged on every rank.
+    """
+    B, S = new_kv.shape[:2]
+    lens = _lens(prefix_lens, B)
+    write_new_tokens_(local_kv, new_kv, lens, c, rank)
+    if local_pe is not None:
+        write_new_tokens_(local_pe, new_pe, lens, c, rank)
+    q_pos = query_positions(lens, B, S, q_lat.device)
+    local_lens = local_length((lens + S).to(q_lat.device), c, rank)
+    o, lse = mla_attention(
+        q_lat, q_rope, local_kv, local_pe, v_dim, scale, kv_lens=local_lens,
+        lse_base=lse_base, causal=(q_pos, c, rank),
+    )
+    if exchange is None:
+        return o, lse
+    from dcp_pass.runtime import comm
+
+    name = _group_name(group, c)
+    if exchange == "a2a":
+        return comm.exchange_a2a(o, lse, name, c, lse_base, out_dtype)
+    if exchange == "ag_rs":
+        return comm.exchange_ag_rs(o, lse, name, c, lse_base, out_dtype)
+    if exchange == "replicated":
+        return comm.exchange_replicated(o, lse, name, c, "a2a", lse_base, out_dtype)
+    raise ValueError(f"exchange must be None, 'a2a', 'ag_rs' or 'replicated', got {exchange!r}")
