@@ -19,6 +19,18 @@ SCALE = 1.0 / math.sqrt(DL + DR)
 POISON = 1.0e30  # unused cache rows: any read of them would blow the output up
 
 
+class Checks:
+    """Collects failed checks inside a rank instead of raising: a rank that raised
+    mid-way would leave its peers waiting in the next collective until the timeout."""
+
+    def __init__(self):
+        self.fails = []
+
+    def __call__(self, ok, *msg):
+        if not bool(ok):
+            self.fails.append(repr(msg))
+
+
 def _naive(q, qr, prefix, new, new_pe_, prefix_pe, lens):
     """Per (row, query) softmax attention over prefix[:len] + new[:i+1], in float64."""
     B, S = new.shape[:2]
@@ -41,6 +53,7 @@ def _striped(full, lens, cap, c, r):
 
 
 def _extend_worker(rank, world, seed):
+    check = Checks()
     torch.manual_seed(seed)
     g01 = dist.new_group([0, 1])
     log = []
@@ -70,13 +83,13 @@ def _extend_worker(rank, world, seed):
         # gather_prefix alone restores token order and zeroes past each row's length
         got = gather_prefix(kv0, lens, grp, c)
         want = prefix * (torch.arange(lmax).view(1, -1) < lens.view(-1, 1)).unsqueeze(-1)
-        assert torch.equal(got, want), (c, lens)
+        check(torch.equal(got, want), (c, lens))
 
         # (a) gather path
         kv, pe = kv0.clone(), pe0.clone()
         out, lse = extend_attention_gather(q, qr, new, new_pe, kv, pe, lens, grp, c, r, DL, SCALE)
         err_g = (out - ref).abs().max().item()
-        assert err_g < 1e-4, ("gather", c, lens, err_g)
+        check(err_g < 1e-4, ("gather", c, lens, err_g))
         # the new tokens were written striped, nothing else changed
         full_new = torch.full((B, lmax + S, DL), float("nan"))
         for b in range(B):
@@ -85,30 +98,32 @@ def _extend_worker(rank, world, seed):
             full_new[b, L : L + S] = new[b]
         for b in range(B):
             n_loc = local_length(int(lens[b]) + S, c, r)
-            assert torch.equal(kv[b, :n_loc], full_new[b, r::c][:n_loc])
-            assert torch.all(kv[b, n_loc:] == POISON)
+            check(torch.equal(kv[b, :n_loc], full_new[b, r::c][:n_loc]))
+            check(torch.all(kv[b, n_loc:] == POISON))
         # (b) DCP path: local partials with global causality + the usual exchanges
         hs = slice(r * H // c, (r + 1) * H // c)
         kv_d, pe_d = kv0.clone(), pe0.clone()
         shard = extend_attention_dcp(q, qr, new, new_pe, kv_d, pe_d, lens, c, r, DL, SCALE,
                                      exchange="a2a", group=grp)
-        assert torch.equal(kv_d, kv) and torch.equal(pe_d, pe)  # same striped writes as path (a)
-        assert shard.shape == (B, S, H // c, DL)
+        check(torch.equal(kv_d, kv) and torch.equal(pe_d, pe), "dcp writes differ")  # same striped writes as (a)
+        check(shard.shape == (B, S, H // c, DL), shard.shape)
         err_d = (shard - ref[:, :, hs]).abs().max().item()
-        assert err_d < 1e-4, ("dcp a2a", c, lens, err_d)
+        check(err_d < 1e-4, ("dcp a2a", c, lens, err_d))
         rep = extend_attention_dcp(q, qr, new, new_pe, kv0.clone(), pe0.clone(), lens, c, r, DL, SCALE,
                                    exchange="replicated", group=grp.group_name)
         err_r = (rep - ref).abs().max().item()
-        assert err_r < 1e-4, ("dcp replicated", c, lens, err_r)
+        check(err_r < 1e-4, ("dcp replicated", c, lens, err_r))
         # the local partial alone is NOT the answer for c > 1 (the test can tell)
         o_loc, _ = extend_attention_dcp(q, qr, new, new_pe, kv0.clone(), pe0.clone(), lens, c, r, DL, SCALE)
-        assert (o_loc - ref).abs().max().item() > 1e-2
+        check((o_loc - ref).abs().max().item() > 1e-2, "local partial already equals the merge")
         log.append((c, tuple(lens.tolist()), S, err_g, err_d, err_r))
-    return log
+    return log, check.fails
 
 
 def test_extend_gather_and_dcp_paths_match_unsharded_gloo():
-    logs = run_ranks(_extend_worker, 3, 7, timeout=180)
+    res = run_ranks(_extend_worker, 3, 7, timeout=180)
+    assert all(not fails for _, fails in res), [f for _, f in res]
+    logs = [log for log, _ in res]
     assert len(logs[0]) == 4 and len(logs[1]) == 4 and len(logs[2]) == 2
 
 

@@ -39,6 +39,18 @@ POISON = float("nan")
 OLD = 7.0e4  # what unused decode rows hold before the transfer
 
 
+class Checks:
+    """Collects failed checks inside a rank instead of raising: a rank that raised
+    mid-way would leave its peers waiting in the next collective until the timeout."""
+
+    def __init__(self):
+        self.fails = []
+
+    def __call__(self, ok, *msg):
+        if not bool(ok):
+            self.fails.append(repr(msg))
+
+
 def _lengths(c: int) -> list[int]:
     return sorted({1, P - 1, P, P + 1, c * P - 1, c * P, c * P + 1, 61})
 
@@ -170,6 +182,7 @@ def _decode_attention_check(q, pool, req_to_token, dense, n, c, r, grp):
 
 
 def _pd_worker(rank, world, seed):
+    check = Checks()
     torch.manual_seed(seed)  # identical draws on every rank: shared "ground truth"
     f32 = torch.float32
     grp2 = dist.new_group([1, 2])
@@ -204,18 +217,18 @@ def _pd_worker(rank, world, seed):
                 )
                 pool = old.clone()
                 moved = execute_transfer(plan, None, pool, 0, rank)
-                assert moved == local_length(n, c, r) == plan.rank_token_counts[r]
+                check(moved == local_length(n, c, r) == plan.rank_token_counts[r], c, n, r, moved)
                 r2t = alloc.req_to_token("req")
                 n_local = local_length(n, c, r)
                 # the striped pages equal the brute-force shard of the dense cache
                 mine = pool[r2t[owned_positions(0, n, c, r)] // c]
-                assert torch.equal(mine, shard_full_cache(dense.unsqueeze(0), c, r)[0, :n_local]), (c, n, r)
+                check(torch.equal(mine, shard_full_cache(dense.unsqueeze(0), c, r)[0, :n_local]), (c, n, r))
                 untouched = torch.ones(pool.shape[0], dtype=torch.bool)
                 untouched[plan.dst_slots] = False
-                assert torch.equal(pool[untouched], old[untouched]), "stale/poison rows leaked"
-                assert torch.isfinite(pool).all()
+                check(torch.equal(pool[untouched], old[untouched]), "stale/poison rows leaked")
+                check(torch.isfinite(pool).all(), "non-finite decode pool", c, n, r)
                 err = _decode_attention_check(q, pool, r2t, dense, n, c, r, grp)
-                assert err < 1e-5, (c, n, r, err)
+                check(err < 1e-5, (c, n, r, err))
                 log.append(("relayout", c, n, moved, err))
 
     # ---- page mode: DCP2 prefill (ranks 1, 2) -> DCP2 decode (ranks 3, 4), same DCP rank
@@ -231,7 +244,7 @@ def _pd_worker(rank, world, seed):
             r = (rank - 1) % 2
             lay = PageLayout(c, r, P, f32)
             plan = build_transfer_plan_from_allocator(lay, lay, pre_alloc.page_table("req"), dec_alloc, "req")
-            assert plan.mode == "page"
+            check(plan.mode == "page", plan.mode)
             if rank in (1, 2):
                 src = torch.full((16 * P, D), POISON)  # a striped prefill pool with a poisoned tail page
                 r2t = pre_alloc.req_to_token("req")
@@ -243,9 +256,9 @@ def _pd_worker(rank, world, seed):
                 execute_transfer(plan, None, dst, rank - 2, rank)
                 r2t = dec_alloc.req_to_token("req")
                 pos = owned_positions(0, n, c, r)
-                assert torch.equal(dst[r2t[pos] // c], dense[pos])
-                assert torch.isfinite(dst).all()
-                assert int((dst != OLD).any(dim=1).sum()) == local_length(n, c, r)
+                check(torch.equal(dst[r2t[pos] // c], dense[pos]), "page mode rows", n, r)
+                check(torch.isfinite(dst).all(), "page mode leaked poison", n, r)
+                check(int((dst != OLD).any(dim=1).sum()) == local_length(n, c, r), "page mode row count", n, r)
                 log.append(("page", c, n, plan.rank_tokens, plan.page_token_counts))
 
     # ---- recurrent state: attention TP 1 -> TP 4 with DCP 4; no DCP filtering
@@ -260,13 +273,15 @@ def _pd_worker(rank, world, seed):
         dst = torch.zeros(2, Hs // 4, 4, 6)
         for pl in build_state_transfer(Hs, 1, 4, t, src_slot=2, dst_slot=0, decode_dcp_size=4):
             execute_transfer(pl, None, dst, 0, rank)
-        assert torch.equal(dst[0], state[2, 2 * t : 2 * t + 2]) and torch.all(dst[1] == 0)
+        check(torch.equal(dst[0], state[2, 2 * t : 2 * t + 2]) and torch.all(dst[1] == 0), "state", t)
         log.append(("state", t))
-    return log
+    return log, check.fails
 
 
 def test_pd_transfer_end_to_end_gloo():
-    logs = run_ranks(_pd_worker, 5, 1234)
+    res = run_ranks(_pd_worker, 5, 1234, timeout=180)
+    assert all(not fails for _, fails in res), [f for _, f in res]
+    logs = [log for log, _ in res]
     assert logs[0] == []
     # every decode rank checked every length it takes part in
     assert sum(1 for e in logs[1] if e[0] == "relayout") == len(_lengths(2)) + len(_lengths(4))
