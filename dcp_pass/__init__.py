@@ -1,0 +1,18 @@
+"""dcp_pass: decode context parallelism for MLA attention as a torch.compile backend.
+
+    model = torch.compile(model, backend="dcp", options={"dcp_size": 2})
+"""
+from dcp_pass.options import DcpOptionError, DcpOptions
+from dcp_pass.topology import DcpTopology, DcpTopologyError, plan_topology
+
+__all__ = ["DcpOptions", "DcpOptionError", "DcpTopology", "DcpTopologyError", "plan_topology",
+           "DcpBackend", "last_report"]
+
+
+def __getattr__(name):
+    # The backend pulls in torch's compiler stack; import it only when asked for.
+    if name in ("DcpBackend", "last_report", "dcp_backend"):
+        from dcp_pass import backend
+
+        return getattr(backend, name)
+    raise AttributeError(name)

@@ -1,0 +1,158 @@
+"""The `dcp` torch.compile backend: options -> topology -> graph pass -> inner compiler.
+
+    torch.compile(model, backend="dcp", options={"dcp_size": 2})
+
+Found through the `torch_dynamo_backends` entry point (pyproject.toml), so no import
+is needed. `DcpBackend` is the same thing as an object, for users and tests that
+want the report and the rewritten graphs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from dcp_pass.options import DcpOptions
+from dcp_pass.report import DcpReport, GraphReport, log
+from dcp_pass.rewrites.apply import PassConfig, apply_dcp
+from dcp_pass.rewrites.attention import AttentionPlan
+from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
+
+
+def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str]) -> Callable:
+    """Hand the (rewritten) graph to the compiler named by `opts.inner`."""
+    if opts.inner == "eager":
+        return gm.forward
+    if opts.inner == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode and mode != "default" else {}
+    patches.update(opts.inner_options)
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[Any]) -> AttentionPlan:
+    """Group, comm backend, LSE base and attention backend for this compile."""
+    from dcp_pass.runtime import comm
+
+    group = opts.group
+    if group is not None:
+        check_explicit_group(topo, group)
+    else:
+        group = dcp_process_group(topo)
+    comm_backend = comm.select_comm_backend(opts.comm_backend, _device_of(example_inputs), group)
+    attn_backend = opts.attn_backend
+    lse_base = opts.lse_base or ("2" if attn_backend == "flashinfer" else "e")
+    return AttentionPlan(topo.dcp_size, topo.dcp_rank, group.group_name, comm_backend, topo.head_sharded,
+                         lse_base, attn_backend)
+
+
+def _static_examples(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The shards as static-shape fake tensors of Dynamo's fake mode.
+
+    Dynamo never saw these inputs, so they have no source; fakified by the inner
+    compiler they would get symbolic sizes that Dynamo cannot turn into guards.
+    """
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode()
+    if fake_mode is None:
+        return list(tensors)
+    out = []
+    for t in tensors:
+        fake = fake_mode.from_tensor(t, static_shapes=True)
+        if hasattr(t, "_dynamo_static_input_type"):
+            fake._dynamo_static_input_type = t._dynamo_static_input_type
+        out.append(fake)
+    return out
+
+
+def with_local_caches(gm, example_inputs, extra, opts: DcpOptions, mode, report: DcpReport) -> Callable:
+    """Compile `gm` (which takes the local shards as trailing inputs) and feed them per call."""
+    from dcp_pass.rewrites.cache import local_for
+
+    shards = _static_examples([entry.local for _, entry in extra])
+    compiled = compile_inner(gm, list(example_inputs) + shards, opts, mode)
+    specs = [(index, entry.c, entry.rank, entry.name) for index, entry in extra]
+
+    def run(*args):
+        shards = []
+        for index, c, rank, name in specs:
+            buffer = args[index]
+            entry = local_for(buffer, c, rank, name)
+            if id(buffer) not in report.caches:  # a layer first seen at run time
+                report.add_cache(id(buffer), name, entry.full_nbytes, entry.local_nbytes)
+            shards.append(entry.local)
+        # Dynamo calls backends' results with positional args; so do we.
+        return compiled(*args, *shards)
+
+    return run
+
+
+class DcpBackend:
+    """A `dcp` backend instance; keeps a report and the rewritten graphs of every compile."""
+
+    def __init__(self, options: Optional[Mapping[str, Any]] = None, **kwargs: Any):
+        merged = dict(options or {})
+        merged.update(kwargs)
+        self.options = DcpOptions.from_mapping(merged)
+        self.topology: Optional[DcpTopology] = None
+        self.report = DcpReport(dcp_size=self.options.dcp_size)
+        self.graphs: list[fx.GraphModule] = []  # what was handed to the inner compiler
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, **_: Any):
+        opts = self.options
+        if self.topology is None:
+            self.topology = topology_from_world(opts.dcp_size, opts.tp_size, opts.attn_dp_size)
+            self.report.rank = self.topology.rank
+        graph_report = GraphReport(len(self.report.graphs))
+        self.report.graphs.append(graph_report)
+        if not self.topology.enabled:
+            graph_report.unchanged_reason = "dcp_size=1"
+            out = gm
+        else:
+            plan = resolve_plan(opts, self.topology, example_inputs)
+            config = PassConfig(plan, opts.replicate_q_proj, opts.strict)
+            out, extra = apply_dcp(gm, example_inputs, config, graph_report)
+            for index, entry in extra:
+                self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)
+            if extra:
+                self.graphs.append(out)
+                log.info("%s", self.report.summary())
+                return with_local_caches(out, example_inputs, extra, opts, mode, self.report)
+        log.info("%s", self.report.summary())
+        self.graphs.append(out)
+        return compile_inner(out, example_inputs, opts, mode)
+
+
+_BACKENDS: dict[int, tuple[Any, DcpBackend]] = {}
+_LAST: list[DcpBackend] = []
+
+
+def dcp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[Mapping[str, Any]] = None,
+                mode: Optional[str] = None, **kwargs: Any):
+    """Entry point of `backend="dcp"`; one DcpBackend per `options` object (i.e. per torch.compile call)."""
+    key = id(options)
+    held = _BACKENDS.get(key)
+    if held is None or held[0] is not options:
+        held = (options, DcpBackend(options))
+        _BACKENDS[key] = held
+    backend = held[1]
+    _LAST[:] = [backend]
+    return backend(gm, example_inputs, mode=mode)
+
+
+def last_report() -> Optional[DcpReport]:
+    """The report of the `dcp` backend that compiled most recently in this process."""
+    return _LAST[0].report if _LAST else None

@@ -1,0 +1,137 @@
+"""Typed, validated options of the `dcp` torch.compile backend.
+
+`torch.compile(model, backend="dcp", options={...})` hands the dict to
+`DcpOptions.from_mapping`. Every mistake is reported with the key that caused it,
+before anything is compiled: a typo must never silently fall back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+COMM_BACKENDS = ("a2a", "ag_rs", "fi_a2a")
+ATTN_BACKENDS = ("auto", "triton", "flashinfer", "torch")
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+LSE_BASES = ("e", "2")
+
+# Other spellings users reach for; each maps to one canonical key.
+ALIASES = {
+    "decode_context_parallel_size": "dcp_size",
+    "dcp": "dcp_size",
+    "tensor_parallel_size": "tp_size",
+    "tp": "tp_size",
+    "attention_data_parallel_size": "attn_dp_size",
+    "dp_attention_size": "attn_dp_size",
+    "dcp_comm_backend": "comm_backend",
+}
+
+
+class DcpOptionError(ValueError):
+    """An option of the dcp backend is unknown, of the wrong type, or out of range."""
+
+
+@dataclass(frozen=True)
+class DcpOptions:
+    dcp_size: int = 1
+    tp_size: Optional[int] = None  # None: the world size (every rank is one TP rank)
+    attn_dp_size: int = 1
+    comm_backend: Optional[str] = None  # None: resolved from the platform (SPEC section 4)
+    replicate_q_proj: Optional[bool] = None  # None: replicate where the layer allows it
+    lse_base: Optional[str] = None  # None: the base of the attention kernel in use
+    attn_backend: str = "auto"
+    inner: str = "inductor"
+    group: Any = None  # an explicit DCP ProcessGroup; None: built from the topology
+    strict: bool = False  # True: a near-miss MLA pattern is an error instead of a fallback
+    inner_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, options: Optional[Mapping[str, Any]]) -> "DcpOptions":
+        if options is None:
+            return cls()
+        if isinstance(options, DcpOptions):
+            return options
+        if not isinstance(options, Mapping):
+            raise DcpOptionError(f"dcp backend options must be a dict, got {type(options).__name__}")
+        canonical = _canonical_keys(options)
+        opts = cls(**canonical)
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        _check_int("dcp_size", self.dcp_size, minimum=1)
+        if self.tp_size is not None:
+            _check_int("tp_size", self.tp_size, minimum=1)
+        _check_int("attn_dp_size", self.attn_dp_size, minimum=1)
+        _check_choice("comm_backend", self.comm_backend, COMM_BACKENDS, allow_none=True)
+        if self.replicate_q_proj is not None and not isinstance(self.replicate_q_proj, bool):
+            raise DcpOptionError(
+                f"option 'replicate_q_proj' must be True, False or None, got {self.replicate_q_proj!r}"
+            )
+        _check_choice("lse_base", self.lse_base, LSE_BASES, allow_none=True)
+        _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
+        _check_choice("inner", self.inner, INNER_COMPILERS)
+        if not isinstance(self.strict, bool):
+            raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
+        if not isinstance(self.inner_options, Mapping):
+            raise DcpOptionError("option 'inner_options' must be a dict of inner-compiler options")
+        if self.group is not None and not _looks_like_process_group(self.group):
+            raise DcpOptionError(
+                f"option 'group' must be a torch.distributed ProcessGroup, got {type(self.group).__name__}"
+            )
+
+
+def _canonical_keys(options: Mapping[str, Any]) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(DcpOptions)}
+    out: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise DcpOptionError(f"dcp option keys must be strings, got {key!r}")
+        name = ALIASES.get(key, key)
+        if name not in known:
+            valid = ", ".join(sorted(known | set(ALIASES)))
+            raise DcpOptionError(f"unknown dcp option {key!r}; valid options: {valid}")
+        value = _normalize(name, value)
+        if name in out and out[name] != value:
+            raise DcpOptionError(
+                f"options {given_as[name]!r}={out[name]!r} and {key!r}={value!r} disagree; "
+                f"they are the same setting, give one of them"
+            )
+        out[name] = value
+        given_as[name] = key
+    return out
+
+
+def _normalize(name: str, value: Any) -> Any:
+    # lse_base accepts the number 2 and a few spellings, stored as "e" / "2".
+    if name == "lse_base" and value is not None:
+        spelled = {"e": "e", "2": "2", 2: "2", "base2": "2", "base_e": "e", "base-2": "2"}
+        if isinstance(value, bool) or value not in spelled:
+            raise DcpOptionError(f"option 'lse_base' must be 'e' or 2, got {value!r}")
+        return spelled[value]
+    return value
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DcpOptionError(f"option {name!r} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise DcpOptionError(f"option {name!r} must be >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in choices:
+        extra = " or None (automatic)" if allow_none else ""
+        raise DcpOptionError(f"option {name!r} must be one of {', '.join(map(repr, choices))}{extra}; got {value!r}")
+
+
+def _looks_like_process_group(group: Any) -> bool:
+    try:
+        import torch.distributed as dist
+
+        return isinstance(group, dist.ProcessGroup)
+    except Exception:  # torch built without distributed
+        return False

@@ -1,0 +1,84 @@
+"""What the pass did to each graph: matches, rewrites, fallbacks with reasons, bytes per rank.
+
+Logged through the logger "dcp_pass" (enable with TORCH_LOGS="dcp" or "+dcp").
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger("dcp_pass")
+
+
+def _register_torch_log() -> None:
+    # Lets TORCH_LOGS="dcp" / "+dcp" switch this logger on like torch's own ones.
+    try:
+        from torch._logging import _internal
+
+        if "dcp" not in _internal.log_registry.log_alias_to_log_qnames:
+            _internal.register_log("dcp", "dcp_pass")
+            _internal._init_logs()
+    except Exception:  # private API: logging still works through the std logger
+        pass
+
+
+_register_torch_log()
+
+
+@dataclass
+class LayerReport:
+    layer: str
+    rewritten: bool
+    detail: str  # what was emitted, or why it fell back
+
+
+@dataclass
+class GraphReport:
+    graph_index: int
+    layers: list[LayerReport] = field(default_factory=list)
+    near_misses: list[tuple[str, str]] = field(default_factory=list)
+    unchanged_reason: str = ""
+
+    @property
+    def rewritten(self) -> int:
+        return sum(layer.rewritten for layer in self.layers)
+
+
+@dataclass
+class DcpReport:
+    """Accumulates over every graph the backend compiled (one report per backend instance)."""
+
+    dcp_size: int = 1
+    rank: int = 0
+    graphs: list[GraphReport] = field(default_factory=list)
+    kv_bytes_full: int = 0  # bytes the model's cache buffers would hold on this rank without DCP
+    kv_bytes_local: int = 0  # bytes this rank really holds for them with DCP
+    caches: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # id -> (name, full, local) bytes
+
+    def add_cache(self, key: int, name: str, full: int, local: int) -> None:
+        if key not in self.caches:
+            self.caches[key] = (name, full, local)
+            self.kv_bytes_full += full
+            self.kv_bytes_local += local
+
+    @property
+    def layers_rewritten(self) -> int:
+        return sum(g.rewritten for g in self.graphs)
+
+    def summary(self) -> str:
+        lines = [f"dcp_pass report: dcp_size={self.dcp_size} rank={self.rank}, {len(self.graphs)} graph(s)"]
+        for g in self.graphs:
+            head = f"  graph {g.graph_index}: {g.rewritten} MLA layer(s) rewritten"
+            if g.unchanged_reason:
+                head += f" (unchanged: {g.unchanged_reason})"
+            lines.append(head)
+            for layer in g.layers:
+                lines.append(f"    {'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}")
+            for where, reason in g.near_misses:
+                lines.append(f"    near miss at {where}: {reason}")
+        if self.caches:
+            lines.append(
+                f"  KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "
+                f"({self.kv_bytes_full / max(self.kv_bytes_local, 1):.2f}x less)"
+            )
+        return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""The DCP graph pass over one captured graph: match, install shards, rewrite, verify.
+
+The pass works on a copy of the graph; only when the copy is verified (no node
+reads a full-size cache buffer any more) are the cache storages released and the
+copy returned. Otherwise the original graph is returned unchanged with the reason.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from dcp_pass.report import GraphReport, LayerReport, log
+from dcp_pass.rewrites import cache as cache_rw
+from dcp_pass.rewrites import q_replicate
+from dcp_pass.rewrites.attention import AttentionPlan, rewrite_attention
+from dcp_pass.rewrites.match import NearMiss, find_mla, is_cache_buffer, module_path, buffer_source
+
+
+class DcpRewriteError(RuntimeError):
+    """The graph cannot run correctly with DCP and cannot run unchanged either."""
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    plan: AttentionPlan
+    replicate_q_proj: Optional[bool]
+    strict: bool
+
+
+def _placeholder_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, Any]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {n.name: v for n, v in zip(placeholders, example_inputs)}
+
+
+def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.Node]:
+    return [
+        n for n in graph.nodes
+        if is_cache_buffer(n) and n.users and isinstance(values.get(n.name), torch.Tensor)
+        and cache_rw.is_released(values[n.name])
+    ]
+
+
+def apply_dcp(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport
+) -> tuple[fx.GraphModule, list[tuple[int, cache_rw.LocalCache]]]:
+    """Rewrite every absorbed-MLA block of `gm`.
+
+    Returns the graph module to compile and, for each trailing input it gained, the
+    index of the full-size buffer input it shards and that buffer's shard now.
+    """
+    values = _placeholder_values(gm, example_inputs)
+    work = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    graph = work.graph
+    found = find_mla(graph)
+    report.near_misses.extend(found.near_misses)
+    if config.strict and found.near_misses:
+        where, reason = found.near_misses[0]
+        raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
+
+    plan = config.plan
+    buffers = {b for m in found.matches for b in m.buffers} | {
+        b for b in found.writes if cache_rw.is_released(values[b.name])
+    }
+    if not buffers:
+        _refuse_released(graph, values)
+        report.unchanged_reason = "no absorbed-MLA attention in this graph"
+        return gm, []
+
+    entries: dict[fx.Node, cache_rw.LocalCache] = {}
+    local_nodes: dict[fx.Node, fx.Node] = {}
+    for index, buf in enumerate(sorted(buffers, key=lambda n: n.name)):
+        entries[buf] = cache_rw.shard_for(values[buf.name], plan.c, plan.rank, module_path(buffer_source(buf)))
+        local_nodes[buf] = cache_rw.local_cache_placeholder(graph, index, entries[buf].local)
+
+    for buf, writes in found.writes.items():
+        if buf in local_nodes:
+            for write in writes:
+                cache_rw.rewrite_write(graph, write, local_nodes[buf], entries[buf])
+
+    replicated = q_replicate.QueryReplicator(work, values, plan, config.replicate_q_proj)
+    for match in found.matches:
+        try:
+            override, q_detail = replicated.queries_for(match)
+            rewrite_attention(work, match, plan, local_nodes, override)
+        except NearMiss as miss:
+            raise DcpRewriteError(
+                f"layer {match.layer}: {miss}; its cache writes were already striped, so it cannot be left unchanged"
+            ) from miss
+        kind = "decode" if _is_decode(match) else "multi-token"
+        report.layers.append(LayerReport(
+            match.layer, True,
+            f"{kind}, {len(match.terms)} score term(s), q {q_detail}, comm {_comm_name(plan)}, "
+            f"lse base {plan.lse_base}, attention {plan.attn_backend}",
+        ))
+    leftovers = [n for n in graph.nodes if n in buffers and n.users]
+    if leftovers:
+        users = {n.name: [u.format_node() for u in n.users] for n in leftovers}
+        reason = f"cache buffers are used outside the matched attention: {users}"
+        if any(cache_rw.is_released(values[n.name]) for n in leftovers) or config.strict:
+            raise DcpRewriteError(reason)
+        report.layers = [LayerReport(layer.layer, False, reason) for layer in report.layers]
+        report.unchanged_reason = reason
+        log.warning("dcp_pass: graph left unchanged: %s", reason)
+        return gm, []
+
+    for buf, entry in entries.items():
+        cache_rw.install(values[buf.name], entry)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    extra = [(placeholders.index(buf), entries[buf]) for buf in local_nodes]
+    replicated.finalize()
+    graph.lint()
+    work.recompile()
+    return work, extra
+
+
+def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
+    used = _released_buffers_used(graph, values)
+    if used:
+        names = ", ".join(module_path(buffer_source(n)) for n in used)
+        raise DcpRewriteError(
+            f"cache buffer(s) {names} were striped by DCP in an earlier graph, but this graph reads them "
+            f"outside an MLA attention the pass can rewrite; their full-size storage no longer exists"
+        )
+
+
+def _is_decode(match) -> bool:
+    shape = match.terms[0].query.meta.get("example_value")
+    seq_axis = match.terms[0].query_roles.index("S")
+    return shape is not None and shape.shape[seq_axis] == 1
+
+
+def _comm_name(plan: AttentionPlan) -> str:
+    return plan.comm_backend if plan.head_sharded else f"{plan.comm_backend} (head-replicated)"

@@ -1,0 +1,210 @@
+"""Rewrite of one matched MLA attention into shard-local attention + collective merge.
+
+Emitted (before the softmax, in this order):
+  local key count      n_local = (end + c - 1 - rank) // c
+  local cache slices   local[:bsz, :n_local(, f0:f1)]
+  canonical queries    q.permute(...) -> [B, S, H, D]
+  query heads          gather_heads (query all-gather)  | replicated projection | as is
+  striped mask         mask in [B, S, H, T] order, columns rank::c
+  dcp.mla_local_attention -> (partial output, lse)
+  exchange             exchange_a2a | exchange_ag_rs | exchange_replicated | exchange_fi_a2a
+  output layout        permute back to the model's layout
+The value contraction's users then read the merged output; the old nodes die.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from dcp_pass.rewrites import axes
+from dcp_pass.rewrites.axes import B, F, H, S, T
+from dcp_pass.rewrites.match import CacheAccess, MlaMatch, NearMiss
+from dcp_pass.runtime import comm
+from dcp_pass.runtime import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
+
+CANON_Q = [B, S, H, F]
+CANON_SCORES = [B, S, H, T]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Decisions shared by every layer of one compile."""
+
+    c: int
+    rank: int
+    group_name: str
+    comm_backend: str  # "a2a" | "ag_rs" | "fi_a2a"
+    head_sharded: bool
+    lse_base: str
+    attn_backend: str
+
+
+def ordered_terms(match: MlaMatch):
+    """(latent term, rotary term or None): the latent term reads the value columns."""
+    value = match.value_cache
+    latent = [t for t in match.terms if t.cache.buffer is value.buffer and (t.cache.feat or (0,))[0] == (value.feat or (0,))[0]]
+    if len(latent) != 1:
+        raise NearMiss("cannot tell the latent score term from the rotary one")
+    rope = [t for t in match.terms if t is not latent[0]]
+    return latent[0], (rope[0] if rope else None)
+
+
+def check_mask_heads(match: MlaMatch, plan: AttentionPlan) -> None:
+    """Per-head masks would need their own head gather; refuse them rather than guess."""
+    if not plan.head_sharded:
+        return
+    for mask in match.masks:
+        shape = axes.shape_of(mask.node)
+        if H in mask.roles and not axes.known_equal(shape[mask.roles.index(H)], 1):
+            raise NearMiss("the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
+
+
+def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+    return graph.call_function(target, args, kwargs)
+
+
+def _method(graph: fx.Graph, name: str, *args) -> fx.Node:
+    return graph.call_method(name, args)
+
+
+def local_key_count(graph: fx.Graph, end: Any, c: int, rank: int) -> Any:
+    """Keys of [0, end) owned by `rank`: (end + c - 1 - rank) // c, folded when `end` is an int."""
+    if isinstance(end, int):
+        return (end + c - 1 - rank) // c
+    return _call(graph, operator.floordiv, _call(graph, operator.add, end, c - 1 - rank), c)
+
+
+def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, n_local: Any) -> fx.Node:
+    index: tuple = (slice(None, access.bsz), slice(None, n_local))
+    if access.feat is not None:
+        index += (slice(*access.feat),)
+    return _call(graph, operator.getitem, local, index)
+
+
+def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], canonical: list[str]) -> fx.Node:
+    perm = axes.permutation_to(roles, canonical)
+    if perm is None:
+        raise NearMiss(f"{node.name} has axes {roles}, cannot order them as {canonical}")
+    return node if perm == list(range(len(perm))) else _method(graph, "permute", node, *perm)
+
+
+def striped_mask(graph: fx.Graph, match: MlaMatch, plan: AttentionPlan) -> Optional[fx.Node]:
+    """Sum of the score masks as one additive fp32 tensor in [B, S, H, T_local] order."""
+    total = None
+    for mask in match.masks:
+        node = mask.node
+        if mask.kind == "bool":
+            node = _call(graph, torch.where, node, float("-inf"), 0.0)
+        if mask.multiplier != 1.0:
+            node = _call(graph, operator.mul, node, mask.multiplier)
+        missing = len(match.score_roles) - len(mask.roles)
+        if missing:
+            node = _call(graph, operator.getitem, node, (None,) * missing + (Ellipsis,))
+        node = to_canonical(graph, node, match.score_roles, CANON_SCORES)
+        if T in mask.roles and not axes.known_equal(axes.shape_of(mask.node)[mask.roles.index(T)], 1):
+            # keys are striped, so is every per-key mask column
+            node = _call(graph, operator.getitem, node, (Ellipsis, slice(plan.rank, None, plan.c)))
+        node = _method(graph, "float", node)
+        total = node if total is None else _call(graph, operator.add, total, node)
+    return total
+
+
+def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
+    common = dict(base=plan.lse_base, out_dtype=match.out_dtype)
+    if not plan.head_sharded:
+        method = "ag_rs" if plan.comm_backend == "ag_rs" else "a2a"
+        return _call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c, method=method, **common)
+    fn = {"a2a": comm.exchange_a2a, "ag_rs": comm.exchange_ag_rs, "fi_a2a": comm.exchange_fi_a2a}[plan.comm_backend]
+    return _call(graph, fn, out, lse, plan.group_name, plan.c, **common)
+
+
+def gather_queries(graph: fx.Graph, q_lat: fx.Node, q_rope: Optional[fx.Node], plan: AttentionPlan, dims: tuple[int, int]):
+    """One all-gather carries both query parts of the DCP group, in DCP-rank (= head) order."""
+    packed = q_lat if q_rope is None else _call(graph, torch.cat, [q_lat, q_rope], -1)
+    gathered = _call(graph, comm.gather_heads, packed, plan.group_name, plan.c)
+    if q_rope is None:
+        return gathered, None
+    d_lat, d_rope = dims
+    lat = _call(graph, operator.getitem, gathered, (Ellipsis, slice(None, d_lat)))
+    rope = _call(graph, operator.getitem, gathered, (Ellipsis, slice(d_lat, None)))
+    return lat, rope
+
+
+def rewrite_attention(
+    gm: fx.GraphModule,
+    match: MlaMatch,
+    plan: AttentionPlan,
+    local_nodes: dict[fx.Node, fx.Node],
+    query_override: Optional[tuple[fx.Node, Optional[fx.Node]]] = None,
+) -> fx.Node:
+    """Replace `match` in `gm.graph`; returns the node holding the merged output.
+
+    `query_override` supplies full DCP-group queries computed locally (replicated
+    q-projection); without it, head-sharded models all-gather their queries.
+    """
+    graph = gm.graph
+    latent, rope = ordered_terms(match)
+    check_mask_heads(match, plan)
+    value_node = match.value.node
+    with graph.inserting_before(match.softmax):
+        n_local = local_key_count(graph, match.value_cache.end, plan.c, plan.rank)
+        kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, n_local)
+        pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, n_local) if rope else None
+        if query_override is not None:
+            q_lat, q_rope = query_override
+        else:
+            q_lat = to_canonical(graph, latent.query, latent.query_roles, CANON_Q)
+            q_rope = to_canonical(graph, rope.query, rope.query_roles, CANON_Q) if rope else None
+            if plan.head_sharded:
+                dims = (axes.shape_of(latent.query)[latent.query_roles.index(F)],
+                        axes.shape_of(rope.query)[rope.query_roles.index(F)] if rope else 0)
+                q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, dims)
+        mask = striped_mask(graph, match, plan)
+        attn = _call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe, match.v_dim,
+                     float(match.scale), mask, plan.lse_base, plan.attn_backend)
+        out = _call(graph, operator.getitem, attn, 0)
+        lse = _call(graph, operator.getitem, attn, 1)
+        merged = emit_exchange(graph, out, lse, match, plan)
+        back = [CANON_Q.index(r) for r in match.out_roles]
+        result = merged if back == list(range(4)) else _method(graph, "permute", merged, *back)
+    value_node.replace_all_uses_with(result)
+    erase_dead_region(graph, [value_node])
+    return result
+
+
+_INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.itruediv, operator.isub}
+
+
+def _mutates_input(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    return node.target in _INPLACE_FUNCTIONS or node.target is operator.setitem
+
+
+def erase_dead_region(graph: fx.Graph, roots: list[fx.Node]) -> None:
+    """Erase the nodes that only fed the replaced attention, walking back from `roots`.
+
+    Not a graph-wide DCE: a graph may hold in-place ops whose results are unused on
+    purpose (a `copy_` after an all_reduce), which a generic DCE would drop. An in-place
+    op is erased only when the tensor it mutates dies with it.
+    """
+    work = list(roots)
+    dead: set[fx.Node] = set()
+    while work:
+        node = work.pop()
+        if node in dead or node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if node.op == "call_function" and node.target in (torch.ops.dcp.striped_write.default,):
+            continue
+        if _mutates_input(node):
+            target = node.args[0]
+            if not isinstance(target, fx.Node) or len(target.users) > 1:
+                continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        dead.add(node)
+        work.extend(inputs)

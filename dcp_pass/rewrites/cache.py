@@ -1,0 +1,124 @@
+"""Striped cache writes and installation of the rank-local cache storage.
+
+The model's full-size cache buffer stays a module buffer (so Dynamo's guards and the
+model code are untouched), but its storage is released: the backend owns a compacted
+shard `[max_batch, ceil(max_seq / c), D]` per rank, keyed by the buffer object and
+reused by every later recompile. The graph reads and writes that shard through a
+`get_attr` buffer of the compiled GraphModule.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from dcp_pass.rewrites.match import CacheAccess
+from dcp_pass.runtime import layout
+from dcp_pass.runtime import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
+
+
+class DcpCacheError(RuntimeError):
+    """A cache buffer was striped earlier but a graph uses it in a way DCP cannot serve."""
+
+
+@dataclass
+class LocalCache:
+    """This rank's shard of one model cache buffer."""
+
+    full_ref: "weakref.ref[torch.Tensor]"
+    local: torch.Tensor
+    virtual_capacity: int  # positions of the original buffer (its dim 1)
+    c: int
+    rank: int
+    full_nbytes: int
+    name: str
+
+    @property
+    def local_nbytes(self) -> int:
+        return self.local.numel() * self.local.element_size()
+
+
+_LOCAL_CACHES: dict[int, LocalCache] = {}
+
+
+def lookup_local_cache(buffer: torch.Tensor) -> Optional[LocalCache]:
+    entry = _LOCAL_CACHES.get(id(buffer))
+    if entry is not None and entry.full_ref() is buffer:
+        return entry
+    return None
+
+
+def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
+    """This rank's shard of `buffer`: the one installed earlier, or a new copy (nothing released yet)."""
+    entry = lookup_local_cache(buffer)
+    if entry is not None:
+        if (entry.c, entry.rank) != (c, rank):
+            raise DcpCacheError(
+                f"cache {name} is already striped with dcp_size={entry.c}, rank {entry.rank}; "
+                f"it cannot be recompiled with dcp_size={c}, rank {rank}"
+            )
+        return entry
+    local = layout.shard_full_cache(buffer.detach(), c, rank).contiguous()  # keeps rows already written
+    full_nbytes = buffer.numel() * buffer.element_size()
+    return LocalCache(weakref.ref(buffer), local, buffer.shape[1], c, rank, full_nbytes, name)
+
+
+def install(buffer: torch.Tensor, entry: LocalCache) -> None:
+    """Make `entry` the owner of `buffer`'s rows and release the full-size storage (once)."""
+    if lookup_local_cache(buffer) is entry:
+        return
+    # Shape, stride and dtype stay, so Dynamo's guards on the buffer still pass.
+    buffer.untyped_storage().resize_(0)
+    _LOCAL_CACHES[id(buffer)] = entry
+    _mark_static(entry.local)
+
+
+def _mark_static(local: torch.Tensor) -> None:
+    # The shard lives as long as the model: let inductor treat it like a buffer
+    # (a fixed address), so CUDA graphs may capture its in-place writes.
+    try:
+        torch._dynamo.mark_static_address(local)
+    except Exception:
+        pass
+
+
+def local_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
+    """The shard to pass for `buffer` on this call; installs one on first sight.
+
+    One compiled graph serves every layer whose module shares the code (Dynamo passes
+    each layer's buffers as inputs), so the shard is looked up per call, by buffer.
+    """
+    entry = lookup_local_cache(buffer)
+    if entry is None:
+        entry = shard_for(buffer, c, rank, name)
+        install(buffer, entry)
+    return entry
+
+
+def is_released(buffer: torch.Tensor) -> bool:
+    return lookup_local_cache(buffer) is not None
+
+
+def local_cache_placeholder(graph: fx.Graph, index: int, example: torch.Tensor) -> fx.Node:
+    """A new trailing graph input carrying the local shard of one cache buffer."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(f"dcp_local_cache_{index}")
+    node.meta["example_value"] = example
+    return node
+
+
+def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: LocalCache) -> fx.Node:
+    """`buffer[:b, s:e(, f0:f1)] = v`  ->  `dcp.striped_write(local, v, s, c, rank, capacity, f0)`."""
+    feat_start = write.feat[0] if write.feat else 0
+    with graph.inserting_before(write.node):
+        new = graph.call_function(
+            torch.ops.dcp.striped_write.default,
+            (local, write.value, write.start, entry.c, entry.rank, entry.virtual_capacity, feat_start),
+        )
+    write.node.replace_all_uses_with(new)
+    graph.erase_node(write.node)
+    return new

@@ -1,0 +1,456 @@
+"""Finding absorbed-MLA attention in a torch-level (Dynamo) FX graph.
+
+A match is anchored on a softmax whose scores are contractions of query tensors
+with slices of module cache buffers, and whose probabilities are contracted with
+a cache slice again (the absorbed value product). The scores may be a sum of two
+contractions (latent + rotary caches) or one (a fused latent||rotary cache), scaled
+before or after an additive or `masked_fill` mask. Contractions may be einsums or
+matmuls in any axis layout (see `axes.py`).
+
+A softmax that never touches a cache buffer is not attention (e.g. an MoE gate) and
+is ignored silently; one that touches a cache in a way we cannot rewrite exactly is
+a *near miss*, reported with its reason and left unchanged.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from dcp_pass.rewrites import axes
+from dcp_pass.rewrites.axes import B, F, H, S, T
+
+SizeArg = Union[int, fx.Node]
+BUFFER_SOURCE = re.compile(r"_buffers\[")
+
+
+class NotAttention(Exception):
+    """The softmax is not over a cache-backed attention score."""
+
+
+class NearMiss(Exception):
+    """Cache-backed attention that cannot be rewritten safely; the message says why."""
+
+
+@dataclass
+class CacheAccess:
+    """`buffer[:bsz, start:end, f0:f1]` on a module cache buffer (read or write)."""
+
+    node: fx.Node
+    buffer: fx.Node
+    bsz: SizeArg
+    start: SizeArg
+    end: SizeArg
+    feat: Optional[tuple[int, int]]  # absolute feature columns, None = all
+    value: Optional[fx.Node] = None  # the written tensor, for writes
+
+
+@dataclass
+class ScoreTerm:
+    contraction: axes.Contraction
+    query: fx.Node
+    query_roles: list[str]
+    cache: CacheAccess
+
+
+@dataclass
+class MaskTerm:
+    node: fx.Node
+    kind: str  # "additive" | "bool"
+    multiplier: float
+    roles: list[Optional[str]]  # role of each mask axis (right-aligned with the scores)
+
+
+@dataclass
+class MlaMatch:
+    layer: str
+    softmax: fx.Node
+    terms: list[ScoreTerm]
+    scale: float
+    masks: list[MaskTerm]
+    score_roles: list[str]
+    value: axes.Contraction
+    value_cache: CacheAccess
+    out_roles: list[str]
+    out_dtype: torch.dtype
+    v_dim: int
+    writes: list[CacheAccess] = field(default_factory=list)
+
+    @property
+    def buffers(self) -> list[fx.Node]:
+        seen: list[fx.Node] = []
+        for access in [t.cache for t in self.terms] + [self.value_cache]:
+            if access.buffer not in seen:
+                seen.append(access.buffer)
+        return seen
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def buffer_source(node: fx.Node) -> Optional[str]:
+    """Dynamo's source name of a placeholder (e.g. L['self']._modules['attn']._buffers['kv_cache'])."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return source.name if source is not None else None
+
+
+def is_cache_buffer(node: Any) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return False
+    name = buffer_source(node)
+    shape = axes.shape_of(node)
+    return bool(name and BUFFER_SOURCE.search(name)) and shape is not None and len(shape) == 3
+
+
+def module_path(source: Optional[str]) -> str:
+    """`L['self']._modules['layers']._modules['0']._modules['attn']._buffers['kv_cache']` -> `layers.0.attn.kv_cache`."""
+    if not source:
+        return "?"
+    keys = re.findall(r"\['([^']*)'\]", source)
+    return ".".join(k for k in keys if k != "self") or source
+
+
+def _slice_bounds(index: Any) -> Optional[tuple[SizeArg, SizeArg]]:
+    if not isinstance(index, slice) or index.step not in (None, 1):
+        return None
+    start = 0 if index.start is None else index.start
+    return start, index.stop
+
+
+def parse_cache_index(buffer: fx.Node, index: Any) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]]]]:
+    """(bsz, start, end, feat) for `buffer[:bsz, start:end(, f0:f1)]`, else None."""
+    if not isinstance(index, tuple) or len(index) not in (2, 3):
+        return None
+    batch = _slice_bounds(index[0])
+    seq = _slice_bounds(index[1])
+    if batch is None or seq is None or batch[0] != 0 or batch[1] is None or seq[1] is None:
+        return None
+    feat = None
+    if len(index) == 3:
+        bounds = _slice_bounds(index[2])
+        width = axes.shape_of(buffer)[2]
+        if bounds is None or not isinstance(bounds[0], int) or not isinstance(bounds[1] or 0, int):
+            return None
+        f0, f1 = bounds[0], width if bounds[1] is None else bounds[1]
+        f0, f1 = (f0 + width if f0 < 0 else f0), (f1 + width if f1 < 0 else min(f1, width))
+        feat = None if (f0, f1) == (0, width) else (f0, f1)
+    return batch[1], seq[0], seq[1], feat
+
+
+def as_cache_read(node: fx.Node) -> Optional[CacheAccess]:
+    if node.op == "call_function" and node.target is operator.getitem and is_cache_buffer(node.args[0]):
+        parsed = parse_cache_index(node.args[0], node.args[1])
+        if parsed is not None and parsed[1] == 0:
+            return CacheAccess(node, node.args[0], *parsed)
+    return None
+
+
+def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
+    if node.op == "call_function" and node.target is operator.setitem and is_cache_buffer(node.args[0]):
+        parsed = parse_cache_index(node.args[0], node.args[1])
+        if parsed is not None and isinstance(node.args[2], fx.Node):
+            return CacheAccess(node, node.args[0], *parsed, value=node.args[2])
+    return None
+
+
+def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
+    writes: dict[fx.Node, list[CacheAccess]] = {}
+    for node in graph.nodes:
+        access = as_cache_write(node)
+        if access is not None:
+            writes.setdefault(access.buffer, []).append(access)
+    return writes
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def _softmax_dim(node: fx.Node) -> Optional[Any]:
+    if axes.is_method(node, "softmax"):
+        return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if axes.is_function(node, torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
+        return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    return None
+
+
+def is_softmax(node: fx.Node) -> bool:
+    return _softmax_dim(node) is not None
+
+
+ADDS = {operator.add, operator.iadd, torch.add}
+MULS = {operator.mul, operator.imul, torch.mul}
+DIVS = {operator.truediv, operator.itruediv, torch.div}
+MASK_FILL_FLOOR = -1e4  # a fill at or below this is -inf after exp() in fp32: same as an additive -inf
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _binary(node: fx.Node) -> Optional[tuple[str, Any, Any]]:
+    if node.op == "call_function":
+        kind = "add" if node.target in ADDS else "mul" if node.target in MULS else "div" if node.target in DIVS else None
+    elif node.op == "call_method":
+        kind = {"add": "add", "add_": "add", "__add__": "add", "__iadd__": "add", "mul": "mul", "mul_": "mul",
+                "__mul__": "mul", "div": "div", "div_": "div", "__truediv__": "div"}.get(node.target)
+    else:
+        kind = None
+    if kind is None or len(node.args) != 2 or set(node.kwargs) - {"out"}:
+        return None
+    return kind, node.args[0], node.args[1]
+
+
+class _ScoreParser:
+    """Decomposes a softmax input into sum_i mult_i * contraction_i + sum_j mult_j * mask_j."""
+
+    def __init__(self, depends_on_cache):
+        self.depends_on_cache = depends_on_cache
+        self.terms: list[tuple[fx.Node, float]] = []
+        self.masks: list[tuple[fx.Node, str, float]] = []
+
+    def parse(self, node: Any, mult: float) -> None:
+        if not isinstance(node, fx.Node):
+            raise NearMiss(f"constant {node!r} added to attention scores")
+        if not self.depends_on_cache(node):
+            self.masks.append((node, "additive", mult))
+            return
+        if axes.as_contraction(node) is not None:
+            self.terms.append((node, mult))
+            return
+        if axes.is_dtype_cast(node):
+            self.parse(node.args[0], mult)
+            return
+        if axes.is_method(node, "masked_fill", "masked_fill_") or axes.is_function(node, torch.masked_fill):
+            fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
+            if not _is_number(fill) or fill > MASK_FILL_FLOOR:
+                raise NearMiss(f"masked_fill with value {fill!r} on attention scores (only -inf-like fills are exact)")
+            self.parse(node.args[0], mult)
+            self.masks.append((node.args[1], "bool", 1.0))
+            return
+        binary = _binary(node)
+        if binary is None:
+            raise NearMiss(f"unsupported op {node.format_node()} between the score contractions and softmax")
+        kind, a, b = binary
+        if kind == "add":
+            self.parse(a, mult)
+            self.parse(b, mult)
+        elif kind == "mul" and _is_number(b):
+            self.parse(a, mult * b)
+        elif kind == "mul" and _is_number(a):
+            self.parse(b, mult * a)
+        elif kind == "div" and _is_number(b):
+            self.parse(a, mult / b)
+        else:
+            raise NearMiss(f"attention scores scaled by a tensor ({node.format_node()}); only constant scales are supported")
+
+
+def _assign_query_roles(
+    query: fx.Node, labels: list[str], label_role: dict[str, str], query_len: Optional[Any]
+) -> list[str]:
+    """Roles of the query axes: B and F come from the cache labels, S vs H from sizes or layout."""
+    roles: list[Optional[str]] = [label_role.get(label) for label in labels]
+    unknown = [i for i, r in enumerate(roles) if r is None]
+    if len(unknown) != 2 or sorted(r for r in roles if r) != [B, F]:
+        raise NearMiss(f"query operand {query.name} has axes {labels}; expected batch, seq, heads, feature")
+    shape = axes.shape_of(query)
+    x, y = unknown
+    x_is_seq = None
+    if query_len is not None:
+        x_len, y_len = axes.known_equal(shape[x], query_len), axes.known_equal(shape[y], query_len)
+        if x_len != y_len:
+            x_is_seq = x_len
+    if x_is_seq is None:
+        # Sizes cannot tell (e.g. seq == heads): the axis that comes first in the tensor
+        # the query was laid out in ([b, s, h, d] in DeepSeek-style models) is the sequence.
+        _, origin = axes.trace_to_base(query)
+        ox, oy = origin[x], origin[y]
+        x_is_seq = True if ox is None or oy is None else ox < oy
+    roles[x], roles[y] = (S, H) if x_is_seq else (H, S)
+    return roles  # type: ignore[return-value]
+
+
+def _cache_operand_roles(operand: fx.Node) -> Optional[tuple[CacheAccess, list[Optional[str]]]]:
+    traced = axes.trace_axes(operand, stop=lambda n: as_cache_read(n) is not None)
+    if traced is None:
+        return None
+    read_node, order = traced
+    access = as_cache_read(read_node)
+    return access, [None if o is None else (B, T, F)[o] for o in order]
+
+
+def _score_term(node: fx.Node, query_len_of) -> ScoreTerm:
+    contraction = axes.as_contraction(node)
+    cache_side = [(op, _cache_operand_roles(op)) for op in (contraction.lhs, contraction.rhs)]
+    cache_side = [(op, r) for op, r in cache_side if r is not None]
+    if len(cache_side) != 1:
+        raise NearMiss(f"score contraction {node.name} does not contract a query with exactly one cache slice")
+    cache_operand, (access, cache_roles) = cache_side[0]
+    labels = contraction.operand_labels(cache_operand)
+    label_role = {label: role for label, role in zip(labels, cache_roles) if role is not None}
+    if set(label_role.values()) != {B, T, F}:
+        raise NearMiss(f"cache slice in {node.name} lost an axis")
+    role_label = {r: l for l, r in label_role.items()}
+    if role_label[F] in contraction.out_labels or role_label[T] not in contraction.out_labels:
+        raise NearMiss(f"{node.name} does not contract the cache feature axis into key positions")
+    query = contraction.other(cache_operand)
+    q_labels = contraction.operand_labels(query)
+    q_roles = _assign_query_roles(query, q_labels, label_role, query_len_of(access.buffer))
+    return ScoreTerm(contraction, query, q_roles, access)
+
+
+def _labels_to_roles(contraction: axes.Contraction, known: dict[str, str]) -> list[Optional[str]]:
+    return [known.get(label) for label in contraction.out_labels]
+
+
+def _mask_roles(mask: fx.Node, score_roles: list[str]) -> list[Optional[str]]:
+    shape = axes.shape_of(mask)
+    if shape is None or len(shape) > len(score_roles):
+        raise NearMiss(f"mask {mask.name} does not broadcast against the scores")
+    return score_roles[len(score_roles) - len(shape):]
+
+
+def match_softmax(
+    softmax: fx.Node, depends_on_cache, query_len_of
+) -> MlaMatch:
+    """Match one softmax; raises NotAttention or NearMiss."""
+    scores = softmax.args[0]
+    if not isinstance(scores, fx.Node) or not depends_on_cache(scores):
+        raise NotAttention()
+    rank = len(axes.shape_of(scores) or ())
+    dim = _softmax_dim(softmax)
+    if not isinstance(dim, int) or axes.normalize_dim(dim, rank) != rank - 1:
+        raise NearMiss(f"softmax over dim {dim} of a rank-{rank} score; only the last (key) axis is supported")
+    parser = _ScoreParser(depends_on_cache)
+    parser.parse(scores, 1.0)
+    if not parser.terms:
+        raise NotAttention()
+    mults = {m for _, m in parser.terms}
+    if len(mults) != 1:
+        raise NearMiss(f"score terms scaled differently ({sorted(mults)})")
+    scale = mults.pop()
+    terms = [_score_term(node, query_len_of) for node, _ in parser.terms]
+    if len(terms) > 2:
+        raise NearMiss(f"{len(terms)} score contractions; expected latent (+ rotary)")
+
+    # Roles of the score tensor: same layout for every term.
+    layouts = []
+    for term in terms:
+        known = {l: r for l, r in zip(term.contraction.operand_labels(term.query), term.query_roles)}
+        cache_operand = term.contraction.other(term.query)
+        _, cache_roles = _cache_operand_roles(cache_operand)
+        known.update({l: r for l, r in zip(term.contraction.operand_labels(cache_operand), cache_roles) if r})
+        layouts.append(_labels_to_roles(term.contraction, known))
+    score_roles = layouts[0]
+    if any(layout != score_roles for layout in layouts) or sorted(map(str, score_roles)) != sorted([B, S, H, T]):
+        raise NearMiss(f"score terms have layouts {layouts}; expected one [batch, seq, heads, keys] layout")
+    if terms[0].cache.buffer is (terms[1].cache.buffer if len(terms) > 1 else None) and terms[0].cache.feat == terms[1].cache.feat:
+        raise NearMiss("both score terms read the same cache columns")
+
+    # softmax -> casts -> value contraction
+    probs = softmax
+    while len(probs.users) == 1 and axes.is_dtype_cast(next(iter(probs.users))):
+        probs = next(iter(probs.users))
+    if len(probs.users) != 1:
+        raise NearMiss("attention probabilities are used outside the value product")
+    value_node = next(iter(probs.users))
+    value = axes.as_contraction(value_node)
+    if value is None or (value.lhs is not probs and value.rhs is not probs):
+        raise NearMiss(f"attention probabilities feed {value_node.format_node()}, not a value contraction")
+    cache_operand = value.other(probs)
+    cached = _cache_operand_roles(cache_operand)
+    if cached is None:
+        raise NearMiss(f"value contraction {value_node.name} does not read a cache slice")
+    value_cache, cache_roles = cached
+    known = {l: r for l, r in zip(value.operand_labels(probs), score_roles)}
+    cache_labels = value.operand_labels(cache_operand)
+    for label, role in zip(cache_labels, cache_roles):
+        if role is not None:
+            if role in (B, T) and known.get(label) != role:
+                raise NearMiss(f"value contraction {value_node.name} does not pair batch/key axes")
+            known[label] = role
+    out_roles = _labels_to_roles(value, known)
+    if sorted(map(str, out_roles)) != sorted([B, S, H, F]):
+        raise NearMiss(f"value contraction output has axes {out_roles}; expected batch, seq, heads, feature")
+
+    first = terms[0].cache
+    f0 = first.feat[0] if first.feat else 0
+    v_width = axes.shape_of(cache_operand)[cache_roles.index(F)]
+    v_feat = value_cache.feat or (0, axes.shape_of(value_cache.buffer)[2])
+    if value_cache.buffer is not first.buffer or v_feat[0] != f0:
+        raise NearMiss("values are not the leading columns of the latent cache read by the first score term")
+    for term in terms:
+        if not (axes.known_equal(term.cache.bsz, value_cache.bsz) and axes.known_equal(term.cache.end, value_cache.end)) and (
+            term.cache.bsz is not value_cache.bsz or term.cache.end is not value_cache.end
+        ):
+            raise NearMiss("score and value cache slices cover different batch/positions")
+
+    masks = []
+    for node, kind, mult in parser.masks:
+        if mult <= 0:
+            raise NearMiss("mask multiplied by a non-positive scale")
+        masks.append(MaskTerm(node, kind, mult, _mask_roles(node, score_roles)))
+    out_dtype = axes.example_value(value_node).dtype
+    layer = module_path(buffer_source(first.buffer)).rsplit(".", 1)[0]
+    return MlaMatch(layer, softmax, terms, scale, masks, score_roles, value, value_cache, out_roles,
+                    out_dtype, v_width)
+
+
+@dataclass
+class GraphMatches:
+    matches: list[MlaMatch]
+    near_misses: list[tuple[str, str]]  # (where, reason)
+    writes: dict[fx.Node, list[CacheAccess]]
+
+
+def find_mla(graph: fx.Graph) -> GraphMatches:
+    """All absorbed-MLA attention blocks of a graph, plus near misses with reasons."""
+    writes = cache_writes(graph)
+    cache_dependent: dict[fx.Node, bool] = {}
+
+    def depends_on_cache(node: fx.Node) -> bool:
+        # iterative DFS over inputs; memoized across the whole graph
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if n in cache_dependent:
+                stack.pop()
+                continue
+            if is_cache_buffer(n):
+                cache_dependent[n] = True
+                stack.pop()
+                continue
+            pending = [i for i in n.all_input_nodes if i not in cache_dependent]
+            if pending:
+                stack.extend(pending)
+                continue
+            cache_dependent[n] = any(cache_dependent[i] for i in n.all_input_nodes)
+            stack.pop()
+        return cache_dependent[node]
+
+    def query_len_of(buffer: fx.Node) -> Optional[Any]:
+        for write in writes.get(buffer, []):
+            shape = axes.shape_of(write.value)
+            if shape is not None and len(shape) >= 2:
+                return shape[1]
+        return None
+
+    matches, near = [], []
+    for node in graph.nodes:
+        if not is_softmax(node):
+            continue
+        try:
+            match = match_softmax(node, depends_on_cache, query_len_of)
+        except NotAttention:
+            continue
+        except NearMiss as miss:
+            near.append((node.name, str(miss)))
+            continue
+        match.writes = [w for buf in match.buffers for w in writes.get(buf, [])]
+        matches.append(match)
+    return GraphMatches(matches, near, writes)

@@ -1,0 +1,106 @@
+"""Spawn `world_size` real processes with a torch.distributed group and collect results.
+
+Used by tests (gloo on CPU), the demo and the GPU benchmarks (nccl). Every rank runs
+`fn(rank, world_size, *args)`; its return value (picklable) comes back in rank order.
+A failure on any rank is re-raised in the parent with that rank's traceback, and the
+other ranks are terminated instead of hanging in a collective.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any, Callable
+
+
+def _to_bytes(value: Any) -> bytes:
+    # Tensors put on a multiprocessing queue travel as shared-memory handles that die
+    # with the sending process; serialize them so results outlive the rank.
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_main(fn, rank, world_size, backend, init_file, threads, env, args, out_q):
+    try:
+        os.environ.update(env)
+        os.environ["RANK"] = str(rank)
+        os.environ["LOCAL_RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.barrier()
+            except Exception:  # a peer already failed; its error is what matters
+                pass
+            dist.destroy_process_group()
+        out_q.put((rank, True, _to_bytes(result)))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
+        out_q.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 600.0,
+    threads_per_rank: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, r, world_size, backend, init_file, threads_per_rank, dict(env or {}), args, out_q),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        try:
+            while len(results) < world_size:
+                try:
+                    rank, ok, payload = out_q.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s")
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                results[rank] = _from_bytes(payload)
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(results) == world_size else 0.5)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+    return [results[r] for r in range(world_size)]
