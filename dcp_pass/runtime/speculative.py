@@ -1,0 +1,173 @@
+"""DCP-aware target verification for speculative decoding (SPEC.md section 8).
+
+The draft model's KV cache is replicated on every DCP rank and its steps use no DCP
+metadata; only the target model's MLA KV is striped. Verifying ``k`` draft tokens
+is a static-shape attention with ``k`` query tokens per request whose KV (the
+prefix plus the ``k`` draft tokens, already written striped) is spread over the
+DCP group. Each rank attends over its own shard with:
+
+* a rank-local view built from the cyclic token map: local token ``j`` of a request
+  is global position ``j * c + rank``; with page-aligned virtual allocation it sits
+  at physical slot ``req_to_token[j * c + rank] // c`` (:func:`rank_local_page_table`);
+* the rank-local length ``local_length(kv_len, c, rank)``;
+* causality in GLOBAL positions: query ``i`` of row ``b`` is at
+  ``kv_len[b] - k + i`` and sees exactly the keys at global positions ``<=`` that.
+
+It returns the rank-local ``(out, lse)`` for the usual DCP exchange (or, with
+``exchange=...``, the merged result).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from dcp_pass.runtime.kernels.mla_attention import mla_attention, mla_attention_paged
+from dcp_pass.runtime.layout import local_length, owned_positions
+
+__all__ = [
+    "verify_query_positions",
+    "rank_local_page_table",
+    "verify_attention",
+]
+
+
+def verify_query_positions(global_kv_len: torch.Tensor, k_tokens: int) -> torch.Tensor:
+    """Global positions ``[B, k]`` of the verified tokens: ``kv_len[b] - k + i``.
+
+    ``global_kv_len`` counts the prefix *and* the ``k`` draft tokens.
+    """
+    kv_len = torch.as_tensor(global_kv_len).long()
+    if kv_len.dim() != 1:
+        raise ValueError(f"global_kv_len must be [B], got shape {tuple(kv_len.shape)}")
+    if k_tokens < 1:
+        raise ValueError(f"k_tokens must be >= 1, got {k_tokens}")
+    if kv_len.device.type == "cpu" and kv_len.numel() and int(kv_len.min()) < k_tokens:
+        raise ValueError(
+            f"every global_kv_len must include the {k_tokens} verified tokens, got {kv_len.tolist()}"
+        )
+    return kv_len.view(-1, 1) - k_tokens + torch.arange(k_tokens, device=kv_len.device).view(1, -1)
+
+
+def rank_local_page_table(
+    req_to_token: Union[torch.Tensor, Sequence[torch.Tensor]],
+    global_kv_len: Union[torch.Tensor, Sequence[int]],
+    c: int,
+    rank: int,
+    page_size: int,
+) -> torch.Tensor:
+    """Rank-local page table ``[B, max_local_pages]`` from the cyclic token map.
+
+    ``req_to_token``: per request, the virtual index of every token (a ``[B, T]``
+    tensor or a list of 1-D tensors; at least ``kv_len[b]`` entries each). Local
+    token ``j`` of row ``b`` (global position ``j * c + rank``) is at physical slot
+    ``req_to_token[b][j * c + rank] // c``; local page ``m`` is the physical page of
+    local token ``m * P``. Raises if the slots are not page-contiguous (the map was
+    not allocated in whole widened pages). Unused entries are 0.
+    """
+    lens = torch.as_tensor(global_kv_len, dtype=torch.long).to("cpu")
+    rows = list(req_to_token) if not isinstance(req_to_token, torch.Tensor) else list(req_to_token.unbind(0))
+    if len(rows) != lens.numel():
+        raise ValueError(f"{len(rows)} token maps for {lens.numel()} kv lengths")
+    local = [int(local_length(int(n), c, rank)) for n in lens]
+    max_pages = max([-(-n // page_size) for n in local] + [1])
+    table = torch.zeros(len(rows), max_pages, dtype=torch.long)
+    for b, (r2t, n_local) in enumerate(zip(rows, local)):
+        r2t = torch.as_tensor(r2t).long().to("cpu")
+        if r2t.numel() < int(lens[b]):
+            raise ValueError(f"row {b}: token map has {r2t.numel()} entries, kv_len is {int(lens[b])}")
+        pos = owned_positions(0, int(lens[b]), c, rank)
+        if bool((r2t[pos] % c != rank).any()):
+            raise ValueError(f"row {b}: the token map does not give rank {rank} the positions p % {c} == {rank}")
+        slots = r2t[pos] // c
+        pages = slots[::page_size] // page_size
+        expect = pages.repeat_interleave(page_size)[:n_local] * page_size + torch.arange(n_local) % page_size
+        if not torch.equal(slots, expect):
+            raise ValueError(f"row {b}: local slots are not page-contiguous; allocate whole widened pages")
+        table[b, : pages.numel()] = pages
+    return table
+
+
+def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Zero the rows at or past each sequence's local length of a [B, T, D] view."""
+    keep = torch.arange(x.shape[1], device=x.device).view(1, -1, 1) < lens.view(-1, 1, 1)
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def verify_attention(
+    q_lat: torch.Tensor,
+    q_rope: Optional[torch.Tensor],
+    local_kv: torch.Tensor,
+    local_pe: Optional[torch.Tensor],
+    global_kv_len: torch.Tensor,
+    k_tokens: int,
+    c: int,
+    rank: int,
+    scale: float,
+    v_dim: Optional[int] = None,
+    lse_base: str = "e",
+    page_table: Optional[torch.Tensor] = None,
+    zero_tail: bool = True,
+    exchange: Optional[str] = None,
+    group=None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Rank-local target verification over a striped MLA cache.
+
+    ``q_lat [B, k, H, Dl]`` / ``q_rope [B, k, H, Dr]``: queries of the ``k`` verified
+    tokens for all heads of the DCP group. The cache is either per-sequence striped
+    (``local_kv [B, Tl, Dk]``, ``local_pe [B, Tl, Dr]`` or None when fused) or paged
+    (``local_kv [pages, P, Dk]`` + ``page_table [B, max_local_pages]`` from
+    :func:`rank_local_page_table`). ``global_kv_len [B]`` counts the prefix and the
+    ``k`` tokens. ``v_dim`` defaults to ``Dl`` for a split cache (required when fused).
+
+    ``zero_tail`` zeroes the rows past each row's local length before attending so
+    that stale rows (which may hold anything, NaN included) cannot poison the output
+    through ``0 * NaN``; rows inside the length but causally masked for a query must
+    be finite (they are real KV).
+
+    Returns the rank-local ``(out [B,k,H,v_dim], lse [B,k,H])`` when ``exchange`` is
+    None, else merges over ``group`` exactly like :func:`~dcp_pass.runtime.extend.extend_attention_dcp`
+    (``"a2a"``/``"ag_rs"``: this rank's head shard; ``"replicated"``: all heads).
+    """
+    if q_lat.shape[1] != k_tokens:
+        raise ValueError(f"q_lat has {q_lat.shape[1]} query tokens, k_tokens={k_tokens}")
+    if v_dim is None:
+        if local_pe is None:
+            raise ValueError("v_dim is required for a fused cache (local_pe is None)")
+        v_dim = q_lat.shape[-1]
+    kv_len = torch.as_tensor(global_kv_len).long().to(q_lat.device)
+    q_pos = verify_query_positions(kv_len, k_tokens)
+    local_lens = local_length(kv_len, c, rank)
+    if page_table is None:
+        kv, pe = local_kv, local_pe
+        if zero_tail:
+            kv = _zero_tail(kv, local_lens)
+            pe = _zero_tail(pe, local_lens) if pe is not None else None
+        o, lse = mla_attention(q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=local_lens,
+                               lse_base=lse_base, causal=(q_pos, c, rank))
+    elif zero_tail:
+        # gather the rank-local view once, then the same dense path
+        P = local_kv.shape[1]
+        idx = page_table.long().to(local_kv.device)
+        kv = _zero_tail(local_kv[idx].flatten(1, 2), local_lens)
+        pe = _zero_tail(local_pe[idx].flatten(1, 2), local_lens) if local_pe is not None else None
+        assert kv.shape[1] == idx.shape[1] * P
+        o, lse = mla_attention(q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=local_lens,
+                               lse_base=lse_base, causal=(q_pos, c, rank))
+    else:
+        o, lse = mla_attention_paged(q_lat, q_rope, local_kv, local_pe, page_table, local_lens, v_dim, scale,
+                                     lse_base=lse_base, causal=(q_pos, c, rank))
+    if exchange is None:
+        return o, lse
+    from dcp_pass.runtime import comm
+    from dcp_pass.runtime.extend import _group_name
+
+    name = _group_name(group, c)
+    if exchange == "a2a":
+        return comm.exchange_a2a(o, lse, name, c, lse_base, out_dtype)
+    if exchange == "ag_rs":
+        return comm.exchange_ag_rs(o, lse, name, c, lse_base, out_dtype)
+    if exchange == "replicated":
+        return comm.exchange_replicated(o, lse, name, c, "a2a", lse_base, out_dtype)
+    raise ValueError(f"exchange must be None, 'a2a', 'ag_rs' or 'replicated', got {exchange!r}")
