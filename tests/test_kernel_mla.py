@@ -115,7 +115,7 @@ def _gen(seed_extra=0):
 
 
 def _run_and_compare(dtype, *, B=2, S=2, H=4, Dl=32, Dr=8, T=40, fused=False, v_dim=None, mask=None,
-                     kv_lens=None, causal=None, lse_base="e", num_splits=None, q_transpose=False):
+                     kv_lens=None, causal=None, lse_base="e", num_splits=None, q_transpose=False, config=None):
     m = _mod()
     g = _gen()
     q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, Dl, Dr, T, dtype, fused=fused, v_dim=v_dim, gen=g)
@@ -124,7 +124,7 @@ def _run_and_compare(dtype, *, B=2, S=2, H=4, Dl=32, Dr=8, T=40, fused=False, v_
     scale = 0.7 / math.sqrt(q_lat.shape[-1])
     out, lse = poisoned(B, S, H, vd, dtype, "cpu")
     m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, lse_base, causal, out=out, lse_out=lse,
-                           num_splits=num_splits)
+                           num_splits=num_splits, config=config)
     ro, rl = ref64(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, causal)
     check_close(out, lse, ro, rl, TOL[dtype], lse_base)
     # the public reference (fp32) agrees too
@@ -156,6 +156,22 @@ def check_v_dim_narrower_than_keys_fp32():
 def check_single_split_and_many_splits_fp32():
     _run_and_compare(torch.float32, num_splits=1)
     _run_and_compare(torch.float32, num_splits=7, T=45)  # more splits than tiles: empty splits
+
+
+def check_value_split_programs_fp32():
+    """v_split=2: two programs per row block, each accumulating half of the value columns."""
+    m = _mod()
+    cfg = m.MLAKernelConfig(16, 16, 4, 1, 3, 2)
+    _run_and_compare(torch.float32, config=cfg, kv_lens=torch.tensor([0, 29]), lse_base="2")
+    _run_and_compare(torch.float32, config=cfg, fused=True, causal=(torch.tensor([[50, 61], [3, 4]]), 2, 1))
+    _run_and_compare(torch.float32, config=m.MLAKernelConfig(16, 16, 4, 1, 1, 2), Dl=32, Dr=8, v_dim=24)
+
+
+def check_value_split_fp16_mask():
+    m = _mod()
+    mask = torch.zeros(2, 1, 4, 40)
+    mask[..., 1::4] = float("-inf")
+    _run_and_compare(torch.float16, config=m.MLAKernelConfig(16, 16, 4, 1, 2, 2), mask=mask)
 
 
 def check_ragged_kv_lens_with_empty_rows_fp16():

@@ -244,29 +244,39 @@ def _stage1_kernel_src(
     sl_b, sl_sp, sl_s, sl_h,
     D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_V: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr,
+    BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr, V_SPLIT: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     PAGED: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One (row block, split, batch row): online softmax over the split's keys.
+    """One (row block, value chunk, split, batch row): online softmax over the split's keys.
 
     Writes the normalised partial output and its base-2 LSE times ``lse_scale``
-    (the final output directly when NUM_SPLITS == 1).
+    (the final output directly when NUM_SPLITS == 1). With V_SPLIT == 2 two programs
+    share a row block: both compute the full scores, each accumulates one half of the
+    value columns (its accumulator then fits the registers of one warpgroup).
     """
-    pid_h = tl.program_id(0)
+    pid0 = tl.program_id(0)
+    pid_h = pid0 // V_SPLIT
+    vc = pid0 % V_SPLIT
     pid_sp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
+    BLOCK_DV: tl.constexpr = BLOCK_DM // V_SPLIT
 
     rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < SH
     s_idx = rows // H
     h_idx = rows % H
-    offs_dm = tl.arange(0, BLOCK_DM)
+    offs_dm = vc * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this program's value columns
     dm_ok = offs_dm < D_MAIN
 
     q_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_dm[None, :] * sq_d
     q = tl.load(q_ptrs, mask=row_ok[:, None] & dm_ok[None, :], other=0.0)
+    if V_SPLIT == 2:  # the other half of the main columns: scores only
+        offs_do = (1 - vc) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        do_ok = offs_do < D_MAIN
+        qo_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_do[None, :] * sq_d
+        qo = tl.load(qo_ptrs, mask=row_ok[:, None] & do_ok[None, :], other=0.0)
     if HAS_TAIL:
         offs_dt = tl.arange(0, BLOCK_DT)
         dt_ok = offs_dt < D_TAIL
@@ -289,7 +299,7 @@ def _stage1_kernel_src(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
 
     kv_row = KV + b * skv_b
     kt_row = KT + b * skt_b
@@ -319,6 +329,16 @@ def _stage1_kernel_src(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
+        if V_SPLIT == 2:
+            ko = tl.load(
+                kv_base + k_off[:, None] + offs_do[None, :] * skv_d,
+                mask=n_ok[:, None] & do_ok[None, :],
+                other=0.0,
+            )
+            if IEEE:
+                qk = tl.dot(qo, tl.trans(ko), qk, input_precision="ieee")
+            else:
+                qk = tl.dot(qo, tl.trans(ko), qk)
         if HAS_TAIL:
             kt = tl.load(
                 kt_base + kt_off[:, None] + offs_dt[None, :] * skt_d,
@@ -359,7 +379,7 @@ def _stage1_kernel_src(
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)) * lse_scale
     o_ptrs = O + b * so_b + pid_sp * so_sp + s_idx[:, None] * so_s + h_idx[:, None] * so_h + offs_dm[None, :] * so_d
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dm[None, :] < D_V))
-    tl.store(L + b * sl_b + pid_sp * sl_sp + s_idx * sl_s + h_idx * sl_h, lse, mask=row_ok)
+    tl.store(L + b * sl_b + pid_sp * sl_sp + s_idx * sl_s + h_idx * sl_h, lse, mask=row_ok & ((rows * 0 + vc) == 0))
 
 
 def _reduce_kernel_src(
@@ -418,6 +438,7 @@ class MLAKernelConfig:
     num_warps: int
     num_stages: int
     num_splits: int
+    v_split: int = 1
 
 
 _SM_COUNT: dict = {}
@@ -436,6 +457,34 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, (int(n) - 1)).bit_length())
 
 
+# Per head-rows bucket: (block_h, block_n, warps, stages, v_split, waves). Resource use
+# checked offline for sm_90 and timings on an H200 are in docs/kernel_notes.md.
+# rows <= 16 is memory-bound (mma.sync tile, no spills); wider blocks are compute-bound:
+# a 64-row wgmma tile, its [64, 512] fp32 accumulator split over two programs
+# (v_split=2) so that one warpgroup holds it without spilling.
+_TUNED = {
+    16: (16, 64, 4, 2, 1, 2.0),
+    32: (32, 32, 4, 2, 1, 2.0),
+    64: (64, 32, 4, 3, 2, 1.0),
+}
+
+
+def _load_tuning_override() -> None:
+    """DCP_MLA_TUNED=path.json replaces entries of _TUNED (used by the benchmarks)."""
+    import json
+    import os
+
+    path = os.environ.get("DCP_MLA_TUNED")
+    if not path or not os.path.exists(path):
+        return
+    with open(path) as f:
+        for k, v in json.load(f).items():
+            _TUNED[int(k)] = tuple(v)
+
+
+_load_tuning_override()
+
+
 def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, device: torch.device,
                 num_splits: Optional[int] = None) -> MLAKernelConfig:
     """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture)."""
@@ -444,27 +493,21 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
         block_n = 16
         ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), block_n)))
         return MLAKernelConfig(block_h, block_n, 4, 1, ns)
-    # (block_h, block_n, warps, stages, waves): resource use checked offline for sm_90
-    # (docs/kernel_notes.md): no spills for the 16-row tile; the 64-row wgmma tile
-    # keeps a [64, 512] fp32 accumulator over 2 warpgroups and spills a little.
-    if rows <= 16:
-        block_h, block_n, warps, stages, waves = 16, 32, 4, 2, 2
-    elif rows <= 32:
-        block_h, block_n, warps, stages, waves = 32, 32, 8, 2, 2
-    else:
-        block_h, block_n, warps, stages, waves = 64, 32, 8, 2, 1
+    bucket = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_h, block_n, warps, stages, v_split, waves = _TUNED[bucket]
     if _pow2(d_main) + _pow2(d_tail) > 640:  # wider than 512 + 64: smaller tiles
         block_n = min(block_n, 16)
-    n_hb = triton.cdiv(rows, block_h)
+    n_hb = triton.cdiv(rows, block_h) * v_split
     ns = num_splits if num_splits is not None else split_count(batch, n_hb, t_cap, device, waves)
-    return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)))
+    return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)), v_split)
 
 
-def split_count(batch: int, n_head_blocks: int, t_cap: int, device: torch.device, waves: float = 1.0,
+def split_count(batch: int, n_programs: int, t_cap: int, device: torch.device, waves: float = 1.0,
                 min_tokens: int = 256) -> int:
-    """Splits so that about ``waves`` x SM-count programs run, each over >= min_tokens keys."""
+    """Splits so that at most ``waves`` x SM-count programs run (whole waves, no ragged
+    last wave), each over >= min_tokens keys; ``n_programs`` = programs per split per row."""
     target = max(1, int(waves * _sm_count(device)))
-    ns = triton.cdiv(target, max(1, batch * n_head_blocks))
+    ns = target // max(1, batch * n_programs)
     return max(1, min(ns, triton.cdiv(max(t_cap, 1), min_tokens)))
 
 
@@ -523,7 +566,7 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     cfg = config or pick_config(SH, d_main, d_tail, B, T, device, num_splits)
     if num_splits is not None and config is not None:
-        cfg = MLAKernelConfig(cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits)
+        cfg = MLAKernelConfig(cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits, cfg.v_split)
     ns = cfg.num_splits
     if device.type != "cuda" and not INTERPRETED:
         raise RuntimeError("mla_attention_triton on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
@@ -569,7 +612,8 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
         l_scale = 1.0
     is_f32 = kv.dtype == torch.float32
 
-    grid = (triton.cdiv(SH, cfg.block_h), ns, B)
+    v_split = cfg.v_split if (_pow2(d_main) == d_main and d_main >= 32) else 1
+    grid = (triton.cdiv(SH, cfg.block_h) * v_split, ns, B)
     stage1[grid](
         parts.q_main, qt, parts.k_main, kt, pt, lens, mask_b if mask_b is not None else dummy, q_pos,
         o_part, l_part,
@@ -577,7 +621,7 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
         *qs, *qts, *kvs, *kts, *pts, *ms, *qps, *ops, *lps,
         D_MAIN=d_main, D_TAIL=d_tail, D_V=v_dim,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(max(d_tail, 1)),
+        BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(max(d_tail, 1)), V_SPLIT=v_split,
         NUM_SPLITS=ns, PAGE=page_size if paged else 1,
         PAGED=paged, HAS_TAIL=parts.q_tail is not None, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32,
