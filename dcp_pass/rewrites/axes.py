@@ -202,3 +202,73 @@ def inverse_permutation(perm: Sequence[int]) -> list[int]:
     for i, p in enumerate(perm):
         inv[p] = i
     return inv
+
+
+# ----------------------------------------------------------------------------- matmul family
+# Matmul-style models flatten (seq, heads) into one axis around a 3-D matmul and view
+# the result back: `matmul(q.flatten(1, 2), k.transpose(1, 2)).view(b, s, h, t)`.
+# We model that as one contraction over the unflattened operand, with the merged
+# axis label split in two, so the role logic sees [b, s, h, *] tensors again.
+
+
+def flatten_source(node: Any) -> Optional[tuple[fx.Node, int]]:
+    """(input, first merged axis) when `node` merges exactly two adjacent axes."""
+    if not isinstance(node, fx.Node):
+        return None
+    if is_method(node, "flatten") or is_function(node, torch.flatten):
+        src = node.args[0]
+        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+        src_shape = shape_of(src)
+        if src_shape is None:
+            return None
+        start, end = normalize_dim(start, len(src_shape)), normalize_dim(end, len(src_shape))
+        return (src, start) if end == start + 1 else None
+    if is_method(node, "view", "reshape") and isinstance(node.args[0], fx.Node):
+        src = node.args[0]
+        shape, src_shape = shape_of(node), shape_of(src)
+        if shape is not None and src_shape is not None and len(src_shape) == len(shape) + 1:
+            for a in range(len(shape)):
+                if (all(known_equal(shape[i], src_shape[i]) for i in range(a))
+                        and known_equal(shape[a], src_shape[a] * src_shape[a + 1])
+                        and all(known_equal(shape[i], src_shape[i + 1]) for i in range(a + 1, len(shape)))):
+                    return src, a
+    return None
+
+
+def split_axes(view: fx.Node, src: fx.Node) -> list[int]:
+    """Every axis `a` such that `view` (a view/reshape of `src`) splits src's axis a in two.
+
+    Several can fit when sizes are 1 (b=2, s=1, h=2: [2, 2, t] -> [2, 1, 2, t]); the
+    caller keeps the one that matches how the operands were flattened.
+    """
+    if not is_method(view, "view", "reshape"):
+        return []
+    shape, src_shape = shape_of(view), shape_of(src)
+    if shape is None or src_shape is None or len(shape) != len(src_shape) + 1:
+        return []
+    return [
+        a for a in range(len(src_shape))
+        if all(known_equal(shape[i], src_shape[i]) for i in range(a))
+        and known_equal(shape[a] * shape[a + 1], src_shape[a])
+        and all(known_equal(shape[i + 1], src_shape[i]) for i in range(a + 1, len(src_shape)))
+    ]
+
+
+def unflatten_contraction(contraction: Contraction, out_axis: int, node: fx.Node) -> Optional[Contraction]:
+    """The contraction seen with output axis `out_axis` split in two (output = `node`)."""
+    label = contraction.out_labels[out_axis]
+    halves = [label + "'", label + '"']
+    operands = []
+    for operand, labels in ((contraction.lhs, contraction.lhs_labels), (contraction.rhs, contraction.rhs_labels)):
+        if label not in labels:
+            operands.append((operand, labels))
+            continue
+        flat = flatten_source(operand)
+        if flat is None or flat[1] != labels.index(label):
+            return None
+        i = labels.index(label)
+        operands.append((flat[0], labels[:i] + halves + labels[i + 1:]))
+    out = contraction.out_labels[:out_axis] + halves + contraction.out_labels[out_axis + 1:]
+    (lhs, lhs_labels), (rhs, rhs_labels) = operands
+    return Contraction(node, lhs, rhs, lhs_labels, rhs_labels, out, contraction.family)

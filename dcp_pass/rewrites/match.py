@@ -144,11 +144,41 @@ def parse_cache_index(buffer: fx.Node, index: Any) -> Optional[tuple[SizeArg, Si
 
 
 def as_cache_read(node: fx.Node) -> Optional[CacheAccess]:
-    if node.op == "call_function" and node.target is operator.getitem and is_cache_buffer(node.args[0]):
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    if is_cache_buffer(node.args[0]):
         parsed = parse_cache_index(node.args[0], node.args[1])
         if parsed is not None and parsed[1] == 0:
             return CacheAccess(node, node.args[0], *parsed)
-    return None
+        return None
+    # `read[..., f0:f1]` of a cache read (e.g. the latent columns of a fused cache)
+    inner = node.args[0] if isinstance(node.args[0], fx.Node) else None
+    base = as_cache_read(inner) if inner is not None else None
+    columns = _feature_slice(node.args[1])
+    if base is None or columns is None:
+        return None
+    width = (base.feat[1] - base.feat[0]) if base.feat else axes.shape_of(base.buffer)[2]
+    f0, f1 = columns[0], width if columns[1] is None else min(columns[1], width)
+    if not (isinstance(f0, int) and isinstance(f1, int)) or f0 < 0 or f1 < 0:
+        return None
+    offset = base.feat[0] if base.feat else 0
+    feat = (offset + f0, offset + f1)
+    full = (0, axes.shape_of(base.buffer)[2])
+    return CacheAccess(node, base.buffer, base.bsz, base.start, base.end, None if feat == full else feat)
+
+
+def _feature_slice(index: Any) -> Optional[tuple]:
+    """(f0, f1) for `[..., f0:f1]` or `[:, :, f0:f1]`."""
+    if not isinstance(index, tuple) or not index:
+        return None
+    if len(index) == 2 and index[0] is Ellipsis:
+        last = index[1]
+    elif len(index) == 3 and all(i == slice(None) for i in index[:2]):
+        last = index[2]
+    else:
+        return None
+    bounds = _slice_bounds(last)
+    return bounds
 
 
 def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
@@ -211,20 +241,35 @@ class _ScoreParser:
 
     def __init__(self, depends_on_cache):
         self.depends_on_cache = depends_on_cache
-        self.terms: list[tuple[fx.Node, float]] = []
+        self.terms: list[tuple[axes.Contraction, float]] = []
         self.masks: list[tuple[fx.Node, str, float]] = []
 
-    def parse(self, node: Any, mult: float) -> None:
+    def parse(self, node: Any, mult: float, split: Optional[tuple[list[int], fx.Node]] = None) -> None:
+        """`split` = (candidate axes, view node) under a view that splits (seq*heads) back apart."""
         if not isinstance(node, fx.Node):
             raise NearMiss(f"constant {node!r} added to attention scores")
         if not self.depends_on_cache(node):
+            if split is not None:
+                raise NearMiss(f"mask {node.name} added to flattened scores")
             self.masks.append((node, "additive", mult))
             return
-        if axes.as_contraction(node) is not None:
-            self.terms.append((node, mult))
+        contraction = axes.as_contraction(node)
+        if contraction is not None:
+            if split is not None:
+                candidates = [axes.unflatten_contraction(contraction, a, split[1]) for a in split[0]]
+                candidates = [c for c in candidates if c is not None]
+                contraction = candidates[0] if len(candidates) == 1 else None
+                if contraction is None:
+                    raise NearMiss(f"{node.name} contracts flattened operands that cannot be unflattened")
+            self.terms.append((contraction, mult))
             return
+        if split is None and axes.is_method(node, "view", "reshape") and isinstance(node.args[0], fx.Node):
+            candidates = axes.split_axes(node, node.args[0])
+            if candidates:
+                self.parse(node.args[0], mult, (candidates, node))
+                return
         if axes.is_dtype_cast(node):
-            self.parse(node.args[0], mult)
+            self.parse(node.args[0], mult, split)
             return
         if axes.is_method(node, "masked_fill", "masked_fill_") or axes.is_function(node, torch.masked_fill):
             fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
@@ -238,14 +283,14 @@ class _ScoreParser:
             raise NearMiss(f"unsupported op {node.format_node()} between the score contractions and softmax")
         kind, a, b = binary
         if kind == "add":
-            self.parse(a, mult)
-            self.parse(b, mult)
+            self.parse(a, mult, split)
+            self.parse(b, mult, split)
         elif kind == "mul" and _is_number(b):
-            self.parse(a, mult * b)
+            self.parse(a, mult * b, split)
         elif kind == "mul" and _is_number(a):
-            self.parse(b, mult * a)
+            self.parse(b, mult * a, split)
         elif kind == "div" and _is_number(b):
-            self.parse(a, mult / b)
+            self.parse(a, mult / b, split)
         else:
             raise NearMiss(f"attention scores scaled by a tensor ({node.format_node()}); only constant scales are supported")
 
@@ -284,8 +329,8 @@ def _cache_operand_roles(operand: fx.Node) -> Optional[tuple[CacheAccess, list[O
     return access, [None if o is None else (B, T, F)[o] for o in order]
 
 
-def _score_term(node: fx.Node, query_len_of) -> ScoreTerm:
-    contraction = axes.as_contraction(node)
+def _score_term(contraction: axes.Contraction, query_len_of) -> ScoreTerm:
+    node = contraction.node
     cache_side = [(op, _cache_operand_roles(op)) for op in (contraction.lhs, contraction.rhs)]
     cache_side = [(op, r) for op, r in cache_side if r is not None]
     if len(cache_side) != 1:
@@ -315,6 +360,21 @@ def _mask_roles(mask: fx.Node, score_roles: list[str]) -> list[Optional[str]]:
     return score_roles[len(score_roles) - len(shape):]
 
 
+def _flattened_value_contraction(probs: fx.Node, flat: fx.Node) -> Optional[axes.Contraction]:
+    """`matmul(probs.flatten(1, 2), values).view(b, s, h, d)` as one contraction on probs."""
+    source = axes.flatten_source(flat)
+    if source is None or source[0] is not probs or len(flat.users) != 1:
+        return None
+    mm = next(iter(flat.users))
+    contraction = axes.as_contraction(mm)
+    if contraction is None or len(mm.users) != 1:
+        return None
+    view = next(iter(mm.users))
+    found = [axes.unflatten_contraction(contraction, a, view) for a in axes.split_axes(view, mm)]
+    found = [c for c in found if c is not None]
+    return found[0] if len(found) == 1 else None
+
+
 def match_softmax(
     softmax: fx.Node, depends_on_cache, query_len_of
 ) -> MlaMatch:
@@ -334,7 +394,7 @@ def match_softmax(
     if len(mults) != 1:
         raise NearMiss(f"score terms scaled differently ({sorted(mults)})")
     scale = mults.pop()
-    terms = [_score_term(node, query_len_of) for node, _ in parser.terms]
+    terms = [_score_term(contraction, query_len_of) for contraction, _ in parser.terms]
     if len(terms) > 2:
         raise NearMiss(f"{len(terms)} score contractions; expected latent (+ rotary)")
 
@@ -360,6 +420,8 @@ def match_softmax(
         raise NearMiss("attention probabilities are used outside the value product")
     value_node = next(iter(probs.users))
     value = axes.as_contraction(value_node)
+    if value is None:
+        value = _flattened_value_contraction(probs, value_node)
     if value is None or (value.lhs is not probs and value.rhs is not probs):
         raise NearMiss(f"attention probabilities feed {value_node.format_node()}, not a value contraction")
     cache_operand = value.other(probs)
