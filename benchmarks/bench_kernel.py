@@ -61,12 +61,37 @@ def rotating(fn, sets):
     return lambda: fn(*next(it))
 
 
-def time_triton(sets, config=None):
+def graph_of(calls):
+    """Capture the calls (one per rotated input set) in one CUDA graph; returns replay fn."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    return g.replay
+
+
+def time_fn(fn, sets, graph=True, **kw):
+    """Median ms per call: CUDA-graph replay of one call per input set (launch overhead
+    out of the number, as in a graph-captured decode step), or eager with rotation."""
+    if graph and DEV == "cuda":
+        replay = graph_of([(lambda q=q, kv=kv: fn(q, kv)) for q, kv in sets])
+        return bench(replay, **kw) / len(sets)
+    fn(*sets[0])
+    return bench(rotating(fn, sets), **kw)
+
+
+def time_triton(sets, config=None, graph=True):
     def run(q, kv):
         return M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config)
 
-    run(*sets[0])
-    return bench(rotating(run, sets))
+    return time_fn(run, sets, graph)
 
 
 def check(sets):
@@ -78,26 +103,28 @@ def check(sets):
     return err, lerr
 
 
-def sweep(results, ceil):
+def sweep(results, ceil, tuned_path=None):
     shapes = [(16, 1, 131072), (16, 8, 65536), (16, 32, 16384), (16, 32, 131072),
-              (128, 1, 131072), (128, 8, 32768), (128, 32, 65536)]
+              (128, 1, 131072), (128, 8, 32768), (128, 32, 65536), (64, 8, 65536), (64, 32, 131072)]
     if DEV == "cpu":
-        shapes = [(16, 1, 64), (128, 1, 64)]
-    cfgs = {
-        16: [(16, 32, 4, 2), (16, 32, 4, 3), (16, 64, 4, 2), (16, 16, 4, 4), (16, 64, 8, 2)],
-        128: [(64, 32, 8, 2), (64, 16, 8, 3), (64, 16, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)],
+        shapes = [(16, 1, 64), (64, 1, 64)]
+    cfgs = {  # (block_h, block_n, warps, stages, v_split)
+        16: [(16, 64, 4, 2, 1), (16, 32, 4, 2, 1), (16, 32, 4, 3, 1), (16, 64, 8, 2, 1)],
+        64: [(64, 32, 4, 3, 2), (64, 32, 4, 2, 2), (64, 64, 4, 2, 2), (64, 32, 8, 2, 1), (32, 32, 4, 2, 1)],
     }
     out = []
     for H, B, T in shapes:
         sets = make_case(B, 1, H, T)
         nbytes, flops = counts(B, 1, H, T)
         floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
-        for (bh, bn, w, st) in cfgs[H]:
-            n_hb = -(-H // bh)
+        bucket = 16 if H <= 16 else 64
+        for (bh, bn, w, st, vs) in cfgs[bucket]:
+            n_prog = -(-H // bh) * vs
             for waves in (1, 2, 4):
-                ns = M.split_count(B, n_hb, T, torch.device(DEV), waves)
-                cfg = M.MLAKernelConfig(bh, bn, w, st, ns)
-                rec = dict(H=H, B=B, T=T, block_h=bh, block_n=bn, warps=w, stages=st, waves=waves, splits=ns)
+                ns = M.split_count(B, n_prog, T, torch.device(DEV), waves)
+                cfg = M.MLAKernelConfig(bh, bn, w, st, ns, vs)
+                rec = dict(H=H, B=B, T=T, bucket=bucket, block_h=bh, block_n=bn, warps=w, stages=st, v_split=vs,
+                           waves=waves, splits=ns)
                 try:
                     t = time_triton(sets, cfg)
                     rec.update(ms=t, floor_ms=floor, of_floor=floor / t,
@@ -118,7 +145,22 @@ def sweep(results, ceil):
             if k not in best or r["ms"] < best[k]["ms"]:
                 best[k] = r
     results["sweep_best"] = list(best.values())
-    print(fmt_table(list(best.values()), [("H", "H"), ("B", "B"), ("T", "T"), ("cfg", lambda r: f"{r['block_h']}/{r['block_n']}/{r['warps']}w/{r['stages']}s x{r['waves']}"),
+    # one config per bucket: best geometric mean of floor/time over that bucket's shapes
+    tuned = {}
+    for bucket in cfgs:
+        score = {}
+        for r in out:
+            if r.get("bucket") == bucket:
+                key = (r["block_h"], r["block_n"], r["warps"], r["stages"], r["v_split"], r["waves"])
+                score.setdefault(key, []).append(math.log(r["of_floor"]) if "ms" in r else -1e9)
+        n = max(len(v) for v in score.values())
+        key = max((k for k in score if len(score[k]) == n), key=lambda k: sum(score[k]))
+        tuned[str(bucket)] = list(key)
+    results["tuned"] = tuned
+    if tuned_path:
+        write_json(tuned_path, tuned)
+    print("tuned", tuned, flush=True)
+    print(fmt_table(list(best.values()), [("H", "H"), ("B", "B"), ("T", "T"), ("cfg", lambda r: f"{r['block_h']}/{r['block_n']}/{r['warps']}w/{r['stages']}s/v{r['v_split']} x{r['waves']}"),
                                            ("splits", "splits"), ("ms", "ms"), ("of floor", "of_floor")]), flush=True)
 
 
@@ -134,7 +176,7 @@ def flex_token(results):
         f = torch.compile(flex_attention)
         f(q, kv, v, scale=SCALE, enable_gqa=True, return_lse=True)
         rec["ms"] = bench(lambda: f(q, kv, v, scale=SCALE, enable_gqa=True, return_lse=True))
-        rec["triton_ms"] = time_triton(make_case(1, 1, 16, 4096))
+        rec["triton_ms"] = time_triton(make_case(1, 1, 16, 4096), graph=False)
     except Exception as e:
         rec["error"] = repr(e)[:300]
     results["flex"] = rec
@@ -149,11 +191,13 @@ def table(results, ceil, heads, batches, ctxs, einsum=True):
             sets = make_case(B, 1, H, T)
             nbytes, flops = counts(B, 1, H, T)
             cfg = M.pick_config(H, KV_LORA, ROPE, B, T, torch.device(DEV))
-            rec.update(cfg=f"{cfg.block_h}/{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s", splits=cfg.num_splits,
+            rec.update(cfg=f"{cfg.block_h}/{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s/v{cfg.v_split}",
+                       splits=cfg.num_splits,
                        bytes=nbytes, flops=flops)
             err, lerr = check(sets)
             rec.update(rel_err=err, lse_err=lerr)
             t = time_triton(sets)
+            rec["eager_ms"] = time_triton(sets, graph=False)
             floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
             rec.update(ms=t, floor_ms=floor, of_floor=floor / t,
                        tb_s=nbytes / (t * 1e-3) / 1e12, bw_frac=nbytes / (t * 1e-3) / ceil["copy_bw"],
@@ -161,7 +205,7 @@ def table(results, ceil, heads, batches, ctxs, einsum=True):
                        bound="memory" if nbytes / ceil["copy_bw"] >= flops / ceil["mm_rate"] else "compute")
             if einsum:
                 try:
-                    te = bench(rotating(einsum_mla, sets), warmup_ms=10, rep_ms=50)
+                    te = time_fn(einsum_mla, sets, True, warmup_ms=10, rep_ms=50)
                     rec.update(einsum_ms=te, speedup_vs_einsum=te / t)
                 except torch.OutOfMemoryError:
                     rec.update(einsum_ms=None)
@@ -174,7 +218,7 @@ def table(results, ceil, heads, batches, ctxs, einsum=True):
         rows.append(rec)
         print("row", rec, flush=True)
         results["table"] = rows
-    cols = [("H", "H"), ("B", "B"), ("T/rank", "T"), ("config", "cfg"), ("splits", "splits"), ("ms", "ms"),
+    cols = [("H", "H"), ("B", "B"), ("T/rank", "T"), ("config", "cfg"), ("splits", "splits"), ("ms", "ms"), ("eager ms", "eager_ms"),
             ("floor ms", "floor_ms"), ("floor/ms", "of_floor"), ("TB/s", "tb_s"), ("% copy bw", lambda r: f"{100 * r['bw_frac']:.0f}" if "bw_frac" in r else ""),
             ("TFLOP/s", "tflops"), ("% mm rate", lambda r: f"{100 * r['mm_frac']:.0f}" if "mm_frac" in r else ""),
             ("einsum ms", lambda r: r.get("einsum_ms") or ""), ("vs einsum", lambda r: f"{r['speedup_vs_einsum']:.1f}x" if r.get("speedup_vs_einsum") else "")]
@@ -187,6 +231,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernel.json")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--tuned-out", default=None, help="write the sweep's per-bucket choice here (DCP_MLA_TUNED format)")
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--flex", action="store_true")
     ap.add_argument("--no-einsum", action="store_true")
@@ -201,7 +246,8 @@ def main():
     print("ceilings: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s" % (ceil["copy_bw"] / 1e12, ceil["mm_rate"] / 1e12), flush=True)
     write_json(a.out, results)
     if a.sweep:
-        sweep(results, ceil)
+        sweep(results, ceil, a.tuned_out)
+        M._TUNED.update({int(k): tuple(v) for k, v in results["tuned"].items()})
         write_json(a.out, results)
     if not a.no_table:
         table(results, ceil, [int(x) for x in a.heads.split(",")], [int(x) for x in a.batches.split(",")],
