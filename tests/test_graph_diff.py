@@ -1,0 +1,793 @@
+"""Graph-diff regression tests: what the DCP pass does to captured graphs.
+
+Each test compiles a model with `DcpBackend(inner="eager")` on an in-process fake
+process group (`backend="fake"`: any world size, right shapes, garbage data), takes
+the FX graph the backend handed to its inner compiler and pins readable code of it
+with `assertExpectedInline`. Any change to the rewrite shows up as a diff here.
+
+Regenerate after an intended change with
+    EXPECTTEST_ACCEPT=1 python -m pytest tests/test_graph_diff.py
+and review the diff by eye.
+
+Most cases use `TinyMLA` (below), whose whole rewritten graph is short enough to
+pin. Cases that need the example models (fused cache, masked_fill, hybrid,
+q-replication) pin only the attention region: from the first `dcp.striped_write`
+to the node that consumes the merged output.
+
+Code is normalized before pinning (`_normalize`): Dynamo's `l_self_modules_..._`
+names are shortened (`l_self_modules_attn_buffers_kv_cache_` -> `attn_kv_cache`),
+`x = L_x_` alias lines and fx's `;  a = b = None` liveness suffixes are dropped,
+and the signature lists bare input names.
+"""
+from __future__ import annotations
+
+import operator
+import re
+import unittest
+from typing import Optional
+
+import expecttest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from dcp_pass.backend import DcpBackend
+from dcp_pass.runtime import comm
+
+EXCHANGES = (comm.exchange_a2a, comm.exchange_ag_rs, comm.exchange_replicated, comm.exchange_fi_a2a)
+
+
+# ----------------------------------------------------------------------------- a tiny MLA
+
+
+class TinyMLA(nn.Module):
+    """Absorbed MLA reduced to the attention: the caller passes absorbed queries and new KV rows.
+
+    kv_cache [B, T, rank] (latent) and pe_cache [B, T, rope] (rotary), written by slice
+    assignment; einsum scores; fp32 softmax; values are the latent rows; then the value
+    half of wkv_b (`w_uv`). `fused`: one latent||rotary cache. `mask_fill`: boolean mask
+    through masked_fill instead of an additive one. `leak_probs`: the probabilities are
+    also returned (a near miss: they are used outside the value product).
+    """
+
+    def __init__(self, heads=4, rank=8, rope=4, v_dim=6, batch=2, max_seq=16,
+                 fused=False, mask_fill=False, leak_probs=False):
+        super().__init__()
+        self.rank, self.fused, self.mask_fill, self.leak_probs = rank, fused, mask_fill, leak_probs
+        self.w_uv = nn.Parameter(torch.randn(heads, v_dim, rank))
+        if fused:
+            self.register_buffer("kv_cache", torch.zeros(batch, max_seq, rank + rope))
+        else:
+            self.register_buffer("kv_cache", torch.zeros(batch, max_seq, rank))
+            self.register_buffer("pe_cache", torch.zeros(batch, max_seq, rope))
+
+    def forward(self, q_lat, q_pe, latent, k_pe, start_pos: int, mask: Optional[torch.Tensor] = None):
+        bsz, seqlen = q_lat.shape[:2]
+        end = start_pos + seqlen
+        if self.fused:
+            self.kv_cache[:bsz, start_pos:end] = torch.cat([latent, k_pe], dim=-1)
+            cache = self.kv_cache[:bsz, :end]
+            scores = torch.einsum("bshc,btc->bsht", torch.cat([q_lat, q_pe], dim=-1), cache)
+            values = cache[..., : self.rank]
+        else:
+            self.kv_cache[:bsz, start_pos:end] = latent
+            self.pe_cache[:bsz, start_pos:end] = k_pe
+            scores = torch.einsum("bshc,btc->bsht", q_lat, self.kv_cache[:bsz, :end]) + torch.einsum(
+                "bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end])
+            values = self.kv_cache[:bsz, :end]
+        scores = scores * 0.25
+        if mask is not None:
+            if self.mask_fill:
+                scores = scores.masked_fill(mask.unsqueeze(1), float("-inf"))
+            else:
+                scores = scores + mask.unsqueeze(1)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_lat)
+        o = torch.einsum("bsht,btc->bshc", probs, values)
+        o = torch.einsum("bshc,hdc->bshd", o, self.w_uv).flatten(2)
+        return (o, probs) if self.leak_probs else o
+
+
+def causal_mask(seqlen: int, start_pos: int, kind: str = "additive") -> torch.Tensor:
+    """Query i (global position start_pos + i) sees keys <= start_pos + i."""
+    if kind == "additive":
+        return torch.full((seqlen, start_pos + seqlen), float("-inf")).triu_(start_pos + 1)
+    return torch.ones((seqlen, start_pos + seqlen), dtype=torch.bool).triu_(start_pos + 1)
+
+
+def tiny_inputs(seqlen: int, start_pos: int, mask: Optional[str] = None, heads=4, rank=8, rope=4, batch=2):
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(batch, seqlen, heads, rank, generator=g), torch.randn(batch, seqlen, heads, rope, generator=g),
+            torch.randn(batch, seqlen, rank, generator=g), torch.randn(batch, seqlen, rope, generator=g), start_pos)
+    return args + ((causal_mask(seqlen, start_pos, mask),) if mask else ())
+
+
+class TinyMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+_NAME = re.compile(r"\b[lL]_(\w+?)_\b")
+
+
+def _short_name(m: re.Match) -> str:
+    name = m.group(1)
+    if name.startswith("self_"):
+        name = re.sub(r"(?:modules|parameters|buffers)_", "", name[len("self_"):])
+    return name
+
+
+def _normalize(code: str) -> str:
+    out = []
+    for line in code.strip("\n").splitlines():
+        line = line.rstrip()
+        if not line:
+            continue
+        if line.startswith("def forward("):
+            params = line[len("def forward("):-2].split(", ")
+            line = "def forward(" + ", ".join(p.split(" : ")[0] for p in params) + "):"
+        elif re.fullmatch(r"\s+l_\w+_ = L_\w+_", line):
+            continue
+        line = re.sub(r";  [\w ,=]+ = None$", "", line)
+        out.append(_NAME.sub(_short_name, line))
+    return "\n".join(out)
+
+
+def render(gm: fx.GraphModule) -> str:
+    """The whole graph as normalized Python code."""
+    return _normalize(gm.code)
+
+
+def _exchange_node(gm: fx.GraphModule) -> fx.Node:
+    found = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in EXCHANGES]
+    assert len(found) == 1, f"expected one exchange node, found {len(found)}"
+    return found[0]
+
+
+def region(gm: fx.GraphModule) -> str:
+    """Normalized code from the first striped write to the first consumer of the merged output."""
+    lines = render(gm).splitlines()
+    first = next(i for i, l in enumerate(lines) if "torch.ops.dcp.striped_write" in l)
+    consumers = {u.name for u in _exchange_node(gm).users}
+    last = next(i for i, l in enumerate(lines) if l.strip().split(" = ")[0] in consumers)
+    return "\n".join(l.strip() for l in lines[first:last + 1])
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return "." + node.target
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if target is operator.getitem:
+        return "[]"
+    if target is operator.setitem:
+        return "[]="
+    return getattr(target, "__name__", str(target))
+
+
+def op_summary(gm: fx.GraphModule, attention_only: bool = True) -> str:
+    """The call targets in order, one line; `attention_only`: first striped write .. exchange consumer."""
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    if attention_only:
+        start = next(i for i, n in enumerate(nodes) if n.target is torch.ops.dcp.striped_write.default)
+        users = _exchange_node(gm).users
+        stop = next(i for i, n in enumerate(nodes) if n in users)
+        nodes = nodes[start:stop + 1]
+    return " ".join(_op_name(n) for n in nodes)
+
+
+def cache_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and re.search(r"buffers_\w*cache", n.name)]
+
+
+# ----------------------------------------------------------------------------- test case
+
+
+class GraphDiffTest(expecttest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def tearDown(self):
+        torch._dynamo.reset()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # helpers
+
+    def world(self, c: int) -> None:
+        """A fake process group of `c` ranks; this process is rank 0."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c)
+
+    def dcp(self, model: nn.Module, *calls: tuple, c: int, **options) -> DcpBackend:
+        """Compile `model` with a DCP backend on a fake world of `c` ranks and run each call."""
+        if not dist.is_initialized() or dist.get_world_size() != c:
+            self.world(c)
+        options.setdefault("inner", "eager")
+        be = DcpBackend(dcp_size=c, **options)
+        compiled = torch.compile(model, backend=be)
+        with torch.no_grad():
+            for args in calls:
+                compiled(*args)
+        return be
+
+    def plain(self, model: nn.Module, *calls: tuple) -> list[fx.GraphModule]:
+        """The graphs Dynamo captures without DCP."""
+        torch._dynamo.reset()
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(model, backend=record)
+        with torch.no_grad():
+            for args in calls:
+                compiled(*args)
+        torch._dynamo.reset()
+        return graphs
+
+    def assertRewritten(self, gm: fx.GraphModule, layers: int = 1) -> None:
+        """Striped writes replaced every cache write and nothing reads a full cache buffer."""
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        self.assertNotIn(operator.setitem, targets)
+        self.assertEqual(targets.count(torch.ops.dcp.mla_local_attention.default), layers)
+        self.assertGreaterEqual(targets.count(torch.ops.dcp.striped_write.default), layers)
+        caches = cache_placeholders(gm)
+        self.assertTrue(caches)
+        for node in caches:
+            self.assertEqual(list(node.users), [], f"{node.name} (full-size cache) is still read")
+
+    # ------------------------------------------------------------------ TinyMLA: the three phases
+
+    def test_decode(self):
+        be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="a2a")
+        self.assertEqual(len(be.graphs), 1)
+        self.assertRewritten(be.graphs[0])
+        # end = 6 positions: rank 0 of 2 owns 0, 2, 4 -> local slice [:2, :3]; no mask for one token
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
+    getitem_6 = mla_local_attention_default[0]
+    getitem_7 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+        self.assertExpectedInline(be.report.summary(), """\
+dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
+  graph 0: 1 MLA layer(s) rewritten
+    rewrote kv_cache: decode, 2 score term(s), q all-gather, comm a2a, lse base e, attention auto
+  KV cache bytes on this rank: 1536 without DCP -> 768 with DCP (2.00x less)""")
+
+    def test_decode_symbolic_start_pos(self):
+        # a second start_pos makes it a SymInt: the local key count becomes graph arithmetic
+        be = self.dcp(TinyMLA(), tiny_inputs(1, 5), tiny_inputs(1, 6), c=2, comm_backend="a2a")
+        self.assertEqual(len(be.graphs), 2)
+        self.assertRewritten(be.graphs[1])
+        self.assertExpectedInline(render(be.graphs[1]), """\
+def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    add = start_pos + 1
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, start_pos, 2, 0, 16, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, start_pos, 2, 0, 16, 0)
+    add_1 = add + 1
+    floordiv = add_1 // 2
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, floordiv, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, floordiv, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
+    getitem_6 = mla_local_attention_default[0]
+    getitem_7 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    def test_prefill(self):
+        be = self.dcp(TinyMLA(), tiny_inputs(4, 0, "additive"), c=2, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        # the [S, T] causal mask is put in [B, S, H, T] order and striped like the keys (columns 0::2)
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
+    unsqueeze = mask.unsqueeze(1)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    getitem_6 = unsqueeze[(None, Ellipsis)]
+    getitem_7 = getitem_6[(Ellipsis, slice(0, None, 2))]
+    float_1 = getitem_7.float()
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, float_1, 'e', 'auto')
+    getitem_8 = mla_local_attention_default[0]
+    getitem_9 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_8, getitem_9, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    def test_verify(self):
+        # static multi-token verification: s = k + 1 = 3 tokens at start_pos 5 with a causal mask
+        be = self.dcp(TinyMLA(), tiny_inputs(3, 5, "additive"), c=2, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    unsqueeze = mask.unsqueeze(1)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 4, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 4, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    getitem_6 = unsqueeze[(None, Ellipsis)]
+    getitem_7 = getitem_6[(Ellipsis, slice(0, None, 2))]
+    float_1 = getitem_7.float()
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, float_1, 'e', 'auto')
+    getitem_8 = mla_local_attention_default[0]
+    getitem_9 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_8, getitem_9, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+        self.assertIn("multi-token", be.report.summary())
+
+    # ------------------------------------------------------------------ comm backends and modes
+
+    def test_head_sharded_a2a(self):
+        be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="a2a")
+        self.assertExpectedInline(op_summary(be.graphs[0]), """dcp.striped_write dcp.striped_write [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a einsum""")
+
+    def test_head_sharded_ag_rs(self):
+        be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="ag_rs")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
+    getitem_6 = mla_local_attention_default[0]
+    getitem_7 = mla_local_attention_default[1]
+    exchange_ag_rs = dcp_pass_runtime_comm_exchange_ag_rs(getitem_6, getitem_7, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_ag_rs, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    def test_head_replicated_a2a(self):
+        # tp_size=1: every rank holds all heads; no query gather, all heads come back from the merge
+        be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, tp_size=1, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
+    getitem_4 = mla_local_attention_default[0]
+    getitem_5 = mla_local_attention_default[1]
+    exchange_replicated = dcp_pass_runtime_comm_exchange_replicated(getitem_4, getitem_5, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_replicated, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    def test_head_replicated_ag_rs(self):
+        be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, tp_size=1, comm_backend="ag_rs")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
+    getitem_4 = mla_local_attention_default[0]
+    getitem_5 = mla_local_attention_default[1]
+    exchange_replicated = dcp_pass_runtime_comm_exchange_replicated(getitem_4, getitem_5, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_replicated, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    # ------------------------------------------------------------------ DCP sizes
+
+    def _decode_c(self, c: int) -> fx.GraphModule:
+        be = self.dcp(TinyMLA(max_seq=32), tiny_inputs(1, 13), c=c, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        return be.graphs[0]
+
+    def test_dcp_size_2(self):
+        # end = 14: rank 0 owns 0, 2, ..., 12 -> 7 local keys
+        self.assertExpectedInline(render(self._decode_c(2)), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 13, 2, 0, 32, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 13, 2, 0, 32, 0)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 7, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 7, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
+    getitem_6 = mla_local_attention_default[0]
+    getitem_7 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    def test_dcp_size_4(self):
+        # rank 0 owns 0, 4, 8, 12 -> 4 local keys
+        self.assertExpectedInline(render(self._decode_c(4)), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 13, 4, 0, 32, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 13, 4, 0, 32, 0)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 4, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 4, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 4)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
+    getitem_6 = mla_local_attention_default[0]
+    getitem_7 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 4, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    def test_dcp_size_8(self):
+        # rank 0 owns 0, 8 -> 2 local keys
+        self.assertExpectedInline(render(self._decode_c(8)), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 13, 8, 0, 32, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 13, 8, 0, 32, 0)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 8)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
+    getitem_6 = mla_local_attention_default[0]
+    getitem_7 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 8, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    def test_dcp_sizes_differ_only_in_constants(self):
+        shapes = set()
+        for c in (2, 4, 8):
+            code = render(self._decode_c(c))
+            shapes.add(re.sub(r"\b\d+\b", "N", code))
+            torch._dynamo.reset()
+        self.assertEqual(len(shapes), 1, "\n\n".join(sorted(shapes)))
+
+    # ------------------------------------------------------------------ pass-through
+
+    def test_dcp_size_1_is_unchanged(self):
+        calls = [tiny_inputs(1, 5)]
+        expected = self.plain(TinyMLA(), *calls)[0].code
+        be = DcpBackend(dcp_size=1, inner="eager")
+        with torch.no_grad():
+            torch.compile(TinyMLA(), backend=be)(*calls[0])
+        self.assertEqual(be.graphs[0].code, expected)
+        self.assertIn("unchanged: dcp_size=1", be.report.summary())
+
+    def test_no_mla_passes_through(self):
+        x = (torch.randn(3, 8),)
+        expected = self.plain(TinyMLP(), x)[0].code
+        be = self.dcp(TinyMLP(), x, c=2, comm_backend="a2a")
+        self.assertEqual(be.graphs[0].code, expected)
+        self.assertExpectedInline(be.report.summary(), """\
+dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
+  graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)""")
+
+    def test_near_miss_reported_and_unchanged(self):
+        # the probabilities are also returned to the caller: not only used by the value product
+        calls = [tiny_inputs(1, 5)]
+        expected = self.plain(TinyMLA(leak_probs=True), *calls)[0].code
+        be = self.dcp(TinyMLA(leak_probs=True), *calls, c=2, comm_backend="a2a")
+        self.assertEqual(be.graphs[0].code, expected)
+        self.assertExpectedInline(be.report.summary(), """\
+dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
+  graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+    near miss at softmax: attention probabilities are used outside the value product""")
+
+    # ------------------------------------------------------------------ spelling variants
+
+    def test_tiny_fused_cache(self):
+        be = self.dcp(TinyMLA(fused=True), tiny_inputs(1, 5), c=2, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
+    cat = torch.cat([latent, k_pe], dim = -1)
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, cat, 5, 2, 0, 16, 0)
+    cat_1 = torch.cat([q_lat, q_pe], dim = -1)
+    getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat_1, '0', 2)
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(gather_heads, None, getitem, None, 8, 0.25, None, 'e', 'auto')
+    getitem_1 = mla_local_attention_default[0]
+    getitem_2 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_1, getitem_2, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_2 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_2.flatten(2)
+    return (o_1,)""")
+
+    def test_tiny_masked_fill(self):
+        be = self.dcp(TinyMLA(mask_fill=True), tiny_inputs(4, 0, "bool"), c=2, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
+    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
+    unsqueeze = mask.unsqueeze(1)
+    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
+    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    cat = torch.cat([q_lat, q_pe], -1)
+    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
+    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    where = torch.where(unsqueeze, -inf, 0.0)
+    getitem_6 = where[(None, Ellipsis)]
+    getitem_7 = getitem_6[(Ellipsis, slice(0, None, 2))]
+    float_1 = getitem_7.float()
+    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, float_1, 'e', 'auto')
+    getitem_8 = mla_local_attention_default[0]
+    getitem_9 = mla_local_attention_default[1]
+    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_8, getitem_9, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+
+    # ------------------------------------------------------------------ example models
+
+    def _model(self, c: int, **kw):
+        from examples.deepseek_mla import ModelArgs, build_model
+
+        self.world(c)
+        kw.setdefault("n_layers", 1)
+        kw.setdefault("n_dense_layers", kw["n_layers"])
+        return build_model(ModelArgs(tp_size=c, **kw), rank=0)
+
+    @staticmethod
+    def _tokens(seqlen: int) -> torch.Tensor:
+        return torch.zeros(2, seqlen, dtype=torch.long)
+
+    def test_model_decode(self):
+        # the default model (MoE blocks break it into several graphs); attention stays in one graph
+        model = self._model(2, n_layers=2, n_dense_layers=1)
+        be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
+        rewritten = [g for g in be.graphs if "mla_local_attention" in g.code]
+        self.assertEqual(len(rewritten), 2)
+        for gm in rewritten:
+            self.assertRewritten(gm)
+        self.assertExpectedInline(region(rewritten[0]), """\
+striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+squeeze = k_pe_1.squeeze(2)
+striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+getitem_9 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+cat = torch.cat([q_lat, q_pe_1], -1)
+gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+getitem_10 = gather_heads[(Ellipsis, slice(None, 32, None))]
+getitem_11 = gather_heads[(Ellipsis, slice(32, None, None))]
+mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_10, getitem_11, getitem, getitem_9, 32, 0.2041241452319315, None, 'e', 'auto')
+getitem_12 = mla_local_attention_default[0]
+getitem_13 = mla_local_attention_default[1]
+exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_12, getitem_13, '0', 2, base = 'e', out_dtype = torch.float32)
+getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
+o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_8)""")
+        self.assertExpectedInline(op_summary(rewritten[0]), """dcp.striped_write .squeeze dcp.striped_write [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a [] einsum""")
+        self.assertExpectedInline(be.report.summary(), """\
+dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
+  graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  graph 1: 1 MLA layer(s) rewritten
+    rewrote attn: decode, 2 score term(s), q all-gather, comm a2a, lse base e, attention auto
+  graph 2: 1 MLA layer(s) rewritten
+    rewrote attn: decode, 2 score term(s), q all-gather, comm a2a, lse base e, attention auto
+  graph 3: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  graph 4: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  graph 5: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  graph 6: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  graph 7: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  graph 8: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  graph 9: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  KV cache bytes on this rank: 122880 without DCP -> 61440 with DCP (2.00x less)""")
+
+    def test_model_fused_cache(self):
+        model = self._model(2, fused_cache=True)
+        be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(region(be.graphs[0]), """\
+striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, cat, 4, 2, 0, 96, 0)
+q_full = torch.cat([q_lat, q_pe_1], dim = -1)
+getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+gather_heads = dcp_pass_runtime_comm_gather_heads(q_full, '0', 2)
+mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(gather_heads, None, getitem, None, 32, 0.2041241452319315, None, 'e', 'auto')
+getitem_9 = mla_local_attention_default[0]
+getitem_10 = mla_local_attention_default[1]
+exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_9, getitem_10, '0', 2, base = 'e', out_dtype = torch.float32)
+getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
+o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_8)""")
+
+    def test_model_masked_fill(self):
+        model = self._model(2, mask_style="masked_fill")
+        be = self.dcp(model, (self._tokens(4), 0), c=2, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(region(be.graphs[0]), """\
+striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 0, 2, 0, 96, 0)
+squeeze = k_pe_1.squeeze(2)
+striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 0, 2, 0, 96, 0)
+unsqueeze_2 = mask.unsqueeze(1)
+getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
+getitem_10 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+cat = torch.cat([q_lat, q_pe_1], -1)
+gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+getitem_11 = gather_heads[(Ellipsis, slice(None, 32, None))]
+getitem_12 = gather_heads[(Ellipsis, slice(32, None, None))]
+where = torch.where(unsqueeze_2, -inf, 0.0)
+getitem_13 = where[(None, Ellipsis)]
+getitem_14 = getitem_13[(Ellipsis, slice(0, None, 2))]
+float_3 = getitem_14.float()
+mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_11, getitem_12, getitem, getitem_10, 32, 0.2041241452319315, float_3, 'e', 'auto')
+getitem_15 = mla_local_attention_default[0]
+getitem_16 = mla_local_attention_default[1]
+exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_15, getitem_16, '0', 2, base = 'e', out_dtype = torch.float32)
+getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
+o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
+
+    def test_model_matmul_scores(self):
+        # score_impl="matmul": matmul/bmm spelling of the scores and the value product
+        model = self._model(2, score_impl="matmul")
+        be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(region(be.graphs[0]), """\
+striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+squeeze = k_pe_1.squeeze(2)
+striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+getitem_10 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+cat = torch.cat([q_lat_1, q_pe_1], -1)
+gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+getitem_11 = gather_heads[(Ellipsis, slice(None, 32, None))]
+getitem_12 = gather_heads[(Ellipsis, slice(32, None, None))]
+mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_11, getitem_12, getitem, getitem_10, 32, 0.2041241452319315, None, 'e', 'auto')
+getitem_13 = mla_local_attention_default[0]
+getitem_14 = mla_local_attention_default[1]
+exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_13, getitem_14, '0', 2, base = 'e', out_dtype = torch.float32)
+flatten_6 = exchange_a2a.flatten(0, 1)""")
+
+    def test_replicated_vs_gathered_q(self):
+        # bf16 weights are the ones q-proj replication may take (SPEC section 3)
+        regions = {}
+        for replicate in (True, False):
+            model = self._model(2, dtype=torch.bfloat16)
+            be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a", replicate_q_proj=replicate)
+            self.assertRewritten(be.graphs[0])
+            regions[replicate] = region(be.graphs[0])
+            torch._dynamo.reset()
+        self.assertExpectedInline(regions[False], """\
+striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+squeeze = k_pe_1.squeeze(2)
+striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+getitem_10 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+cat = torch.cat([q_lat, q_pe_1], -1)
+gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+getitem_11 = gather_heads[(Ellipsis, slice(None, 32, None))]
+getitem_12 = gather_heads[(Ellipsis, slice(32, None, None))]
+mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_11, getitem_12, getitem, getitem_10, 32, 0.2041241452319315, None, 'e', 'auto')
+getitem_13 = mla_local_attention_default[0]
+getitem_14 = mla_local_attention_default[1]
+exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_13, getitem_14, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
+o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
+        # replicate_q_proj=True is pinned as it is now: q_replicate.py is still a placeholder, so both
+        # use the query all-gather and the two strings are the same. When replication lands, the
+        # gather_heads / cat / [] lines here should give way to a locally computed full-group query.
+        self.assertExpectedInline(regions[True], """\
+striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+squeeze = k_pe_1.squeeze(2)
+striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+getitem_10 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+cat = torch.cat([q_lat, q_pe_1], -1)
+gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+getitem_11 = gather_heads[(Ellipsis, slice(None, 32, None))]
+getitem_12 = gather_heads[(Ellipsis, slice(32, None, None))]
+mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_11, getitem_12, getitem, getitem_10, 32, 0.2041241452319315, None, 'e', 'auto')
+getitem_13 = mla_local_attention_default[0]
+getitem_14 = mla_local_attention_default[1]
+exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_13, getitem_14, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
+o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
+
+    def test_hybrid(self):
+        from examples.hybrid_linear import HybridArgs, build_hybrid
+
+        self.world(2)
+        args = HybridArgs(tp_size=2, layer_pattern=["linear", "mla"], n_dense_layers=2)
+        calls = [(self._tokens(1), 4)]
+        plain = self.plain(build_hybrid(args, rank=0), *calls)
+        be = self.dcp(build_hybrid(args, rank=0), *calls, c=2, comm_backend="a2a")
+        self.assertEqual(len(be.graphs), 1)
+        gm = be.graphs[0]
+        self.assertRewritten(gm)
+        # only the MLA layer is rewritten ...
+        self.assertExpectedInline(region(gm), """\
+striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_4, 4, 2, 0, 96, 0)
+squeeze = k_pe_1.squeeze(2)
+striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+getitem_17 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+cat = torch.cat([q_lat, q_pe_1], -1)
+gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
+getitem_18 = gather_heads[(Ellipsis, slice(None, 32, None))]
+getitem_19 = gather_heads[(Ellipsis, slice(32, None, None))]
+mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_18, getitem_19, getitem, getitem_17, 32, 0.2041241452319315, None, 'e', 'auto')
+getitem_20 = mla_local_attention_default[0]
+getitem_21 = mla_local_attention_default[1]
+exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_20, getitem_21, '0', 2, base = 'e', out_dtype = torch.float32)
+getitem_16 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
+o_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_16)""")
+        self.assertExpectedInline(be.report.summary(), """\
+dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
+  graph 0: 1 MLA layer(s) rewritten
+    rewrote layers.1.attn: decode, 2 score term(s), q all-gather, comm a2a, lse base e, attention auto
+  KV cache bytes on this rank: 61440 without DCP -> 30720 with DCP (2.00x less)""")
+
+        # ... and the linear-attention state is read and written exactly as before
+        # (the lines naming the state buffer and the lines using what they define: view, read, copy_)
+        def state_lines(gm: fx.GraphModule) -> list[str]:
+            lines = [l.strip() for l in render(gm).splitlines()[1:]]
+            defined = {l.split(" = ")[0] for l in lines if "attn_state" in l}
+            uses = re.compile(r"\b(" + "|".join(map(re.escape, defined)) + r")\b")
+            return [l for l in lines if "attn_state" in l or uses.search(l.split(" = ", 1)[-1])]
+
+        self.assertEqual(state_lines(gm), state_lines(plain[0]))
+        self.assertExpectedInline("\n".join(state_lines(gm)), """\
+getitem_1 = layers_0_attn_state[slice(None, 2, None)]
+state = getitem_1.float()
+getitem_7 = layers_0_attn_state[slice(None, 2, None)]
+copy__1 = getitem_7.copy_(state_2)""")
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for examples/
+    unittest.main()
