@@ -9,6 +9,15 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/scaling}
 mkdir -p "$OUT"
+if [ "${DRY:-0}" = 1 ]; then
+  # CPU rehearsal of the same table logic (gloo ranks, small dims, reference kernel, checked
+  # against a single-process reference): DRY=1 W=8 bash benchmarks/run_scaling.sh
+  W=${W:-4}
+  case "$W" in 8) DCP=1,2,4,8 ;; 4) DCP=1,2,4 ;; *) DCP=1,2 ;; esac
+  python3 benchmarks/bench_layer.py --check --device cpu --world "$W" --tp "$W" --dcp "$DCP" \
+    --ctx 7,45 --batch 1,3 --out "$OUT/layer_scaling_dry.json"
+  exit $?
+fi
 W=$(python3 -c "import torch; print(torch.cuda.device_count())")
 case "$W" in
   8) DCP=1,2,4,8 ;;

@@ -462,10 +462,10 @@ def _pow2(n: int, lo: int = 16) -> int:
 # rows <= 16 is memory-bound (mma.sync tile, no spills); wider blocks are compute-bound:
 # a 64-row wgmma tile, its [64, 512] fp32 accumulator split over two programs
 # (v_split=2) so that one warpgroup holds it without spilling.
-_TUNED = {
+_TUNED = {  # winners of bench_kernel.py --sweep on an H200 (benchmarks/results/tuned_h200.json)
     16: (16, 64, 4, 2, 1, 2.0),
     32: (32, 32, 4, 2, 1, 2.0),
-    64: (64, 32, 4, 3, 2, 1.0),
+    64: (64, 64, 4, 2, 2, 1.0),
 }
 
 
