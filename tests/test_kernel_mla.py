@@ -425,6 +425,17 @@ def test_gpu_fp16_base2_mask_causal_multitoken():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_gpu_mask_128_heads_fits_shared_memory(dtype, tol):
+    """A pipelined mask (and fp32 tiles) must shrink the tuned tile to fit shared memory."""
+    B, T, H = 2, 1500, 128
+    mask = torch.randn(B, 1, H, T, device="cuda")
+    mask[mask < -1.5] = float("-inf")
+    _gpu_case(dtype, B, 1, H, T, True, lens=torch.tensor([1500, 333], device="cuda"), mask=mask, tol=tol)
+
+
+@gpu
+@needs_cuda
 def test_gpu_paged_bf16():
     m = _mod()
     B, S, H, P = 4, 1, 128, 64

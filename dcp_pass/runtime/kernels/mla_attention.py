@@ -485,9 +485,40 @@ def _load_tuning_override() -> None:
 _load_tuning_override()
 
 
+_SMEM_LIMIT: dict = {}
+
+
+def _smem_limit(device: torch.device) -> int:
+    """Opt-in shared memory per block (227 KiB on H100/H200), less a margin for Triton's scratch."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM_LIMIT:
+        props = torch.cuda.get_device_properties(idx)
+        _SMEM_LIMIT[idx] = int(getattr(props, "shared_memory_per_block_optin", 232448))
+    return _SMEM_LIMIT[idx] - 8192
+
+
+def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, elem: int,
+                  has_mask: bool = False, paged: bool = False) -> int:
+    """Upper estimate of stage 1's shared memory: pipelined KV (+mask, +page ids) tiles and Q.
+
+    Matches the compiler's figure for the 512 + 64 bf16 configs checked offline
+    (docs/kernel_notes.md) and errs high when a mask is pipelined too.
+    """
+    kv = stages * block_n * (bdm + bdt) * elem
+    q = block_h * (bdm + bdt) * elem
+    extra = (stages * block_h * block_n * 4 if has_mask else 0) + (stages * block_n * 8 if paged else 0)
+    return kv + q + extra
+
+
 def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, device: torch.device,
-                num_splits: Optional[int] = None) -> MLAKernelConfig:
-    """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture)."""
+                num_splits: Optional[int] = None, *, has_mask: bool = False, paged: bool = False,
+                elem_bytes: int = 2) -> MLAKernelConfig:
+    """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture).
+
+    The tuned tile is shrunk (block_n, then stages, then block_h) until its shared
+    memory fits the device: a mask's tiles are pipelined too, and fp32 caches double
+    every tile.
+    """
     if device.type != "cuda":  # interpreter: small blocks, a few splits to exercise stage 2
         block_h = min(_pow2(rows), 32)
         block_n = 16
@@ -495,8 +526,15 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
         return MLAKernelConfig(block_h, block_n, 4, 1, ns)
     bucket = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_h, block_n, warps, stages, v_split, waves = _TUNED[bucket]
-    if _pow2(d_main) + _pow2(d_tail) > 640:  # wider than 512 + 64: smaller tiles
-        block_n = min(block_n, 16)
+    bdm, bdt = _pow2(d_main), _pow2(max(d_tail, 1)) if d_tail else 0
+    limit = _smem_limit(device)
+    fits = lambda bh, bn, st: smem_estimate(bh, bn, st, bdm, bdt, elem_bytes, has_mask, paged) <= limit  # noqa: E731
+    if not fits(block_h, block_n, stages):
+        cands = [(block_h, 32, 3), (block_h, 32, 2), (block_h, 16, 3), (block_h, 16, 2),
+                 (16, 32, 2), (16, 16, 2), (16, 16, 1)]
+        block_h, block_n, stages = next((c for c in cands if c[0] <= block_h and fits(*c)), cands[-1])
+        if block_h == 16:
+            v_split, warps = 1, 4
     n_hb = triton.cdiv(rows, block_h) * v_split
     ns = num_splits if num_splits is not None else split_count(batch, n_hb, t_cap, device, waves)
     return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)), v_split)
@@ -564,7 +602,8 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
 
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
-    cfg = config or pick_config(SH, d_main, d_tail, B, T, device, num_splits)
+    cfg = config or pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
+                                paged=paged, elem_bytes=kv.element_size())
     if num_splits is not None and config is not None:
         cfg = MLAKernelConfig(cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits, cfg.v_split)
     ns = cfg.num_splits
