@@ -78,13 +78,14 @@ def _static_examples(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def with_local_caches(gm, example_inputs, extra, opts: DcpOptions, mode, report: DcpReport) -> Callable:
-    """Compile `gm` (which takes the local shards as trailing inputs) and feed them per call."""
+def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport) -> Callable:
+    """Compile `gm` (which takes the local shards and replicated weights as trailing
+    inputs) and feed them per call, resolved from the buffers/weights actually passed."""
     from dcp_pass.rewrites.cache import local_for
 
-    shards = _static_examples([entry.local for _, entry in extra])
-    compiled = compile_inner(gm, list(example_inputs) + shards, opts, mode)
-    specs = [(index, entry.c, entry.rank, entry.name) for index, entry in extra]
+    trailing = _static_examples([entry.local for _, entry in caches] + [w.example for w in weights])
+    compiled = compile_inner(gm, list(example_inputs) + trailing, opts, mode)
+    specs = [(index, entry.c, entry.rank, entry.name) for index, entry in caches]
 
     def run(*args):
         shards = []
@@ -94,8 +95,9 @@ def with_local_caches(gm, example_inputs, extra, opts: DcpOptions, mode, report:
             if id(buffer) not in report.caches:  # a layer first seen at run time
                 report.add_cache(id(buffer), name, entry.full_nbytes, entry.local_nbytes)
             shards.append(entry.local)
+        replicas = [w.resolve(args[w.index]) for w in weights]
         # Dynamo calls backends' results with positional args; so do we.
-        return compiled(*args, *shards)
+        return compiled(*args, *shards, *replicas)
 
     return run
 
@@ -124,13 +126,13 @@ class DcpBackend:
         else:
             plan = resolve_plan(opts, self.topology, example_inputs)
             config = PassConfig(plan, opts.replicate_q_proj, opts.strict)
-            out, extra = apply_dcp(gm, example_inputs, config, graph_report)
-            for index, entry in extra:
+            out, caches, weights = apply_dcp(gm, example_inputs, config, graph_report)
+            for index, entry in caches:
                 self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)
-            if extra:
+            if caches:
                 self.graphs.append(out)
                 log.info("%s", self.report.summary())
-                return with_local_caches(out, example_inputs, extra, opts, mode, self.report)
+                return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report)
         log.info("%s", self.report.summary())
         self.graphs.append(out)
         return compile_inner(out, example_inputs, opts, mode)

@@ -276,7 +276,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote kv_cache: decode, 2 score term(s), q all-gather, comm a2a, lse base e, attention auto
+    rewrote kv_cache: decode, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto
   KV cache bytes on this rank: 1536 without DCP -> 768 with DCP (2.00x less)""")
 
     def test_decode_symbolic_start_pos(self):
@@ -523,7 +523,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertEqual(be.graphs[0].code, expected)
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
-  graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
+  graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph (1 near miss(es) left unchanged))
     near miss at softmax: attention probabilities are used outside the value product""")
 
     # ------------------------------------------------------------------ spelling variants
@@ -615,9 +615,9 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_8)""")
 dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 1: 1 MLA layer(s) rewritten
-    rewrote attn: decode, 2 score term(s), q all-gather, comm a2a, lse base e, attention auto
+    rewrote attn: decode, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
   graph 2: 1 MLA layer(s) rewritten
-    rewrote attn: decode, 2 score term(s), q all-gather, comm a2a, lse base e, attention auto
+    rewrote attn: decode, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
   graph 3: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 4: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 5: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
@@ -715,9 +715,10 @@ getitem_14 = mla_local_attention_default[1]
 exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_13, getitem_14, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
-        # replicate_q_proj=True is pinned as it is now: q_replicate.py is still a placeholder, so both
-        # use the query all-gather and the two strings are the same. When replication lands, the
-        # gather_heads / cat / [] lines here should give way to a locally computed full-group query.
+        # replicate_q_proj=True on the fake process group: the compile-time weight gather returns
+        # identical copies, so no q weight looks sharded and the layer keeps the all-gather (the
+        # report says why). The replicated graph itself runs on real gloo ranks in
+        # test_pass_numerics.test_c2_bf16_replicated_q_equals_gathered_q.
         self.assertExpectedInline(regions[True], """\
 striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
@@ -766,7 +767,7 @@ o_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_16)""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote layers.1.attn: decode, 2 score term(s), q all-gather, comm a2a, lse base e, attention auto
+    rewrote layers.1.attn: decode, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
   KV cache bytes on this rank: 61440 without DCP -> 30720 with DCP (2.00x less)""")
 
         # ... and the linear-attention state is read and written exactly as before

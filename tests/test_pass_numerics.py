@@ -48,7 +48,8 @@ def _run_configs(rank: int, world: int, configs: list[dict]):
         tp = cfg["tp"]
         seed = cfg.get("seed", 1)
         model = _build(cfg["model"], cfg["dtype"], tp, rank if tp > 1 else 0, cfg.get("variant", {}), seed)
-        backend = DcpBackend(dcp_size=world, tp_size=tp, inner=cfg["inner"], comm_backend=cfg.get("comm"))
+        backend = DcpBackend(dcp_size=world, tp_size=tp, inner=cfg["inner"], comm_backend=cfg.get("comm"),
+                             replicate_q_proj=cfg.get("replicate"))
         compiled = torch.compile(model, backend=backend)
         eager_tokens = eager_logits = None
         if cfg.get("same_rank_reference"):
@@ -183,3 +184,23 @@ def test_c2_bf16_inductor_greedy_tokens_teacher_forced():
     agree = got.argmax(-1) == want.argmax(-1)
     assert decisive.float().mean() > 0.3, decisive.float().mean()  # the token check is not vacuous
     assert bool(agree[decisive].all()), f"{int((~agree & decisive).sum())} decisive tokens differ"
+
+
+REPLICATE_C2 = [
+    dict(model="deepseek", dtype=torch.bfloat16, tp=2, inner="aot_eager", replicate=True),
+    dict(model="deepseek", dtype=torch.bfloat16, tp=2, inner="aot_eager", replicate=False),
+]
+
+
+@pytest.mark.slow
+def test_c2_bf16_replicated_q_equals_gathered_q():
+    """Replicated q-proj computes the same queries as the all-gather: same logits, same tokens."""
+    results = run_ranks(_run_configs, 2, REPLICATE_C2, timeout=900)
+    replicated, gathered = results[0]
+    assert "replicated q-proj/w_kc" in replicated["summary"], replicated["summary"]
+    assert "q all-gather" in gathered["summary"] and "replicated" not in gathered["summary"]
+    assert replicated["tokens"] == gathered["tokens"]
+    rel = ((replicated["logits"] - gathered["logits"]).abs().amax() / gathered["logits"].abs().amax()).item()
+    assert rel < 1e-2, rel
+    fp32 = [r for r in results[0] if r is not None]
+    assert len(fp32) == 2

@@ -46,11 +46,12 @@ def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.N
 
 def apply_dcp(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport
-) -> tuple[fx.GraphModule, list[tuple[int, cache_rw.LocalCache]]]:
+) -> tuple[fx.GraphModule, list[tuple[int, cache_rw.LocalCache]], list[q_replicate.ExtraInput]]:
     """Rewrite every absorbed-MLA block of `gm`.
 
-    Returns the graph module to compile and, for each trailing input it gained, the
-    index of the full-size buffer input it shards and that buffer's shard now.
+    Returns the graph module to compile; for each cache shard input it gained, the index
+    of the full-size buffer input it shards and that shard now; then the other inputs it
+    gained (replicated q weights), each resolved per call from an existing input.
     """
     values = _placeholder_values(gm, example_inputs)
     work = fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -67,8 +68,9 @@ def apply_dcp(
     }
     if not buffers:
         _refuse_released(graph, values)
-        report.unchanged_reason = "no absorbed-MLA attention in this graph"
-        return gm, []
+        report.unchanged_reason = "no absorbed-MLA attention in this graph" + (
+            f" ({len(found.near_misses)} near miss(es) left unchanged)" if found.near_misses else "")
+        return gm, [], []
 
     entries: dict[fx.Node, cache_rw.LocalCache] = {}
     local_nodes: dict[fx.Node, fx.Node] = {}
@@ -105,16 +107,16 @@ def apply_dcp(
         report.layers = [LayerReport(layer.layer, False, reason) for layer in report.layers]
         report.unchanged_reason = reason
         log.warning("dcp_pass: graph left unchanged: %s", reason)
-        return gm, []
+        return gm, [], []
 
     for buf, entry in entries.items():
         cache_rw.install(values[buf.name], entry)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    extra = [(placeholders.index(buf), entries[buf]) for buf in local_nodes]
+    caches = [(placeholders.index(buf), entries[buf]) for buf in local_nodes]
     replicated.finalize()
     graph.lint()
     work.recompile()
-    return work, extra
+    return work, caches, replicated.extra
 
 
 def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
