@@ -30,7 +30,6 @@ its own custom op.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -48,6 +47,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 __all__ = [
     "mla_attention",
+    "mla_attention_paged",
     "mla_attention_reference",
     "mla_attention_reference_paged",
     "mla_attention_triton",
