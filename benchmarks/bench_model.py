@@ -23,6 +23,20 @@ sys.path.insert(0, HERE)
 from common import ROOT, env_info, fmt_table, write_json  # noqa: E402
 
 
+def _profile_steps(m, nxt, pos, dev, steps=3):
+    """Top host and device ops of a few decode steps (where the step time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            logits = m(nxt, pos + i)
+            nxt = logits.argmax(-1, keepdim=True)
+        torch.cuda.synchronize(dev)
+    table = prof.key_averages()
+    return (table.table(sort_by="self_cuda_time_total", row_limit=12) + "\n"
+            + table.table(sort_by="self_cpu_time_total", row_limit=12))
+
+
 def worker(rank, world, cfg):
     sys.path.insert(0, ROOT)
     import torch._dynamo
@@ -31,7 +45,7 @@ def worker(rank, world, cfg):
     from examples.deepseek_mla import ModelArgs, build_model
 
     dev = torch.device(f"cuda:{rank}") if cfg["device"] == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if cfg["device"] == "cuda" else torch.float32
+    dtype = getattr(torch, cfg.get("dtype") or ("bfloat16" if cfg["device"] == "cuda" else "float32"))
     torch.set_grad_enabled(False)
     rows = []
     for c in cfg["dcp"]:
@@ -42,7 +56,7 @@ def worker(rank, world, cfg):
                              max_seq_len=cfg["prompt"] + cfg["steps"] + 8, **cfg["model"])
             model = build_model(args, rank=rank, seed=1, device=dev)
             backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"])
-            m = torch.compile(model, backend=backend)
+            m = torch.compile(model, backend=backend, mode=cfg.get("mode"))
             g = torch.Generator(device="cpu")
             g.manual_seed(5)
             toks = torch.randint(0, args.vocab_size, (cfg["batch"], cfg["prompt"]), generator=g).to(dev)
@@ -61,6 +75,8 @@ def worker(rank, world, cfg):
                 out_tokens.append(nxt[:, 0].tolist())  # host sync: the step is over
                 times.append((time.perf_counter() - ts) * 1e3)
                 pos += 1
+            if cfg.get("profile") and rank == 0 and dev.type == "cuda":
+                rec["profile"] = _profile_steps(m, nxt, pos, dev)
             rec.update(first_call_s=time.time() - t0, step_ms_median=statistics.median(times[len(times) // 2:]),
                        step_ms_all=times, tokens=out_tokens, rewritten=backend.report.layers_rewritten,
                        graphs=len(backend.report.graphs), kv_full=backend.report.kv_bytes_full,
@@ -84,6 +100,9 @@ def main():
     ap.add_argument("--inner", default="inductor")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    ap.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
+    ap.add_argument("--profile", action="store_true", help="profile 3 decode steps on rank 0")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args()
@@ -95,12 +114,14 @@ def main():
         dict(dim=2048, inter_dim=4096, n_layers=4, n_dense_layers=4, n_heads=32, q_lora_rank=1536, kv_lora_rank=512,
              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=32000)
     cfg = dict(dcp=[int(x) for x in a.dcp.split(",")], prompt=a.prompt, steps=a.steps, batch=a.batch,
-               inner=a.inner, device=a.device, model=model)
+               inner=a.inner, device=a.device, model=model, dtype=a.dtype, mode=a.mode, profile=a.profile)
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     res = run_ranks(worker, world, cfg, backend="nccl" if a.device == "cuda" else "gloo", timeout=a.timeout, env=env)
     rows = []
     for i, r0 in enumerate(res[0]):
-        row = {k: v for k, v in r0.items() if k not in ("trace", "step_ms_all")}
+        row = {k: v for k, v in r0.items() if k not in ("trace", "step_ms_all", "profile")}
+        if r0.get("profile"):
+            print(f"--- profile dcp={r0['c']} ---\n{r0['profile']}", flush=True)
         vals = [r[i].get("step_ms_median") for r in res if r[i].get("step_ms_median") is not None]
         if vals:
             row["step_ms_median"] = max(vals)

@@ -172,9 +172,21 @@ def striped_write_(
     _check_rank(c, r)
     _check_non_negative("start_pos", start_pos)
     seq = values.shape[1]
-    positions = owned_positions(start_pos, start_pos + seq, c, r).to(storage.device)
+    # The owned tokens are every c-th token from the first owned offset, and they land on
+    # consecutive local rows: one strided slice copy, no index tensors (an index built on
+    # the host would be a host->device copy per write, which syncs and breaks CUDA graphs).
+    first = (r - start_pos) % c
+    count = max(0, -(-(seq - first) // c))
+    if count == 0:
+        return storage
+    row0 = (start_pos + first) // c
+    if row0 + count > storage.shape[1]:
+        raise CacheCapacityError(
+            f"striped write of positions [{start_pos}, {start_pos + seq}) needs local rows up to {row0 + count}, "
+            f"but the shard holds {storage.shape[1]}"
+        )
     rows = storage.narrow(0, batch_start, values.shape[0])
-    rows.index_copy_(1, positions // c, values.index_select(1, positions - start_pos).to(storage.dtype))
+    rows[:, row0 : row0 + count].copy_(values[:, first::c])
     return storage
 
 
