@@ -75,8 +75,11 @@ def worker(rank, world, cfg):
                 out_tokens.append(nxt[:, 0].tolist())  # host sync: the step is over
                 times.append((time.perf_counter() - ts) * 1e3)
                 pos += 1
-            if cfg.get("profile") and rank == 0 and dev.type == "cuda":
-                rec["profile"] = _profile_steps(m, nxt, pos, dev)
+            if cfg.get("profile") and dev.type == "cuda":
+                # every rank runs the profiled steps (they hold collectives); rank 0 reports
+                table = _profile_steps(m, nxt, pos, dev)
+                if rank == 0:
+                    rec["profile"] = table
             rec.update(first_call_s=time.time() - t0, step_ms_median=statistics.median(times[len(times) // 2:]),
                        step_ms_all=times, tokens=out_tokens, rewritten=backend.report.layers_rewritten,
                        graphs=len(backend.report.graphs), kv_full=backend.report.kv_bytes_full,
