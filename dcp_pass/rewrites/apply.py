@@ -54,7 +54,7 @@ def apply_dcp(
     gained (replicated q weights), each resolved per call from an existing input.
     """
     values = _placeholder_values(gm, example_inputs)
-    work = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    work = copy_dynamo_graph_module(gm)
     graph = work.graph
     found = find_mla(graph)
     report.near_misses.extend(found.near_misses)
@@ -117,6 +117,27 @@ def apply_dcp(
     graph.lint()
     work.recompile()
     return work, caches, replicated.extra
+
+
+def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a Dynamo graph module that keeps what aot_autograd reads from it.
+
+    aot_autograd recognises a Dynamo graph by `meta["dynamo_compile_id"]`,
+    `_param_name_to_source` and each placeholder's `_dynamo_source`; from them it marks
+    parameters and buffers as static inputs, which CUDA graphs need (a mutated input
+    that is not static makes inductor skip cudagraphs). A plain copy drops all three.
+    """
+    work = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    work.meta.update(gm.meta)
+    for attr in ("_param_name_to_source", "_source_to_user_stacks"):
+        if hasattr(gm, attr):
+            setattr(work, attr, getattr(gm, attr))
+    sources = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    for node in work.graph.find_nodes(op="placeholder"):
+        old = sources.get(node.name)
+        if old is not None and hasattr(old, "_dynamo_source"):
+            node._dynamo_source = old._dynamo_source
+    return work
 
 
 def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:

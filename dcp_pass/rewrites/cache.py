@@ -102,13 +102,24 @@ def is_released(buffer: torch.Tensor) -> bool:
     return lookup_local_cache(buffer) is not None
 
 
-def local_cache_placeholder(graph: fx.Graph, index: int, example: torch.Tensor) -> fx.Node:
-    """A new trailing graph input carrying the local shard of one cache buffer."""
+def static_placeholder(graph: fx.Graph, name: str, example: torch.Tensor) -> fx.Node:
+    """A new trailing graph input that holds a long-lived tensor (a shard, a gathered weight).
+
+    Marked static the way Dynamo marks buffers (no source, `_dynamo_static_input_type`),
+    so inductor's CUDA graphs may read it in place and capture writes into it.
+    """
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last):
-        node = graph.placeholder(f"dcp_local_cache_{index}")
+        node = graph.placeholder(name)
     node.meta["example_value"] = example
+    node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+    node._dynamo_source = None
     return node
+
+
+def local_cache_placeholder(graph: fx.Graph, index: int, example: torch.Tensor) -> fx.Node:
+    """A new trailing graph input carrying the local shard of one cache buffer."""
+    return static_placeholder(graph, f"dcp_local_cache_{index}", example)
 
 
 def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: LocalCache) -> fx.Node:

@@ -133,15 +133,14 @@ class QueryReplicator:
     def _weight_input(self, param: fx.Node, rank: int) -> fx.Node:
         key = (param, rank)
         if key not in self._weight_inputs:
+            from dcp_pass.rewrites.cache import static_placeholder
+
             graph = self.gm.graph
-            last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-            with graph.inserting_after(last):
-                node = graph.placeholder(f"dcp_q_weight_{len(self._weight_inputs)}")
-            index = [n for n in graph.nodes if n.op == "placeholder"].index(param)
             plan = self.plan
             weight = self.values[param.name]
             example = gathered_shards(weight, plan.group_name, plan.c)[rank]
-            node.meta["example_value"] = axes.example_value(param)
+            node = static_placeholder(graph, f"dcp_q_weight_{len(self._weight_inputs)}", axes.example_value(param))
+            index = [n for n in graph.nodes if n.op == "placeholder"].index(param)
             self.extra.append(ExtraInput(
                 index, lambda w, r=rank: gathered_shards(w, plan.group_name, plan.c)[r], example))
             self._weight_inputs[key] = node
