@@ -11,8 +11,8 @@ and review the diff by eye.
 
 Most cases use `TinyMLA` (below), whose whole rewritten graph is short enough to
 pin. Cases that need the example models (fused cache, masked_fill, hybrid,
-q-replication) pin only the attention region: from the first `dcp.striped_write`
-to the node that consumes the merged output.
+q-replication) pin only the attention region: from the first striped cache write
+(`owned_tokens = value[:, first::c]`) to the node that consumes the merged output.
 
 Code is normalized before pinning (`_normalize`): Dynamo's `l_self_modules_..._`
 names are shortened (`l_self_modules_attn_buffers_kv_cache_` -> `attn_kv_cache`),
@@ -156,7 +156,7 @@ def _exchange_node(gm: fx.GraphModule) -> fx.Node:
 def region(gm: fx.GraphModule) -> str:
     """Normalized code from the first striped write to the first consumer of the merged output."""
     lines = render(gm).splitlines()
-    first = next(i for i, l in enumerate(lines) if "torch.ops.dcp.striped_write" in l)
+    first = next(i for i, l in enumerate(lines) if l.strip().startswith("owned_tokens"))
     consumers = {u.name for u in _exchange_node(gm).users}
     last = next(i for i, l in enumerate(lines) if l.strip().split(" = ")[0] in consumers)
     return "\n".join(l.strip() for l in lines[first:last + 1])
@@ -179,7 +179,7 @@ def op_summary(gm: fx.GraphModule, attention_only: bool = True) -> str:
     """The call targets in order, one line; `attention_only`: first striped write .. exchange consumer."""
     nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     if attention_only:
-        start = next(i for i, n in enumerate(nodes) if n.target is torch.ops.dcp.striped_write.default)
+        start = next(i for i, n in enumerate(nodes) if n.name.startswith("owned_tokens"))
         users = _exchange_node(gm).users
         stop = next(i for i, n in enumerate(nodes) if n in users)
         nodes = nodes[start:stop + 1]
@@ -241,9 +241,12 @@ class GraphDiffTest(expecttest.TestCase):
     def assertRewritten(self, gm: fx.GraphModule, layers: int = 1) -> None:
         """Striped writes replaced every cache write and nothing reads a full cache buffer."""
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-        self.assertNotIn(operator.setitem, targets)
         self.assertEqual(targets.count(torch.ops.dcp.mla_local_attention.default), layers)
-        self.assertGreaterEqual(targets.count(torch.ops.dcp.striped_write.default), layers)
+        writes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.setitem]
+        shard_writes = [n for n in writes if n.args[0].name.startswith("dcp_local_cache")]
+        self.assertGreaterEqual(len(shard_writes), layers)
+        for node in shard_writes:  # each writes every c-th token of the new ones
+            self.assertTrue(node.args[2].name.startswith("owned_tokens"), node.format_node())
         caches = cache_placeholders(gm)
         self.assertTrue(caches)
         for node in caches:
@@ -258,19 +261,21 @@ class GraphDiffTest(expecttest.TestCase):
         # end = 6 positions: rank 0 of 2 owns 0, 2, 4 -> local slice [:2, :3]; no mask for one token
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
-    getitem_6 = mla_local_attention_default[0]
-    getitem_7 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
         self.assertExpectedInline(be.report.summary(), """\
@@ -287,21 +292,45 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertExpectedInline(render(be.graphs[1]), """\
 def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
     add = start_pos + 1
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, start_pos, 2, 0, 16, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, start_pos, 2, 0, 16, 0)
-    add_1 = add + 1
-    floordiv = add_1 // 2
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, floordiv, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, floordiv, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
-    getitem_6 = mla_local_attention_default[0]
-    getitem_7 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    add_1 = start_pos + 1
+    le = add_1 <= 16
+    _check = torch._check(le)
+    sub = 0 - start_pos
+    first_owned = sub % 2
+    sub_1 = 1 - first_owned
+    add_2 = sub_1 + 1
+    n_owned = add_2 // 2
+    add_3 = start_pos + first_owned
+    row0 = add_3 // 2
+    row1 = row0 + n_owned
+    owned_tokens = latent[(slice(None, None, None), slice(first_owned, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(row0, row1, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    add_4 = start_pos + 1
+    le_1 = add_4 <= 16
+    _check_1 = torch._check(le_1)
+    sub_2 = 0 - start_pos
+    first_owned_1 = sub_2 % 2
+    sub_3 = 1 - first_owned_1
+    add_5 = sub_3 + 1
+    n_owned_1 = add_5 // 2
+    add_6 = start_pos + first_owned_1
+    row0_1 = add_6 // 2
+    row1_1 = row0_1 + n_owned_1
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(first_owned_1, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(row0_1, row1_1, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    add_7 = add + 1
+    n_local_keys = add_7 // 2
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, n_local_keys, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, n_local_keys, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -311,23 +340,25 @@ def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv
         # the [S, T] causal mask is put in [B, S, H, T] order and striped like the keys (columns 0::2)
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
+    owned_tokens = latent[(slice(None, None, None), slice(0, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(0, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
     unsqueeze = mask.unsqueeze(1)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
-    getitem_6 = unsqueeze[(None, Ellipsis)]
-    getitem_7 = getitem_6[(Ellipsis, slice(0, None, 2))]
-    float_1 = getitem_7.float()
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, float_1, 'e', 'auto')
-    getitem_8 = mla_local_attention_default[0]
-    getitem_9 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_8, getitem_9, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    getitem_2 = unsqueeze[(None, Ellipsis)]
+    getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
+    mask_local = getitem_3.float()
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -337,23 +368,25 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(3, 4, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(3, 4, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
     unsqueeze = mask.unsqueeze(1)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 4, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 4, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
-    getitem_6 = unsqueeze[(None, Ellipsis)]
-    getitem_7 = getitem_6[(Ellipsis, slice(0, None, 2))]
-    float_1 = getitem_7.float()
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, float_1, 'e', 'auto')
-    getitem_8 = mla_local_attention_default[0]
-    getitem_9 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_8, getitem_9, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 4, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 4, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    getitem_2 = unsqueeze[(None, Ellipsis)]
+    getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
+    mask_local = getitem_3.float()
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
         self.assertIn("multi-token", be.report.summary())
@@ -362,26 +395,28 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
 
     def test_head_sharded_a2a(self):
         be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="a2a")
-        self.assertExpectedInline(op_summary(be.graphs[0]), """dcp.striped_write dcp.striped_write [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a einsum""")
+        self.assertExpectedInline(op_summary(be.graphs[0]), """[] []= [] []= [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a einsum""")
 
     def test_head_sharded_ag_rs(self):
         be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="ag_rs")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
-    getitem_6 = mla_local_attention_default[0]
-    getitem_7 = mla_local_attention_default[1]
-    exchange_ag_rs = dcp_pass_runtime_comm_exchange_ag_rs(getitem_6, getitem_7, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_ag_rs, w_uv)
+    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_ag_rs(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -391,15 +426,17 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
-    getitem_4 = mla_local_attention_default[0]
-    getitem_5 = mla_local_attention_default[1]
-    exchange_replicated = dcp_pass_runtime_comm_exchange_replicated(getitem_4, getitem_5, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_replicated, w_uv)
+    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -408,15 +445,17 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
-    getitem_4 = mla_local_attention_default[0]
-    getitem_5 = mla_local_attention_default[1]
-    exchange_replicated = dcp_pass_runtime_comm_exchange_replicated(getitem_4, getitem_5, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_replicated, w_uv)
+    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -431,19 +470,21 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         # end = 14: rank 0 owns 0, 2, ..., 12 -> 7 local keys
         self.assertExpectedInline(render(self._decode_c(2)), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 13, 2, 0, 32, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 13, 2, 0, 32, 0)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 7, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 7, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
-    getitem_6 = mla_local_attention_default[0]
-    getitem_7 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(7, 7, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(7, 7, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 7, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 7, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -451,19 +492,21 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         # rank 0 owns 0, 4, 8, 12 -> 4 local keys
         self.assertExpectedInline(render(self._decode_c(4)), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 13, 4, 0, 32, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 13, 4, 0, 32, 0)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 4, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 4, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 4)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
-    getitem_6 = mla_local_attention_default[0]
-    getitem_7 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 4, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    owned_tokens = latent[(slice(None, None, None), slice(3, None, 4))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(4, 4, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(3, None, 4))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(4, 4, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 4, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 4, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 4)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 4, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -471,19 +514,21 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         # rank 0 owns 0, 8 -> 2 local keys
         self.assertExpectedInline(render(self._decode_c(8)), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 13, 8, 0, 32, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 13, 8, 0, 32, 0)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 8)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, None, 'e', 'auto')
-    getitem_6 = mla_local_attention_default[0]
-    getitem_7 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_6, getitem_7, '0', 8, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    owned_tokens = latent[(slice(None, None, None), slice(3, None, 8))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(2, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(3, None, 8))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(2, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 8)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 8, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -534,15 +579,16 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
     cat = torch.cat([latent, k_pe], dim = -1)
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, cat, 5, 2, 0, 16, 0)
+    owned_tokens = cat[(slice(None, None, None), slice(1, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_1 = dcp_local_cache_0
     cat_1 = torch.cat([q_lat, q_pe], dim = -1)
-    getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat_1, '0', 2)
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(gather_heads, None, getitem, None, 8, 0.25, None, 'e', 'auto')
-    getitem_1 = mla_local_attention_default[0]
-    getitem_2 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_1, getitem_2, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_2 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    q_group = dcp_pass_runtime_comm_gather_heads(cat_1, '0', 2)
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_2 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_2.flatten(2)
     return (o_1,)""")
 
@@ -551,24 +597,26 @@ def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
-    striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
+    owned_tokens = latent[(slice(None, None, None), slice(0, None, 2))]
+    dcp_local_cache_0[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+    owned_tokens_1 = k_pe[(slice(None, None, None), slice(0, None, 2))]
+    dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
     unsqueeze = mask.unsqueeze(1)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
-    getitem_3 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
-    cat = torch.cat([q_lat, q_pe], -1)
-    gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-    getitem_4 = gather_heads[(Ellipsis, slice(None, 8, None))]
-    getitem_5 = gather_heads[(Ellipsis, slice(8, None, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     where = torch.where(unsqueeze, -inf, 0.0)
-    getitem_6 = where[(None, Ellipsis)]
-    getitem_7 = getitem_6[(Ellipsis, slice(0, None, 2))]
-    float_1 = getitem_7.float()
-    mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_4, getitem_5, getitem_2, getitem_3, 8, 0.25, float_1, 'e', 'auto')
-    getitem_8 = mla_local_attention_default[0]
-    getitem_9 = mla_local_attention_default[1]
-    exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_8, getitem_9, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, w_uv)
+    getitem_2 = where[(None, Ellipsis)]
+    getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
+    mask_local = getitem_3.float()
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
 
@@ -595,22 +643,24 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
         for gm in rewritten:
             self.assertRewritten(gm)
         self.assertExpectedInline(region(rewritten[0]), """\
-striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
 squeeze = k_pe_1.squeeze(2)
-striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
-getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-getitem_9 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-cat = torch.cat([q_lat, q_pe_1], -1)
-gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-getitem_10 = gather_heads[(Ellipsis, slice(None, 32, None))]
-getitem_11 = gather_heads[(Ellipsis, slice(32, None, None))]
-mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_10, getitem_11, getitem, getitem_9, 32, 0.2041241452319315, None, 'e', 'auto')
-getitem_12 = mla_local_attention_default[0]
-getitem_13 = mla_local_attention_default[1]
-exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_12, getitem_13, '0', 2, base = 'e', out_dtype = torch.float32)
+owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+q_packed = torch.cat([q_lat, q_pe_1], -1)
+q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
+q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_8)""")
-        self.assertExpectedInline(op_summary(rewritten[0]), """dcp.striped_write .squeeze dcp.striped_write [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a [] einsum""")
+o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
+        self.assertExpectedInline(op_summary(rewritten[0]), """[] []= .squeeze [] []= [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a [] einsum""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
@@ -632,42 +682,45 @@ dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
         be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, cat, 4, 2, 0, 96, 0)
+owned_tokens = cat[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_1 = dcp_local_cache_0
 q_full = torch.cat([q_lat, q_pe_1], dim = -1)
-getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-gather_heads = dcp_pass_runtime_comm_gather_heads(q_full, '0', 2)
-mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(gather_heads, None, getitem, None, 32, 0.2041241452319315, None, 'e', 'auto')
-getitem_9 = mla_local_attention_default[0]
-getitem_10 = mla_local_attention_default[1]
-exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_9, getitem_10, '0', 2, base = 'e', out_dtype = torch.float32)
+kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+q_group = dcp_pass_runtime_comm_gather_heads(q_full, '0', 2)
+local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_8)""")
+o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
 
     def test_model_masked_fill(self):
         model = self._model(2, mask_style="masked_fill")
         be = self.dcp(model, (self._tokens(4), 0), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 0, 2, 0, 96, 0)
+owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_0[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
 squeeze = k_pe_1.squeeze(2)
-striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 0, 2, 0, 96, 0)
+owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
 unsqueeze_2 = mask.unsqueeze(1)
-getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
-getitem_10 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
-cat = torch.cat([q_lat, q_pe_1], -1)
-gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-getitem_11 = gather_heads[(Ellipsis, slice(None, 32, None))]
-getitem_12 = gather_heads[(Ellipsis, slice(32, None, None))]
+kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
+pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+q_packed = torch.cat([q_lat, q_pe_1], -1)
+q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
+q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 where = torch.where(unsqueeze_2, -inf, 0.0)
-getitem_13 = where[(None, Ellipsis)]
-getitem_14 = getitem_13[(Ellipsis, slice(0, None, 2))]
-float_3 = getitem_14.float()
-mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_11, getitem_12, getitem, getitem_10, 32, 0.2041241452319315, float_3, 'e', 'auto')
-getitem_15 = mla_local_attention_default[0]
-getitem_16 = mla_local_attention_default[1]
-exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_15, getitem_16, '0', 2, base = 'e', out_dtype = torch.float32)
+getitem = where[(None, Ellipsis)]
+getitem_10 = getitem[(Ellipsis, slice(0, None, 2))]
+mask_local = getitem_10.float()
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = mask_local, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
+o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
 
     def test_model_matmul_scores(self):
         # score_impl="matmul": matmul/bmm spelling of the scores and the value product
@@ -675,20 +728,22 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
         be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
 squeeze = k_pe_1.squeeze(2)
-striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
-getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-getitem_10 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-cat = torch.cat([q_lat_1, q_pe_1], -1)
-gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-getitem_11 = gather_heads[(Ellipsis, slice(None, 32, None))]
-getitem_12 = gather_heads[(Ellipsis, slice(32, None, None))]
-mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_11, getitem_12, getitem, getitem_10, 32, 0.2041241452319315, None, 'e', 'auto')
-getitem_13 = mla_local_attention_default[0]
-getitem_14 = mla_local_attention_default[1]
-exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_13, getitem_14, '0', 2, base = 'e', out_dtype = torch.float32)
-flatten_6 = exchange_a2a.flatten(0, 1)""")
+owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+q_packed = torch.cat([q_lat_1, q_pe_1], -1)
+q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
+q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+flatten_6 = merged.flatten(0, 1)""")
 
     def test_replicated_vs_gathered_q(self):
         # bf16 weights are the ones q-proj replication may take (SPEC section 3)
@@ -700,41 +755,45 @@ flatten_6 = exchange_a2a.flatten(0, 1)""")
             regions[replicate] = region(be.graphs[0])
             torch._dynamo.reset()
         self.assertExpectedInline(regions[False], """\
-striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
 squeeze = k_pe_1.squeeze(2)
-striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
-getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-getitem_10 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-cat = torch.cat([q_lat, q_pe_1], -1)
-gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-getitem_11 = gather_heads[(Ellipsis, slice(None, 32, None))]
-getitem_12 = gather_heads[(Ellipsis, slice(32, None, None))]
-mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_11, getitem_12, getitem, getitem_10, 32, 0.2041241452319315, None, 'e', 'auto')
-getitem_13 = mla_local_attention_default[0]
-getitem_14 = mla_local_attention_default[1]
-exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_13, getitem_14, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+q_packed = torch.cat([q_lat, q_pe_1], -1)
+q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
+q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
+o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
         # replicate_q_proj=True on the fake process group: the compile-time weight gather returns
         # identical copies, so no q weight looks sharded and the layer keeps the all-gather (the
         # report says why). The replicated graph itself runs on real gloo ranks in
         # test_pass_numerics.test_c2_bf16_replicated_q_equals_gathered_q.
         self.assertExpectedInline(regions[True], """\
-striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
 squeeze = k_pe_1.squeeze(2)
-striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
-getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-getitem_10 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-cat = torch.cat([q_lat, q_pe_1], -1)
-gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-getitem_11 = gather_heads[(Ellipsis, slice(None, 32, None))]
-getitem_12 = gather_heads[(Ellipsis, slice(32, None, None))]
-mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_11, getitem_12, getitem, getitem_10, 32, 0.2041241452319315, None, 'e', 'auto')
-getitem_13 = mla_local_attention_default[0]
-getitem_14 = mla_local_attention_default[1]
-exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_13, getitem_14, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+q_packed = torch.cat([q_lat, q_pe_1], -1)
+q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
+q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
+o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
 
     def test_hybrid(self):
         from examples.hybrid_linear import HybridArgs, build_hybrid
@@ -749,21 +808,23 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_9)""")
         self.assertRewritten(gm)
         # only the MLA layer is rewritten ...
         self.assertExpectedInline(region(gm), """\
-striped_write_default = torch.ops.dcp.striped_write.default(dcp_local_cache_0, rms_norm_4, 4, 2, 0, 96, 0)
+owned_tokens = rms_norm_4[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
 squeeze = k_pe_1.squeeze(2)
-striped_write_default_1 = torch.ops.dcp.striped_write.default(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
-getitem = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-getitem_17 = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-cat = torch.cat([q_lat, q_pe_1], -1)
-gather_heads = dcp_pass_runtime_comm_gather_heads(cat, '0', 2)
-getitem_18 = gather_heads[(Ellipsis, slice(None, 32, None))]
-getitem_19 = gather_heads[(Ellipsis, slice(32, None, None))]
-mla_local_attention_default = torch.ops.dcp.mla_local_attention.default(getitem_18, getitem_19, getitem, getitem_17, 32, 0.2041241452319315, None, 'e', 'auto')
-getitem_20 = mla_local_attention_default[0]
-getitem_21 = mla_local_attention_default[1]
-exchange_a2a = dcp_pass_runtime_comm_exchange_a2a(getitem_20, getitem_21, '0', 2, base = 'e', out_dtype = torch.float32)
+owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
+dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+q_packed = torch.cat([q_lat, q_pe_1], -1)
+q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
+q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_16 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_3 = torch.functional.einsum('bshc,hdc->bshd', exchange_a2a, getitem_16)""")
+o_3 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_16)""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten

@@ -63,33 +63,35 @@ def check_mask_heads(match: MlaMatch, plan: AttentionPlan) -> None:
             raise NearMiss("the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
 
 
-def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
-    return graph.call_function(target, args, kwargs)
+def _call(graph: fx.Graph, target, *args, name: Optional[str] = None, **kwargs) -> fx.Node:
+    # Named nodes keep the rewritten graph readable in graph-diff reviews.
+    return graph.create_node("call_function", target, args, kwargs, name=name)
 
 
-def _method(graph: fx.Graph, name: str, *args) -> fx.Node:
-    return graph.call_method(name, args)
+def _method(graph: fx.Graph, method: str, *args, name: Optional[str] = None) -> fx.Node:
+    return graph.create_node("call_method", method, args, {}, name=name)
 
 
 def local_key_count(graph: fx.Graph, end: Any, c: int, rank: int) -> Any:
     """Keys of [0, end) owned by `rank`: (end + c - 1 - rank) // c, folded when `end` is an int."""
     if isinstance(end, int):
         return (end + c - 1 - rank) // c
-    return _call(graph, operator.floordiv, _call(graph, operator.add, end, c - 1 - rank), c)
+    return _call(graph, operator.floordiv, _call(graph, operator.add, end, c - 1 - rank), c, name="n_local_keys")
 
 
-def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, n_local: Any) -> fx.Node:
+def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, n_local: Any, name: str) -> fx.Node:
     index: tuple = (slice(None, access.bsz), slice(None, n_local))
     if access.feat is not None:
         index += (slice(*access.feat),)
-    return _call(graph, operator.getitem, local, index)
+    return _call(graph, operator.getitem, local, index, name=name)
 
 
-def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], canonical: list[str]) -> fx.Node:
+def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], canonical: list[str],
+                 name: Optional[str] = None) -> fx.Node:
     perm = axes.permutation_to(roles, canonical)
     if perm is None:
         raise NearMiss(f"{node.name} has axes {roles}, cannot order them as {canonical}")
-    return node if perm == list(range(len(perm))) else _method(graph, "permute", node, *perm)
+    return node if perm == list(range(len(perm))) else _method(graph, "permute", node, *perm, name=name)
 
 
 def striped_mask(graph: fx.Graph, match: MlaMatch, plan: AttentionPlan) -> Optional[fx.Node]:
@@ -108,7 +110,7 @@ def striped_mask(graph: fx.Graph, match: MlaMatch, plan: AttentionPlan) -> Optio
         if T in mask.roles and not axes.known_equal(axes.shape_of(mask.node)[mask.roles.index(T)], 1):
             # keys are striped, so is every per-key mask column
             node = _call(graph, operator.getitem, node, (Ellipsis, slice(plan.rank, None, plan.c)))
-        node = _method(graph, "float", node)
+        node = _method(graph, "float", node, name="mask_local")
         total = node if total is None else _call(graph, operator.add, total, node)
     return total
 
@@ -117,20 +119,21 @@ def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, 
     common = dict(base=plan.lse_base, out_dtype=match.out_dtype)
     if not plan.head_sharded:
         method = "ag_rs" if plan.comm_backend == "ag_rs" else "a2a"
-        return _call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c, method=method, **common)
+        return _call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c, method=method,
+                     name="merged", **common)
     fn = {"a2a": comm.exchange_a2a, "ag_rs": comm.exchange_ag_rs, "fi_a2a": comm.exchange_fi_a2a}[plan.comm_backend]
-    return _call(graph, fn, out, lse, plan.group_name, plan.c, **common)
+    return _call(graph, fn, out, lse, plan.group_name, plan.c, name="merged", **common)
 
 
 def gather_queries(graph: fx.Graph, q_lat: fx.Node, q_rope: Optional[fx.Node], plan: AttentionPlan, dims: tuple[int, int]):
     """One all-gather carries both query parts of the DCP group, in DCP-rank (= head) order."""
-    packed = q_lat if q_rope is None else _call(graph, torch.cat, [q_lat, q_rope], -1)
-    gathered = _call(graph, comm.gather_heads, packed, plan.group_name, plan.c)
+    packed = q_lat if q_rope is None else _call(graph, torch.cat, [q_lat, q_rope], -1, name="q_packed")
+    gathered = _call(graph, comm.gather_heads, packed, plan.group_name, plan.c, name="q_group")
     if q_rope is None:
         return gathered, None
     d_lat, d_rope = dims
-    lat = _call(graph, operator.getitem, gathered, (Ellipsis, slice(None, d_lat)))
-    rope = _call(graph, operator.getitem, gathered, (Ellipsis, slice(d_lat, None)))
+    lat = _call(graph, operator.getitem, gathered, (Ellipsis, slice(None, d_lat)), name="q_lat_group")
+    rope = _call(graph, operator.getitem, gathered, (Ellipsis, slice(d_lat, None)), name="q_rope_group")
     return lat, rope
 
 
@@ -152,25 +155,26 @@ def rewrite_attention(
     value_node = match.value.node
     with graph.inserting_before(match.softmax):
         n_local = local_key_count(graph, match.value_cache.end, plan.c, plan.rank)
-        kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, n_local)
-        pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, n_local) if rope else None
+        kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, n_local, "kv_local")
+        pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, n_local, "pe_local") if rope else None
         if query_override is not None:
             q_lat, q_rope = query_override
         else:
-            q_lat = to_canonical(graph, latent.query, latent.query_roles, CANON_Q)
-            q_rope = to_canonical(graph, rope.query, rope.query_roles, CANON_Q) if rope else None
+            q_lat = to_canonical(graph, latent.query, latent.query_roles, CANON_Q, "q_lat_bshd")
+            q_rope = to_canonical(graph, rope.query, rope.query_roles, CANON_Q, "q_rope_bshd") if rope else None
             if plan.head_sharded:
                 dims = (axes.shape_of(latent.query)[latent.query_roles.index(F)],
                         axes.shape_of(rope.query)[rope.query_roles.index(F)] if rope else 0)
                 q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, dims)
         mask = striped_mask(graph, match, plan)
-        attn = _call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe, match.v_dim,
-                     float(match.scale), mask, plan.lse_base, plan.attn_backend)
-        out = _call(graph, operator.getitem, attn, 0)
-        lse = _call(graph, operator.getitem, attn, 1)
+        attn = _call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
+                     v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
+                     backend=plan.attn_backend, name="local_attention")
+        out = _call(graph, operator.getitem, attn, 0, name="partial_out")
+        lse = _call(graph, operator.getitem, attn, 1, name="partial_lse")
         merged = emit_exchange(graph, out, lse, match, plan)
         back = [CANON_Q.index(r) for r in match.out_roles]
-        result = merged if back == list(range(4)) else _method(graph, "permute", merged, *back)
+        result = merged if back == list(range(4)) else _method(graph, "permute", merged, *back, name="merged_layout")
     value_node.replace_all_uses_with(result)
     erase_dead_region(graph, [value_node])
     return result
@@ -197,8 +201,6 @@ def erase_dead_region(graph: fx.Graph, roots: list[fx.Node]) -> None:
     while work:
         node = work.pop()
         if node in dead or node.users or node.op not in ("call_function", "call_method"):
-            continue
-        if node.op == "call_function" and node.target in (torch.ops.dcp.striped_write.default,):
             continue
         if _mutates_input(node):
             target = node.args[0]

@@ -15,6 +15,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+import operator
+
+from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.match import CacheAccess
 from dcp_pass.runtime import layout
 from dcp_pass.runtime import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
@@ -122,14 +125,54 @@ def local_cache_placeholder(graph: fx.Graph, index: int, example: torch.Tensor) 
     return static_placeholder(graph, f"dcp_local_cache_{index}", example)
 
 
+def _arith(graph: fx.Graph, op, a, b, name=None):
+    """`op(a, b)` folded for ints, a graph node for SymInt nodes."""
+    if isinstance(a, int) and isinstance(b, int):
+        return op(a, b)
+    return graph.create_node("call_function", op, (a, b), {}, name=name)
+
+
+def _seq_len(graph: fx.Graph, value: fx.Node):
+    size = axes.shape_of(value)[1]
+    return size if isinstance(size, int) else graph.call_method("size", (value, 1))
+
+
+class CacheCapacityError(IndexError):
+    """A write past the cache's positions (the model's max sequence length)."""
+
+
 def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: LocalCache) -> fx.Node:
-    """`buffer[:b, s:e(, f0:f1)] = v`  ->  `dcp.striped_write(local, v, s, c, rank, capacity, f0)`."""
-    feat_start = write.feat[0] if write.feat else 0
+    """`buffer[:b, s:e(, f0:f1)] = v`  ->  `local[:b, row0:row0+n(, f0:f1)] = v[:, first::c]`.
+
+    The tokens of [s, e) that this rank owns are every c-th one from offset
+    `first = (rank - s) mod c`, and they land on consecutive local rows from
+    `row0 = (s + first) // c`: one strided slice copy that the inner compiler fuses,
+    with no custom op or index tensor on the decode path.
+    """
+    c, rank, cap = entry.c, entry.rank, entry.virtual_capacity
+    start, value = write.start, write.value
     with graph.inserting_before(write.node):
-        new = graph.call_function(
-            torch.ops.dcp.striped_write.default,
-            (local, write.value, write.start, entry.c, entry.rank, entry.virtual_capacity, feat_start),
-        )
+        seq = _seq_len(graph, value)
+        end = _arith(graph, operator.add, start, seq)
+        if isinstance(end, int):
+            if end > cap or (isinstance(start, int) and start < 0):
+                raise CacheCapacityError(
+                    f"dcp_pass: cache write of positions [{start}, {end}) is past the cache capacity ({cap} "
+                    f"positions); raise the model's max sequence length"
+                )
+        else:
+            graph.call_function(layout.check_write_capacity, (end, cap))
+        first = _arith(graph, operator.mod, _arith(graph, operator.sub, rank, start), c, "first_owned")
+        count = _arith(graph, operator.floordiv,
+                       _arith(graph, operator.add, _arith(graph, operator.sub, seq, first), c - 1), c, "n_owned")
+        row0 = _arith(graph, operator.floordiv, _arith(graph, operator.add, start, first), c, "row0")
+        row1 = _arith(graph, operator.add, row0, count, "row1")
+        owned = graph.create_node("call_function", operator.getitem, (value, (slice(None), slice(first, None, c))),
+                                  {}, name="owned_tokens")
+        index: tuple = (slice(None, write.bsz), slice(row0, row1))
+        if write.feat is not None:
+            index += (slice(*write.feat),)
+        new = graph.call_function(operator.setitem, (local, index, owned))
     write.node.replace_all_uses_with(new)
     graph.erase_node(write.node)
     return new

@@ -386,3 +386,16 @@ class PagedVirtualAllocator:
     def local_token_count(self, request_id: Hashable, rank: int) -> int:
         """Tokens of a request stored on ``rank``; pages start at multiples of c, so this is local_length."""
         return local_length(self.seq_len(request_id), self.c, rank)
+
+
+def check_write_capacity(end: int, capacity: int) -> None:
+    """A cache write ending at global position `end` must fit the virtual capacity.
+
+    Written with torch._check so that it also holds for symbolic ends inside a
+    compiled graph (a runtime assertion there) and costs nothing for Python ints.
+    """
+    torch._check(
+        end <= capacity,
+        lambda: f"dcp_pass: cache write up to position {end} is past the cache capacity ({capacity} positions); "
+        f"raise the model's max sequence length",
+    )

@@ -1,9 +1,10 @@
 """torch.library custom ops emitted by the compile pass.
 
-Custom ops (not plain Python calls) because the inner compilers must treat the
-shard-local attention and the striped write as opaque kernels: they have fake
-implementations for tracing, and their real implementations choose the Triton
-kernel or the torch reference at run time.
+A custom op (not a plain Python call) because the inner compilers must treat the
+shard-local attention as an opaque kernel: it has a fake implementation for
+tracing, and its real implementation chooses the Triton kernel or the torch
+reference at run time. (Striped cache writes need no op: they are one strided
+slice copy in the graph, see rewrites/cache.py.)
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Optional
 
 import torch
 
-from dcp_pass.runtime import layout
 
 LIB = "dcp"
 
@@ -50,32 +50,3 @@ def _(q_lat, q_rope, kv, pe, v_dim, scale, mask, lse_base, backend):
     out = q_lat.new_empty((B, S, H, v_dim))
     lse = q_lat.new_empty((B, S, H), dtype=torch.float32)
     return out, lse
-
-
-@torch.library.custom_op(f"{LIB}::striped_write", mutates_args=("cache",))
-def striped_write(
-    cache: torch.Tensor,
-    values: torch.Tensor,
-    start_pos: int,
-    c: int,
-    rank: int,
-    virtual_capacity: int,
-    feat_start: int,
-) -> None:
-    """Write `values` [b, s, D] at global positions [start_pos, start_pos+s) into columns
-    [feat_start, feat_start+D) of this rank's compacted shard `cache` [B, ceil(capacity/c), W],
-    keeping only positions p % c == rank."""
-    end = start_pos + values.shape[1]
-    if start_pos < 0 or end > virtual_capacity or values.shape[0] > cache.shape[0]:
-        raise IndexError(
-            f"dcp_pass: cache write of positions [{start_pos}, {end}) for batch {values.shape[0]} is past "
-            f"the cache capacity ({virtual_capacity} positions, batch {cache.shape[0]}); raise the model's "
-            f"max sequence length / batch size"
-        )
-    columns = cache[..., feat_start : feat_start + values.shape[-1]]
-    layout.striped_write_(columns, values.to(cache.dtype), start_pos, c, rank)
-
-
-@striped_write.register_fake
-def _(cache, values, start_pos, c, rank, virtual_capacity, feat_start):
-    return None

@@ -1,0 +1,95 @@
+"""Bad input gets a clear, early error; graphs the pass cannot handle run unchanged."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from dcp_pass.backend import DcpBackend
+from test_graph_diff import TinyMLA, tiny_inputs
+
+
+@pytest.fixture
+def fake_world():
+    def make(c):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c)
+
+    torch._dynamo.reset()
+    yield make
+    torch._dynamo.reset()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _compile(c, **options):
+    options.setdefault("inner", "eager")
+    backend = DcpBackend(dcp_size=c, **options)
+    return torch.compile(TinyMLA(), backend=backend), backend
+
+
+@torch.no_grad()
+def test_write_past_capacity_is_a_clear_error(fake_world):
+    fake_world(2)
+    model, _ = _compile(2)
+    model(*tiny_inputs(1, 5))
+    model(*tiny_inputs(1, 6))  # start_pos is symbolic from here on
+    model(*tiny_inputs(1, 15))  # the last position fits
+    with pytest.raises(RuntimeError, match=r"past the cache capacity \(16 positions\)"):
+        model(*tiny_inputs(1, 16))
+
+
+@torch.no_grad()
+def test_write_past_capacity_static_start(fake_world):
+    fake_world(2)
+    model, _ = _compile(2)
+    with pytest.raises(Exception, match="past the cache capacity|size"):
+        model(*tiny_inputs(3, 15))
+
+
+@torch.no_grad()
+def test_invalid_topology_fails_before_compiling(fake_world):
+    fake_world(4)
+    model, _ = _compile(8, tp_size=4)
+    with pytest.raises(Exception, match="dcp_size=8 does not fit"):
+        model(*tiny_inputs(1, 5))
+
+
+def test_dcp_without_process_group_says_what_to_do():
+    torch._dynamo.reset()
+    assert not dist.is_initialized()
+    model, _ = _compile(2)
+    with torch.no_grad(), pytest.raises(Exception, match="init_process_group"):
+        model(*tiny_inputs(1, 5))
+
+
+@torch.no_grad()
+def test_explicit_comm_backend_that_cannot_run(fake_world):
+    fake_world(2)
+    model, _ = _compile(2, comm_backend="fi_a2a")
+    with pytest.raises(Exception, match="fi_a2a"):
+        model(*tiny_inputs(1, 5))
+
+
+@torch.no_grad()
+def test_strict_mode_turns_a_near_miss_into_an_error(fake_world):
+    fake_world(2)
+    backend = DcpBackend(dcp_size=2, inner="eager", strict=True)
+    model = torch.compile(TinyMLA(leak_probs=True), backend=backend)
+    with pytest.raises(Exception, match="near-miss MLA pattern.*used outside the value product"):
+        model(*tiny_inputs(1, 5))
+
+
+@torch.no_grad()
+def test_near_miss_runs_unchanged_and_correct(fake_world):
+    fake_world(2)
+    reference = TinyMLA(leak_probs=True)
+    model = TinyMLA(leak_probs=True)
+    model.load_state_dict(reference.state_dict())
+    backend = DcpBackend(dcp_size=2, inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    for start in (0, 3):
+        args = tiny_inputs(3, start, "additive")
+        got, want = compiled(*args), reference(*args)
+        torch.testing.assert_close(got, want)
+    assert backend.report.layers_rewritten == 0 and backend.report.graphs[0].near_misses
