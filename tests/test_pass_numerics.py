@@ -91,8 +91,8 @@ def _replay(model, prompts, generated):
 
 def _check(result: dict, ref, world: int, rtol: float, n_mla_layers: int):
     assert result["rewritten"] >= n_mla_layers, result["summary"]
-    # every rank holds ~1/c of each cache (rows rounded up)
-    assert result["kv_local"] * world <= result["kv_full"] + result["kv_full"] // 40, result["summary"]
+    # every rank holds ~1/c of each cache (rows rounded up, plus one spare row per shard)
+    assert result["kv_local"] * world <= result["kv_full"] * 1.1, result["summary"]
     assert result["kv_local"] > 0
     if ref is not None:
         ref_tokens, ref_logits = ref

@@ -64,7 +64,11 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
                 f"it cannot be recompiled with dcp_size={c}, rank {rank}"
             )
         return entry
-    local = layout.shard_full_cache(buffer.detach(), c, rank).contiguous()  # keeps rows already written
+    shard = layout.shard_full_cache(buffer.detach(), c, rank)  # keeps rows already written
+    # One spare row: a windowed write (symbolic start) may touch row (start + n) // c,
+    # one past the last owned row when max_seq is a multiple of c. Never read.
+    local = shard.new_zeros((shard.shape[0], shard.shape[1] + 1, shard.shape[2]))
+    local[:, : shard.shape[1]] = shard
     full_nbytes = buffer.numel() * buffer.element_size()
     return LocalCache(weakref.ref(buffer), local, buffer.shape[1], c, rank, full_nbytes, name)
 
@@ -142,15 +146,19 @@ class CacheCapacityError(IndexError):
 
 
 def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: LocalCache) -> fx.Node:
-    """`buffer[:b, s:e(, f0:f1)] = v`  ->  `local[:b, row0:row0+n(, f0:f1)] = v[:, first::c]`.
+    """`buffer[:b, s:e(, f0:f1)] = v`  ->  a striped write of v's owned tokens into `local`.
 
-    The tokens of [s, e) that this rank owns are every c-th one from offset
-    `first = (rank - s) mod c`, and they land on consecutive local rows from
-    `row0 = (s + first) // c`: one strided slice copy that the inner compiler fuses,
-    with no custom op or index tensor on the decode path.
+    The tokens of [s, e) that this rank owns are every c-th one, and they land on
+    consecutive local rows. With a constant start that is one strided slice copy.
+    With a symbolic start (decode after the first step) how many tokens this rank owns
+    depends on the value of start, and a shape that depends on it would make Dynamo
+    guard on it and recompile every step; so the write covers a fixed window of
+    `n // c + 1` local rows from `start // c` and keeps the rows it does not own
+    (`torch.where`), with the same shapes for every start.
     """
     c, rank, cap = entry.c, entry.rank, entry.virtual_capacity
     start, value = write.start, write.value
+    feat = (slice(*write.feat),) if write.feat is not None else ()
     with graph.inserting_before(write.node):
         seq = _seq_len(graph, value)
         end = _arith(graph, operator.add, start, seq)
@@ -162,17 +170,48 @@ def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: Lo
                 )
         else:
             graph.call_function(layout.check_write_capacity, (end, cap))
-        first = _arith(graph, operator.mod, _arith(graph, operator.sub, rank, start), c, "first_owned")
-        count = _arith(graph, operator.floordiv,
-                       _arith(graph, operator.add, _arith(graph, operator.sub, seq, first), c - 1), c, "n_owned")
-        row0 = _arith(graph, operator.floordiv, _arith(graph, operator.add, start, first), c, "row0")
-        row1 = _arith(graph, operator.add, row0, count, "row1")
-        owned = graph.create_node("call_function", operator.getitem, (value, (slice(None), slice(first, None, c))),
-                                  {}, name="owned_tokens")
-        index: tuple = (slice(None, write.bsz), slice(row0, row1))
-        if write.feat is not None:
-            index += (slice(*write.feat),)
-        new = graph.call_function(operator.setitem, (local, index, owned))
+        if isinstance(start, int):
+            new = _static_striped_write(graph, write, local, c, rank, start, seq, feat)
+        else:
+            new = _windowed_striped_write(graph, write, local, c, rank, start, seq, feat)
     write.node.replace_all_uses_with(new)
     graph.erase_node(write.node)
     return new
+
+
+def _static_striped_write(graph, write, local, c, rank, start, seq, feat):
+    first = _arith(graph, operator.mod, rank - start, c, "first_owned")
+    count = _arith(graph, operator.floordiv, _arith(graph, operator.add, _arith(graph, operator.sub, seq, first), c - 1),
+                   c, "n_owned")
+    row0 = _arith(graph, operator.floordiv, _arith(graph, operator.add, start, first), c, "row0")
+    row1 = _arith(graph, operator.add, row0, count, "row1")
+    owned = graph.create_node("call_function", operator.getitem, (write.value, (slice(None), slice(first, None, c))),
+                              {}, name="owned_tokens")
+    index = (slice(None, write.bsz), slice(row0, row1)) + feat
+    return graph.call_function(operator.setitem, (local, index, owned))
+
+
+def _windowed_striped_write(graph, write, local, c, rank, start, seq, feat):
+    window = _arith(graph, operator.add, _arith(graph, operator.floordiv, seq, c), 1, "window")
+    row0 = _arith(graph, operator.floordiv, start, c, "row0")
+    row1 = _arith(graph, operator.add, row0, window, "row1")
+    # position (relative to start) of the token that would sit on local row row0 + i
+    offset = _arith(graph, operator.sub, _arith(graph, operator.add, _arith(graph, operator.mul, row0, c), rank),
+                    start, "offset")
+    device = axes.example_value(write.value).device
+    steps = graph.call_function(torch.arange, (window,), {"device": device})
+    cand = graph.create_node("call_function", operator.add,
+                             (graph.call_function(operator.mul, (steps, c)), offset), {}, name="token_index")
+    owned = graph.create_node("call_function", operator.and_,
+                              (graph.call_function(operator.ge, (cand, 0)), graph.call_function(operator.lt, (cand, seq))),
+                              {}, name="owned")
+    picked = graph.create_node("call_method", "index_select",
+                               (write.value, 1, graph.call_method("clamp", (cand, 0, _arith(graph, operator.sub, seq, 1)))),
+                               {}, name="owned_tokens")
+    index = (slice(None, write.bsz), slice(row0, row1)) + feat
+    rows = graph.call_function(operator.getitem, (local, index))
+    keep = graph.call_function(operator.getitem, (owned, (None, slice(None), None)))
+    merged = graph.create_node("call_function", torch.where,
+                               (keep, graph.call_method("to", (picked, axes.example_value(local).dtype)), rows), {},
+                               name="window_rows")
+    return graph.call_function(operator.setitem, (local, index, merged))
