@@ -265,13 +265,13 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
     dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -334,13 +334,13 @@ def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv
     dcp_local_cache_1[(slice(None, 2, None), slice(row0_1, row1_1, None))] = window_rows_1;  setitem_3 = dcp_local_cache_1
     add_5 = add + 1
     n_local_keys = add_5 // 2
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, n_local_keys, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, n_local_keys, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = n_local_keys, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -359,8 +359,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(0, None, 2))]
     dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
     unsqueeze = mask.unsqueeze(1)
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
@@ -368,7 +368,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     getitem_2 = unsqueeze[(None, Ellipsis)]
     getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
     mask_local = getitem_3.float()
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 2, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -387,8 +387,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
     dcp_local_cache_1[(slice(None, 2, None), slice(3, 4, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
     unsqueeze = mask.unsqueeze(1)
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 4, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 4, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
@@ -396,7 +396,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     getitem_2 = unsqueeze[(None, Ellipsis)]
     getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
     mask_local = getitem_3.float()
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 4, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -420,13 +420,13 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
     dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_ag_rs(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -444,9 +444,9 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
     dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
@@ -463,9 +463,9 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
     dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
@@ -488,13 +488,13 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     dcp_local_cache_0[(slice(None, 2, None), slice(7, 7, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
     dcp_local_cache_1[(slice(None, 2, None), slice(7, 7, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 7, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 7, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 7, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -510,13 +510,13 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     dcp_local_cache_0[(slice(None, 2, None), slice(4, 4, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(3, None, 4))]
     dcp_local_cache_1[(slice(None, 2, None), slice(4, 4, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 4, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 4, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 4)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 4, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 4, base = 'e', out_dtype = torch.float32)
@@ -532,13 +532,13 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     dcp_local_cache_0[(slice(None, 2, None), slice(2, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(3, None, 8))]
     dcp_local_cache_1[(slice(None, 2, None), slice(2, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 8)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 2, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 8, base = 'e', out_dtype = torch.float32)
@@ -596,9 +596,9 @@ def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
     owned_tokens = cat[(slice(None, None, None), slice(1, None, 2))]
     dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_1 = dcp_local_cache_0
     cat_1 = torch.cat([q_lat, q_pe], dim = -1)
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     q_group = dcp_pass_runtime_comm_gather_heads(cat_1, '0', 2)
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -616,8 +616,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     owned_tokens_1 = k_pe[(slice(None, None, None), slice(0, None, 2))]
     dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
     unsqueeze = mask.unsqueeze(1)
-    kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
-    pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
@@ -626,7 +626,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     getitem_2 = where[(None, Ellipsis)]
     getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
     mask_local = getitem_3.float()
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 2, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -662,13 +662,13 @@ dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  se
 squeeze = k_pe_1.squeeze(2)
 owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
 dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -699,9 +699,9 @@ dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
 owned_tokens = cat[(slice(None, None, None), slice(0, None, 2))]
 dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_1 = dcp_local_cache_0
 q_full = torch.cat([q_lat, q_pe_1], dim = -1)
-kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 q_group = dcp_pass_runtime_comm_gather_heads(q_full, '0', 2)
-local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -719,8 +719,8 @@ squeeze = k_pe_1.squeeze(2)
 owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
 dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
 unsqueeze_2 = mask.unsqueeze(1)
-kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 2, None))]
-pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 2, None))]
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
@@ -729,7 +729,7 @@ where = torch.where(unsqueeze_2, -inf, 0.0)
 getitem = where[(None, Ellipsis)]
 getitem_10 = getitem[(Ellipsis, slice(0, None, 2))]
 mask_local = getitem_10.float()
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = mask_local, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 2, v_dim = 32, scale = 0.2041241452319315, mask = mask_local, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -747,13 +747,13 @@ dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  se
 squeeze = k_pe_1.squeeze(2)
 owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
 dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat_1, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -774,13 +774,13 @@ dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  se
 squeeze = k_pe_1.squeeze(2)
 owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
 dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
@@ -796,13 +796,13 @@ dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  se
 squeeze = k_pe_1.squeeze(2)
 owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
 dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
@@ -827,13 +827,13 @@ dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  se
 squeeze = k_pe_1.squeeze(2)
 owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
 dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
-kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, 3, None))]
-pe_local = dcp_local_cache_1[(slice(None, 2, None), slice(None, 3, None))]
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)

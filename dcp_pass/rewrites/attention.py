@@ -2,7 +2,7 @@
 
 Emitted (before the softmax, in this order):
   local key count      n_local = (end + c - 1 - rank) // c
-  local cache slices   local[:bsz, :n_local(, f0:f1)]
+  local cache shards   local[:bsz(, :, f0:f1)], valid rows n_local passed as an int
   canonical queries    q.permute(...) -> [B, S, H, D]
   query heads          gather_heads (query all-gather)  | replicated projection | as is
   striped mask         mask in [B, S, H, T] order, columns rank::c
@@ -79,10 +79,11 @@ def local_key_count(graph: fx.Graph, end: Any, c: int, rank: int) -> Any:
     return _call(graph, operator.floordiv, _call(graph, operator.add, end, c - 1 - rank), c, name="n_local_keys")
 
 
-def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, n_local: Any, name: str) -> fx.Node:
-    index: tuple = (slice(None, access.bsz), slice(None, n_local))
+def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, name: str) -> fx.Node:
+    """The batch rows (and feature columns) of a shard; key rows are bounded by the op's n_keys."""
+    index: tuple = (slice(None, access.bsz),)
     if access.feat is not None:
-        index += (slice(*access.feat),)
+        index += (slice(None), slice(*access.feat))
     return _call(graph, operator.getitem, local, index, name=name)
 
 
@@ -155,8 +156,8 @@ def rewrite_attention(
     value_node = match.value.node
     with graph.inserting_before(match.softmax):
         n_local = local_key_count(graph, match.value_cache.end, plan.c, plan.rank)
-        kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, n_local, "kv_local")
-        pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, n_local, "pe_local") if rope else None
+        kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, "kv_local")
+        pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local") if rope else None
         if query_override is not None:
             q_lat, q_rope = query_override
         else:
@@ -168,7 +169,7 @@ def rewrite_attention(
                 q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, dims)
         mask = striped_mask(graph, match, plan)
         attn = _call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
-                     v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
+                     n_keys=n_local, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
                      backend=plan.attn_backend, name="local_attention")
         out = _call(graph, operator.getitem, attn, 0, name="partial_out")
         lse = _call(graph, operator.getitem, attn, 1, name="partial_lse")

@@ -22,6 +22,7 @@ def mla_local_attention(
     q_rope: Optional[torch.Tensor],
     kv: torch.Tensor,
     pe: Optional[torch.Tensor],
+    n_keys: int,
     v_dim: int,
     scale: float,
     mask: Optional[torch.Tensor],
@@ -31,8 +32,10 @@ def mla_local_attention(
     """Attention of all query heads over this rank's KV shard only.
 
     q_lat [B,S,H,Dl], q_rope [B,S,H,Dr] or None (fused cache), kv [B,T,Dk] and pe [B,T,Dr]
-    are the rank-local cache rows, values are kv[..., :v_dim]; mask is additive and already
-    striped like the keys. Returns the partial output [B,S,H,v_dim] (q dtype) and its fp32
+    are the rank-local cache shards, of which the first `n_keys` rows are valid; values are
+    kv[..., :v_dim]; mask is additive and already striped like the keys. The valid length
+    travels as an int, not as a sliced view: a symbolic tensor size would let shape checks
+    specialise on it (size 1 vs more) and recompile the graph as the context grows. Returns the partial output [B,S,H,v_dim] (q dtype) and its fp32
     log-sum-exp [B,S,H] in `lse_base`; an empty shard gives zeros and -inf.
     """
     from dcp_pass.runtime.kernels import mla_attention as kernels
@@ -40,12 +43,14 @@ def mla_local_attention(
     fn = kernels.mla_attention_reference
     if backend in ("auto", "triton") and q_lat.is_cuda:
         fn = kernels.mla_attention
+    kv = kv[:, :n_keys]
+    pe = pe[:, :n_keys] if pe is not None else None
     out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, None, lse_base, None)
     return out.contiguous(), lse.contiguous()
 
 
 @mla_local_attention.register_fake
-def _(q_lat, q_rope, kv, pe, v_dim, scale, mask, lse_base, backend):
+def _(q_lat, q_rope, kv, pe, n_keys, v_dim, scale, mask, lse_base, backend):
     B, S, H, _ = q_lat.shape
     out = q_lat.new_empty((B, S, H, v_dim))
     lse = q_lat.new_empty((B, S, H), dtype=torch.float32)
