@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from dcp_pass.options import DcpOptions
+from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.report import DcpReport, GraphReport, log
 from dcp_pass.rewrites.apply import PassConfig, apply_dcp
 from dcp_pass.rewrites.attention import AttentionPlan
@@ -42,6 +42,22 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+def check_attn_backend(requested: str, device: torch.device) -> str:
+    """An explicitly requested attention backend must be able to run here."""
+    if requested == "triton" and device.type != "cuda":
+        raise DcpOptionError(
+            f"option 'attn_backend'='triton' needs CUDA tensors, the model is on {device.type}; "
+            f"use 'auto' or 'torch'"
+        )
+    if requested == "flashinfer":
+        import importlib.util
+
+        reason = ("flashinfer is not installed" if importlib.util.find_spec("flashinfer") is None
+                  else "the FlashInfer MLA path is not wired into the pass yet")
+        raise DcpOptionError(f"option 'attn_backend'='flashinfer' cannot run: {reason}; use 'auto', 'triton' or 'torch'")
+    return requested
+
+
 def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[Any]) -> AttentionPlan:
     """Group, comm backend, LSE base and attention backend for this compile."""
     from dcp_pass.runtime import comm
@@ -52,7 +68,7 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
     else:
         group = dcp_process_group(topo)
     comm_backend = comm.select_comm_backend(opts.comm_backend, _device_of(example_inputs), group)
-    attn_backend = opts.attn_backend
+    attn_backend = check_attn_backend(opts.attn_backend, _device_of(example_inputs))
     lse_base = opts.lse_base or ("2" if attn_backend == "flashinfer" else "e")
     return AttentionPlan(topo.dcp_size, topo.dcp_rank, group.group_name, comm_backend, topo.head_sharded,
                          lse_base, attn_backend)

@@ -1,28 +1,33 @@
 """What the pass did to each graph: matches, rewrites, fallbacks with reasons, bytes per rank.
 
-Logged through the logger "dcp_pass" (enable with TORCH_LOGS="dcp" or "+dcp").
+Logged through the logger "dcp_pass" (enable with DCP_LOGS=info or DCP_LOGS=debug).
 """
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 log = logging.getLogger("dcp_pass")
 
 
-def _register_torch_log() -> None:
-    # Lets TORCH_LOGS="dcp" / "+dcp" switch this logger on like torch's own ones.
-    try:
-        from torch._logging import _internal
+def _configure_from_env() -> None:
+    """DCP_LOGS=info|debug switches the "dcp_pass" logger on, like TORCH_LOGS does for torch.
 
-        if "dcp" not in _internal.log_registry.log_alias_to_log_qnames:
-            _internal.register_log("dcp", "dcp_pass")
-            _internal._init_logs()
-    except Exception:  # private API: logging still works through the std logger
-        pass
+    (TORCH_LOGS itself is parsed when torch is imported and rejects names it does not
+    know, so a third-party log cannot live there.)
+    """
+    level = os.environ.get("DCP_LOGS", "").strip().lower()
+    if not level:
+        return
+    log.setLevel(logging.DEBUG if level in ("debug", "+dcp", "2") else logging.INFO)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[dcp_pass] %(message)s"))
+        log.addHandler(handler)
 
 
-_register_torch_log()
+_configure_from_env()
 
 
 @dataclass

@@ -93,3 +93,12 @@ def test_near_miss_runs_unchanged_and_correct(fake_world):
         got, want = compiled(*args), reference(*args)
         torch.testing.assert_close(got, want)
     assert backend.report.layers_rewritten == 0 and backend.report.graphs[0].near_misses
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attn_backend, message", [("triton", "needs CUDA"), ("flashinfer", "flashinfer")])
+def test_attention_backend_that_cannot_run(fake_world, attn_backend, message):
+    fake_world(2)
+    model, _ = _compile(2, attn_backend=attn_backend)
+    with pytest.raises(Exception, match=message):
+        model(*tiny_inputs(1, 5))
