@@ -74,6 +74,17 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
                          lse_base, attn_backend)
 
 
+def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str:
+    """Unified diff of a graph's code before and after the pass (what a reviewer reads)."""
+    import difflib
+
+    def lines(gm):
+        return [line.split(";  ")[0].rstrip() for line in gm.code.splitlines() if line.strip()]
+
+    return "\n".join(difflib.unified_diff(lines(before), lines(after), f"graph {index} (captured)",
+                                           f"graph {index} (dcp)", lineterm="", n=0))
+
+
 def _static_examples(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The shards as static-shape fake tensors of Dynamo's fake mode.
 
@@ -128,6 +139,7 @@ class DcpBackend:
         self.topology: Optional[DcpTopology] = None
         self.report = DcpReport(dcp_size=self.options.dcp_size)
         self.graphs: list[fx.GraphModule] = []  # what was handed to the inner compiler
+        self.diffs: list[str] = []  # unified diff of the code of every graph the pass rewrote
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, **_: Any):
         opts = self.options
@@ -146,6 +158,7 @@ class DcpBackend:
             for index, entry in caches:
                 self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)
             if caches:
+                self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
                 self.graphs.append(out)
                 log.info("%s", self.report.summary())
                 return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report)
@@ -174,3 +187,8 @@ def dcp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Opti
 def last_report() -> Optional[DcpReport]:
     """The report of the `dcp` backend that compiled most recently in this process."""
     return _LAST[0].report if _LAST else None
+
+
+def last_backend() -> Optional[DcpBackend]:
+    """The `dcp` backend instance that compiled most recently (its graphs, diffs, report)."""
+    return _LAST[0] if _LAST else None

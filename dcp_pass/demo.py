@@ -25,7 +25,7 @@ def _model_args(context: int, tp: int, dtype_name: str):
 def _rank(rank: int, world: int, opts: dict):
     import torch
 
-    from dcp_pass.backend import last_report
+    from dcp_pass.backend import last_backend, last_report
     from examples.deepseek_mla import build_model
     from examples.generate import greedy_generate
 
@@ -37,7 +37,8 @@ def _rank(rank: int, world: int, opts: dict):
     tokens, _ = greedy_generate(compiled, opts["prompts"], opts["steps"])
     elapsed = time.perf_counter() - start
     report = last_report()
-    return {"tokens": tokens, "report": report.summary(), "seconds": elapsed,
+    diffs = last_backend().diffs
+    return {"tokens": tokens, "report": report.summary(), "seconds": elapsed, "diff": diffs[-1] if diffs else "",
             "kv_full": report.kv_bytes_full, "kv_local": report.kv_bytes_local}
 
 
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     reference = build_model(_model_args(args.context, 1, args.dtype), rank=0)
     ref_tokens, _ = greedy_generate(reference, prompts, args.steps)
 
+    diff = results[0]["diff"].splitlines()
+    print(f"graph diff of the last rewritten graph on rank 0 ({len(diff)} lines, first 40):")
+    print("\n".join("  " + line[:150] for line in diff[:40]))
     print(results[0]["report"])
     full, local = results[0]["kv_full"], results[0]["kv_local"]
     print(f"KV cache per rank: {full} bytes without DCP, {local} bytes with DCP ({full / max(local, 1):.2f}x less)")

@@ -12,7 +12,7 @@ and review the diff by eye.
 Most cases use `TinyMLA` (below), whose whole rewritten graph is short enough to
 pin. Cases that need the example models (fused cache, masked_fill, hybrid,
 q-replication) pin only the attention region: from the first striped cache write
-(`owned_tokens = value[:, first::c]`) to the node that consumes the merged output.
+(`striped_write = ...write_owned_tokens_(...)`) to the node that consumes the merged output.
 
 Code is normalized before pinning (`_normalize`): Dynamo's `l_self_modules_..._`
 names are shortened (`l_self_modules_attn_buffers_kv_cache_` -> `attn_kv_cache`),
@@ -27,6 +27,8 @@ import unittest
 from typing import Optional
 
 import expecttest
+
+from dcp_pass.runtime.layout import write_owned_tokens_
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -156,7 +158,7 @@ def _exchange_node(gm: fx.GraphModule) -> fx.Node:
 def region(gm: fx.GraphModule) -> str:
     """Normalized code from the first striped write to the first consumer of the merged output."""
     lines = render(gm).splitlines()
-    first = next(i for i, l in enumerate(lines) if l.strip().startswith("owned_tokens"))
+    first = next(i for i, l in enumerate(lines) if l.strip().startswith("striped_write"))
     consumers = {u.name for u in _exchange_node(gm).users}
     last = next(i for i, l in enumerate(lines) if l.strip().split(" = ")[0] in consumers)
     return "\n".join(l.strip() for l in lines[first:last + 1])
@@ -179,7 +181,7 @@ def op_summary(gm: fx.GraphModule, attention_only: bool = True) -> str:
     """The call targets in order, one line; `attention_only`: first striped write .. exchange consumer."""
     nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     if attention_only:
-        start = next(i for i, n in enumerate(nodes) if n.name.startswith("owned_tokens"))
+        start = next(i for i, n in enumerate(nodes) if n.name.startswith("striped_write"))
         users = _exchange_node(gm).users
         stop = next(i for i, n in enumerate(nodes) if n in users)
         nodes = nodes[start:stop + 1]
@@ -242,11 +244,11 @@ class GraphDiffTest(expecttest.TestCase):
         """Striped writes replaced every cache write and nothing reads a full cache buffer."""
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         self.assertEqual(targets.count(torch.ops.dcp.mla_local_attention.default), layers)
-        writes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.setitem]
-        shard_writes = [n for n in writes if n.args[0].name.startswith("dcp_local_cache")]
+        self.assertNotIn(operator.setitem, targets)  # no slice assignment into a full cache is left
+        shard_writes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is write_owned_tokens_]
         self.assertGreaterEqual(len(shard_writes), layers)
-        for node in shard_writes:  # each writes every c-th token of the new ones
-            self.assertTrue(node.args[2].name.startswith(("owned_tokens", "window_rows")), node.format_node())
+        for node in shard_writes:  # into a shard, never into a full-size buffer
+            self.assertTrue(node.args[0].name.startswith("dcp_local_cache"), node.format_node())
         caches = cache_placeholders(gm)
         self.assertTrue(caches)
         for node in caches:
@@ -261,10 +263,8 @@ class GraphDiffTest(expecttest.TestCase):
         # end = 6 positions: rank 0 of 2 owns 0, 2, 4 -> local slice [:2, :3]; no mask for one token
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
@@ -292,48 +292,10 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertExpectedInline(render(be.graphs[1]), """\
 def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
     add = start_pos + 1
-    add_1 = start_pos + 1
-    check_write_capacity = dcp_pass_runtime_layout_check_write_capacity(add_1, 16)
-    row0 = start_pos // 2
-    row1 = row0 + 1
-    mul = row0 * 2
-    add_2 = mul + 0
-    offset = add_2 - start_pos
-    arange = torch.arange(1, device = device(type='cpu'))
-    mul_1 = arange * 2
-    token_index = mul_1 + offset
-    ge = token_index >= 0
-    lt = token_index < 1
-    owned = ge & lt
-    clamp = token_index.clamp(0, 0)
-    owned_tokens = latent.index_select(1, clamp)
-    getitem_2 = dcp_local_cache_0[(slice(None, 2, None), slice(row0, row1, None))]
-    getitem_3 = owned[(None, slice(None, None, None), None)]
-    to = owned_tokens.to(torch.float32)
-    window_rows = torch.where(getitem_3, to, getitem_2)
-    dcp_local_cache_0[(slice(None, 2, None), slice(row0, row1, None))] = window_rows;  setitem_2 = dcp_local_cache_0
-    add_3 = start_pos + 1
-    check_write_capacity_1 = dcp_pass_runtime_layout_check_write_capacity(add_3, 16)
-    row0_1 = start_pos // 2
-    row1_1 = row0_1 + 1
-    mul_2 = row0_1 * 2
-    add_4 = mul_2 + 0
-    offset_1 = add_4 - start_pos
-    arange_1 = torch.arange(1, device = device(type='cpu'))
-    mul_3 = arange_1 * 2
-    token_index_1 = mul_3 + offset_1
-    ge_1 = token_index_1 >= 0
-    lt_1 = token_index_1 < 1
-    owned_1 = ge_1 & lt_1
-    clamp_1 = token_index_1.clamp(0, 0)
-    owned_tokens_1 = k_pe.index_select(1, clamp_1)
-    getitem_4 = dcp_local_cache_1[(slice(None, 2, None), slice(row0_1, row1_1, None))]
-    getitem_5 = owned_1[(None, slice(None, None, None), None)]
-    to_1 = owned_tokens_1.to(torch.float32)
-    window_rows_1 = torch.where(getitem_5, to_1, getitem_4)
-    dcp_local_cache_1[(slice(None, 2, None), slice(row0_1, row1_1, None))] = window_rows_1;  setitem_3 = dcp_local_cache_1
-    add_5 = add + 1
-    n_local_keys = add_5 // 2
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, start_pos, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, start_pos, 2, 0, 16, 0)
+    add_1 = add + 1
+    n_local_keys = add_1 // 2
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
@@ -354,10 +316,8 @@ def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv
         # the [S, T] causal mask is put in [B, S, H, T] order and striped like the keys (columns 0::2)
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(0, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(0, None, 2))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
@@ -382,10 +342,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(3, 4, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(3, 4, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
@@ -409,17 +367,15 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
 
     def test_head_sharded_a2a(self):
         be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="a2a")
-        self.assertExpectedInline(op_summary(be.graphs[0]), """[] []= [] []= [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a einsum""")
+        self.assertExpectedInline(op_summary(be.graphs[0]), """write_owned_tokens_ write_owned_tokens_ [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a einsum""")
 
     def test_head_sharded_ag_rs(self):
         be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="ag_rs")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
@@ -440,10 +396,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
@@ -459,10 +413,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
@@ -484,10 +436,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         # end = 14: rank 0 owns 0, 2, ..., 12 -> 7 local keys
         self.assertExpectedInline(render(self._decode_c(2)), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(7, 7, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(7, 7, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 13, 2, 0, 32, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 13, 2, 0, 32, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
@@ -506,10 +456,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         # rank 0 owns 0, 4, 8, 12 -> 4 local keys
         self.assertExpectedInline(render(self._decode_c(4)), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(3, None, 4))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(4, 4, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(3, None, 4))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(4, 4, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 13, 4, 0, 32, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 13, 4, 0, 32, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
@@ -528,10 +476,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         # rank 0 owns 0, 8 -> 2 local keys
         self.assertExpectedInline(render(self._decode_c(8)), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(3, None, 8))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(2, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(3, None, 8))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(2, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 13, 8, 0, 32, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 13, 8, 0, 32, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
@@ -593,8 +539,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
     cat = torch.cat([latent, k_pe], dim = -1)
-    owned_tokens = cat[(slice(None, None, None), slice(1, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(3, 3, None))] = owned_tokens;  setitem_1 = dcp_local_cache_0
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, cat, 5, 2, 0, 16, 0)
     cat_1 = torch.cat([q_lat, q_pe], dim = -1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     q_group = dcp_pass_runtime_comm_gather_heads(cat_1, '0', 2)
@@ -611,10 +556,8 @@ def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    owned_tokens = latent[(slice(None, None, None), slice(0, None, 2))]
-    dcp_local_cache_0[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
-    owned_tokens_1 = k_pe[(slice(None, None, None), slice(0, None, 2))]
-    dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
@@ -657,11 +600,9 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
         for gm in rewritten:
             self.assertRewritten(gm)
         self.assertExpectedInline(region(rewritten[0]), """\
-owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
@@ -674,7 +615,7 @@ partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
-        self.assertExpectedInline(op_summary(rewritten[0]), """[] []= .squeeze [] []= [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a [] einsum""")
+        self.assertExpectedInline(op_summary(rewritten[0]), """write_owned_tokens_ .squeeze write_owned_tokens_ [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a [] einsum""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
@@ -696,8 +637,7 @@ dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
         be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-owned_tokens = cat[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_1 = dcp_local_cache_0
+striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, cat, 4, 2, 0, 96, 0)
 q_full = torch.cat([q_lat, q_pe_1], dim = -1)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 q_group = dcp_pass_runtime_comm_gather_heads(q_full, '0', 2)
@@ -713,11 +653,9 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
         be = self.dcp(model, (self._tokens(4), 0), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_0[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 0, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_1[(slice(None, 2, None), slice(0, 2, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 0, 2, 0, 96, 0)
 unsqueeze_2 = mask.unsqueeze(1)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
@@ -742,11 +680,9 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
         be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat_1, q_pe_1], -1)
@@ -769,11 +705,9 @@ flatten_6 = merged.flatten(0, 1)""")
             regions[replicate] = region(be.graphs[0])
             torch._dynamo.reset()
         self.assertExpectedInline(regions[False], """\
-owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
@@ -791,11 +725,9 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
         # report says why). The replicated graph itself runs on real gloo ranks in
         # test_pass_numerics.test_c2_bf16_replicated_q_equals_gathered_q.
         self.assertExpectedInline(regions[True], """\
-owned_tokens = rms_norm_1[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
@@ -822,11 +754,9 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
         self.assertRewritten(gm)
         # only the MLA layer is rewritten ...
         self.assertExpectedInline(region(gm), """\
-owned_tokens = rms_norm_4[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_0[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens;  setitem_2 = dcp_local_cache_0
+striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_4, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-owned_tokens_1 = squeeze[(slice(None, None, None), slice(0, None, 2))]
-dcp_local_cache_1[(slice(None, 2, None), slice(2, 3, None))] = owned_tokens_1;  setitem_3 = dcp_local_cache_1
+striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)

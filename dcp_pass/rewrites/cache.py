@@ -15,8 +15,6 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-import operator
-
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.match import CacheAccess
 from dcp_pass.runtime import layout
@@ -129,89 +127,31 @@ def local_cache_placeholder(graph: fx.Graph, index: int, example: torch.Tensor) 
     return static_placeholder(graph, f"dcp_local_cache_{index}", example)
 
 
-def _arith(graph: fx.Graph, op, a, b, name=None):
-    """`op(a, b)` folded for ints, a graph node for SymInt nodes."""
-    if isinstance(a, int) and isinstance(b, int):
-        return op(a, b)
-    return graph.create_node("call_function", op, (a, b), {}, name=name)
-
-
-def _seq_len(graph: fx.Graph, value: fx.Node):
-    size = axes.shape_of(value)[1]
-    return size if isinstance(size, int) else graph.call_method("size", (value, 1))
-
-
 class CacheCapacityError(IndexError):
     """A write past the cache's positions (the model's max sequence length)."""
 
 
 def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: LocalCache) -> fx.Node:
-    """`buffer[:b, s:e(, f0:f1)] = v`  ->  a striped write of v's owned tokens into `local`.
+    """`buffer[:b, s:e(, f0:f1)] = v`  ->  `write_owned_tokens_(shard, v, s, c, rank, capacity, f0)`.
 
-    The tokens of [s, e) that this rank owns are every c-th one, and they land on
-    consecutive local rows. With a constant start that is one strided slice copy.
-    With a symbolic start (decode after the first step) how many tokens this rank owns
-    depends on the value of start, and a shape that depends on it would make Dynamo
-    guard on it and recompile every step; so the write covers a fixed window of
-    `n // c + 1` local rows from `start // c` and keeps the rows it does not own
-    (`torch.where`), with the same shapes for every start.
+    A traceable runtime function, not a custom op: the inner compiler sees (and fuses)
+    the plain slice copy inside, with no opaque call on the decode path.
     """
-    c, rank, cap = entry.c, entry.rank, entry.virtual_capacity
-    start, value = write.start, write.value
-    feat = (slice(*write.feat),) if write.feat is not None else ()
+    start = write.start
+    if isinstance(start, int):
+        end = start + axes.shape_of(write.value)[1]
+        if isinstance(end, int) and (end > entry.virtual_capacity or start < 0):
+            raise CacheCapacityError(
+                f"dcp_pass: cache write of positions [{start}, {end}) is past the cache capacity "
+                f"({entry.virtual_capacity} positions); raise the model's max sequence length"
+            )
+    feat_start = write.feat[0] if write.feat else 0
     with graph.inserting_before(write.node):
-        seq = _seq_len(graph, value)
-        end = _arith(graph, operator.add, start, seq)
-        if isinstance(end, int):
-            if end > cap or (isinstance(start, int) and start < 0):
-                raise CacheCapacityError(
-                    f"dcp_pass: cache write of positions [{start}, {end}) is past the cache capacity ({cap} "
-                    f"positions); raise the model's max sequence length"
-                )
-        else:
-            graph.call_function(layout.check_write_capacity, (end, cap))
-        if isinstance(start, int):
-            new = _static_striped_write(graph, write, local, c, rank, start, seq, feat)
-        else:
-            new = _windowed_striped_write(graph, write, local, c, rank, start, seq, feat)
+        new = graph.create_node(
+            "call_function", layout.write_owned_tokens_,
+            (local, write.value, start, entry.c, entry.rank, entry.virtual_capacity, feat_start), {},
+            name="striped_write",
+        )
     write.node.replace_all_uses_with(new)
     graph.erase_node(write.node)
     return new
-
-
-def _static_striped_write(graph, write, local, c, rank, start, seq, feat):
-    first = _arith(graph, operator.mod, rank - start, c, "first_owned")
-    count = _arith(graph, operator.floordiv, _arith(graph, operator.add, _arith(graph, operator.sub, seq, first), c - 1),
-                   c, "n_owned")
-    row0 = _arith(graph, operator.floordiv, _arith(graph, operator.add, start, first), c, "row0")
-    row1 = _arith(graph, operator.add, row0, count, "row1")
-    owned = graph.create_node("call_function", operator.getitem, (write.value, (slice(None), slice(first, None, c))),
-                              {}, name="owned_tokens")
-    index = (slice(None, write.bsz), slice(row0, row1)) + feat
-    return graph.call_function(operator.setitem, (local, index, owned))
-
-
-def _windowed_striped_write(graph, write, local, c, rank, start, seq, feat):
-    window = _arith(graph, operator.add, _arith(graph, operator.floordiv, seq, c), 1, "window")
-    row0 = _arith(graph, operator.floordiv, start, c, "row0")
-    row1 = _arith(graph, operator.add, row0, window, "row1")
-    # position (relative to start) of the token that would sit on local row row0 + i
-    offset = _arith(graph, operator.sub, _arith(graph, operator.add, _arith(graph, operator.mul, row0, c), rank),
-                    start, "offset")
-    device = axes.example_value(write.value).device
-    steps = graph.call_function(torch.arange, (window,), {"device": device})
-    cand = graph.create_node("call_function", operator.add,
-                             (graph.call_function(operator.mul, (steps, c)), offset), {}, name="token_index")
-    owned = graph.create_node("call_function", operator.and_,
-                              (graph.call_function(operator.ge, (cand, 0)), graph.call_function(operator.lt, (cand, seq))),
-                              {}, name="owned")
-    picked = graph.create_node("call_method", "index_select",
-                               (write.value, 1, graph.call_method("clamp", (cand, 0, _arith(graph, operator.sub, seq, 1)))),
-                               {}, name="owned_tokens")
-    index = (slice(None, write.bsz), slice(row0, row1)) + feat
-    rows = graph.call_function(operator.getitem, (local, index))
-    keep = graph.call_function(operator.getitem, (owned, (None, slice(None), None)))
-    merged = graph.create_node("call_function", torch.where,
-                               (keep, graph.call_method("to", (picked, axes.example_value(local).dtype)), rows), {},
-                               name="window_rows")
-    return graph.call_function(operator.setitem, (local, index, merged))

@@ -394,8 +394,47 @@ def check_write_capacity(end: int, capacity: int) -> None:
     Written with torch._check so that it also holds for symbolic ends inside a
     compiled graph (a runtime assertion there) and costs nothing for Python ints.
     """
+    # The message may close over nothing: Dynamo cannot trace a message closure over
+    # non-constant values, and this runs inside traced graphs.
     torch._check(
         end <= capacity,
-        lambda: f"dcp_pass: cache write up to position {end} is past the cache capacity ({capacity} positions); "
-        f"raise the model's max sequence length",
+        lambda: "dcp_pass: cache write past the cache capacity (the model's max sequence length); "
+        "raise max_seq_len or start a new sequence",
     )
+
+
+def write_owned_tokens_(
+    shard: torch.Tensor,
+    values: torch.Tensor,
+    start_pos,
+    c: int,
+    r: int,
+    capacity: int,
+    feat_start: int = 0,
+) -> None:
+    """The compile pass's cache write: tokens [start_pos, start_pos + s) of `values`
+    [b, s, D] into columns [feat_start, feat_start + D) of rank r's shard, keeping only
+    owned positions. Traceable: called from the rewritten graph and traced by the inner
+    compiler into plain tensor ops.
+
+    With an int start it is `striped_write_` (one strided slice copy). With a symbolic
+    start (decode after the first steps) how many tokens the rank owns depends on the
+    value of start; a shape that depends on it would make Dynamo guard on it and
+    recompile every step. So the write covers a fixed window of `s // c + 1` local rows
+    from `start // c` and keeps the rows it does not own (`torch.where`): the same
+    shapes for every start. The shard needs one spare row for that window.
+    """
+    seq = values.shape[1]
+    check_write_capacity(start_pos + seq, capacity)
+    cols = shard[: values.shape[0], :, feat_start : feat_start + values.shape[-1]]
+    if isinstance(start_pos, int):
+        striped_write_(cols, values, start_pos, c, r)
+        return
+    window = seq // c + 1
+    row0 = start_pos // c
+    # position (relative to start_pos) of the token that belongs on local row row0 + i
+    token = torch.arange(window, device=values.device) * c + (row0 * c + r - start_pos)
+    owned = (token >= 0) & (token < seq)
+    picked = values.index_select(1, token.clamp(0, seq - 1)).to(shard.dtype)
+    rows = cols[:, row0 : row0 + window]
+    rows.copy_(torch.where(owned[None, :, None], picked, rows))
