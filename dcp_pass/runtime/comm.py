@@ -417,3 +417,35 @@ def select_comm_backend(requested: Optional[str], device, group=None, **facts_kw
     """resolve_comm_backend on the facts of this device and group."""
     facts = device_comm_facts(device, group, **facts_kwargs)
     return resolve_comm_backend(requested, **{k: facts[k] for k in _RESOLVE_KEYS})
+
+
+# --------------------------------------------------------------------------------------
+# eager entry point for runtime features (extend, speculative verification)
+
+
+def exchange_partials(
+    o: Tensor,
+    lse: Tensor,
+    method: Optional[str],
+    group=None,
+    c: int = 1,
+    base: str = "e",
+    out_dtype: Optional[torch.dtype] = None,
+):
+    """Merge rank-local partials with `method` ("a2a" | "ag_rs" | "replicated"); None
+    returns them unmerged. `group`: a ProcessGroup, its name, or None for WORLD."""
+    if method is None:
+        return o, lse
+    if c == 1:
+        name = ""  # no collective is issued for a group of one
+    elif isinstance(group, str):
+        name = group
+    else:
+        name = (group if group is not None else dist.group.WORLD).group_name
+    if method == "a2a":
+        return exchange_a2a(o, lse, name, c, base, out_dtype)
+    if method == "ag_rs":
+        return exchange_ag_rs(o, lse, name, c, base, out_dtype)
+    if method == "replicated":
+        return exchange_replicated(o, lse, name, c, "a2a", base, out_dtype)
+    raise ValueError(f"exchange must be None, 'a2a', 'ag_rs' or 'replicated', got {method!r}")

@@ -58,14 +58,6 @@ def _resolve_group(group: Group) -> Optional[dist.ProcessGroup]:
     return group
 
 
-def _group_name(group: Group, c: int) -> str:
-    if c == 1:
-        return ""  # no collective is issued for a group of one
-    if isinstance(group, str):
-        return group
-    return (group if group is not None else dist.group.WORLD).group_name
-
-
 def gather_prefix(local_cache: torch.Tensor, prefix_len: Lens, group: Group, c: int) -> torch.Tensor:
     """All-gather the prefix shards of a DCP group and restore token order.
 
@@ -201,15 +193,6 @@ def extend_attention_dcp(
         q_lat, q_rope, local_kv, local_pe, v_dim, scale, kv_lens=local_lens,
         lse_base=lse_base, causal=(q_pos, c, rank),
     )
-    if exchange is None:
-        return o, lse
     from dcp_pass.runtime import comm
 
-    name = _group_name(group, c)
-    if exchange == "a2a":
-        return comm.exchange_a2a(o, lse, name, c, lse_base, out_dtype)
-    if exchange == "ag_rs":
-        return comm.exchange_ag_rs(o, lse, name, c, lse_base, out_dtype)
-    if exchange == "replicated":
-        return comm.exchange_replicated(o, lse, name, c, "a2a", lse_base, out_dtype)
-    raise ValueError(f"exchange must be None, 'a2a', 'ag_rs' or 'replicated', got {exchange!r}")
+    return comm.exchange_partials(o, lse, exchange, group, c, lse_base, out_dtype)

@@ -158,16 +158,6 @@ def verify_attention(
     else:
         o, lse = mla_attention_paged(q_lat, q_rope, local_kv, local_pe, page_table, local_lens, v_dim, scale,
                                      lse_base=lse_base, causal=(q_pos, c, rank))
-    if exchange is None:
-        return o, lse
     from dcp_pass.runtime import comm
-    from dcp_pass.runtime.extend import _group_name
 
-    name = _group_name(group, c)
-    if exchange == "a2a":
-        return comm.exchange_a2a(o, lse, name, c, lse_base, out_dtype)
-    if exchange == "ag_rs":
-        return comm.exchange_ag_rs(o, lse, name, c, lse_base, out_dtype)
-    if exchange == "replicated":
-        return comm.exchange_replicated(o, lse, name, c, "a2a", lse_base, out_dtype)
-    raise ValueError(f"exchange must be None, 'a2a', 'ag_rs' or 'replicated', got {exchange!r}")
+    return comm.exchange_partials(o, lse, exchange, group, c, lse_base, out_dtype)
