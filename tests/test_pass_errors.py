@@ -102,3 +102,35 @@ def test_attention_backend_that_cannot_run(fake_world, attn_backend, message):
     model, _ = _compile(2, attn_backend=attn_backend)
     with pytest.raises(Exception, match=message):
         model(*tiny_inputs(1, 5))
+
+
+class IndexCopyWriteMLA(TinyMLA):
+    """Writes the latent cache with index_copy_, a form the pass does not rewrite."""
+
+    def forward(self, q_lat, q_pe, latent, k_pe, start_pos: int, mask=None):
+        bsz, seqlen = q_lat.shape[:2]
+        positions = torch.arange(start_pos, start_pos + seqlen)
+        self.kv_cache[:bsz].index_copy_(1, positions, latent)
+        self.pe_cache[:bsz, start_pos:start_pos + seqlen] = k_pe
+        end = start_pos + seqlen
+        scores = torch.einsum("bshc,btc->bsht", q_lat, self.kv_cache[:bsz, :end]) + torch.einsum(
+            "bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end])
+        probs = (scores * 0.25).softmax(dim=-1, dtype=torch.float32).type_as(q_lat)
+        o = torch.einsum("bsht,btc->bshc", probs, self.kv_cache[:bsz, :end])
+        return torch.einsum("bshc,hdc->bshd", o, self.w_uv).flatten(2)
+
+
+@torch.no_grad()
+def test_unknown_cache_write_leaves_the_graph_unchanged_with_a_reason(fake_world):
+    fake_world(2)
+    reference, model = IndexCopyWriteMLA(), IndexCopyWriteMLA()
+    model.load_state_dict(reference.state_dict())
+    backend = DcpBackend(dcp_size=2, inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    for start in (0, 1):
+        args = tiny_inputs(1, start)
+        torch.testing.assert_close(compiled(*args), reference(*args))
+    summary = backend.report.summary()
+    assert backend.report.layers_rewritten == 0, summary
+    assert "used outside the matched attention" in summary and "index_copy_" in summary, summary
+    assert model.kv_cache.untyped_storage().size() > 0  # nothing was released

@@ -100,8 +100,9 @@ def apply_dcp(
         ))
     leftovers = [n for n in graph.nodes if n in buffers and n.users]
     if leftovers:
-        users = {n.name: [u.format_node() for u in n.users] for n in leftovers}
-        reason = f"cache buffers are used outside the matched attention: {users}"
+        uses = "; ".join(f"{module_path(buffer_source(n))}: {', '.join(_describe_use(u) for u in n.users)}"
+                         for n in leftovers)
+        reason = f"cache buffers are used outside the matched attention ({uses})"
         if any(cache_rw.is_released(values[n.name]) for n in leftovers) or config.strict:
             raise DcpRewriteError(reason)
         report.layers = [LayerReport(layer.layer, False, reason) for layer in report.layers]
@@ -138,6 +139,15 @@ def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         if old is not None and hasattr(old, "_dynamo_source"):
             node._dynamo_source = old._dynamo_source
     return work
+
+
+def _describe_use(node: fx.Node, depth: int = 3) -> str:
+    """`getitem -> index_copy_`: the op chain through which a buffer is used (for reports)."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    users = list(node.users)
+    if depth == 0 or len(users) != 1:
+        return name
+    return f"{name} -> {_describe_use(users[0], depth - 1)}"
 
 
 def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
