@@ -195,6 +195,21 @@ def cache_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 # ----------------------------------------------------------------------------- test case
 
 
+def _replicated_region_on_gloo(rank: int, world: int) -> str:
+    """Rank 0's attention region of a bf16 TP=2 model compiled with replicate_q_proj=True.
+
+    Needs real ranks: replication gathers the q weights at compile time and keeps the
+    ones that differ across ranks (the fake process group returns identical copies).
+    """
+    from examples.deepseek_mla import ModelArgs, build_model
+
+    model = build_model(ModelArgs(tp_size=world, n_layers=1, n_dense_layers=1, dtype=torch.bfloat16), rank=rank)
+    be = DcpBackend(dcp_size=world, inner="eager", comm_backend="a2a", replicate_q_proj=True)
+    with torch.no_grad():
+        torch.compile(model, backend=be)(torch.zeros(2, 1, dtype=torch.long), 4)
+    return region(be.graphs[0]) + "\n---\n" + be.report.summary()
+
+
 class GraphDiffTest(expecttest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
@@ -694,6 +709,46 @@ partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 flatten_6 = merged.flatten(0, 1)""")
+
+    def test_replicated_q_on_real_ranks(self):
+        from dcp_pass.testing import run_ranks
+
+        text = run_ranks(_replicated_region_on_gloo, 2, timeout=300)[0]
+        self.assertNotIn("gather_heads", text)
+        self.assertExpectedInline(text, """\
+striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+squeeze = k_pe_1.squeeze(2)
+striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+q_2 = torch._C._nn.linear(rms_norm, dcp_q_weight_1)
+q_3 = q_2.view(2, 1, 2, 24)
+split_2 = torch.functional.split(q_3, [16, 8], dim = -1)
+q_nope_1 = split_2[0]
+q_pe_2 = split_2[1]
+float_3 = q_pe_2.float()
+reshape_2 = float_3.reshape(2, 1, 2, -1, 2)
+xc_2 = torch.view_as_complex(reshape_2)
+mul_4 = xc_2 * rot
+view_as_real_2 = torch.view_as_real(mul_4)
+flatten_2 = view_as_real_2.flatten(3)
+q_pe_3 = flatten_2.to(torch.bfloat16)
+wkv_b_1 = dcp_q_weight_0.view(2, -1, 32)
+getitem_10 = wkv_b_1[(slice(None, None, None), slice(None, 16, None))]
+q_lat_1 = torch.functional.einsum('bshd,hdc->bshc', q_nope_1, getitem_10)
+cat = torch.cat([q_lat, q_lat_1], 2)
+cat_1 = torch.cat([q_pe_1, q_pe_3], 2)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(cat, cat_1, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
+o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)
+---
+dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
+  graph 0: 1 MLA layer(s) rewritten
+    rewrote layers.0.attn: decode, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto
+  KV cache bytes on this rank: 30720 without DCP -> 15680 with DCP (1.96x less)""")
 
     def test_replicated_vs_gathered_q(self):
         # bf16 weights are the ones q-proj replication may take (SPEC section 3)

@@ -198,9 +198,12 @@ def test_c2_bf16_inductor_greedy_tokens_teacher_forced():
     assert bool(agree[decisive].all()), f"{int((~agree & decisive).sum())} decisive tokens differ"
 
 
+ONE_DENSE_LAYER = dict(n_layers=1, n_dense_layers=1)  # embedding, all-reduce and attention in one graph
 REPLICATE_C2 = [
     dict(model="deepseek", dtype=torch.bfloat16, tp=2, inner="aot_eager", replicate=True),
     dict(model="deepseek", dtype=torch.bfloat16, tp=2, inner="aot_eager", replicate=False),
+    dict(model="deepseek", dtype=torch.bfloat16, tp=2, inner="aot_eager", replicate=True, variant=ONE_DENSE_LAYER),
+    dict(model="deepseek", dtype=torch.bfloat16, tp=2, inner="aot_eager", replicate=False, variant=ONE_DENSE_LAYER),
 ]
 
 
@@ -208,11 +211,12 @@ REPLICATE_C2 = [
 def test_c2_bf16_replicated_q_equals_gathered_q():
     """Replicated q-proj computes the same queries as the all-gather: same logits, same tokens."""
     results = run_ranks(_run_configs, 2, REPLICATE_C2, timeout=900)
-    replicated, gathered = results[0]
-    assert "replicated q-proj/w_kc" in replicated["summary"], replicated["summary"]
-    assert "q all-gather" in gathered["summary"] and "replicated" not in gathered["summary"]
-    assert replicated["tokens"] == gathered["tokens"]
-    rel = ((replicated["logits"] - gathered["logits"]).abs().amax() / gathered["logits"].abs().amax()).item()
-    assert rel < 1e-2, rel
-    fp32 = [r for r in results[0] if r is not None]
-    assert len(fp32) == 2
+    for replicated, gathered in (results[0][0:2], results[0][2:4]):
+        # every MLA layer took the replicated path (none fell back), including the one whose
+        # graph also holds the vocab-sharded embedding and its all-reduce
+        assert "replicated q-proj/w_kc" in replicated["summary"], replicated["summary"]
+        assert "all-gather" not in replicated["summary"], replicated["summary"]
+        assert "q all-gather" in gathered["summary"] and "replicated" not in gathered["summary"]
+        assert replicated["tokens"] == gathered["tokens"]
+        rel = ((replicated["logits"] - gathered["logits"]).abs().amax() / gathered["logits"].abs().amax()).item()
+        assert rel < 1e-3, rel  # the same q math on the same weights: equal up to summation order

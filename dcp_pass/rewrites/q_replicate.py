@@ -69,15 +69,60 @@ def _is_parameter(node: fx.Node) -> bool:
     return bool(name and "_parameters[" in name)
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
+def _is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and "_c10d_functional" in str(node.target)
+
+
+def _mutators(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """For each node, the in-place ops that later overwrite it (`x.copy_(...)`, `x.add_(...)`)."""
+    from dcp_pass.rewrites.attention import _mutates_input
+
+    found: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and _mutates_input(node) and isinstance(node.args[0], fx.Node):
+            found.setdefault(node.args[0], []).append(node)
+    return found
+
+
+def _collective_copy(node: fx.Node) -> bool:
+    """`x.copy_(wait_tensor(all_reduce(x)))`: Dynamo's form of an in-place dist.all_reduce."""
+    return (node.op == "call_method" and node.target == "copy_" and len(node.args) > 1
+            and isinstance(node.args[1], fx.Node) and _is_collective(node.args[1]))
+
+
+class ReplicationRefused(Exception):
+    """The query path has a form whose replication we cannot prove exact."""
+
+
+def query_region(graph: fx.Graph, outputs: list[fx.Node]) -> set[fx.Node]:
+    """The nodes that compute `outputs` from rank-invariant values.
+
+    The walk back from the queries stops at collective results (all-reduced or
+    all-gathered values are the same on every rank) and at tensors overwritten in place
+    by such a result (Dynamo's in-place all_reduce), so that only the weights of the
+    query projection itself, not e.g. a vocab-sharded embedding upstream, are replicated.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    mutators = _mutators(graph)
+    region: set[fx.Node] = set()
+    stack = list(outputs)
     while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+        node = stack.pop()
+        if node in region or _is_collective(node):
+            continue
+        muts = mutators.get(node, [])
+        if muts:
+            if not all(_collective_copy(m) for m in muts):
+                raise ReplicationRefused(f"the query path mutates {node.name} in place")
+            last = max(order[m] for m in muts)
+            early = [u for u in node.users if u in region or u in outputs]
+            if any(order[u] < last for u in early):
+                raise ReplicationRefused(f"the query path reads {node.name} before its all-reduce")
+            continue  # rank-invariant once reduced: shared, not cloned
+        region.add(node)
+        if node.op != "placeholder":
+            stack.extend(node.all_input_nodes)
+    return region
 
 
 class QueryReplicator:
@@ -104,14 +149,12 @@ class QueryReplicator:
 
     # -- eligibility ---------------------------------------------------------------
 
-    def _query_params(self, match: MlaMatch) -> list[fx.Node]:
-        params: set[fx.Node] = set()
-        for term in match.terms:
-            params |= {n for n in _ancestors(term.query) if _is_parameter(n)}
-        return sorted(params, key=lambda n: n.name)
-
     def _ineligible(self, match: MlaMatch) -> str:
-        params = self._query_params(match)
+        try:
+            self._region = query_region(self.gm.graph, [t.query for t in match.terms])
+        except ReplicationRefused as refused:
+            return str(refused)
+        params = sorted((n for n in self._region if _is_parameter(n)), key=lambda n: n.name)
         if not params:
             return "queries use no weights"
         dtypes = {self.values[p.name].dtype for p in params}
@@ -152,8 +195,10 @@ class QueryReplicator:
         graph = self.gm.graph
         latent, rope = ordered_terms(match)
         outputs = [latent.query] + ([rope.query] if rope else [])
-        needed = set().union(*(_ancestors(q) for q in outputs))
-        tainted = {n for n in graph.nodes if n in needed and (set(_ancestors(n)) & set(self._sharded))}
+        tainted: set[fx.Node] = set(self._sharded)
+        for node in graph.nodes:  # topological: a region node is tainted if an input is
+            if node in self._region and any(i in tainted for i in node.all_input_nodes):
+                tainted.add(node)
         per_rank: list[list[fx.Node]] = []
         with graph.inserting_before(match.softmax):
             for rank in range(self.plan.c):
