@@ -134,3 +134,23 @@ def test_unknown_cache_write_leaves_the_graph_unchanged_with_a_reason(fake_world
     assert backend.report.layers_rewritten == 0, summary
     assert "used outside the matched attention" in summary and "index_copy_" in summary, summary
     assert model.kv_cache.untyped_storage().size() > 0  # nothing was released
+
+
+def _sharded_model_declared_unsharded(rank: int, world: int) -> str:
+    from examples.deepseek_mla import ModelArgs, build_model
+
+    model = build_model(ModelArgs(tp_size=world, n_layers=1, n_dense_layers=1), rank=rank)
+    backend = DcpBackend(dcp_size=world, tp_size=1, inner="eager")
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(torch.zeros(2, 1, dtype=torch.long), 3)
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return str(e)
+    return "no error"
+
+
+def test_head_sharded_model_with_tp_size_1_is_refused():
+    from dcp_pass.testing import run_ranks
+
+    for message in run_ranks(_sharded_model_declared_unsharded, 2, timeout=300):
+        assert "looks head-sharded; pass its tensor-parallel size as tp_size" in message, message

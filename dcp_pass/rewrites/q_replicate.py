@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes
-from dcp_pass.rewrites.match import MlaMatch, buffer_source
+from dcp_pass.rewrites.match import MlaMatch, NearMiss, buffer_source
 
 REPLICABLE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -62,6 +62,24 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int) -> list[torch
         dist.all_gather(parts, local, group=group)
     _GATHERED[id(weight)] = (weakref.ref(weight), parts)
     return parts
+
+
+def weights_differ(weight: torch.Tensor, group_name: str, c: int) -> bool:
+    """Whether `weight` differs across the ranks of the group, from a small fingerprint
+    (shape, sums, a few entries), so nothing of weight size is gathered or kept."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    if dist.get_backend(group) == "fake":  # test process groups return garbage: no verdict
+        return False
+    flat = weight.detach().reshape(-1).float()
+    head = flat[:8] if flat.numel() >= 8 else torch.nn.functional.pad(flat, (0, 8 - flat.numel()))
+    stats = torch.stack([flat.sum(), (flat * flat).sum(), flat.abs().max() if flat.numel() else flat.new_zeros(())])
+    fingerprint = torch.cat([torch.tensor([float(flat.numel())], device=flat.device), stats, head])
+    parts = [torch.empty_like(fingerprint) for _ in range(c)]
+    dist.all_gather(parts, fingerprint, group=group)
+    return not all(torch.equal(parts[0], p) for p in parts[1:])
 
 
 def _is_parameter(node: fx.Node) -> bool:
@@ -139,6 +157,7 @@ class QueryReplicator:
     def queries_for(self, match: MlaMatch) -> tuple[Optional[tuple[fx.Node, Optional[fx.Node]]], str]:
         """(override queries or None, description for the report)."""
         if not self.plan.head_sharded:
+            self._check_heads_replicated(match)
             return None, "local (all heads on every rank)"
         if self.requested is False:
             return None, "all-gather"
@@ -146,6 +165,22 @@ class QueryReplicator:
         if reason:
             return None, f"all-gather ({reason})"
         return self._emit(match), "replicated q-proj/w_kc"
+
+    def _check_heads_replicated(self, match: MlaMatch) -> None:
+        """tp_size=1 promises every rank holds all heads; a head-sharded model would
+        otherwise be merged across different heads: a silent wrong answer."""
+        try:
+            region = query_region(self.gm.graph, [t.query for t in match.terms])
+        except ReplicationRefused:
+            return
+        # sorted: every rank must gather the same weights in the same order
+        for param in sorted((n for n in region if _is_parameter(n)), key=lambda n: n.name):
+            if weights_differ(self.values[param.name], self.plan.group_name, self.plan.c):
+                raise NearMiss(
+                    f"tp_size=1 says every rank holds all attention heads, but the query weight "
+                    f"{buffer_source(param)} differs across the DCP ranks: the model looks head-sharded; "
+                    f"pass its tensor-parallel size as tp_size"
+                )
 
     # -- eligibility ---------------------------------------------------------------
 
