@@ -28,7 +28,7 @@ from typing import Optional
 
 import expecttest
 
-from dcp_pass.runtime.layout import write_owned_tokens_
+from dcp_pass.runtime.layout import write_owned_tokens_, write_tokens_at_
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -260,7 +260,8 @@ class GraphDiffTest(expecttest.TestCase):
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         self.assertEqual(targets.count(torch.ops.dcp.mla_local_attention.default), layers)
         self.assertNotIn(operator.setitem, targets)  # no slice assignment into a full cache is left
-        shard_writes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is write_owned_tokens_]
+        shard_writes = [n for n in gm.graph.nodes
+                        if n.op == "call_function" and n.target in (write_owned_tokens_, write_tokens_at_)]
         self.assertGreaterEqual(len(shard_writes), layers)
         for node in shard_writes:  # into a shard, never into a full-size buffer
             self.assertTrue(node.args[0].name.startswith("dcp_local_cache"), node.format_node())
@@ -709,6 +710,37 @@ partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 flatten_6 = merged.flatten(0, 1)""")
+
+    def test_tensor_positions_static_shapes(self):
+        # positions as a tensor, whole-cache reads, boolean mask: the CUDA-graph-friendly form
+        from test_static_positions import StaticPosMLA, _inputs
+
+        g = torch.Generator().manual_seed(0)
+        be = self.dcp(StaticPosMLA(), _inputs([5], g), c=2, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(region(be.graphs[0]), """\
+striped_write = dcp_pass_runtime_layout_write_tokens_at_(dcp_local_cache_0, latent, input_pos, 2, 0, 16, 0)
+striped_write_1 = dcp_pass_runtime_layout_write_tokens_at_(dcp_local_cache_1, k_pe, input_pos, 2, 0, 16, 0)
+keys = torch.arange(16, device = device(type='cpu'))
+getitem = keys[(None, slice(None, None, None))]
+getitem_1 = input_pos[(slice(None, None, None), None)]
+future = getitem > getitem_1
+unsqueeze = future.unsqueeze(1)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+q_packed = torch.cat([q_lat, q_pe], -1)
+q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+where = torch.where(unsqueeze, -inf, 0.0)
+getitem_5 = where[(None, Ellipsis)]
+getitem_6 = getitem_5[(Ellipsis, slice(0, None, 2))]
+mask_local = getitem_6.float()
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 8, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)""")
 
     def test_replicated_q_on_real_ranks(self):
         from dcp_pass.testing import run_ranks

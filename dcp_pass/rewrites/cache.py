@@ -137,6 +137,16 @@ def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: Lo
     A traceable runtime function, not a custom op: the inner compiler sees (and fuses)
     the plain slice copy inside, with no opaque call on the decode path.
     """
+    if write.positions is not None:
+        with graph.inserting_before(write.node):
+            new = graph.create_node(
+                "call_function", layout.write_tokens_at_,
+                (local, write.value, write.positions, entry.c, entry.rank, entry.virtual_capacity,
+                 write.feat[0] if write.feat else 0), {}, name="striped_write",
+            )
+        write.node.replace_all_uses_with(new)
+        graph.erase_node(write.node)
+        return new
     start = write.start
     if isinstance(start, int):
         end = start + axes.shape_of(write.value)[1]

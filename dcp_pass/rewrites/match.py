@@ -48,6 +48,7 @@ class CacheAccess:
     end: SizeArg
     feat: Optional[tuple[int, int]]  # absolute feature columns, None = all
     value: Optional[fx.Node] = None  # the written tensor, for writes
+    positions: Optional[fx.Node] = None  # a LongTensor of positions, for `buffer[:b, pos] = v`
 
 
 @dataclass
@@ -124,7 +125,17 @@ def _slice_bounds(index: Any) -> Optional[tuple[SizeArg, SizeArg]]:
 
 
 def parse_cache_index(buffer: fx.Node, index: Any) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]]]]:
-    """(bsz, start, end, feat) for `buffer[:bsz, start:end(, f0:f1)]`, else None."""
+    """(bsz, start, end, feat) for `buffer[:bsz, start:end(, f0:f1)]`, else None.
+
+    `buffer[:bsz]` reads every position (static-shape models that mask the unwritten ones).
+    """
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    if isinstance(index, slice):
+        batch = _slice_bounds(index)
+        if batch is None or batch[0] != 0 or batch[1] is None:
+            return None
+        return batch[1], 0, axes.shape_of(buffer)[1], None
     if not isinstance(index, tuple) or len(index) not in (2, 3):
         return None
     batch = _slice_bounds(index[0])
@@ -183,9 +194,19 @@ def _feature_slice(index: Any) -> Optional[tuple]:
 
 def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
     if node.op == "call_function" and node.target is operator.setitem and is_cache_buffer(node.args[0]):
-        parsed = parse_cache_index(node.args[0], node.args[1])
-        if parsed is not None and isinstance(node.args[2], fx.Node):
-            return CacheAccess(node, node.args[0], *parsed, value=node.args[2])
+        buffer, index, value = node.args
+        if not isinstance(value, fx.Node):
+            return None
+        parsed = parse_cache_index(buffer, index)
+        if parsed is not None:
+            return CacheAccess(node, buffer, *parsed, value=value)
+        # `buffer[:b, positions] = v` with a position tensor (static-shape decode)
+        if isinstance(index, tuple) and len(index) == 2 and isinstance(index[1], fx.Node):
+            batch = _slice_bounds(index[0])
+            positions = axes.example_value(index[1])
+            if (batch is not None and batch[0] == 0 and batch[1] is not None and isinstance(positions, torch.Tensor)
+                    and positions.dim() == 1 and not positions.is_floating_point()):
+                return CacheAccess(node, buffer, batch[1], None, None, None, value=value, positions=index[1])
     return None
 
 

@@ -438,3 +438,24 @@ def write_owned_tokens_(
     picked = values.index_select(1, token.clamp(0, seq - 1)).to(shard.dtype)
     rows = cols[:, row0 : row0 + window]
     rows.copy_(torch.where(owned[None, :, None], picked, rows))
+
+
+def write_tokens_at_(
+    shard: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    c: int,
+    r: int,
+    capacity: int,
+    feat_start: int = 0,
+) -> None:
+    """`cache[:b, positions] = values` for rank r's shard, with positions as a device tensor.
+
+    Static shapes and no host sync (CUDA-graph friendly): tokens this rank does not own
+    are written to the shard's spare last row, which no read covers.
+    """
+    torch._assert_async(((positions >= 0) & (positions < capacity)).all())
+    cols = shard[: values.shape[0], :, feat_start : feat_start + values.shape[-1]]
+    spare = torch.full_like(positions, shard.shape[1] - 1)
+    rows = torch.where(positions % c == r, positions // c, spare)
+    cols.index_copy_(1, rows, values.to(shard.dtype))
