@@ -23,13 +23,13 @@ sys.path.insert(0, HERE)
 from common import ROOT, env_info, fmt_table, write_json  # noqa: E402
 
 
-def _profile_steps(m, nxt, pos, dev, steps=3):
+def _profile_steps(m, nxt, pos, dev, steps=3, tensor_positions=False):
     """Top host and device ops of a few decode steps (where the step time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
-            logits = m(nxt, pos + i)
+            logits = m(nxt, torch.tensor(pos + i, device=dev) if tensor_positions else pos + i)
             nxt = logits.argmax(-1, keepdim=True)
         torch.cuda.synchronize(dev)
     table = prof.key_averages()
@@ -53,7 +53,8 @@ def worker(rank, world, cfg):
         try:
             torch._dynamo.reset()
             args = ModelArgs(dtype=dtype, tp_size=world, max_batch_size=cfg["batch"],
-                             max_seq_len=cfg["prompt"] + cfg["steps"] + 8, **cfg["model"])
+                             max_seq_len=cfg["prompt"] + cfg["steps"] + 8, positions=cfg.get("positions", "int"),
+                             **cfg["model"])
             model = build_model(args, rank=rank, seed=1, device=dev)
             backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"])
             m = torch.compile(model, backend=backend, mode=cfg.get("mode"))
@@ -70,14 +71,15 @@ def worker(rank, world, cfg):
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 ts = time.perf_counter()
-                logits = m(nxt, pos)
+                # a device-tensor position keeps every step's shapes equal (CUDA graphs replay)
+                logits = m(nxt, torch.tensor(pos, device=dev) if cfg.get("positions") == "tensor" else pos)
                 nxt = logits.argmax(-1, keepdim=True)
                 out_tokens.append(nxt[:, 0].tolist())  # host sync: the step is over
                 times.append((time.perf_counter() - ts) * 1e3)
                 pos += 1
             if cfg.get("profile") and dev.type == "cuda":
                 # every rank runs the profiled steps (they hold collectives); rank 0 reports
-                table = _profile_steps(m, nxt, pos, dev)
+                table = _profile_steps(m, nxt, pos, dev, tensor_positions=cfg.get("positions") == "tensor")
                 if rank == 0:
                     rec["profile"] = table
             rec.update(first_call_s=time.time() - t0, step_ms_median=statistics.median(times[len(times) // 2:]),
@@ -106,6 +108,8 @@ def main():
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     ap.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
     ap.add_argument("--profile", action="store_true", help="profile 3 decode steps on rank 0")
+    ap.add_argument("--positions", default="int", choices=["int", "tensor"],
+                    help="tensor: static-shape model (positions as a device tensor), for --mode reduce-overhead")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args()
@@ -117,7 +121,8 @@ def main():
         dict(dim=2048, inter_dim=4096, n_layers=4, n_dense_layers=4, n_heads=32, q_lora_rank=1536, kv_lora_rank=512,
              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=32000)
     cfg = dict(dcp=[int(x) for x in a.dcp.split(",")], prompt=a.prompt, steps=a.steps, batch=a.batch,
-               inner=a.inner, device=a.device, model=model, dtype=a.dtype, mode=a.mode, profile=a.profile)
+               inner=a.inner, device=a.device, model=model, dtype=a.dtype, mode=a.mode, profile=a.profile,
+               positions=a.positions)
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     res = run_ranks(worker, world, cfg, backend="nccl" if a.device == "cuda" else "gloo", timeout=a.timeout, env=env)
     rows = []

@@ -88,8 +88,13 @@ class ModelArgs:
     softmax_style: Literal["method", "functional"] = "method"
     scale_order: Literal["after_mask", "before_mask"] = "after_mask"
     mask_style: Literal["additive", "masked_fill"] = "additive"
+    # "tensor": positions travel as a device tensor, caches are written by index and read
+    # whole under a mask, so every decode step has the same shapes (CUDA-graph decode).
+    positions: Literal["int", "tensor"] = "int"
 
     def __post_init__(self) -> None:
+        if self.positions not in ("int", "tensor"):
+            raise ValueError(f"positions must be 'int' or 'tensor', got {self.positions!r}")
         if self.score_impl not in ("einsum", "matmul"):
             raise ValueError(f"score_impl must be 'einsum' or 'matmul', got {self.score_impl!r}")
         if self.softmax_style not in ("method", "functional"):
@@ -291,7 +296,12 @@ class MLA(nn.Module):
         self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: Optional[torch.Tensor]
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.size()
-        end_pos = start_pos + seqlen
+        if isinstance(start_pos, torch.Tensor):  # positions [s] of a static-shape model
+            written = start_pos
+            end_pos = self.kv_cache.size(1)
+        else:
+            end_pos = start_pos + seqlen
+            written = slice(start_pos, end_pos)
         nope, rope, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         heads = self.n_local_heads
 
@@ -319,10 +329,10 @@ class MLA(nn.Module):
 
         # cache writes (slice assignment into the buffers)
         if self.fused_cache:
-            self.kv_cache[:bsz, start_pos:end_pos] = torch.cat([self.kv_norm(latent), k_pe.squeeze(2)], dim=-1)
+            self.kv_cache[:bsz, written] = torch.cat([self.kv_norm(latent), k_pe.squeeze(2)], dim=-1)
         else:
-            self.kv_cache[:bsz, start_pos:end_pos] = self.kv_norm(latent)
-            self.pe_cache[:bsz, start_pos:end_pos] = k_pe.squeeze(2)
+            self.kv_cache[:bsz, written] = self.kv_norm(latent)
+            self.pe_cache[:bsz, written] = k_pe.squeeze(2)
 
         # unscaled scores [b, s, h, t]
         if self.fused_cache:
@@ -520,11 +530,25 @@ class Transformer(nn.Module):
             return torch.full((seqlen, start_pos + seqlen), float("-inf"), device=device).triu_(start_pos + 1)
         return torch.ones((seqlen, start_pos + seqlen), dtype=torch.bool, device=device).triu_(start_pos + 1)
 
+    def _static_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        # every cache position is read; the ones after each query (unwritten or stale) are hidden
+        keys = torch.arange(self.max_seq_len, device=positions.device)
+        future = keys[None, :] > positions[:, None]
+        if self.mask_style == "additive":
+            return torch.zeros(future.shape, device=positions.device).masked_fill(future, float("-inf"))
+        return future
+
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, all_logits: bool = False) -> torch.Tensor:
         seqlen = tokens.size(1)
         h = self.embed(tokens)
-        freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
-        mask = self._causal_mask(seqlen, start_pos, tokens.device)
+        if self.args.positions == "tensor":
+            positions = torch.as_tensor(start_pos, device=tokens.device) + torch.arange(seqlen, device=tokens.device)
+            freqs_cis = self.freqs_cis[positions]
+            mask = self._static_mask(positions)
+            start_pos = positions  # layers write the caches at these positions
+        else:
+            freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
+            mask = self._causal_mask(seqlen, start_pos, tokens.device)
         for layer in self.layers:
             h = layer(h, start_pos, freqs_cis, mask)
         h = self.norm(h)
