@@ -154,3 +154,25 @@ def test_head_sharded_model_with_tp_size_1_is_refused():
 
     for message in run_ranks(_sharded_model_declared_unsharded, 2, timeout=300):
         assert "looks head-sharded; pass its tensor-parallel size as tp_size" in message, message
+
+
+class SharedStorageMLA(TinyMLA):
+    """Latent and rotary caches carved out of one allocation (views of one storage)."""
+
+    def __init__(self):
+        super().__init__()
+        both = torch.zeros(2, 16, 8 + 4)
+        del self.kv_cache, self.pe_cache
+        self.register_buffer("kv_cache", both[..., :8])
+        self.register_buffer("pe_cache", both[..., 8:])
+
+
+@torch.no_grad()
+def test_cache_sharing_storage_is_kept_not_released(fake_world):
+    fake_world(2)
+    reference, model = SharedStorageMLA(), SharedStorageMLA()
+    model.load_state_dict(reference.state_dict())
+    compiled = torch.compile(model, backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))
+    compiled(*tiny_inputs(1, 0))
+    assert model.kv_cache.untyped_storage().nbytes() > 0  # not released: pe_cache lives in it
+    assert model.pe_cache.abs().sum() >= 0  # still readable

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from dcp_pass.report import log
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.match import CacheAccess
 from dcp_pass.runtime import layout
@@ -75,10 +76,24 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
     """Make `entry` the owner of `buffer`'s rows and release the full-size storage (once)."""
     if lookup_local_cache(buffer) is entry:
         return
-    # Shape, stride and dtype stay, so Dynamo's guards on the buffer still pass.
-    buffer.untyped_storage().resize_(0)
+    if owns_storage(buffer):
+        # Shape, stride and dtype stay, so Dynamo's guards on the buffer still pass.
+        buffer.untyped_storage().resize_(0)
+    else:
+        # The storage also backs other tensors (e.g. latent and rotary caches carved out of
+        # one allocation): releasing it would destroy them. Keep it; only this buffer's
+        # rows move to the shard.
+        log.warning("dcp_pass: %s shares its storage with other tensors; its full-size memory is kept",
+                    entry.name)
+        entry.full_nbytes = entry.local_nbytes  # report no saving that did not happen
     _LOCAL_CACHES[id(buffer)] = entry
     _mark_static(entry.local)
+
+
+def owns_storage(buffer: torch.Tensor) -> bool:
+    """Whether `buffer` is the whole of its storage (so releasing it frees nothing else)."""
+    storage = buffer.untyped_storage()
+    return buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() * buffer.element_size()
 
 
 def _mark_static(local: torch.Tensor) -> None:
