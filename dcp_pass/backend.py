@@ -67,8 +67,9 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
         check_explicit_group(topo, group)
     else:
         group = dcp_process_group(topo)
-    comm_backend = comm.select_comm_backend(opts.comm_backend, _device_of(example_inputs), group)
-    attn_backend = check_attn_backend(opts.attn_backend, _device_of(example_inputs))
+    device = _device_of(example_inputs)
+    comm_backend = comm.select_comm_backend(opts.comm_backend, device, group)
+    attn_backend = check_attn_backend(opts.attn_backend, device)
     lse_base = opts.lse_base or ("2" if attn_backend == "flashinfer" else "e")
     return AttentionPlan(topo.dcp_size, topo.dcp_rank, group.group_name, comm_backend, topo.head_sharded,
                          lse_base, attn_backend)
@@ -96,13 +97,7 @@ def _static_examples(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     fake_mode = detect_fake_mode()
     if fake_mode is None:
         return list(tensors)
-    out = []
-    for t in tensors:
-        fake = fake_mode.from_tensor(t, static_shapes=True)
-        if hasattr(t, "_dynamo_static_input_type"):
-            fake._dynamo_static_input_type = t._dynamo_static_input_type
-        out.append(fake)
-    return out
+    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
 
 
 def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport) -> Callable:

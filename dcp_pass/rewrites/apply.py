@@ -114,7 +114,6 @@ def apply_dcp(
         cache_rw.install(values[buf.name], entry)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     caches = [(placeholders.index(buf), entries[buf]) for buf in local_nodes]
-    replicated.finalize()
     graph.lint()
     work.recompile()
     return work, caches, replicated.extra

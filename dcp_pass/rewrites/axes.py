@@ -51,12 +51,8 @@ def is_function(node: fx.Node, *targets: Any) -> bool:
 
 def is_dtype_cast(node: fx.Node) -> bool:
     """A node that changes dtype/contiguity but never moves an axis."""
-    if node.op == "call_method" and node.target in DTYPE_CASTS:
-        if node.target == "to":
-            # .to(dtype) / .to(device) only; .to(other_tensor) keeps the shape too
-            return True
-        return True
-    return False
+    # .to(dtype / device / other_tensor) keeps the shape too
+    return node.op == "call_method" and node.target in DTYPE_CASTS
 
 
 def normalize_dim(dim: int, rank: int) -> int:
@@ -195,13 +191,6 @@ def permutation_to(roles: Sequence[Optional[str]], canonical: Sequence[str]) -> 
     if sorted(r for r in roles if r is not None) != sorted(canonical) or len(roles) != len(canonical):
         return None
     return [list(roles).index(r) for r in canonical]
-
-
-def inverse_permutation(perm: Sequence[int]) -> list[int]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return inv
 
 
 # ----------------------------------------------------------------------------- matmul family

@@ -2,9 +2,9 @@
 
 The model's full-size cache buffer stays a module buffer (so Dynamo's guards and the
 model code are untouched), but its storage is released: the backend owns a compacted
-shard `[max_batch, ceil(max_seq / c), D]` per rank, keyed by the buffer object and
-reused by every later recompile. The graph reads and writes that shard through a
-`get_attr` buffer of the compiled GraphModule.
+shard `[max_batch, ceil(max_seq / c) + 1, D]` per rank (one spare row), keyed by the
+buffer object and reused by every later recompile. The graph takes the shard as a
+trailing static input, resolved per call from the buffer passed (see backend.py).
 """
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.report import log
-from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.match import CacheAccess
 from dcp_pass.runtime import layout
-from dcp_pass.runtime import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 
 class DcpCacheError(RuntimeError):
@@ -87,22 +85,12 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
                     entry.name)
         entry.full_nbytes = entry.local_nbytes  # report no saving that did not happen
     _LOCAL_CACHES[id(buffer)] = entry
-    _mark_static(entry.local)
 
 
 def owns_storage(buffer: torch.Tensor) -> bool:
     """Whether `buffer` is the whole of its storage (so releasing it frees nothing else)."""
     storage = buffer.untyped_storage()
     return buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() * buffer.element_size()
-
-
-def _mark_static(local: torch.Tensor) -> None:
-    # The shard lives as long as the model: let inductor treat it like a buffer
-    # (a fixed address), so CUDA graphs may capture its in-place writes.
-    try:
-        torch._dynamo.mark_static_address(local)
-    except Exception:
-        pass
 
 
 def local_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
@@ -142,41 +130,21 @@ def local_cache_placeholder(graph: fx.Graph, index: int, example: torch.Tensor) 
     return static_placeholder(graph, f"dcp_local_cache_{index}", example)
 
 
-class CacheCapacityError(IndexError):
-    """A write past the cache's positions (the model's max sequence length)."""
-
-
 def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: LocalCache) -> fx.Node:
-    """`buffer[:b, s:e(, f0:f1)] = v`  ->  `write_owned_tokens_(shard, v, s, c, rank, capacity, f0)`.
+    """`buffer[:b, s:e(, f0:f1)] = v` -> `write_owned_tokens_(shard, v, s, c, rank, capacity, f0)`,
+    `buffer[:b, positions(, f0:f1)] = v` -> `write_tokens_at_(shard, v, positions, ...)`.
 
-    A traceable runtime function, not a custom op: the inner compiler sees (and fuses)
-    the plain slice copy inside, with no opaque call on the decode path.
+    Traceable runtime functions, not custom ops: the inner compiler sees (and fuses) the
+    plain tensor ops inside, with no opaque call on the decode path. Both check the
+    capacity themselves (a constant start fails while the graph is traced).
     """
     if write.positions is not None:
-        with graph.inserting_before(write.node):
-            new = graph.create_node(
-                "call_function", layout.write_tokens_at_,
-                (local, write.value, write.positions, entry.c, entry.rank, entry.virtual_capacity,
-                 write.feat[0] if write.feat else 0), {}, name="striped_write",
-            )
-        write.node.replace_all_uses_with(new)
-        graph.erase_node(write.node)
-        return new
-    start = write.start
-    if isinstance(start, int):
-        end = start + axes.shape_of(write.value)[1]
-        if isinstance(end, int) and (end > entry.virtual_capacity or start < 0):
-            raise CacheCapacityError(
-                f"dcp_pass: cache write of positions [{start}, {end}) is past the cache capacity "
-                f"({entry.virtual_capacity} positions); raise the model's max sequence length"
-            )
-    feat_start = write.feat[0] if write.feat else 0
+        fn, where = layout.write_tokens_at_, write.positions
+    else:
+        fn, where = layout.write_owned_tokens_, write.start
+    args = (local, write.value, where, entry.c, entry.rank, entry.virtual_capacity, write.feat[0] if write.feat else 0)
     with graph.inserting_before(write.node):
-        new = graph.create_node(
-            "call_function", layout.write_owned_tokens_,
-            (local, write.value, start, entry.c, entry.rank, entry.virtual_capacity, feat_start), {},
-            name="striped_write",
-        )
+        new = graph.create_node("call_function", fn, args, {}, name="striped_write")
     write.node.replace_all_uses_with(new)
     graph.erase_node(write.node)
     return new

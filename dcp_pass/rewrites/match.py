@@ -13,7 +13,6 @@ a *near miss*, reported with its reason and left unchanged.
 """
 from __future__ import annotations
 
-import math
 import operator
 import re
 from dataclasses import dataclass, field

@@ -196,15 +196,11 @@ class QueryReplicator:
         if not dtypes <= set(REPLICABLE_DTYPES):
             names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
             return f"q weights are {names}; replication takes unquantized bf16/fp16 only"
-        self._sharded = [p for p in params if self._differs_across_ranks(p)]
+        # a fingerprint decides; only the sharded weights are then gathered whole (_weight_input)
+        self._sharded = [p for p in params if weights_differ(self.values[p.name], self.plan.group_name, self.plan.c)]
         if not self._sharded:
             return "no q weight differs across DCP ranks"
         return ""
-
-    def _differs_across_ranks(self, param: fx.Node) -> bool:
-        weight = self.values[param.name]
-        parts = gathered_shards(weight, self.plan.group_name, self.plan.c)
-        return not all(torch.equal(parts[0], p) for p in parts[1:])
 
     # -- emission ------------------------------------------------------------------
 
@@ -251,6 +247,3 @@ class QueryReplicator:
             q_lat = graph.call_function(torch.cat, ([r[0] for r in per_rank], 2))
             q_rope = graph.call_function(torch.cat, ([r[1] for r in per_rank], 2)) if rope else None
         return q_lat, q_rope
-
-    def finalize(self) -> None:
-        pass
