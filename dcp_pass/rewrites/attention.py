@@ -126,13 +126,12 @@ def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, 
     return _call(graph, fn, out, lse, plan.group_name, plan.c, name="merged", **common)
 
 
-def gather_queries(graph: fx.Graph, q_lat: fx.Node, q_rope: Optional[fx.Node], plan: AttentionPlan, dims: tuple[int, int]):
+def gather_queries(graph: fx.Graph, q_lat: fx.Node, q_rope: Optional[fx.Node], plan: AttentionPlan, d_lat: int):
     """One all-gather carries both query parts of the DCP group, in DCP-rank (= head) order."""
     packed = q_lat if q_rope is None else _call(graph, torch.cat, [q_lat, q_rope], -1, name="q_packed")
     gathered = _call(graph, comm.gather_heads, packed, plan.group_name, plan.c, name="q_group")
     if q_rope is None:
         return gathered, None
-    d_lat, d_rope = dims
     lat = _call(graph, operator.getitem, gathered, (Ellipsis, slice(None, d_lat)), name="q_lat_group")
     rope = _call(graph, operator.getitem, gathered, (Ellipsis, slice(d_lat, None)), name="q_rope_group")
     return lat, rope
@@ -164,9 +163,8 @@ def rewrite_attention(
             q_lat = to_canonical(graph, latent.query, latent.query_roles, CANON_Q, "q_lat_bshd")
             q_rope = to_canonical(graph, rope.query, rope.query_roles, CANON_Q, "q_rope_bshd") if rope else None
             if plan.head_sharded:
-                dims = (axes.shape_of(latent.query)[latent.query_roles.index(F)],
-                        axes.shape_of(rope.query)[rope.query_roles.index(F)] if rope else 0)
-                q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, dims)
+                d_lat = axes.shape_of(latent.query)[latent.query_roles.index(F)]
+                q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, d_lat)
         mask = striped_mask(graph, match, plan)
         attn = _call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
                      n_keys=n_local, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
