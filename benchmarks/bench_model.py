@@ -1,15 +1,21 @@
 """Whole-model decode with the compile pass: examples/deepseek_mla.py, torch.compile(backend="dcp").
 
 Every rank builds the unmodified example model (TP over all ranks, dense layers only so
-the graph count stays small), compiles it with DcpBackend(dcp_size=c), prefills one
-prompt and times greedy decode steps. DCP=1 and DCP=c run back to back; rank 0's
-tokens are compared between them.
+the graph count stays small) at DeepSeek-V3 sizes with random weights, fills its caches
+with `ctx` random rows (the state after a prefill), compiles it with
+DcpBackend(dcp_size=c) (inductor inside, optionally mode="reduce-overhead" for CUDA
+graphs) and times greedy decode steps, one host sync per step. Every (ctx, mode, DCP)
+variant runs back to back in one process group; rank 0's tokens are compared with
+DCP=1's. Capacity is computed from measured memory: what a rank holds besides its cache,
+and the cache bytes per token at that DCP size.
 
-    python benchmarks/bench_model.py --world 2 --dcp 1,2 --prompt 2048 --steps 16 --out model.json
+    python benchmarks/bench_model.py --world 2 --dcp 1,2 --ctx 8192,131072 --batch 8 \
+        --modes default,reduce-overhead --out model.json
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -23,75 +29,158 @@ sys.path.insert(0, HERE)
 from common import ROOT, env_info, fmt_table, write_json  # noqa: E402
 
 
-def _profile_steps(m, nxt, pos, dev, steps=3, tensor_positions=False):
+def _profile_steps(step, nxt, pos, dev, steps=3):
     """Top host and device ops of a few decode steps (where the step time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
-            logits = m(nxt, torch.tensor(pos + i, device=dev) if tensor_positions else pos + i)
-            nxt = logits.argmax(-1, keepdim=True)
+            nxt = step(nxt, pos + i)
         torch.cuda.synchronize(dev)
     table = prof.key_averages()
     return (table.table(sort_by="self_cuda_time_total", row_limit=12) + "\n"
             + table.table(sort_by="self_cpu_time_total", row_limit=12))
 
 
-def worker(rank, world, cfg):
-    sys.path.insert(0, ROOT)
+def random_model(args, rank, dev, seed):
+    """The example Transformer with random weights drawn on the device.
+
+    build_model draws TP-independent full tensors on the CPU, which takes minutes at real
+    sizes. A benchmark needs less: weights that TP replicates (norms, the latent and
+    q down-projections) equal on every rank, each rank's shards fixed by (seed, rank),
+    and build_model's scaling (1/sqrt(full fan-in)), so activations stay O(1).
+    """
+    from examples.deepseek_mla import ParallelEmbedding, RMSNorm, Transformer
+
+    with torch.device(dev):
+        model = Transformer(args, rank)
+    g = torch.Generator(device=dev)
+    for i, (name, p) in enumerate(model.named_parameters()):
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        shard_dim = getattr(owner, "shard_dim", None) if getattr(owner, "tp_size", 1) > 1 else None
+        g.manual_seed(seed * 100003 + i * 101 + (rank if shard_dim is not None else 0))
+        p.data.normal_(generator=g)
+        if isinstance(owner, RMSNorm):
+            p.data.mul_(0.1).add_(1.0)
+        elif not isinstance(owner, ParallelEmbedding) and p.dim() >= 2:
+            fan_in = p.shape[-1] * (owner.tp_size if shard_dim == 1 else 1)
+            p.data.div_(math.sqrt(fan_in))
+    return model.eval().requires_grad_(False)
+
+
+def fill_caches(model, n_tokens, seed):
+    """Random latent/rotary rows at positions [0, n_tokens): the state after a prefill.
+
+    A long prompt cannot be prefilled through the example model (its attention
+    materialises [b, h, s, s] scores), and decode speed does not depend on how the rows
+    got there. Done before the first compiled call: the pass keeps rows already written
+    when it stripes a cache.
+    """
+    g = torch.Generator(device=model.freqs_cis.device)
+    g.manual_seed(seed)
+    for layer in model.layers:
+        for name in ("kv_cache", "pe_cache"):
+            buf = getattr(layer.attn, name, None)
+            if buf is not None:
+                buf[:, :n_tokens].normal_(generator=g)
+
+
+def cache_bytes(model, report):
+    """Bytes of KV cache this rank holds: the pass's local shards, or the full buffers."""
+    if report.layers_rewritten:
+        return report.kv_bytes_local
+    return sum(buf.numel() * buf.element_size() for layer in model.layers
+               for name in ("kv_cache", "pe_cache") if (buf := getattr(layer.attn, name, None)) is not None)
+
+
+def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from examples.deepseek_mla import ModelArgs, build_model
+    from examples.deepseek_mla import ModelArgs
 
+    rec = dict(c=c, world=world, mode=mode or "default", ctx=ctx, batch=cfg["batch"])
+    torch._dynamo.reset()
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    tensor_pos = cfg["positions"] == "tensor"
+    args = ModelArgs(dtype=dtype, tp_size=world, max_batch_size=cfg["batch"], max_seq_len=ctx + cfg["steps"] + 8,
+                     positions=cfg["positions"], **cfg["model"])
+    model = random_model(args, rank, dev, seed=1)
+    fill_caches(model, ctx, seed=7)
+    backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"])
+    m = torch.compile(model, backend=backend, mode=mode)
+    g = torch.Generator(device="cpu")
+    g.manual_seed(5)
+    first = torch.randint(0, args.vocab_size, (cfg["batch"], 1), generator=g).to(dev)
+
+    def step(tok, pos):
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        # a device-tensor position keeps every step's shapes equal (CUDA graphs replay)
+        logits = m(tok, torch.tensor(pos, device=dev) if tensor_pos else pos)
+        return logits.argmax(-1, keepdim=True)
+
+    t0 = time.time()
+    nxt = step(first, ctx)
+    rec["first_call_s"] = time.time() - t0
+    out_tokens = [nxt[:, 0].tolist()]
+    pos = ctx + 1
+    times = []
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        sync(dev)
+        ts = time.perf_counter()
+        nxt = step(nxt, pos)
+        out_tokens.append(nxt[:, 0].tolist())  # host sync: the step is over
+        if i >= cfg["warmup"]:
+            times.append((time.perf_counter() - ts) * 1e3)
+        pos += 1
+    if cfg.get("profile") and dev.type == "cuda":
+        # every rank runs the profiled steps (they hold collectives); rank 0 reports
+        table = _profile_steps(step, nxt, pos, dev)
+        if rank == 0:
+            rec["profile"] = table
+    med = statistics.median(times)
+    rec.update(step_ms_median=med, step_ms_all=times, tokens_per_s=cfg["batch"] * 1e3 / med, tokens=out_tokens,
+               rewritten=backend.report.layers_rewritten, graphs=len(backend.report.graphs),
+               kv_full=backend.report.kv_bytes_full, kv_local=backend.report.kv_bytes_local)
+    if dev.type == "cuda":
+        # capacity: what this rank holds besides the cache stays; the rest of 90 % of the
+        # GPU can hold cache rows at this variant's bytes per token (analytic, measured memory)
+        kv = cache_bytes(model, backend.report)
+        per_token = kv / (cfg["batch"] * args.max_seq_len)
+        peak = torch.cuda.max_memory_allocated(dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        rec.update(kv_bytes_rank=kv, kv_bytes_per_token=per_token, peak_mem_gib=peak / 2 ** 30,
+                   max_cache_tokens=int((0.9 * total - (peak - kv)) / per_token))
+        torch.cuda.reset_peak_memory_stats(dev)
+    return rec
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def worker(rank, world, cfg):
+    sys.path.insert(0, ROOT)
     dev = torch.device(f"cuda:{rank}") if cfg["device"] == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     dtype = getattr(torch, cfg.get("dtype") or ("bfloat16" if cfg["device"] == "cuda" else "float32"))
     torch.set_grad_enabled(False)
     rows = []
-    for c in cfg["dcp"]:
-        rec = dict(c=c, world=world)
-        try:
-            torch._dynamo.reset()
-            args = ModelArgs(dtype=dtype, tp_size=world, max_batch_size=cfg["batch"],
-                             max_seq_len=cfg["prompt"] + cfg["steps"] + 8, positions=cfg.get("positions", "int"),
-                             **cfg["model"])
-            model = build_model(args, rank=rank, seed=1, device=dev)
-            backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"])
-            m = torch.compile(model, backend=backend, mode=cfg.get("mode"))
-            g = torch.Generator(device="cpu")
-            g.manual_seed(5)
-            toks = torch.randint(0, args.vocab_size, (cfg["batch"], cfg["prompt"]), generator=g).to(dev)
-            t0 = time.time()
-            logits = m(toks, 0)
-            nxt = logits.argmax(-1, keepdim=True)
-            out_tokens = [nxt[:, 0].tolist()]
-            pos = cfg["prompt"]
-            times = []
-            for i in range(cfg["steps"]):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                ts = time.perf_counter()
-                # a device-tensor position keeps every step's shapes equal (CUDA graphs replay)
-                logits = m(nxt, torch.tensor(pos, device=dev) if cfg.get("positions") == "tensor" else pos)
-                nxt = logits.argmax(-1, keepdim=True)
-                out_tokens.append(nxt[:, 0].tolist())  # host sync: the step is over
-                times.append((time.perf_counter() - ts) * 1e3)
-                pos += 1
-            if cfg.get("profile") and dev.type == "cuda":
-                # every rank runs the profiled steps (they hold collectives); rank 0 reports
-                table = _profile_steps(m, nxt, pos, dev, tensor_positions=cfg.get("positions") == "tensor")
+    for ctx in cfg["ctx"]:
+        for mode in cfg["modes"]:
+            for c in cfg["dcp"]:
+                try:
+                    rec = run_variant(rank, world, cfg, c, None if mode == "default" else mode, ctx, dev, dtype)
+                except Exception as e:  # noqa: BLE001
+                    rec = dict(c=c, world=world, mode=mode, ctx=ctx, batch=cfg["batch"],
+                               error=f"{type(e).__name__}: {e}"[:400], trace=traceback.format_exc()[-2000:])
+                rows.append(rec)
                 if rank == 0:
-                    rec["profile"] = table
-            rec.update(first_call_s=time.time() - t0, step_ms_median=statistics.median(times[len(times) // 2:]),
-                       step_ms_all=times, tokens=out_tokens, rewritten=backend.report.layers_rewritten,
-                       graphs=len(backend.report.graphs), kv_full=backend.report.kv_bytes_full,
-                       kv_local=backend.report.kv_bytes_local)
-        except Exception as e:  # noqa: BLE001
-            rec["error"] = f"{type(e).__name__}: {e}"[:400]
-            rec["trace"] = traceback.format_exc()[-2000:]
-        rows.append(rec)
-        if rank == 0:
-            print("model", {k: v for k, v in rec.items() if k not in ("trace", "tokens", "step_ms_all")}, flush=True)
+                    print("model", {k: v for k, v in rec.items() if k not in ("trace", "tokens", "step_ms_all", "profile")},
+                          flush=True)
     return rows
 
 
@@ -99,50 +188,67 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=None)
     ap.add_argument("--dcp", default="1,2")
-    ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--ctx", default="2048", help="comma list: tokens already in the cache when decode starts")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed decode steps (CUDA-graph recording)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--inner", default="inductor")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--model", default="v3-4l", choices=["v3-4l", "mid", "small"],
+                    help="v3-4l: DeepSeek-V3 sizes, 4 dense layers; mid: dim 2048, 32 heads; small: CPU dry run")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
-    ap.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
-    ap.add_argument("--profile", action="store_true", help="profile 3 decode steps on rank 0")
-    ap.add_argument("--positions", default="int", choices=["int", "tensor"],
-                    help="tensor: static-shape model (positions as a device tensor), for --mode reduce-overhead")
+    ap.add_argument("--modes", default="default", help="comma list of torch.compile modes: default, reduce-overhead")
+    ap.add_argument("--profile", action="store_true", help="profile 3 decode steps (rank 0 reports)")
+    ap.add_argument("--positions", default="tensor", choices=["int", "tensor"],
+                    help="tensor: static-shape model (positions as a device tensor; one decode graph, CUDA graphs "
+                         "replay); int: the DeepSeek reference's int start_pos")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args()
     from dcp_pass.testing import run_ranks
 
     world = a.world or (torch.cuda.device_count() if a.device == "cuda" else 2)
-    model = dict(dim=64, inter_dim=128, n_layers=2, n_dense_layers=2, n_heads=8, kv_lora_rank=32,
-                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=128) if a.small else \
-        dict(dim=2048, inter_dim=4096, n_layers=4, n_dense_layers=4, n_heads=32, q_lora_rank=1536, kv_lora_rank=512,
-             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=32000)
-    cfg = dict(dcp=[int(x) for x in a.dcp.split(",")], prompt=a.prompt, steps=a.steps, batch=a.batch,
-               inner=a.inner, device=a.device, model=model, dtype=a.dtype, mode=a.mode, profile=a.profile,
-               positions=a.positions)
+    model = {
+        "small": dict(dim=64, inter_dim=128, n_layers=2, n_dense_layers=2, n_heads=8, kv_lora_rank=32,
+                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=128),
+        "mid": dict(dim=2048, inter_dim=4096, n_layers=4, n_dense_layers=4, n_heads=32, q_lora_rank=1536,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=32000),
+        "v3-4l": dict(dim=7168, inter_dim=18432, n_layers=4, n_dense_layers=4, n_heads=128, q_lora_rank=1536,
+                      kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280),
+    }[a.model]
+    cfg = dict(dcp=[int(x) for x in a.dcp.split(",")], ctx=[int(x) for x in a.ctx.split(",")], steps=a.steps,
+               warmup=a.warmup, batch=a.batch, inner=a.inner, device=a.device, model=model, model_name=a.model,
+               dtype=a.dtype, modes=a.modes.split(","), profile=a.profile, positions=a.positions)
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     res = run_ranks(worker, world, cfg, backend="nccl" if a.device == "cuda" else "gloo", timeout=a.timeout, env=env)
     rows = []
     for i, r0 in enumerate(res[0]):
         row = {k: v for k, v in r0.items() if k not in ("trace", "step_ms_all", "profile")}
         if r0.get("profile"):
-            print(f"--- profile dcp={r0['c']} ---\n{r0['profile']}", flush=True)
+            print(f"--- profile dcp={r0['c']} mode={r0['mode']} ctx={r0['ctx']} ---\n{r0['profile']}", flush=True)
         vals = [r[i].get("step_ms_median") for r in res if r[i].get("step_ms_median") is not None]
-        if vals:
+        if vals:  # a step ends when its slowest rank ends
             row["step_ms_median"] = max(vals)
+            row["tokens_per_s"] = row["batch"] * 1e3 / row["step_ms_median"]
         rows.append(row)
-    base = next((r for r in rows if r["c"] == 1 and "tokens" in r), None)
-    for r in rows:
+    for r in rows:  # every variant against DCP=1 without CUDA graphs at the same context
+        base = next((b for b in rows if b["c"] == 1 and b["ctx"] == r["ctx"] and "tokens" in b), None)
+        same_mode = next((b for b in rows if b["c"] == 1 and b["ctx"] == r["ctx"] and b["mode"] == r["mode"]
+                          and "step_ms_median" in b), None)
         if base is not None and "tokens" in r:
             r["same_tokens_as_dcp1"] = r["tokens"] == base["tokens"]
-    out = dict(env=env_info(), cfg=cfg, rows=rows, raw=[[{k: v for k, v in x.items() if k != "tokens"} for x in r] for r in res])
-    md = fmt_table(rows, [("dcp", "c"), ("world", "world"), ("step ms", lambda r: r.get("step_ms_median", "")),
-                          ("first call s", lambda r: r.get("first_call_s", "")), ("layers rewritten", lambda r: r.get("rewritten", "")),
-                          ("graphs", lambda r: r.get("graphs", "")), ("KV local/full", lambda r: f"{r['kv_local']}/{r['kv_full']}" if "kv_full" in r else ""),
-                          ("same tokens", lambda r: r.get("same_tokens_as_dcp1", "")), ("error", lambda r: r.get("error", "")[:80])])
+        if same_mode is not None and "step_ms_median" in r and r["c"] != 1:
+            r["speedup_vs_dcp1"] = same_mode["step_ms_median"] / r["step_ms_median"]
+    out = dict(env=env_info(), cfg=cfg, rows=rows,
+               raw=[[{k: v for k, v in x.items() if k not in ("tokens", "profile")} for x in r] for r in res])
+    md = fmt_table(rows, [
+        ("ctx", "ctx"), ("B", "batch"), ("mode", "mode"), ("dcp", "c"), ("step ms", lambda r: r.get("step_ms_median", "")),
+        ("tokens/s", lambda r: r.get("tokens_per_s", "")), ("speedup vs DCP=1", lambda r: r.get("speedup_vs_dcp1", "")),
+        ("KV MiB/rank", lambda r: r["kv_bytes_rank"] / 2 ** 20 if "kv_bytes_rank" in r else ""),
+        ("max cache tokens/rank group", lambda r: r.get("max_cache_tokens", "")),
+        ("first call s", lambda r: r.get("first_call_s", "")), ("rewrites", lambda r: r.get("rewritten", "")),
+        ("graphs", lambda r: r.get("graphs", "")), ("same tokens", lambda r: r.get("same_tokens_as_dcp1", "")),
+        ("error", lambda r: r.get("error", "")[:80])])
     out["table_md"] = md
     print(md, flush=True)
     if a.out:
