@@ -4,10 +4,13 @@ DeepSeek-V3 shapes: fused 512 + 64 latent cache in bf16, scale 192**-0.5, one qu
 Ceilings are measured in the same run (device-to-device copy bandwidth, bf16 matmul rate)
 and every kernel time is set against the floor max(bytes / copy bw, flops / matmul rate).
 
-    python benchmarks/bench_kernel.py --out results.json [--sweep] [--no-table] [--flex]
+    python benchmarks/bench_kernel.py --out results.json [--sweep] [--wide-sweep] [--no-table] [--flex]
 
---sweep times a set of launch configurations at a few shapes (to pick the heuristics
-in mla_attention.pick_config); the table uses the dispatcher's own choices.
+--sweep times a set of launch configurations of the fused split-KV kernel at a few shapes
+(to pick the heuristics in mla_attention.pick_config); --wide-sweep the same for the
+two-GEMM wide-head kernels (mla_wide). The table times the split-KV kernel with its own
+choices (path="split") and, for >= --wide-min-rows rows, the wide path next to it
+(columns "wide ..."; same floor); "auto" says which one the dispatcher picks.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, fmt_table, matmul_rate, write_json  # noqa: E402
 
 from dcp_pass.runtime.kernels import mla_attention as M  # noqa: E402
+from dcp_pass.runtime.kernels import mla_wide as W  # noqa: E402
 
 D = KV_LORA + ROPE
 L2_BYTES = 60 << 20
@@ -87,16 +91,16 @@ def time_fn(fn, sets, graph=True, **kw):
     return bench(rotating(fn, sets), **kw)
 
 
-def time_triton(sets, config=None, graph=True):
+def time_triton(sets, config=None, graph=True, path="split"):
     def run(q, kv):
-        return M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config)
+        return M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config, path=path)
 
     return time_fn(run, sets, graph)
 
 
-def check(sets):
+def check(sets, path="split", config=None):
     q, kv = sets[0]
-    o, lse = M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE)
+    o, lse = M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, path=path, config=config)
     ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, None, None, None, torch.float32)
     err = ((o[:1].float() - ro).norm() / ro.norm()).item()
     lerr = (lse[:1] - rl).abs().max().item()
@@ -164,6 +168,71 @@ def sweep(results, ceil, tuned_path=None):
                                            ("splits", "splits"), ("ms", "ms"), ("of floor", "of_floor")]), flush=True)
 
 
+WIDE_CFGS = [  # (block_m, block_n, block_k, warps_a, stages_a, block_v, warps_b, stages_b), offline-checked
+    (128, 128, 64, 8, 3, 256, 8, 2),  # default (mla_wide.WIDE_DEFAULT)
+    (128, 128, 64, 8, 4, 256, 8, 2),
+    (128, 64, 64, 8, 3, 256, 8, 2),
+    (128, 64, 64, 8, 4, 256, 8, 3),
+    (128, 128, 64, 8, 3, 128, 8, 3),
+    (128, 256, 64, 8, 3, 128, 8, 2),
+    (64, 128, 64, 4, 3, 256, 8, 2),
+]
+
+
+def wide_sweep(results, ceil):
+    """Tile configs of the two-GEMM kernels at B=8/32, H=64/128, T=64K/128K, 1 or 2 waves of splits."""
+    shapes = [(H, B, T) for H in (64, 128) for B in (8, 32) for T in (65536, 131072)]
+    cfgs = WIDE_CFGS
+    if DEV == "cpu":
+        shapes, cfgs = [(64, 1, 64)], [(16, 16, 16, 4, 1, 256, 4, 1)]
+    out = []
+    for H, B, T in shapes:
+        sets = make_case(B, 1, H, T)
+        nbytes, flops = counts(B, 1, H, T)
+        floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
+        seen = set()
+        for c in cfgs:
+            for waves in (1.0, 2.0):
+                base = W.WideConfig(*c, waves=waves)
+                cfg = W.pick_wide_config(H, KV_LORA + ROPE, 0, KV_LORA, B, T, torch.device(DEV), elem_bytes=2,
+                                         base=base) if DEV == "cuda" else W.WideConfig(*c, num_splits=2)
+                key = cfg.tag().rsplit(" x", 1)[0], cfg.num_splits  # the launch, whatever the waves asked
+                if key in seen:  # the same launch after fitting to the shape
+                    continue
+                seen.add(key)
+                rec = dict(H=H, B=B, T=T, cfg=list(c), waves=waves, tag=cfg.tag(), splits=cfg.num_splits)
+                try:
+                    if DEV == "cuda":
+                        err, lerr = check(sets, "wide", base)
+                        rec.update(rel_err=err, lse_err=lerr)
+                    t = time_triton(sets, cfg if DEV != "cuda" else base, path="wide")
+                    rec.update(ms=t, floor_ms=floor, of_floor=floor / t, mm_frac=flops / (t * 1e-3) / ceil["mm_rate"])
+                except Exception as e:  # a config may not compile (shared memory) on this GPU
+                    rec.update(error=repr(e)[:300])
+                out.append(rec)
+                print("wide-sweep", rec, flush=True)
+        del sets
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    results["wide_sweep"] = out
+    best = {}
+    for r in out:
+        if "ms" in r:
+            k = (r["H"], r["B"], r["T"])
+            if k not in best or r["ms"] < best[k]["ms"]:
+                best[k] = r
+    results["wide_sweep_best"] = list(best.values())
+    score = {}
+    for r in out:
+        score.setdefault((tuple(r["cfg"]), r["waves"]), []).append(math.log(r["of_floor"]) if "ms" in r else -1e9)
+    key = max(score, key=lambda k: sum(score[k]))
+    results["wide_tuned"] = dict(cfg=list(key[0]), waves=key[1])
+    print("wide tuned (best geometric mean of floor/time)", results["wide_tuned"], flush=True)
+    print(fmt_table(list(best.values()), [("H", "H"), ("B", "B"), ("T", "T"), ("config", "tag"), ("splits", "splits"),
+                                           ("ms", "ms"), ("of floor", "of_floor"),
+                                           ("% mm rate", lambda r: f"{100 * r['mm_frac']:.0f}")]), flush=True)
+
+
 def flex_token(results):
     """One small shape through torch flex_attention (compiled), as the notes call it."""
     rec = dict(B=1, H=16, T=4096)
@@ -183,7 +252,7 @@ def flex_token(results):
     print("flex", rec, flush=True)
 
 
-def table(results, ceil, heads, batches, ctxs, einsum=True):
+def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64):
     rows = []
     for H, B, T in itertools.product(heads, batches, ctxs):
         rec = dict(H=H, B=B, T=T)
@@ -199,6 +268,19 @@ def table(results, ceil, heads, batches, ctxs, einsum=True):
             t = time_triton(sets)
             rec["eager_ms"] = time_triton(sets, graph=False)
             floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
+            q0, kv0 = sets[0]
+            rec["auto"] = "wide" if W.route_wide(None, None, q0, None, kv0, None, KV_LORA) else "split"
+            if H >= wide_min_rows:
+                try:
+                    wcfg = W.pick_wide_config(H, KV_LORA + ROPE, 0, KV_LORA, B, T, torch.device(DEV))
+                    werr, wlerr = check(sets, "wide")
+                    tw = time_triton(sets, path="wide")
+                    rec.update(wide_cfg=wcfg.tag(), wide_splits=wcfg.num_splits, wide_rel_err=werr, wide_lse_err=wlerr,
+                               wide_ms=tw, wide_of_floor=floor / tw, wide_mm_frac=flops / (tw * 1e-3) / ceil["mm_rate"],
+                               wide_speedup=t / tw)
+                except Exception as e:
+                    rec["wide_error"] = repr(e)[:300]
+                    traceback.print_exc()
             rec.update(ms=t, floor_ms=floor, of_floor=floor / t,
                        tb_s=nbytes / (t * 1e-3) / 1e12, bw_frac=nbytes / (t * 1e-3) / ceil["copy_bw"],
                        tflops=flops / (t * 1e-3) / 1e12, mm_frac=flops / (t * 1e-3) / ceil["mm_rate"],
@@ -221,7 +303,10 @@ def table(results, ceil, heads, batches, ctxs, einsum=True):
     cols = [("H", "H"), ("B", "B"), ("T/rank", "T"), ("config", "cfg"), ("splits", "splits"), ("ms", "ms"), ("eager ms", "eager_ms"),
             ("floor ms", "floor_ms"), ("floor/ms", "of_floor"), ("TB/s", "tb_s"), ("% copy bw", lambda r: f"{100 * r['bw_frac']:.0f}" if "bw_frac" in r else ""),
             ("TFLOP/s", "tflops"), ("% mm rate", lambda r: f"{100 * r['mm_frac']:.0f}" if "mm_frac" in r else ""),
-            ("einsum ms", lambda r: r.get("einsum_ms") or ""), ("vs einsum", lambda r: f"{r['speedup_vs_einsum']:.1f}x" if r.get("speedup_vs_einsum") else "")]
+            ("einsum ms", lambda r: r.get("einsum_ms") or ""), ("vs einsum", lambda r: f"{r['speedup_vs_einsum']:.1f}x" if r.get("speedup_vs_einsum") else ""),
+            ("wide ms", lambda r: r.get("wide_ms") or ""), ("wide floor/ms", lambda r: r.get("wide_of_floor") or ""),
+            ("wide % mm rate", lambda r: f"{100 * r['wide_mm_frac']:.0f}" if "wide_mm_frac" in r else ""),
+            ("wide vs split", lambda r: f"{r['wide_speedup']:.2f}x" if "wide_speedup" in r else ""), ("auto", "auto")]
     md = fmt_table(rows, cols)
     results["table_md"] = md
     print(md, flush=True)
@@ -232,6 +317,8 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/kernel.json")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tuned-out", default=None, help="write the sweep's per-bucket choice here (DCP_MLA_TUNED format)")
+    ap.add_argument("--wide-sweep", action="store_true", help="tile configs of the two-GEMM wide kernels")
+    ap.add_argument("--wide-min-rows", type=int, default=64, help="time the wide path from this many heads up")
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--flex", action="store_true")
     ap.add_argument("--no-einsum", action="store_true")
@@ -249,9 +336,12 @@ def main():
         sweep(results, ceil, a.tuned_out)
         M._TUNED.update({int(k): tuple(v) for k, v in results["tuned"].items()})
         write_json(a.out, results)
+    if a.wide_sweep:
+        wide_sweep(results, ceil)
+        write_json(a.out, results)
     if not a.no_table:
         table(results, ceil, [int(x) for x in a.heads.split(",")], [int(x) for x in a.batches.split(",")],
-              [int(x) for x in a.ctx.split(",")], einsum=not a.no_einsum)
+              [int(x) for x in a.ctx.split(",")], einsum=not a.no_einsum, wide_min_rows=a.wide_min_rows)
         write_json(a.out, results)
     if a.flex:
         flex_token(results)

@@ -201,6 +201,29 @@ def check_broadcast_mask_fp16():
     _run_and_compare(torch.float16, B=B, S=S, H=H, T=T, mask=mask)
 
 
+def check_shared_mask_row_decode_fp32():
+    # one query token, a per-request mask broadcast over heads (a decode step's causal
+    # mask): the kernel loads one mask row per tile for the whole head block; the other
+    # requests' rows differ, so reading the wrong request's row is caught
+    B, S, H, T = 3, 1, 8, 37
+    mask = torch.zeros(B, 1, 1, T)
+    for b in range(B):
+        mask[b, ..., T - 9 * b:] = float("-inf")
+    mask[1, ..., ::4] = -1.5
+    _run_and_compare(torch.float32, B=B, S=S, H=H, T=T, mask=mask)
+    m = _mod()
+    assert m.smem_estimate(64, 64, 2, 512, 64, 2, True, False, True) < m.smem_estimate(64, 64, 2, 512, 64, 2, True)
+
+
+def check_per_head_mask_single_token_fp16():
+    # one query token but a mask that differs per head: must not take the shared-row path
+    B, S, H, T = 2, 1, 4, 29
+    mask = torch.zeros(B, S, H, T)
+    for h in range(H):
+        mask[:, :, h, h::H] = float("-inf")
+    _run_and_compare(torch.float16, B=B, S=S, H=H, T=T, mask=mask)
+
+
 def check_base2_lse_fp32():
     _run_and_compare(torch.float32, lse_base="2")
     _run_and_compare(torch.float32, lse_base="2", kv_lens=torch.tensor([0, 9]))
@@ -396,8 +419,10 @@ def _gpu_case(dtype, B, S, H, T, fused, lens=None, causal=None, mask=None, lse_b
     g.manual_seed(int.from_bytes(os.urandom(4), "little"))
     q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, DSV3["Dl"], DSV3["Dr"], T, dtype, "cuda", fused=fused, gen=g)
     out, lse = poisoned(B, S, H, vd, dtype, "cuda")
+    # the fused split-KV kernel at every head count (the dispatcher would send 128 heads to
+    # the two-GEMM kernel, which tests/test_kernel_mla_wide.py covers)
     m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, DSV3["scale"], mask, lens, lse_base, causal,
-                           out=out, lse_out=lse)
+                           out=out, lse_out=lse, path="split")
     ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, vd, DSV3["scale"], mask, lens, causal, torch.float32)
     check_close(out, lse, ro, rl, tol, lse_base)
     return q_lat, q_rope, kv, pe, vd
@@ -461,11 +486,11 @@ def test_gpu_cuda_graph_capture():
     q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16)
     lens = torch.randint(1, T, (B,), device="cuda")
-    m.mla_attention_triton(q, None, kv, None, 512, DSV3["scale"], None, lens)  # compile outside capture
+    m.mla_attention_triton(q, None, kv, None, 512, DSV3["scale"], None, lens, path="split")  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, l = m.mla_attention_triton(q, None, kv, None, 512, DSV3["scale"], None, lens)
+        o, l = m.mla_attention_triton(q, None, kv, None, 512, DSV3["scale"], None, lens, path="split")
     q.copy_(torch.randn_like(q))
     lens.copy_(torch.randint(1, T, (B,), device="cuda"))
     graph.replay()

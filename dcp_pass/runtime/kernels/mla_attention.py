@@ -247,9 +247,13 @@ def _stage1_kernel_src(
     BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr, V_SPLIT: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     PAGED: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
 ):
     """One (row block, value chunk, split, batch row): online softmax over the split's keys.
+
+    MASK_SHARED: every row of the block reads the same mask row (one query token and a
+    mask broadcast over heads, as a decode step's causal mask is), so one [BLOCK_N]
+    vector is loaded per tile instead of a [BLOCK_H, BLOCK_N] tile.
 
     Writes the normalised partial output and its base-2 LSE times ``lse_scale``
     (the final output directly when NUM_SPLITS == 1). With V_SPLIT == 2 two programs
@@ -351,7 +355,10 @@ def _stage1_kernel_src(
                 qk = tl.dot(qt, tl.trans(kt), qk)
         qk = qk * sm_scale_log2
         valid = n_ok[None, :]
-        if HAS_MASK:
+        if HAS_MASK and MASK_SHARED:
+            mk = tl.load(MASK + b * sm_b + offs_n * sm_t, mask=n_ok, other=0.0)
+            qk = qk + mk[None, :] * 1.4426950408889634
+        elif HAS_MASK:
             mk = tl.load(
                 MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
                 mask=row_ok[:, None] & n_ok[None, :],
@@ -498,7 +505,7 @@ def _smem_limit(device: torch.device) -> int:
 
 
 def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, elem: int,
-                  has_mask: bool = False, paged: bool = False) -> int:
+                  has_mask: bool = False, paged: bool = False, mask_shared: bool = False) -> int:
     """Upper estimate of stage 1's shared memory: pipelined KV (+mask, +page ids) tiles and Q.
 
     Matches the compiler's figure for the 512 + 64 bf16 configs checked offline
@@ -506,12 +513,14 @@ def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, e
     """
     kv = stages * block_n * (bdm + bdt) * elem
     q = block_h * (bdm + bdt) * elem
-    extra = (stages * block_h * block_n * 4 if has_mask else 0) + (stages * block_n * 8 if paged else 0)
+    mask_tile = block_n * 4 * (1 if mask_shared else block_h)
+    extra = (stages * mask_tile if has_mask else 0) + (stages * block_n * 8 if paged else 0)
     return kv + q + extra
 
 
 def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, device: torch.device,
-                num_splits: Optional[int] = None, *, has_mask: bool = False, paged: bool = False,
+                num_splits: Optional[int] = None, *, has_mask: bool = False, mask_shared: bool = False,
+                paged: bool = False,
                 elem_bytes: int = 2) -> MLAKernelConfig:
     """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture).
 
@@ -528,7 +537,7 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
     block_h, block_n, warps, stages, v_split, waves = _TUNED[bucket]
     bdm, bdt = _pow2(d_main), _pow2(max(d_tail, 1)) if d_tail else 0
     limit = _smem_limit(device)
-    fits = lambda bh, bn, st: smem_estimate(bh, bn, st, bdm, bdt, elem_bytes, has_mask, paged) <= limit  # noqa: E731
+    fits = lambda bh, bn, st: smem_estimate(bh, bn, st, bdm, bdt, elem_bytes, has_mask, paged, mask_shared) <= limit  # noqa: E731
     if not fits(block_h, block_n, stages):
         cands = [(block_h, 32, 3), (block_h, 32, 2), (block_h, 16, 3), (block_h, 16, 2),
                  (16, 32, 2), (16, 16, 2), (16, 16, 1)]
@@ -602,7 +611,12 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
 
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
+    mask_b = _bcast_mask(mask, B, S, H, T, device)
+    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
+    # one mask row serves every row of a block when rows differ only by head
+    mask_shared = mask_b is not None and ms[2] == 0 and (S == 1 or ms[1] == 0)
     cfg = config or pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
+                                mask_shared=mask_shared,
                                 paged=paged, elem_bytes=kv.element_size())
     if num_splits is not None and config is not None:
         cfg = MLAKernelConfig(cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits, cfg.v_split)
@@ -611,7 +625,6 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
         raise RuntimeError("mla_attention_triton on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
     stage1, reduce_k = _stage1_jit, _reduce_jit
 
-    mask_b = _bcast_mask(mask, B, S, H, T, device)
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     qt = parts.q_tail if parts.q_tail is not None else dummy
     kt = parts.k_tail if parts.k_tail is not None else dummy
@@ -629,7 +642,6 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
     lens = kv_lens if kv_lens is not None else dummy
     if kv_lens is not None and kv_lens.device != device:
         raise ValueError("kv_lens must be on the query's device")
-    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
     if causal is not None:
         q_pos, cp_world, cp_rank = causal
         q_pos = torch.broadcast_to(q_pos, (B, S))
@@ -663,7 +675,7 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
         BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(max(d_tail, 1)), V_SPLIT=v_split,
         NUM_SPLITS=ns, PAGE=page_size if paged else 1,
         PAGED=paged, HAS_TAIL=parts.q_tail is not None, HAS_LENS=kv_lens is not None,
-        HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32,
+        HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if ns > 1:
@@ -695,14 +707,26 @@ def mla_attention_triton(
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
     num_splits: Optional[int] = None,
-    config: Optional[MLAKernelConfig] = None,
+    config=None,
+    path: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton split-KV MLA attention; same contract as :func:`mla_attention_reference`.
 
     CUDA tensors use the compiled kernel, CPU tensors Triton's interpreter.
+    ``path``: None / "auto" routes compute-bound shapes (>= 128 rows, 16-bit CUDA tensors,
+    see ``mla_wide.wide_preferred``) to the two-GEMM kernel of ``mla_wide`` and the rest
+    to the fused split-KV kernel; "wide" or "split" forces one. The environment variable
+    ``DCP_MLA_WIDE=0`` turns the automatic wide routing off, ``=1`` routes every supported
+    call to it (also in the interpreter). ``config`` is an ``MLAKernelConfig`` (split path)
+    or an ``mla_wide.WideConfig`` (wide path).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
+    from . import mla_wide
+
+    if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim):
+        return mla_wide.mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
+                                           out=out, lse_out=lse_out, num_splits=num_splits, config=config)
     return _launch(q_lat, q_rope, kv, pe, None, 1, v_dim, scale, mask, kv_lens, lse_base, causal,
                    out, lse_out, num_splits, config)
 

@@ -1,0 +1,140 @@
+"""Offline sm_90 compile of the two-GEMM wide-head kernels (no GPU needed).
+
+For each config: registers, spill stack, shared memory and the MMA kind (HGMMA = wgmma,
+HMMA = mma.sync) of kernel A (scores) and kernel B (values), DeepSeek-V3 shapes (fused
+512 + 64 cache, bf16, 128 rows, kv_lens on). The argument list is the launcher's own
+(``mla_wide._plan`` on small CPU tensors: same strides, same specialisation as the JIT:
+pointers and multiple-of-16 ints get tt.divisibility = 16, ints equal to 1 become
+constants). See docs/kernel_notes.md, "Offline compilation".
+
+    python benchmarks/offline_wide.py [--mask] [--causal] [--separate] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from dcp_pass.runtime.kernels import mla_wide as W  # noqa: E402
+
+_DT = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+       torch.int64: "*i64"}
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_launch(launch, src_fn):
+    sig, consts, attrs = {}, dict(launch.consts), {}
+    names = list(__import__("inspect").signature(src_fn).parameters)
+    for i, (name, v) in enumerate(launch.args):
+        if isinstance(v, torch.Tensor):
+            sig[name] = _DT[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        elif isinstance(v, int):
+            if v == 1:
+                sig[name] = "constexpr"
+                consts[name] = 1
+            else:
+                sig[name] = "i32" if abs(v) < 2 ** 31 else "i64"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise TypeError(name)
+    for name in names:
+        if name not in sig:
+            sig[name] = "constexpr"
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    opts = backend.parse_options(dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    k = triton.compile(ASTSource(launch.kernel, sig, consts, attrs), target=target, options=opts.__dict__)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", path], capture_output=True,
+                              text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    stack = int(re.search(r"STACK:(\d+)", res).group(1))
+    hg = re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass)
+    return dict(regs=regs, stack=stack, smem_kib=round(k.metadata.shared / 1024, 1),
+                hgmma=sorted(set(hg)), n_hgmma=len(hg), n_hmma=sass.count(" HMMA"),
+                ldl=sass.count("LDL"), stl=sass.count("STL"), cp_async=sass.count("LDGSTS"),
+                tma=sass.count("UTMALDG"), ttgir=k.asm["ttgir"])
+
+
+CONFIGS = [  # (block_m, block_n, block_k, warps_a, stages_a, block_v, warps_b, stages_b)
+    (128, 64, 64, 8, 3, 256, 8, 2),
+    (128, 64, 64, 8, 4, 256, 8, 3),
+    (128, 128, 64, 8, 3, 256, 8, 2),
+    (128, 128, 64, 8, 4, 128, 8, 3),
+    (128, 64, 64, 8, 3, 128, 4, 3),
+    (128, 64, 64, 8, 3, 128, 8, 4),
+    (64, 64, 64, 4, 3, 256, 4, 2),
+    (128, 256, 64, 8, 3, 256, 8, 2),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mask", action="store_true")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--separate", action="store_true", help="rope keys in their own tensor")
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--configs", default=None, help="semicolon-separated 8-tuples")
+    ap.add_argument("--ttgir", default=None, help="directory to write the TTGIR of each kernel")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    B, S, H, T = 2, 1, a.heads, 1024
+    g = torch.Generator().manual_seed(0)
+    dt = getattr(torch, a.dtype)
+    if a.separate:
+        q, qr = torch.randn(B, S, H, 512, generator=g).to(dt), torch.randn(B, S, H, 64, generator=g).to(dt)
+        kv, pe = torch.randn(B, T, 512, generator=g).to(dt), torch.randn(B, T, 64, generator=g).to(dt)
+    else:
+        q, qr, kv, pe = torch.randn(B, S, H, 576, generator=g).to(dt), None, torch.randn(B, T, 576, generator=g).to(dt), None
+    lens = torch.full((B,), T, dtype=torch.int64)
+    mask = torch.zeros(B, S, H, T) if a.mask else None
+    causal = (torch.full((B, S), T), 1, 0) if a.causal else None
+    cfgs = CONFIGS if not a.configs else [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
+    rows = []
+    for c in cfgs:
+        cfg = W.WideConfig(*c, num_splits=2)
+        out = torch.empty(B, S, H, 512, dtype=dt)
+        lse = torch.empty(B, S, H)
+        launches = W._plan(q, qr, kv, pe, 512, 0.07, mask, lens, "e", causal, out, lse, cfg)
+        rec = dict(config=list(c), tag=cfg.tag())
+        for name, launch, src in (("A", launches[0], W._scores_kernel_src), ("B", launches[1], W._values_kernel_src)):
+            try:
+                r = compile_launch(launch, src)
+                if a.ttgir:
+                    os.makedirs(a.ttgir, exist_ok=True)
+                    with open(os.path.join(a.ttgir, f"{name}_{'_'.join(map(str, c))}.ttgir"), "w") as f:
+                        f.write(r["ttgir"])
+                r.pop("ttgir")
+            except Exception as e:  # noqa: BLE001
+                r = dict(error=repr(e)[:400])
+            rec[name] = r
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,532 @@
+"""Two-GEMM MLA decode attention for wide head blocks (compute-bound: >= WIDE_MIN_ROWS rows).
+
+Same contract as :func:`mla_attention.mla_attention_triton` (contiguous caches only).
+The fused split-KV kernel serialises scores -> softmax -> values in one warpgroup and,
+with its value split, computes the scores twice. Here the two products are separate
+kernels, neither with a chained dot, so Triton gives both full-size wgmma tiles:
+
+* kernel A (scores), one program per (row block, key tile, batch row): ``s = q . k``
+  over all key columns (latent + rope) as a plain GEMM loop over BLOCK_K column chunks,
+  ``s * scale * log2 e (+ mask * log2 e)``, invisible keys -inf; writes
+  ``P = exp2(s - m_tile)`` in the cache dtype plus per-(row, tile) ``m_tile``, ``l_tile``
+  (fp32).
+* kernel B (values), one program per (row block, value-column chunk, split, batch row):
+  first the split's max ``m`` and sum ``l = sum_t exp2(m_t - m) l_t`` from the small
+  (m, l) arrays, then ``acc += (P_t * exp2(m_t - m)) @ V_t`` over the split's tiles (the
+  per-row factor is applied to P in registers, so the accumulator is never rescaled).
+  Writes the normalised partial and its base-2 LSE (the format of the fused kernel's
+  stage 1), merged by the same stage-2 kernel; one split writes the final output.
+
+Scratch: P [B, tiles, rows, BLOCK_N] (cache dtype), m and l [B, tiles, rows] (fp32),
+sized from shapes. Split counts come from shapes, lengths from ``kv_lens`` on the device:
+no host sync, CUDA-graph capturable. Program order: row blocks fastest (they share a K or
+V tile), then value chunks (they share a P tile), so programs reading the same tile run
+side by side and the second read hits L2.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import mla_attention as _base
+from .mla_attention import HAS_TRITON, LN2, LOG2E, _bcast_mask, _check_base, _pow2, _split_parts
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover
+    triton = None
+    tl = None
+
+__all__ = ["WideConfig", "pick_wide_config", "wide_supported", "wide_preferred", "route_wide", "mla_attention_wide"]
+
+
+# --------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------
+def _scores_kernel_src(
+    Q, QT, K, KT, LENS, MASK, QPOS, P, MT, LT,
+    T, H, SH, S, cp_world, cp_rank, sm_scale_log2,
+    sq_b, sq_s, sq_h, sq_d,
+    sqt_b, sqt_s, sqt_h, sqt_d,
+    sk_b, sk_t, sk_d,
+    skt_b, skt_t, skt_d,
+    sm_b, sm_s, sm_h, sm_t,
+    sqp_b, sqp_s,
+    sp_b, sp_t, sp_r,
+    sml_b, sml_t,
+    D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KT: tl.constexpr,
+    BLOCK_S: tl.constexpr, N_RB: tl.constexpr,
+    HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
+):
+    """One (row block, key tile, batch row): P = exp2(s - m_tile), m_tile, l_tile.
+
+    MASK_SHARED: all rows read one mask row (a mask broadcast over heads and query
+    tokens), loaded once as a [BLOCK_N] vector.
+    """
+    pid = tl.program_id(0)
+    rb = pid % N_RB
+    tile = pid // N_RB
+    b = tl.program_id(1).to(tl.int64)
+
+    # visible keys [0, end): the same formula as the values kernel (row-block independent)
+    if HAS_LENS:
+        end = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), T)
+    else:
+        end = T
+    if CAUSAL:
+        offs_s = tl.arange(0, BLOCK_S)
+        qp_all = tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1)
+        qmax = tl.max(qp_all, axis=0)
+        kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
+        end = tl.minimum(end, kcap.to(tl.int32))
+    n0 = tile * BLOCK_N
+    if n0 >= end:  # never read by the values kernel
+        return
+
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < SH
+    s_idx = rows // H
+    h_idx = rows % H
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < end
+    offs_k = tl.arange(0, BLOCK_K)
+
+    q_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_k[None, :] * sq_d
+    k_ptrs = K + b * sk_b + offs_n[:, None].to(tl.int64) * sk_t + offs_k[None, :] * sk_d
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D_MAIN, BLOCK_K):
+        if D_MAIN % BLOCK_K == 0:
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            d_ok = (d0 + offs_k) < D_MAIN
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(q, tl.trans(k), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(q, tl.trans(k), acc)
+        q_ptrs += BLOCK_K * sq_d
+        k_ptrs += BLOCK_K * sk_d
+    if HAS_TAIL:  # a rope part stored apart from the latent part
+        offs_kt = tl.arange(0, BLOCK_KT)
+        qt_ptrs = QT + b * sqt_b + s_idx[:, None] * sqt_s + h_idx[:, None] * sqt_h + offs_kt[None, :] * sqt_d
+        kt_ptrs = KT + b * skt_b + offs_n[:, None].to(tl.int64) * skt_t + offs_kt[None, :] * skt_d
+        for d0 in range(0, D_TAIL, BLOCK_KT):
+            d_ok = (d0 + offs_kt) < D_TAIL
+            qt = tl.load(qt_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            kt = tl.load(kt_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(qt, tl.trans(kt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(qt, tl.trans(kt), acc)
+            qt_ptrs += BLOCK_KT * sqt_d
+            kt_ptrs += BLOCK_KT * skt_d
+
+    s = acc * sm_scale_log2
+    if HAS_MASK and MASK_SHARED:
+        mk = tl.load(MASK + b * sm_b + offs_n * sm_t, mask=n_ok, other=0.0)
+        s = s + mk[None, :] * 1.4426950408889634
+    elif HAS_MASK:
+        mk = tl.load(
+            MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
+            mask=row_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        s = s + mk * 1.4426950408889634
+    valid = n_ok[None, :]
+    if CAUSAL:
+        qpos = tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1)
+        valid = valid & ((offs_n[None, :] * cp_world + cp_rank) <= qpos[:, None])
+    s = tl.where(valid, s, float("-inf"))
+    m = tl.max(s, axis=1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(s - m_use[:, None])
+    l = tl.sum(p, axis=1)
+    offs_c = tl.arange(0, BLOCK_N)
+    tl.store(P + b * sp_b + tile * sp_t + rows[:, None] * sp_r + offs_c[None, :], p.to(P.dtype.element_ty))
+    tl.store(MT + b * sml_b + tile * sml_t + rows, m)
+    tl.store(LT + b * sml_b + tile * sml_t + rows, l)
+
+
+def _values_kernel_src(
+    P, MT, LT, V, LENS, QPOS, O, L,
+    T, H, SH, S, cp_world, cp_rank, lse_scale,
+    sp_b, sp_t, sp_r,
+    sml_b, sml_t,
+    sv_b, sv_t, sv_d,
+    sqp_b, sqp_s,
+    so_b, so_sp, so_s, so_h, so_d,
+    sl_b, sl_sp, sl_s, sl_h,
+    D_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_MT: tl.constexpr,
+    BLOCK_S: tl.constexpr, N_RB: tl.constexpr, N_VC: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_LENS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One (row block, value chunk, split, batch row): sum_t (P_t * exp2(m_t - m)) @ V_t."""
+    pid = tl.program_id(0)
+    rb = pid % N_RB
+    vc = (pid // N_RB) % N_VC
+    sp = pid // (N_RB * N_VC)
+    b = tl.program_id(1).to(tl.int64)
+
+    if HAS_LENS:
+        end = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), T)
+    else:
+        end = T
+    if CAUSAL:
+        offs_s = tl.arange(0, BLOCK_S)
+        qp_all = tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1)
+        qmax = tl.max(qp_all, axis=0)
+        kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
+        end = tl.minimum(end, kcap.to(tl.int32))
+    n_tiles = tl.cdiv(end, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_lo = sp * per_split
+    t_hi = tl.minimum(t_lo + per_split, n_tiles)
+
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < SH
+    s_idx = rows // H
+    h_idx = rows % H
+
+    # the split's max and sum from the per-tile (m, l): [BLOCK_MT tiles, BLOCK_M rows] at a time
+    ml_base = b * sml_b + rows[None, :]
+    offs_t = tl.arange(0, BLOCK_MT)
+    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for t0 in range(t_lo, t_hi, BLOCK_MT):
+        tt = t0 + offs_t
+        mm = tl.load(MT + ml_base + tt[:, None] * sml_t, mask=(tt < t_hi)[:, None], other=float("-inf"))
+        m_run = tl.maximum(m_run, tl.max(mm, axis=0))
+    m_use = tl.where(m_run == float("-inf"), 0.0, m_run)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t0 in range(t_lo, t_hi, BLOCK_MT):
+        tt = t0 + offs_t
+        t_ok = (tt < t_hi)[:, None]
+        mm = tl.load(MT + ml_base + tt[:, None] * sml_t, mask=t_ok, other=float("-inf"))
+        ll = tl.load(LT + ml_base + tt[:, None] * sml_t, mask=t_ok, other=0.0)
+        l_run += tl.sum(ll * tl.exp2(mm - m_use[None, :]), axis=0)
+
+    offs_v = vc * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = offs_v < D_V
+    offs_c = tl.arange(0, BLOCK_N)
+    p_ptrs = P + b * sp_b + rows[:, None] * sp_r + offs_c[None, :]
+    m_ptrs = MT + b * sml_b + rows
+    v_row = V + b * sv_b + offs_v[None, :] * sv_d
+    acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    for t in range(t_lo, t_hi):
+        f = tl.exp2(tl.load(m_ptrs + t * sml_t) - m_use)
+        p = tl.load(p_ptrs + t * sp_t).to(tl.float32) * f[:, None]
+        offs_n = t * BLOCK_N + offs_c
+        v = tl.load(v_row + offs_n[:, None].to(tl.int64) * sv_t, mask=(offs_n < end)[:, None] & v_ok[None, :],
+                    other=0.0)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+
+    empty = l_run == 0.0
+    l_safe = tl.where(empty, 1.0, l_run)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), m_use + tl.log2(l_safe)) * lse_scale
+    o_ptrs = O + b * so_b + sp * so_sp + s_idx[:, None] * so_s + h_idx[:, None] * so_h + offs_v[None, :] * so_d
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
+    tl.store(L + b * sl_b + sp * sl_sp + s_idx * sl_s + h_idx * sl_h, lse, mask=row_ok & ((rows * 0 + vc) == 0))
+
+
+if HAS_TRITON:
+    _scores_jit = triton.jit(_scores_kernel_src)
+    _values_jit = triton.jit(_values_kernel_src)
+
+
+# --------------------------------------------------------------------------------------
+# configuration (shape-derived only)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WideConfig:
+    """Launch parameters of the two kernels; ``num_splits`` None = from shapes (``waves``)."""
+
+    block_m: int = 128  # rows per program (both kernels)
+    block_n: int = 128  # tokens per key tile (both kernels: one P tile)
+    block_k: int = 64  # key-column chunk of kernel A's GEMM loop
+    warps_a: int = 8
+    stages_a: int = 3
+    block_v: int = 256  # value columns per kernel-B program
+    warps_b: int = 8
+    stages_b: int = 2
+    num_splits: Optional[int] = None
+    waves: float = 1.0
+
+    def tag(self) -> str:
+        return (f"A{self.block_m}x{self.block_n}x{self.block_k}/{self.warps_a}w/{self.stages_a}s "
+                f"B{self.block_m}x{self.block_n}x{self.block_v}/{self.warps_b}w/{self.stages_b}s x{self.waves:g}")
+
+
+# Default for the compute-bound case (16-bit caches). Resource use checked offline for sm_90
+# (docs/kernel_notes.md, "v4: two-GEMM wide-head path").
+WIDE_DEFAULT = WideConfig()
+# Fewest (query token, head) rows for which the dispatcher prefers this path. At 64 rows
+# (64 heads, between the two regimes) the wide path measured 0.95x the fused kernel on an
+# H200; at 128 rows 1.32-1.35x (benchmarks/results/kernel_v4_wide_h200.json).
+WIDE_MIN_ROWS = 128
+
+
+def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, t_cap: int,
+                     device: torch.device, num_splits: Optional[int] = None, *, elem_bytes: int = 2,
+                     base: Optional[WideConfig] = None) -> WideConfig:
+    """From shapes only. The interpreter gets small tiles and a few splits (tests)."""
+    if device.type != "cuda":
+        block_m = max(16, min(_pow2(rows), 32))
+        block_v = max(16, _pow2(d_v) // 2)
+        ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), 16)))
+        return WideConfig(block_m, 16, 16, 4, 1, block_v, 4, 1, ns)
+    cfg = base or WIDE_DEFAULT
+    block_m = max(16, min(cfg.block_m, _pow2(rows)))
+    warps_a, warps_b = cfg.warps_a, cfg.warps_b
+    if block_m <= 64:  # one warpgroup covers 64 rows of scores
+        warps_a = 4
+    block_v = max(16, min(cfg.block_v, _pow2(d_v)))
+    stages_a, stages_b = cfg.stages_a, cfg.stages_b
+    block_n = cfg.block_n
+    if elem_bytes == 4:  # fp32 caches: halve what is pipelined
+        block_v, block_n = min(block_v, 128), min(block_n, 64)
+        stages_a, stages_b = min(stages_a, 2), min(stages_b, 2)
+    cfg = WideConfig(block_m, block_n, cfg.block_k, warps_a, stages_a, block_v, warps_b, stages_b,
+                     cfg.num_splits, cfg.waves)
+    ns = num_splits if num_splits is not None else cfg.num_splits
+    if ns is None:
+        n_prog = triton.cdiv(rows, block_m) * triton.cdiv(d_v, block_v)
+        ns = _base.split_count(batch, n_prog, t_cap, device, cfg.waves, min_tokens=max(256, 4 * cfg.block_n))
+    return WideConfig(block_m, block_n, cfg.block_k, warps_a, stages_a, block_v, warps_b, stages_b,
+                      max(1, int(ns)), cfg.waves)
+
+
+def wide_supported(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
+    """Whether the two-GEMM path handles these operands (contiguous caches only)."""
+    if paged or not _base.triton_supported(q_lat, q_rope, kv, pe, v_dim):
+        return False
+    return True
+
+
+def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
+    """The routing rule of the dispatcher: compute-bound shapes on CUDA, 16-bit caches."""
+    if not (q_lat.is_cuda and kv.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    if not wide_supported(q_lat, q_rope, kv, pe, v_dim, paged=paged):
+        return False
+    d_main = v_dim if pe is None else q_lat.shape[-1]
+    rows = q_lat.shape[1] * q_lat.shape[2]
+    return rows >= WIDE_MIN_ROWS and _pow2(d_main) == d_main and d_main >= 256
+
+
+def route_wide(path, config, q_lat, q_rope, kv, pe, v_dim) -> bool:
+    """Whether ``mla_attention_triton`` takes the two-GEMM path (see its docstring)."""
+    import os
+
+    p = "auto" if path is None else str(path)
+    if p not in ("auto", "wide", "split"):
+        raise ValueError(f"path must be 'auto', 'wide' or 'split', got {path!r}")
+    if isinstance(config, WideConfig):
+        if p == "split":
+            raise ValueError("a WideConfig needs the wide path")
+        p = "wide"
+    elif config is not None:
+        if p == "wide":
+            raise ValueError("path='wide' takes a WideConfig, got " + type(config).__name__)
+        return False
+    if p == "wide":
+        if not wide_supported(q_lat, q_rope, kv, pe, v_dim):
+            raise ValueError("the wide path does not support these operands")
+        return True
+    if p == "split":
+        return False
+    env = os.environ.get("DCP_MLA_WIDE", "")
+    if env == "0":
+        return False
+    if env == "1":
+        return wide_supported(q_lat, q_rope, kv, pe, v_dim)
+    return wide_preferred(q_lat, q_rope, kv, pe, v_dim)
+
+
+# --------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------
+def _adjacent(a: torch.Tensor, b: torch.Tensor, width: int) -> bool:
+    """b's columns directly follow a's ``width`` columns in the same storage, same strides."""
+    return (a.stride() == b.stride() and a.dtype == b.dtype
+            and b.data_ptr() == a.data_ptr() + width * a.stride(-1) * a.element_size())
+
+
+@dataclass
+class _Launch:
+    """One kernel launch: ``kernel[grid](*args, **consts, num_warps=, num_stages=)``."""
+
+    kernel: object
+    grid: tuple
+    args: list  # (name, value) pairs, in the kernel's parameter order
+    consts: dict
+    num_warps: int
+    num_stages: int
+
+    def __call__(self):
+        self.kernel[self.grid](*[v for _, v in self.args], **self.consts, num_warps=self.num_warps,
+                               num_stages=self.num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _param_names(kernel_src) -> tuple:
+    # cached: inspect.signature costs tens of microseconds, paid on every decode call otherwise
+    return tuple(inspect.signature(kernel_src).parameters)
+
+
+def _named(kernel_src, values) -> list:
+    return list(zip(_param_names(kernel_src)[:len(values)], values))
+
+
+def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg: WideConfig):
+    """The launches of one call (kernel A, kernel B, and the split merge when splits > 1)."""
+    parts = _split_parts(q_lat, q_rope, kv, pe, v_dim)
+    B, S, H, _ = q_lat.shape
+    T = kv.shape[1]
+    device = q_lat.device
+    SH = S * H
+    d_main = parts.q_main.shape[-1]
+    d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
+    BM, BN = cfg.block_m, cfg.block_n
+    ns = cfg.num_splits
+
+    # one GEMM over latent + rope when the rope columns directly follow the latent ones
+    q_a, k_a, qt, kt, d_a, d_t = parts.q_main, parts.k_main, parts.q_tail, parts.k_tail, d_main, d_tail
+    if qt is not None and _adjacent(q_a, qt, d_main) and _adjacent(k_a, kt, d_main):
+        qt = kt = None
+        d_a, d_t = d_main + d_tail, 0
+    dummy = kv  # pointer for absent optional operands (never dereferenced)
+    has_tail = qt is not None
+    qts = qt.stride() if has_tail else (0, 0, 0, 0)
+    kts = kt.stride() if has_tail else (0, 0, 0)
+
+    n_rb = triton.cdiv(SH, BM)
+    n_vc = triton.cdiv(v_dim, cfg.block_v)
+    NT = triton.cdiv(T, BN)
+    rows_pad = n_rb * BM
+    p_buf = torch.empty(B, NT, rows_pad, BN, dtype=kv.dtype, device=device)
+    m_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
+    l_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
+
+    mask_b = _bcast_mask(mask, B, S, H, T, device)
+    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
+    mask_shared = mask_b is not None and ms[2] == 0 and (S == 1 or ms[1] == 0)
+    if causal is not None:
+        q_pos, cp_world, cp_rank = causal
+        q_pos = torch.broadcast_to(q_pos, (B, S))
+        qps = q_pos.stride()
+        cp_world, cp_rank = int(cp_world), int(cp_rank)
+    else:
+        q_pos, qps, cp_world, cp_rank = dummy, (0, 0), 1, 0
+    lens = kv_lens if kv_lens is not None else dummy
+    is_f32 = kv.dtype == torch.float32
+    block_s = _pow2(S, 2)
+
+    launches = [_Launch(
+        _scores_jit, (n_rb * NT, B),
+        _named(_scores_kernel_src, [
+            q_a, qt if has_tail else dummy, k_a, kt if has_tail else dummy, lens,
+            mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf,
+            T, H, SH, S, cp_world, cp_rank, float(scale) * LOG2E,
+            *q_a.stride(), *qts, *k_a.stride(), *kts, *ms, *qps,
+            p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
+            m_buf.stride(0), m_buf.stride(1)]),
+        dict(D_MAIN=d_a, D_TAIL=d_t,
+             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=cfg.block_k, BLOCK_KT=max(16, min(cfg.block_k, _pow2(max(d_t, 1)))),
+             BLOCK_S=block_s, N_RB=n_rb,
+             HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None, HAS_MASK=mask_b is not None,
+             CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared),
+        cfg.warps_a, cfg.stages_a)]
+
+    if ns == 1:
+        o_part, l_part = out, lse_out
+        ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
+        lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
+        l_scale = LN2 if base == "e" else 1.0
+    else:
+        o_part = torch.empty(B, ns, SH, v_dim, dtype=torch.float32, device=device)
+        l_part = torch.empty(B, ns, SH, dtype=torch.float32, device=device)
+        ops = (o_part.stride(0), o_part.stride(1), H * o_part.stride(2), o_part.stride(2), o_part.stride(3))
+        lps = (l_part.stride(0), l_part.stride(1), H * l_part.stride(2), l_part.stride(2))
+        l_scale = 1.0
+    v = kv  # values: the first v_dim columns of the cache
+    launches.append(_Launch(
+        _values_jit, (n_rb * n_vc * ns, B),
+        _named(_values_kernel_src, [
+            p_buf, m_buf, l_buf, v, lens, q_pos, o_part, l_part,
+            T, H, SH, S, cp_world, cp_rank, l_scale,
+            p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
+            m_buf.stride(0), m_buf.stride(1),
+            *v.stride(), *qps, *ops, *lps]),
+        dict(D_V=v_dim, BLOCK_M=BM, BLOCK_N=BN, BLOCK_V=cfg.block_v, BLOCK_MT=32,
+             BLOCK_S=block_s, N_RB=n_rb, N_VC=n_vc, NUM_SPLITS=ns,
+             HAS_LENS=kv_lens is not None, CAUSAL=causal is not None, IEEE=is_f32),
+        cfg.warps_b, cfg.stages_b))
+    if ns > 1:
+        launches.append(_Launch(
+            _base._reduce_jit, (SH, B),
+            _named(_base._reduce_kernel_src, [
+                o_part, l_part, out, lse_out,
+                H, LN2 if base == "e" else 1.0,
+                o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+                l_part.stride(0), l_part.stride(1), l_part.stride(2),
+                out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+                lse_out.stride(0), lse_out.stride(1), lse_out.stride(2)]),
+            dict(D_V=v_dim, BLOCK_DV=_pow2(v_dim), NUM_SPLITS=ns),
+            4 if v_dim >= 256 else 1, 3))
+    return launches
+
+
+def mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None,
+                       *, out=None, lse_out=None, num_splits=None, config: Optional[WideConfig] = None):
+    """Two-GEMM MLA attention; same contract as ``mla_attention_triton`` (contiguous caches only).
+
+    ``config`` replaces the default tiles (on CUDA still fitted to the shape: block_m to the
+    rows, block_v to the value width); ``num_splits`` overrides the split count.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not importable")
+    base = _check_base(lse_base)
+    parts = _split_parts(q_lat, q_rope, kv, pe, v_dim)
+    B, S, H, _ = q_lat.shape
+    T = kv.shape[1]
+    device = q_lat.device
+    if out is None:
+        out = torch.empty(B, S, H, v_dim, dtype=q_lat.dtype, device=device)
+    if lse_out is None:
+        lse_out = torch.empty(B, S, H, dtype=torch.float32, device=device)
+    SH = S * H
+    if B == 0 or SH == 0:
+        return out, lse_out
+    if T == 0:  # empty shard: neutral partials, no launch
+        out.zero_()
+        lse_out.fill_(float("-inf"))
+        return out, lse_out
+    if device.type != "cuda" and not _base.INTERPRETED:
+        raise RuntimeError("mla_attention_wide on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
+    if kv_lens is not None and kv_lens.device != device:
+        raise ValueError("kv_lens must be on the query's device")
+    d_main = parts.q_main.shape[-1]
+    d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
+    if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are
+        ns = num_splits or config.num_splits or pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device).num_splits
+        cfg = WideConfig(config.block_m, config.block_n, config.block_k, config.warps_a, config.stages_a,
+                         config.block_v, config.warps_b, config.stages_b, ns, config.waves)
+    else:
+        cfg = pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device, num_splits,
+                               elem_bytes=kv.element_size(), base=config)
+    for launch in _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg):
+        launch()
+    return out, lse_out
