@@ -46,7 +46,6 @@ def copy_bandwidth(nbytes=2 << 30, device="cuda"):
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     y = torch.empty_like(x)
     t = bench(lambda: y.copy_(x))
-    del x, y
     return 2 * nbytes / (t * 1e-3)
 
 

@@ -3,7 +3,6 @@
 Traced with a symbolic start it takes the fixed-window form; both forms must store
 exactly the owned tokens at row p // c and leave every other row untouched.
 """
-import itertools
 
 import pytest
 import torch

@@ -50,15 +50,16 @@ def _rank_main(fn, rank, world_size, backend, init_file, threads, env, args, out
         dist.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
         )
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            try:
-                dist.barrier()
-            except Exception:  # a peer already failed; its error is what matters
-                pass
-            dist.destroy_process_group()
+        result = fn(rank, world_size, *args)
+        # The result goes out before the group is torn down: tearing down NCCL
+        # communicators that captured CUDA graphs still reference can block for minutes
+        # (seen on 2 x H200 with mode="reduce-overhead"); the parent ends such a rank.
         out_q.put((rank, True, _to_bytes(result)))
+        try:
+            dist.barrier()
+        except Exception:  # a peer already failed; its error is what matters
+            pass
+        dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
         out_q.put((rank, False, traceback.format_exc()))
 

@@ -1,0 +1,73 @@
+"""Host (CPU) cost per call of the shard-local attention entry points.
+
+Without CUDA graphs every decode step pays each launch's Python and dispatcher time; a
+step whose GPU work is shorter than its host work is host-bound. This times, on a tiny
+decode shape so the GPU never holds the host back, the mean wall time per call of N
+calls issued back to back (one sync at the end), for each layer of the call stack:
+
+* ``custom_op``  torch.ops.dcp.mla_local_attention, as the compiled graph calls it
+* ``dispatcher`` kernels.mla_attention (shape checks, config, both Triton launches)
+* ``empty_x2``   two torch.empty calls (the allocation floor)
+
+    python benchmarks/bench_host.py --out host.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import KV_LORA, ROPE, SCALE, env_info, fmt_table, write_json  # noqa: E402
+
+import dcp_pass.runtime.ops  # noqa: E402,F401  (registers torch.ops.dcp)
+from dcp_pass.runtime.kernels import mla_attention as M  # noqa: E402
+
+
+def per_call_us(fn, n=200, dev="cuda"):
+    for _ in range(10):
+        fn()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--heads", default="16,128")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    rows = []
+    for H in [int(h) for h in a.heads.split(",")]:
+        B, T = 1, 256
+        q = torch.randn(B, 1, H, KV_LORA + ROPE, dtype=dtype, device=dev)
+        kv = torch.randn(B, T + 1, KV_LORA + ROPE, dtype=dtype, device=dev)
+        mask = torch.zeros(1, 1, 1, T, device=dev)
+        for name, fn in [
+            ("custom_op", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, T, KV_LORA, SCALE, None, "e",
+                                                                     "auto")),
+            ("custom_op+mask", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, T, KV_LORA, SCALE, mask,
+                                                                          "e", "auto")),
+            ("dispatcher", lambda: M.mla_attention(q, None, kv[:, :T], None, KV_LORA, SCALE)),
+            ("empty_x2", lambda: (torch.empty(B, 1, H, KV_LORA, device=dev), torch.empty(B, 1, H, device=dev))),
+        ]:
+            rows.append(dict(H=H, entry=name, us_per_call=per_call_us(fn, dev=dev)))
+            print(rows[-1], flush=True)
+    md = fmt_table(rows, [("H", "H"), ("entry", "entry"), ("host us/call", "us_per_call")])
+    print(md)
+    if a.out:
+        write_json(a.out, dict(env=env_info(), rows=rows, table_md=md))
+
+
+if __name__ == "__main__":
+    main()
