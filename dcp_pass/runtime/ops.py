@@ -41,7 +41,10 @@ def mla_local_attention(
     from dcp_pass.runtime.kernels import mla_attention as kernels
 
     fn = kernels.mla_attention_reference
-    if backend in ("auto", "triton") and q_lat.is_cuda:
+    # fp32 caches are a checking mode: the Triton kernel runs them with IEEE fp32 dots on
+    # tiles shrunk to fit shared memory (72.7 ms vs 6.5 ms per step for the 4-layer
+    # V3-sized model, docs/performance.md), the reference's cuBLAS GEMMs are far faster
+    if q_lat.is_cuda and (backend == "triton" or (backend == "auto" and kv.dtype != torch.float32)):
         fn = kernels.mla_attention
     kv = kv[:, :n_keys]
     pe = pe[:, :n_keys] if pe is not None else None
