@@ -41,6 +41,17 @@ def counts(B, S, H, T):
     return kv_bytes + io_bytes, flops
 
 
+def fastest_per_shape(rows):
+    """The fastest timed row of a sweep for every (H, B, T)."""
+    best = {}
+    for r in rows:
+        if "ms" in r:
+            k = (r["H"], r["B"], r["T"])
+            if k not in best or r["ms"] < best[k]["ms"]:
+                best[k] = r
+    return list(best.values())
+
+
 def make_case(B, S, H, T, device=DEV):
     """Random inputs; several copies when one set would sit in L2 (rotated per call)."""
     one = B * T * D * 2
@@ -142,13 +153,7 @@ def sweep(results, ceil, tuned_path=None):
         if DEV == "cuda":
             torch.cuda.empty_cache()
     results["sweep"] = out
-    best = {}
-    for r in out:
-        if "ms" in r:
-            k = (r["H"], r["B"], r["T"])
-            if k not in best or r["ms"] < best[k]["ms"]:
-                best[k] = r
-    results["sweep_best"] = list(best.values())
+    results["sweep_best"] = fastest_per_shape(out)
     # one config per bucket: best geometric mean of floor/time over that bucket's shapes
     tuned = {}
     for bucket in cfgs:
@@ -164,7 +169,7 @@ def sweep(results, ceil, tuned_path=None):
     if tuned_path:
         write_json(tuned_path, tuned)
     print("tuned", tuned, flush=True)
-    print(fmt_table(list(best.values()), [("H", "H"), ("B", "B"), ("T", "T"), ("cfg", lambda r: f"{r['block_h']}/{r['block_n']}/{r['warps']}w/{r['stages']}s/v{r['v_split']} x{r['waves']}"),
+    print(fmt_table(results["sweep_best"], [("H", "H"), ("B", "B"), ("T", "T"), ("cfg", lambda r: f"{r['block_h']}/{r['block_n']}/{r['warps']}w/{r['stages']}s/v{r['v_split']} x{r['waves']}"),
                                            ("splits", "splits"), ("ms", "ms"), ("of floor", "of_floor")]), flush=True)
 
 
@@ -215,20 +220,14 @@ def wide_sweep(results, ceil):
         if DEV == "cuda":
             torch.cuda.empty_cache()
     results["wide_sweep"] = out
-    best = {}
-    for r in out:
-        if "ms" in r:
-            k = (r["H"], r["B"], r["T"])
-            if k not in best or r["ms"] < best[k]["ms"]:
-                best[k] = r
-    results["wide_sweep_best"] = list(best.values())
+    results["wide_sweep_best"] = fastest_per_shape(out)
     score = {}
     for r in out:
         score.setdefault((tuple(r["cfg"]), r["waves"]), []).append(math.log(r["of_floor"]) if "ms" in r else -1e9)
     key = max(score, key=lambda k: sum(score[k]))
     results["wide_tuned"] = dict(cfg=list(key[0]), waves=key[1])
     print("wide tuned (best geometric mean of floor/time)", results["wide_tuned"], flush=True)
-    print(fmt_table(list(best.values()), [("H", "H"), ("B", "B"), ("T", "T"), ("config", "tag"), ("splits", "splits"),
+    print(fmt_table(results["wide_sweep_best"], [("H", "H"), ("B", "B"), ("T", "T"), ("config", "tag"), ("splits", "splits"),
                                            ("ms", "ms"), ("of floor", "of_floor"),
                                            ("% mm rate", lambda r: f"{100 * r['mm_frac']:.0f}")]), flush=True)
 

@@ -12,15 +12,14 @@ bf16 against the fp32 reference and the fused split-KV kernel, and CUDA-graph ca
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
+
+from dcp_pass.testing import interpreter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -260,18 +259,7 @@ def check_wrong_result_is_caught():
             raise AssertionError(f"a wrong result passed the check ({kw}, scale={scale})")
 
 
-CPU_CHECKS = sorted(n for n in list(globals()) if n.startswith("check_") and n != "check_close")
-
-
-def _worker_main():
-    results = {}
-    for name in CPU_CHECKS:
-        try:
-            globals()[name]()
-            results[name] = {"ok": True, "msg": ""}
-        except BaseException:  # noqa: BLE001 - reported back to pytest
-            results[name] = {"ok": False, "msg": traceback.format_exc()}
-    print("@@RESULTS@@" + json.dumps(results))
+CPU_CHECKS = interpreter.check_names(globals())
 
 
 # ======================================================================================
@@ -279,18 +267,7 @@ def _worker_main():
 # ======================================================================================
 @pytest.fixture(scope="module")
 def cpu_results():
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("DCP_MLA_WIDE", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    marker = "@@RESULTS@@"
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(marker)), None)
-    if line is None:
-        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(line[len(marker):])
+    return interpreter.run_worker(__file__, ROOT)
 
 
 @pytest.mark.parametrize("name", CPU_CHECKS)
@@ -411,7 +388,4 @@ def test_gpu_wide_cuda_graph_capture():
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1")
-    sys.path.insert(0, ROOT)
-    _worker_main()
+    interpreter.worker_main(globals(), ROOT)

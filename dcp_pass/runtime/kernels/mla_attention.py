@@ -589,6 +589,25 @@ def _bcast_mask(mask, B, S, H, T, device):
     return torch.broadcast_to(m, (B, S, H, T))
 
 
+def partial_outputs(out, lse_out, ns, H, base):
+    """Where a split kernel writes its per-split results, with strides as (b, split, s, h[, d]).
+
+    One split writes the final output and LSE directly (LSE in ``base``); more splits
+    write fp32 partials with base-2 LSEs into scratch, merged by ``_reduce_jit``.
+    Returns (o_part, l_part, o_strides, l_strides, lse_scale).
+    """
+    if ns == 1:
+        ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
+        lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
+        return out, lse_out, ops, lps, (LN2 if base == "e" else 1.0)
+    B, S, _, v_dim = out.shape
+    o_part = torch.empty(B, ns, S * H, v_dim, dtype=torch.float32, device=out.device)
+    l_part = torch.empty(B, ns, S * H, dtype=torch.float32, device=out.device)
+    ops = (o_part.stride(0), o_part.stride(1), H * o_part.stride(2), o_part.stride(2), o_part.stride(3))
+    lps = (l_part.stride(0), l_part.stride(1), H * l_part.stride(2), l_part.stride(2))
+    return o_part, l_part, ops, lps, 1.0
+
+
 def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv_lens, lse_base,
             causal, out, lse_out, num_splits, config):
     base = _check_base(lse_base)
@@ -650,17 +669,7 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
     else:
         q_pos, qps, cp_world, cp_rank = dummy, (0, 0), 1, 0
 
-    if ns == 1:
-        o_part, l_part = out, lse_out
-        ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
-        lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
-        l_scale = LN2 if base == "e" else 1.0
-    else:
-        o_part = torch.empty(B, ns, SH, v_dim, dtype=torch.float32, device=device)
-        l_part = torch.empty(B, ns, SH, dtype=torch.float32, device=device)
-        ops = (o_part.stride(0), o_part.stride(1), H * o_part.stride(2), o_part.stride(2), o_part.stride(3))
-        lps = (l_part.stride(0), l_part.stride(1), H * l_part.stride(2), l_part.stride(2))
-        l_scale = 1.0
+    o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     is_f32 = kv.dtype == torch.float32
 
     v_split = cfg.v_split if (_pow2(d_main) == d_main and d_main >= 32) else 1

@@ -450,17 +450,7 @@ def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out,
              CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared),
         cfg.warps_a, cfg.stages_a)]
 
-    if ns == 1:
-        o_part, l_part = out, lse_out
-        ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
-        lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
-        l_scale = LN2 if base == "e" else 1.0
-    else:
-        o_part = torch.empty(B, ns, SH, v_dim, dtype=torch.float32, device=device)
-        l_part = torch.empty(B, ns, SH, dtype=torch.float32, device=device)
-        ops = (o_part.stride(0), o_part.stride(1), H * o_part.stride(2), o_part.stride(2), o_part.stride(3))
-        lps = (l_part.stride(0), l_part.stride(1), H * l_part.stride(2), l_part.stride(2))
-        l_scale = 1.0
+    o_part, l_part, ops, lps, l_scale = _base.partial_outputs(out, lse_out, ns, H, base)
     v = kv  # values: the first v_dim columns of the cache
     launches.append(_Launch(
         _values_jit, (n_rb * n_vc * ns, B),
