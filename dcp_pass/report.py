@@ -86,4 +86,8 @@ class DcpReport:
                 f"  KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "
                 f"({self.kv_bytes_full / max(self.kv_bytes_local, 1):.2f}x less)"
             )
+            # their full-size storage is released (or, when shared, no longer written):
+            # eager code outside compiled graphs must not read these buffers any more
+            names = sorted({name for name, _, _ in self.caches.values()})
+            lines.append(f"  striped, not to be read outside compiled graphs: {', '.join(names)}")
         return "\n".join(lines)

@@ -298,7 +298,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
     rewrote kv_cache: decode, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto
-  KV cache bytes on this rank: 1536 without DCP -> 864 with DCP (1.78x less)""")
+  KV cache bytes on this rank: 1536 without DCP -> 864 with DCP (1.78x less)
+  striped, not to be read outside compiled graphs: kv_cache, pe_cache""")
 
     def test_decode_symbolic_start_pos(self):
         # a second start_pos makes it a SymInt: the local key count becomes graph arithmetic
@@ -646,7 +647,8 @@ dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 7: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 8: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 9: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
-  KV cache bytes on this rank: 122880 without DCP -> 62720 with DCP (1.96x less)""")
+  KV cache bytes on this rank: 122880 without DCP -> 62720 with DCP (1.96x less)
+  striped, not to be read outside compiled graphs: attn.kv_cache, attn.pe_cache""")
 
     def test_model_fused_cache(self):
         model = self._model(2, fused_cache=True)
@@ -780,7 +782,8 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
     rewrote layers.0.attn: decode, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto
-  KV cache bytes on this rank: 30720 without DCP -> 15680 with DCP (1.96x less)""")
+  KV cache bytes on this rank: 30720 without DCP -> 15680 with DCP (1.96x less)
+  striped, not to be read outside compiled graphs: layers.0.attn.kv_cache, layers.0.attn.pe_cache""")
 
     def test_replicated_vs_gathered_q(self):
         # bf16 weights are the ones q-proj replication may take (SPEC section 3)
@@ -860,7 +863,8 @@ o_3 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_16)""")
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
     rewrote layers.1.attn: decode, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
-  KV cache bytes on this rank: 61440 without DCP -> 31360 with DCP (1.96x less)""")
+  KV cache bytes on this rank: 61440 without DCP -> 31360 with DCP (1.96x less)
+  striped, not to be read outside compiled graphs: layers.1.attn.kv_cache, layers.1.attn.pe_cache""")
 
         # ... and the linear-attention state is read and written exactly as before
         # (the lines naming the state buffer and the lines using what they define: view, read, copy_)
