@@ -24,7 +24,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, fmt_table, matmul_rate, write_json  # noqa: E402
+from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table,  # noqa: E402
+                    matmul_rate, write_json)
 
 from dcp_pass.runtime.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.kernels import mla_wide as W  # noqa: E402
@@ -131,7 +132,7 @@ def sweep(results, ceil, tuned_path=None):
     for H, B, T in shapes:
         sets = make_case(B, 1, H, T)
         nbytes, flops = counts(B, 1, H, T)
-        floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
+        floor = floor_ms(nbytes, flops, ceil)
         bucket = 16 if H <= 16 else 64
         for (bh, bn, w, st, vs) in cfgs[bucket]:
             n_prog = -(-H // bh) * vs
@@ -194,7 +195,7 @@ def wide_sweep(results, ceil):
     for H, B, T in shapes:
         sets = make_case(B, 1, H, T)
         nbytes, flops = counts(B, 1, H, T)
-        floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
+        floor = floor_ms(nbytes, flops, ceil)
         seen = set()
         for c in cfgs:
             for waves in (1.0, 2.0):
@@ -266,7 +267,7 @@ def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64):
             rec.update(rel_err=err, lse_err=lerr)
             t = time_triton(sets)
             rec["eager_ms"] = time_triton(sets, graph=False)
-            floor = max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
+            floor = floor_ms(nbytes, flops, ceil)
             q0, kv0 = sets[0]
             rec["auto"] = "wide" if W.route_wide(None, None, q0, None, kv0, None, KV_LORA) else "split"
             if H >= wide_min_rows:

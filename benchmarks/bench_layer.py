@@ -33,11 +33,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import ROOT, env_info, fmt_table, write_json  # noqa: E402,F401
+from common import (HIDDEN, KV_LORA, N_HEADS, N_LAYERS, NO_MULTICAST_ENV, Q_LORA, QK_NOPE, ROOT, ROPE,  # noqa: E402
+                    V_HEAD, env_info, floor_ms, fmt_table, write_json)
 
-REAL = dict(hidden=7168, q_lora=1536, heads=128, kv_lora=512, rope=64, nope=128, v_head=128)
+REAL = dict(hidden=HIDDEN, q_lora=Q_LORA, heads=N_HEADS, kv_lora=KV_LORA, rope=ROPE, nope=QK_NOPE, v_head=V_HEAD)
 SMALL = dict(hidden=64, q_lora=32, heads=16, kv_lora=32, rope=8, nope=16, v_head=16)
-N_LAYERS = 61
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -386,7 +386,7 @@ def summarize(results, cfg):
                 row[k] = max(vals)  # the step is as slow as its slowest rank
         if ceil and "bytes" in row:
             comm = row.get("exchange_ms", 0.0) + row.get("allreduce_ms", 0.0)
-            row["floor_ms"] = max(row["bytes"] / ceil["copy_bw"], row["flops"] / ceil["mm_rate"]) * 1e3 + comm
+            row["floor_ms"] = floor_ms(row["bytes"], row["flops"], ceil) + comm
         rows.append(row)
     # speedups of DCP=c vs DCP=1 at the same (B, L), per mode
     base = {(r["B"], r["L"]): r for r in rows if r["c"] == 1}
@@ -440,10 +440,9 @@ def main():
     bad = [c for c in cfg["dcp"] if tp % c]
     if bad:
         raise SystemExit(f"DCP sizes {bad} do not divide the attention TP size {tp}")
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     t0 = time.time()
     results = run_ranks(worker, world, cfg, backend="nccl" if a.device == "cuda" else "gloo",
-                        timeout=a.timeout, env=env)
+                        timeout=a.timeout, env=NO_MULTICAST_ENV)
     rows = summarize(results, cfg)
     out = dict(env=env_info(), cfg=cfg, ceilings=results[0]["ceil"], rows=rows, wall_s=time.time() - t0)
     if a.check:

@@ -27,7 +27,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import ROOT, env_info, fmt_table, write_json  # noqa: E402
+from common import NO_MULTICAST_ENV, ROOT, env_info, fmt_table, write_json  # noqa: E402
 
 
 def _profile_steps(step, nxt, pos, dev, steps=3):
@@ -51,14 +51,14 @@ def random_model(args, rank, dev, seed):
     q down-projections) equal on every rank, each rank's shards fixed by (seed, rank),
     and build_model's scaling (1/sqrt(full fan-in)), so activations stay O(1).
     """
-    from examples.deepseek_mla import ParallelEmbedding, RMSNorm, Transformer
+    from examples.deepseek_mla import ParallelEmbedding, RMSNorm, Transformer, _shard_dim
 
     with torch.device(dev):
         model = Transformer(args, rank)
     g = torch.Generator(device=dev)
     for i, (name, p) in enumerate(model.named_parameters()):
         owner = model.get_submodule(name.rsplit(".", 1)[0])
-        shard_dim = getattr(owner, "shard_dim", None) if getattr(owner, "tp_size", 1) > 1 else None
+        shard_dim = _shard_dim(owner)
         g.manual_seed(seed * 100003 + i * 101 + (rank if shard_dim is not None else 0))
         p.data.normal_(generator=g)
         if isinstance(owner, RMSNorm):
@@ -67,6 +67,15 @@ def random_model(args, rank, dev, seed):
             fan_in = p.shape[-1] * (owner.tp_size if shard_dim == 1 else 1)
             p.data.div_(math.sqrt(fan_in))
     return model.eval().requires_grad_(False)
+
+
+def cache_buffers(model):
+    """The latent (and separate rotary) cache buffers of every layer."""
+    for layer in model.layers:
+        for name in ("kv_cache", "pe_cache"):
+            buf = getattr(layer.attn, name, None)
+            if buf is not None:
+                yield buf
 
 
 def fill_caches(model, n_tokens, seed):
@@ -79,19 +88,15 @@ def fill_caches(model, n_tokens, seed):
     """
     g = torch.Generator(device=model.freqs_cis.device)
     g.manual_seed(seed)
-    for layer in model.layers:
-        for name in ("kv_cache", "pe_cache"):
-            buf = getattr(layer.attn, name, None)
-            if buf is not None:
-                buf[:, :n_tokens].normal_(generator=g)
+    for buf in cache_buffers(model):
+        buf[:, :n_tokens].normal_(generator=g)
 
 
 def cache_bytes(model, report):
     """Bytes of KV cache this rank holds: the pass's local shards, or the full buffers."""
     if report.layers_rewritten:
         return report.kv_bytes_local
-    return sum(buf.numel() * buf.element_size() for layer in model.layers
-               for name in ("kv_cache", "pe_cache") if (buf := getattr(layer.attn, name, None)) is not None)
+    return sum(buf.numel() * buf.element_size() for buf in cache_buffers(model))
 
 
 def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
@@ -114,21 +119,21 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     g.manual_seed(5)
     first = torch.randint(0, args.vocab_size, (cfg["batch"], 1), generator=g).to(dev)
 
-    def step(tok, pos):
+    def forward(tok, pos):
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         # a device-tensor position keeps every step's shapes equal (CUDA graphs replay)
-        logits = m(tok, torch.tensor(pos, device=dev) if tensor_pos else pos)
-        return logits.argmax(-1, keepdim=True)
+        return m(tok, torch.tensor(pos, device=dev) if tensor_pos else pos)
+
+    def step(tok, pos):
+        return forward(tok, pos).argmax(-1, keepdim=True)
 
     t0 = time.time()
     nxt = step(first, ctx)
     rec["first_call_s"] = time.time() - t0
     # the first step's logits again (same inputs, same cache row rewritten with the same
     # values): kept to set DCP's deviation against the margin between the top two tokens
-    if mode == "reduce-overhead":
-        torch.compiler.cudagraph_mark_step_begin()
-    logits0 = m(first, torch.tensor(ctx, device=dev) if tensor_pos else ctx).float()
+    logits0 = forward(first, ctx).float()
     top2 = logits0.topk(2, dim=-1).values
     rec["top2_gap_step0"] = (top2[:, 0] - top2[:, 1]).tolist()
     rec["_logits0"] = logits0.cpu()
@@ -241,12 +246,11 @@ def main():
                warmup=a.warmup, batch=a.batch, inner=a.inner, device=a.device, model=model, model_name=a.model,
                dtype=a.dtype, modes=a.modes.split(","), profile=a.profile, positions=a.positions,
                partial=(a.out + ".partial.jsonl") if a.out else None)
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     if cfg["partial"] and os.path.exists(cfg["partial"]):
         os.remove(cfg["partial"])
     try:
         res = run_ranks(worker, world, cfg, backend="nccl" if a.device == "cuda" else "gloo", timeout=a.timeout,
-                        env=env)
+                        env=NO_MULTICAST_ENV)
         rank0 = res[0]
     except TimeoutError as e:  # keep what finished (rank 0 wrote each variant as it ended)
         if not (cfg["partial"] and os.path.exists(cfg["partial"])):

@@ -24,6 +24,9 @@ Q_LORA = 1536
 N_HEADS = 128
 N_LAYERS = 61
 
+# environment of the multi-GPU benchmark ranks: no NVLink multicast (NVLS) anywhere
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
 
 def bench(fn, warmup_ms=25, rep_ms=100):
     """Median time in ms through triton.testing.do_bench (CUDA events, L2 flushed per call)."""
@@ -57,6 +60,11 @@ def matmul_rate(n=8192, device="cuda"):
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     t = bench(lambda: a @ b)
     return 2 * n ** 3 / (t * 1e-3)
+
+
+def floor_ms(nbytes, flops, ceil):
+    """Roofline floor in ms: max(bytes / copy bandwidth, flops / matmul rate) of ``ceil``."""
+    return max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
 
 
 def env_info():

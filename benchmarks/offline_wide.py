@@ -12,6 +12,7 @@ constants). See docs/kernel_notes.md, "Offline compilation".
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -35,8 +36,8 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def compile_launch(launch, src_fn):
     sig, consts, attrs = {}, dict(launch.consts), {}
-    names = list(__import__("inspect").signature(src_fn).parameters)
-    for i, (name, v) in enumerate(launch.args):
+    names = list(inspect.signature(src_fn).parameters)
+    for i, (name, v) in enumerate(zip(names, launch.args)):
         if isinstance(v, torch.Tensor):
             sig[name] = _DT[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]

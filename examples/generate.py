@@ -17,20 +17,22 @@ from torch import nn
 __all__ = ["greedy_generate", "speculative_greedy_generate"]
 
 
+def _unwrap(model) -> nn.Module:
+    """The module itself, also when `model` is its torch.compile wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
 def _max_seq_len(model) -> Optional[int]:
-    inner = getattr(model, "_orig_mod", model)
-    return getattr(inner, "max_seq_len", None)
+    return getattr(_unwrap(model), "max_seq_len", None)
 
 
 def _max_batch(model) -> Optional[int]:
-    inner = getattr(model, "_orig_mod", model)
-    args = getattr(inner, "args", None)
+    args = getattr(_unwrap(model), "args", None)
     return getattr(args, "max_batch_size", None)
 
 
 def _device(model) -> torch.device:
-    inner = getattr(model, "_orig_mod", model)
-    for p in inner.parameters():
+    for p in _unwrap(model).parameters():
         return p.device
     return torch.device("cpu")
 
@@ -81,8 +83,7 @@ def greedy_generate(
 
 
 def _has_recurrent_state(model) -> bool:
-    inner = getattr(model, "_orig_mod", model)
-    return bool(getattr(inner, "has_recurrent_state", False))
+    return bool(getattr(_unwrap(model), "has_recurrent_state", False))
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from test_kernel_mla import check_close, make_inputs, merge, poisoned, ref64, rel_err  # noqa: E402
+from test_kernel_mla import TOL, _gen, check_close, make_inputs, merge, poisoned, ref64, rel_err  # noqa: E402
 
 
 def _wide():
@@ -44,15 +44,6 @@ def _base():
 # ======================================================================================
 # CPU checks (run in the interpreter worker)
 # ======================================================================================
-TOL = {torch.float32: 2e-5, torch.float16: 1e-2}
-
-
-def _gen():
-    g = torch.Generator()
-    g.manual_seed(int.from_bytes(os.urandom(4), "little"))
-    return g
-
-
 def _cfg(block_m=16, block_v=16, num_splits=None):
     w = _wide()
     return w.WideConfig(block_m, 16, 16, 4, 1, block_v, 4, 1, num_splits)
@@ -285,9 +276,7 @@ SCALE = 192 ** -0.5
 def _gpu_case(dtype, B, S, H, T, fused, lens=None, causal=None, mask=None, lse_base="e", tol=2e-2,
               num_splits=None, vs_split=True):
     m, w = _base(), _wide()
-    g = torch.Generator()
-    g.manual_seed(int.from_bytes(os.urandom(4), "little"))
-    q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, 512, 64, T, dtype, "cuda", fused=fused, gen=g)
+    q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, 512, 64, T, dtype, "cuda", fused=fused, gen=_gen())
     out, lse = poisoned(B, S, H, vd, dtype, "cuda")
     w.mla_attention_wide(q_lat, q_rope, kv, pe, vd, SCALE, mask, lens, lse_base, causal, out=out, lse_out=lse,
                          num_splits=num_splits)

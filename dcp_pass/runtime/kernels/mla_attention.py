@@ -30,7 +30,7 @@ its own custom op.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -589,6 +589,57 @@ def _bcast_mask(mask, B, S, H, T, device):
     return torch.broadcast_to(m, (B, S, H, T))
 
 
+def _mask_operand(mask, B, S, H, T, device):
+    """(mask as fp32 [B, S, H, T] or None, its strides, MASK_SHARED) for the kernels.
+
+    MASK_SHARED: one mask row serves every row of a block (rows differ only by head, or the
+    mask does not vary over query tokens either).
+    """
+    mask_b = _bcast_mask(mask, B, S, H, T, device)
+    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
+    return mask_b, ms, mask_b is not None and ms[2] == 0 and (S == 1 or ms[1] == 0)
+
+
+def _causal_operand(causal, B, S, dummy):
+    """(q_pos [B, S], its strides, cp_world, cp_rank); without causal ``dummy`` stands in (CAUSAL is off)."""
+    if causal is None:
+        return dummy, (0, 0), 1, 0
+    q_pos, cp_world, cp_rank = causal
+    q_pos = torch.broadcast_to(q_pos, (B, S))
+    return q_pos, q_pos.stride(), int(cp_world), int(cp_rank)
+
+
+def _outputs(q_lat, v_dim, out, lse_out, empty_shard):
+    """The output buffers (allocated when not given) and whether they are final already.
+
+    Final without a launch: no rows, or an empty shard (neutral partials: output 0, LSE -inf).
+    """
+    B, S, H, _ = q_lat.shape
+    if out is None:
+        out = torch.empty(B, S, H, v_dim, dtype=q_lat.dtype, device=q_lat.device)
+    if lse_out is None:
+        lse_out = torch.empty(B, S, H, dtype=torch.float32, device=q_lat.device)
+    if B == 0 or S * H == 0:
+        return out, lse_out, True
+    if empty_shard:
+        out.zero_()
+        lse_out.fill_(float("-inf"))
+        return out, lse_out, True
+    return out, lse_out, False
+
+
+def _check_launchable(device, kv_lens, who):
+    if device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"{who} on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
+    if kv_lens is not None and kv_lens.device != device:
+        raise ValueError("kv_lens must be on the query's device")
+
+
+def _lse_scale(base):
+    """Factor from a base-2 LSE to one in ``base``."""
+    return LN2 if base == "e" else 1.0
+
+
 def partial_outputs(out, lse_out, ns, H, base):
     """Where a split kernel writes its per-split results, with strides as (b, split, s, h[, d]).
 
@@ -599,13 +650,20 @@ def partial_outputs(out, lse_out, ns, H, base):
     if ns == 1:
         ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
         lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
-        return out, lse_out, ops, lps, (LN2 if base == "e" else 1.0)
+        return out, lse_out, ops, lps, _lse_scale(base)
     B, S, _, v_dim = out.shape
     o_part = torch.empty(B, ns, S * H, v_dim, dtype=torch.float32, device=out.device)
     l_part = torch.empty(B, ns, S * H, dtype=torch.float32, device=out.device)
     ops = (o_part.stride(0), o_part.stride(1), H * o_part.stride(2), o_part.stride(2), o_part.stride(3))
     lps = (l_part.stride(0), l_part.stride(1), H * l_part.stride(2), l_part.stride(2))
     return o_part, l_part, ops, lps, 1.0
+
+
+def reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns):
+    """Stage 2 (merge of ``ns`` split partials) over grid (S * H, B): (args, constexprs, num_warps)."""
+    args = (o_part, l_part, out, lse_out, H, _lse_scale(base),
+            *o_part.stride(), *l_part.stride(), *out.stride(), *lse_out.stride())
+    return args, dict(D_V=v_dim, BLOCK_DV=_pow2(v_dim), NUM_SPLITS=ns), 4 if v_dim >= 256 else 1
 
 
 def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv_lens, lse_base,
@@ -616,88 +674,53 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
     paged = page_table is not None
     T = page_table.shape[1] * page_size if paged else kv.shape[1]
     device = q_lat.device
-    if out is None:
-        out = torch.empty(B, S, H, v_dim, dtype=q_lat.dtype, device=device)
-    if lse_out is None:
-        lse_out = torch.empty(B, S, H, dtype=torch.float32, device=device)
+    out, lse_out, done = _outputs(q_lat, v_dim, out, lse_out, T == 0 or (paged and kv.shape[0] == 0))
+    if done:
+        return out, lse_out
     SH = S * H
-    if B == 0 or SH == 0:
-        return out, lse_out
-    if T == 0 or (paged and kv.shape[0] == 0):  # empty shard: neutral partials, no launch
-        out.zero_()
-        lse_out.fill_(float("-inf"))
-        return out, lse_out
 
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
-    mask_b = _bcast_mask(mask, B, S, H, T, device)
-    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
-    # one mask row serves every row of a block when rows differ only by head
-    mask_shared = mask_b is not None and ms[2] == 0 and (S == 1 or ms[1] == 0)
-    cfg = config or pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
-                                mask_shared=mask_shared,
-                                paged=paged, elem_bytes=kv.element_size())
-    if num_splits is not None and config is not None:
-        cfg = MLAKernelConfig(cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits, cfg.v_split)
+    mask_b, ms, mask_shared = _mask_operand(mask, B, S, H, T, device)
+    if config is None:
+        cfg = pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
+                          mask_shared=mask_shared, paged=paged, elem_bytes=kv.element_size())
+    else:
+        cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    if device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError("mla_attention_triton on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
-    stage1, reduce_k = _stage1_jit, _reduce_jit
+    _check_launchable(device, kv_lens, "mla_attention_triton")
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
-    qt = parts.q_tail if parts.q_tail is not None else dummy
-    kt = parts.k_tail if parts.k_tail is not None else dummy
-    qs = parts.q_main.stride()
-    qts = parts.q_tail.stride() if parts.q_tail is not None else (0, 0, 0, 0)
-    if paged:
-        kvs = (parts.k_main.stride(0), parts.k_main.stride(1), parts.k_main.stride(2))
-        kts = (kt.stride(0), kt.stride(1), kt.stride(2)) if parts.k_tail is not None else (0, 0, 0)
-        pt = page_table
-        pts = page_table.stride()
-    else:
-        kvs = parts.k_main.stride()
-        kts = parts.k_tail.stride() if parts.k_tail is not None else (0, 0, 0)
-        pt, pts = dummy, (0, 0)
+    has_tail = parts.q_tail is not None
+    qt = parts.q_tail if has_tail else dummy
+    kt = parts.k_tail if has_tail else dummy
+    qts = parts.q_tail.stride() if has_tail else (0, 0, 0, 0)
+    kts = parts.k_tail.stride() if has_tail else (0, 0, 0)
+    pt, pts = (page_table, page_table.stride()) if paged else (dummy, (0, 0))
     lens = kv_lens if kv_lens is not None else dummy
-    if kv_lens is not None and kv_lens.device != device:
-        raise ValueError("kv_lens must be on the query's device")
-    if causal is not None:
-        q_pos, cp_world, cp_rank = causal
-        q_pos = torch.broadcast_to(q_pos, (B, S))
-        qps = q_pos.stride()
-        cp_world, cp_rank = int(cp_world), int(cp_rank)
-    else:
-        q_pos, qps, cp_world, cp_rank = dummy, (0, 0), 1, 0
+    q_pos, qps, cp_world, cp_rank = _causal_operand(causal, B, S, dummy)
 
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     is_f32 = kv.dtype == torch.float32
 
     v_split = cfg.v_split if (_pow2(d_main) == d_main and d_main >= 32) else 1
     grid = (triton.cdiv(SH, cfg.block_h) * v_split, ns, B)
-    stage1[grid](
+    _stage1_jit[grid](
         parts.q_main, qt, parts.k_main, kt, pt, lens, mask_b if mask_b is not None else dummy, q_pos,
         o_part, l_part,
         T, H, SH, cp_world, cp_rank, float(scale) * LOG2E, l_scale,
-        *qs, *qts, *kvs, *kts, *pts, *ms, *qps, *ops, *lps,
+        *parts.q_main.stride(), *qts, *parts.k_main.stride(), *kts, *pts, *ms, *qps, *ops, *lps,
         D_MAIN=d_main, D_TAIL=d_tail, D_V=v_dim,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(max(d_tail, 1)), V_SPLIT=v_split,
         NUM_SPLITS=ns, PAGE=page_size if paged else 1,
-        PAGED=paged, HAS_TAIL=parts.q_tail is not None, HAS_LENS=kv_lens is not None,
+        PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if ns > 1:
-        reduce_k[(SH, B)](
-            o_part, l_part, out, lse_out,
-            H, LN2 if base == "e" else 1.0,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-            l_part.stride(0), l_part.stride(1), l_part.stride(2),
-            out.stride(0), out.stride(1), out.stride(2), out.stride(3),
-            lse_out.stride(0), lse_out.stride(1), lse_out.stride(2),
-            D_V=v_dim, BLOCK_DV=_pow2(v_dim), NUM_SPLITS=ns,
-            num_warps=4 if v_dim >= 256 else 1,
-        )
+        args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
+        _reduce_jit[(SH, B)](*args, **consts, num_warps=warps)
     return out, lse_out
 
 

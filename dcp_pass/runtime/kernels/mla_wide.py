@@ -25,15 +25,15 @@ side by side and the second read hits L2.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from . import mla_attention as _base
-from .mla_attention import HAS_TRITON, LN2, LOG2E, _bcast_mask, _check_base, _pow2, _split_parts
+from .mla_attention import (HAS_TRITON, LOG2E, _causal_operand, _check_base, _check_launchable, _mask_operand,
+                            _outputs, _pow2, _split_parts)
 
 if HAS_TRITON:
     import triton
@@ -298,21 +298,17 @@ def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, 
     if elem_bytes == 4:  # fp32 caches: halve what is pipelined
         block_v, block_n = min(block_v, 128), min(block_n, 64)
         stages_a, stages_b = min(stages_a, 2), min(stages_b, 2)
-    cfg = WideConfig(block_m, block_n, cfg.block_k, warps_a, stages_a, block_v, warps_b, stages_b,
-                     cfg.num_splits, cfg.waves)
     ns = num_splits if num_splits is not None else cfg.num_splits
     if ns is None:
         n_prog = triton.cdiv(rows, block_m) * triton.cdiv(d_v, block_v)
-        ns = _base.split_count(batch, n_prog, t_cap, device, cfg.waves, min_tokens=max(256, 4 * cfg.block_n))
+        ns = _base.split_count(batch, n_prog, t_cap, device, cfg.waves, min_tokens=max(256, 4 * block_n))
     return WideConfig(block_m, block_n, cfg.block_k, warps_a, stages_a, block_v, warps_b, stages_b,
                       max(1, int(ns)), cfg.waves)
 
 
 def wide_supported(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
     """Whether the two-GEMM path handles these operands (contiguous caches only)."""
-    if paged or not _base.triton_supported(q_lat, q_rope, kv, pe, v_dim):
-        return False
-    return True
+    return not paged and _base.triton_supported(q_lat, q_rope, kv, pe, v_dim)
 
 
 def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
@@ -328,8 +324,6 @@ def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool
 
 def route_wide(path, config, q_lat, q_rope, kv, pe, v_dim) -> bool:
     """Whether ``mla_attention_triton`` takes the two-GEMM path (see its docstring)."""
-    import os
-
     p = "auto" if path is None else str(path)
     if p not in ("auto", "wide", "split"):
         raise ValueError(f"path must be 'auto', 'wide' or 'split', got {path!r}")
@@ -370,24 +364,13 @@ class _Launch:
 
     kernel: object
     grid: tuple
-    args: list  # (name, value) pairs, in the kernel's parameter order
+    args: list  # the kernel's leading (non-constexpr) parameters, in order
     consts: dict
     num_warps: int
     num_stages: int
 
     def __call__(self):
-        self.kernel[self.grid](*[v for _, v in self.args], **self.consts, num_warps=self.num_warps,
-                               num_stages=self.num_stages)
-
-
-@functools.lru_cache(maxsize=None)
-def _param_names(kernel_src) -> tuple:
-    # cached: inspect.signature costs tens of microseconds, paid on every decode call otherwise
-    return tuple(inspect.signature(kernel_src).parameters)
-
-
-def _named(kernel_src, values) -> list:
-    return list(zip(_param_names(kernel_src)[:len(values)], values))
+        self.kernel[self.grid](*self.args, **self.consts, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg: WideConfig):
@@ -420,29 +403,20 @@ def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out,
     m_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
     l_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
 
-    mask_b = _bcast_mask(mask, B, S, H, T, device)
-    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
-    mask_shared = mask_b is not None and ms[2] == 0 and (S == 1 or ms[1] == 0)
-    if causal is not None:
-        q_pos, cp_world, cp_rank = causal
-        q_pos = torch.broadcast_to(q_pos, (B, S))
-        qps = q_pos.stride()
-        cp_world, cp_rank = int(cp_world), int(cp_rank)
-    else:
-        q_pos, qps, cp_world, cp_rank = dummy, (0, 0), 1, 0
+    mask_b, ms, mask_shared = _mask_operand(mask, B, S, H, T, device)
+    q_pos, qps, cp_world, cp_rank = _causal_operand(causal, B, S, dummy)
     lens = kv_lens if kv_lens is not None else dummy
     is_f32 = kv.dtype == torch.float32
     block_s = _pow2(S, 2)
 
     launches = [_Launch(
         _scores_jit, (n_rb * NT, B),
-        _named(_scores_kernel_src, [
-            q_a, qt if has_tail else dummy, k_a, kt if has_tail else dummy, lens,
-            mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf,
-            T, H, SH, S, cp_world, cp_rank, float(scale) * LOG2E,
-            *q_a.stride(), *qts, *k_a.stride(), *kts, *ms, *qps,
-            p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
-            m_buf.stride(0), m_buf.stride(1)]),
+        [q_a, qt if has_tail else dummy, k_a, kt if has_tail else dummy, lens,
+         mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf,
+         T, H, SH, S, cp_world, cp_rank, float(scale) * LOG2E,
+         *q_a.stride(), *qts, *k_a.stride(), *kts, *ms, *qps,
+         p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
+         m_buf.stride(0), m_buf.stride(1)],
         dict(D_MAIN=d_a, D_TAIL=d_t,
              BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=cfg.block_k, BLOCK_KT=max(16, min(cfg.block_k, _pow2(max(d_t, 1)))),
              BLOCK_S=block_s, N_RB=n_rb,
@@ -454,28 +428,18 @@ def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out,
     v = kv  # values: the first v_dim columns of the cache
     launches.append(_Launch(
         _values_jit, (n_rb * n_vc * ns, B),
-        _named(_values_kernel_src, [
-            p_buf, m_buf, l_buf, v, lens, q_pos, o_part, l_part,
-            T, H, SH, S, cp_world, cp_rank, l_scale,
-            p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
-            m_buf.stride(0), m_buf.stride(1),
-            *v.stride(), *qps, *ops, *lps]),
+        [p_buf, m_buf, l_buf, v, lens, q_pos, o_part, l_part,
+         T, H, SH, S, cp_world, cp_rank, l_scale,
+         p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
+         m_buf.stride(0), m_buf.stride(1),
+         *v.stride(), *qps, *ops, *lps],
         dict(D_V=v_dim, BLOCK_M=BM, BLOCK_N=BN, BLOCK_V=cfg.block_v, BLOCK_MT=32,
              BLOCK_S=block_s, N_RB=n_rb, N_VC=n_vc, NUM_SPLITS=ns,
              HAS_LENS=kv_lens is not None, CAUSAL=causal is not None, IEEE=is_f32),
         cfg.warps_b, cfg.stages_b))
     if ns > 1:
-        launches.append(_Launch(
-            _base._reduce_jit, (SH, B),
-            _named(_base._reduce_kernel_src, [
-                o_part, l_part, out, lse_out,
-                H, LN2 if base == "e" else 1.0,
-                o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-                l_part.stride(0), l_part.stride(1), l_part.stride(2),
-                out.stride(0), out.stride(1), out.stride(2), out.stride(3),
-                lse_out.stride(0), lse_out.stride(1), lse_out.stride(2)]),
-            dict(D_V=v_dim, BLOCK_DV=_pow2(v_dim), NUM_SPLITS=ns),
-            4 if v_dim >= 256 else 1, 3))
+        args, consts, warps = _base.reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
+        launches.append(_Launch(_base._reduce_jit, (SH, B), list(args), consts, warps, 3))
     return launches
 
 
@@ -493,27 +457,16 @@ def mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=N
     B, S, H, _ = q_lat.shape
     T = kv.shape[1]
     device = q_lat.device
-    if out is None:
-        out = torch.empty(B, S, H, v_dim, dtype=q_lat.dtype, device=device)
-    if lse_out is None:
-        lse_out = torch.empty(B, S, H, dtype=torch.float32, device=device)
+    out, lse_out, done = _outputs(q_lat, v_dim, out, lse_out, T == 0)
+    if done:
+        return out, lse_out
     SH = S * H
-    if B == 0 or SH == 0:
-        return out, lse_out
-    if T == 0:  # empty shard: neutral partials, no launch
-        out.zero_()
-        lse_out.fill_(float("-inf"))
-        return out, lse_out
-    if device.type != "cuda" and not _base.INTERPRETED:
-        raise RuntimeError("mla_attention_wide on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
-    if kv_lens is not None and kv_lens.device != device:
-        raise ValueError("kv_lens must be on the query's device")
+    _check_launchable(device, kv_lens, "mla_attention_wide")
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are
         ns = num_splits or config.num_splits or pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device).num_splits
-        cfg = WideConfig(config.block_m, config.block_n, config.block_k, config.warps_a, config.stages_a,
-                         config.block_v, config.warps_b, config.stages_b, ns, config.waves)
+        cfg = replace(config, num_splits=ns)
     else:
         cfg = pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device, num_splits,
                                elem_bytes=kv.element_size(), base=config)
