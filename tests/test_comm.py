@@ -151,12 +151,12 @@ def _rank_main(rank: int, world_size: int, do_compile: bool, dev: str = "cpu"):
         res[f"{name}_shape"] = tuple(out.shape)
         res[f"{name}_finite"] = bool(torch.isfinite(out).all())
         res[f"{name}_device"] = out.device.type
-    for method in ("a2a", "ag_rs"):
-        out = exchange_replicated(o, lse, gn, c, method=method)
+    replicated = {m: exchange_replicated(o, lse, gn, c, method=m) for m in ("a2a", "ag_rs")}
+    for method, out in replicated.items():
         res[f"repl_{method}_err"] = _maxdiff(out, full)
         res[f"repl_{method}_finite"] = bool(torch.isfinite(out).all())
     # The row empty on every rank (head Hg-1, owned by the last rank) must be exactly 0.
-    outs = [exchange_replicated(o, lse, gn, c, method=m).cpu() for m in ("a2a", "ag_rs")]
+    outs = [out.cpu() for out in replicated.values()]
     if rank == c - 1:
         outs += [sharded["a2a"].cpu(), sharded["ag_rs"].cpu()]
     res["empty_row_zero"] = all(bool((t[2, 1, -1] == 0).all()) for t in outs)

@@ -12,23 +12,11 @@ import torch.distributed as dist
 
 from dcp_pass.runtime.extend import extend_attention_dcp, extend_attention_gather, gather_prefix
 from dcp_pass.runtime.layout import local_capacity, local_length, striped_write_
-from dcp_pass.testing import run_ranks
+from dcp_pass.testing import Checks, run_ranks
 
 DL, DR, H = 16, 8, 6  # H divisible by 2 and 3
 SCALE = 1.0 / math.sqrt(DL + DR)
 POISON = 1.0e30  # unused cache rows: any read of them would blow the output up
-
-
-class Checks:
-    """Collects failed checks inside a rank instead of raising: a rank that raised
-    mid-way would leave its peers waiting in the next collective until the timeout."""
-
-    def __init__(self):
-        self.fails = []
-
-    def __call__(self, ok, *msg):
-        if not bool(ok):
-            self.fails.append(repr(msg))
 
 
 def _naive(q, qr, prefix, new, new_pe_, prefix_pe, lens):

@@ -11,22 +11,10 @@ from dcp_pass.runtime.comm import exchange_replicated
 from dcp_pass.runtime.host_tier import HostKVTier, HostTierError, local_rows, widened_page_indices
 from dcp_pass.runtime.kernels.mla_attention import mla_attention_reference
 from dcp_pass.runtime.layout import PagedVirtualAllocator, filter_owned, owned_positions
-from dcp_pass.testing import run_ranks
+from dcp_pass.testing import Checks, run_ranks
 
 P, D, DL, H = 4, 24, 16, 4
 SCALE = 1.0 / math.sqrt(D)
-
-
-class Checks:
-    """Collects failed checks inside a rank instead of raising: a rank that raised
-    mid-way would leave its peers waiting in the next collective until the timeout."""
-
-    def __init__(self):
-        self.fails = []
-
-    def __call__(self, ok, *msg):
-        if not bool(ok):
-            self.fails.append(repr(msg))
 
 
 def test_host_tier_keeps_only_owned_rows_mapped_by_i_div_c():

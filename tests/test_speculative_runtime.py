@@ -13,24 +13,13 @@ import torch.distributed as dist
 
 from dcp_pass.runtime.layout import PagedVirtualAllocator, owned_positions, shard_full_cache
 from dcp_pass.runtime.speculative import rank_local_page_table, verify_attention, verify_query_positions
-from dcp_pass.testing import run_ranks
+from dcp_pass.testing import Checks, run_ranks
 
 DL, DR, H, K = 16, 8, 4, 3
 D = DL + DR
 P = 2
 SCALE = 1.0 / math.sqrt(D)
 HUGE = 1.0e30
-
-
-class Checks:
-    """Collects failed checks inside a rank instead of raising mid-collective."""
-
-    def __init__(self):
-        self.fails = []
-
-    def __call__(self, ok, *msg):
-        if not bool(ok):
-            self.fails.append(repr(msg))
 
 
 def _naive_verify(q, full, kv_len):

@@ -28,7 +28,7 @@ from dcp_pass.runtime.transfer import (
     pack_rows,
     unpack_rows_,
 )
-from dcp_pass.testing import run_ranks
+from dcp_pass.testing import Checks, run_ranks
 
 P = 4  # physical page size on both sides
 DL, DR = 16, 8  # latent and rotary columns of one fused cache row
@@ -37,18 +37,6 @@ H = 4
 SCALE = 1.0 / math.sqrt(D)
 POISON = float("nan")
 OLD = 7.0e4  # what unused decode rows hold before the transfer
-
-
-class Checks:
-    """Collects failed checks inside a rank instead of raising: a rank that raised
-    mid-way would leave its peers waiting in the next collective until the timeout."""
-
-    def __init__(self):
-        self.fails = []
-
-    def __call__(self, ok, *msg):
-        if not bool(ok):
-            self.fails.append(repr(msg))
 
 
 def _lengths(c: int) -> list[int]:

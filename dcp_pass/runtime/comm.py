@@ -57,17 +57,22 @@ class CommBackendUnavailable(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------
-# thin wrappers: one functional collective + its wait, so every call is one graph node pair
+# thin wrappers: one functional collective + its wait, so every call is one graph node pair;
+# a group of one (c == 1) issues no collective at all
 
 
 def _all_gather0(x: Tensor, group_name: str, c: int) -> Tensor:
     """[*s] -> [c, *s], slot j holding DCP rank j's tensor."""
+    if c == 1:
+        return x.unsqueeze(0)
     out = _fc.all_gather_into_tensor(x.contiguous().unsqueeze(0), c, group_name)
     return _fc.wait_tensor(out)
 
 
 def _all_to_all0(x: Tensor, group_name: str, c: int) -> Tensor:
     """[c, *s] -> [c, *s]: slot j is sent to rank j; slot r of the result came from rank r."""
+    if c == 1:
+        return x
     splits = [1] * c
     out = _fc.all_to_all_single(x.contiguous(), splits, splits, group_name)
     return _fc.wait_tensor(out)
@@ -75,11 +80,15 @@ def _all_to_all0(x: Tensor, group_name: str, c: int) -> Tensor:
 
 def _reduce_scatter0(x: Tensor, group_name: str, c: int) -> Tensor:
     """[c, *s] summed over ranks; rank j keeps slot j -> [*s]."""
+    if c == 1:
+        return x.squeeze(0)
     out = _fc.reduce_scatter_tensor(x.contiguous(), "sum", c, group_name)
     return _fc.wait_tensor(out).squeeze(0)
 
 
-def _all_reduce(x: Tensor, group_name: str) -> Tensor:
+def _all_reduce(x: Tensor, group_name: str, c: int) -> Tensor:
+    if c == 1:
+        return x
     return _fc.wait_tensor(_fc.all_reduce(x.contiguous(), "sum", group_name))
 
 
@@ -135,8 +144,8 @@ def exchange_a2a(
     D = o.shape[-1]
     packed = pack_output_lse(o, lse)  # [..., Hg, D + k]
     send = _chunks_first(packed, c)  # [c, ..., Hl, D + k]
-    recv = send if c == 1 else _all_to_all0(send, group_name, c)
-    return merge_packed(recv, D, base, o.dtype if out_dtype is None else out_dtype)
+    recv = _all_to_all0(send, group_name, c)
+    return merge_packed(recv, D, base, out_dtype)
 
 
 def exchange_ag_rs(
@@ -155,12 +164,10 @@ def exchange_ag_rs(
     check_base(base)
     _check_exchange_args(o, lse, c, split_heads=True)
     out_dtype = o.dtype if out_dtype is None else out_dtype
-    lses = lse.float().unsqueeze(0) if c == 1 else _all_gather0(lse.float(), group_name, c)
-    g = global_lse(lses, base)  # [..., Hg]
+    g = global_lse(_all_gather0(lse.float(), group_name, c), base)  # [..., Hg]
     contrib = rescale_partial(o, lse, g, base)  # fp32 [..., Hg, D]
     send = _chunks_first(contrib, c)  # [c, ..., Hl, D]
-    mine = send.squeeze(0) if c == 1 else _reduce_scatter0(send, group_name, c)
-    return mine.to(out_dtype)
+    return _reduce_scatter0(send, group_name, c).to(out_dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -187,12 +194,10 @@ def exchange_replicated(
     out_dtype = o.dtype if out_dtype is None else out_dtype
     if method == "a2a":
         packed = pack_output_lse(o, lse)
-        allp = packed.unsqueeze(0) if c == 1 else _all_gather0(packed, group_name, c)
-        return merge_packed(allp, o.shape[-1], base, out_dtype)
+        return merge_packed(_all_gather0(packed, group_name, c), o.shape[-1], base, out_dtype)
     if method == "ag_rs":
-        lses = lse.float().unsqueeze(0) if c == 1 else _all_gather0(lse.float(), group_name, c)
-        contrib = rescale_partial(o, lse, global_lse(lses, base), base)
-        return (contrib if c == 1 else _all_reduce(contrib, group_name)).to(out_dtype)
+        g = global_lse(_all_gather0(lse.float(), group_name, c), base)
+        return _all_reduce(rescale_partial(o, lse, g, base), group_name, c).to(out_dtype)
     raise ValueError(f"exchange_replicated: method must be 'a2a' or 'ag_rs', got {method!r}")
 
 

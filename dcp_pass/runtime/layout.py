@@ -13,7 +13,7 @@ SymInt would install a guard and checking a tensor would force a device sync.
 from __future__ import annotations
 
 import heapq
-from typing import Hashable, Union
+from typing import Hashable, Optional, Union
 
 import torch
 
@@ -134,6 +134,19 @@ def filter_owned(
     kept = torch.nonzero(indices % c == r).reshape(-1)
     owned = indices[kept]
     return kept, owned, owned // c
+
+
+def whole_page_ids(slots: torch.Tensor, page_size: int) -> Optional[torch.Tensor]:
+    """Page ids of a rank's local slots if they fill whole pages in order, else None.
+
+    Local token ``j`` must sit at offset ``j % P`` of page ``pages[j // P]`` (every page
+    whole except possibly the last): what page-aligned allocations such as
+    :class:`PagedVirtualAllocator` give. ``slots``: 1-D int64 (CPU) physical slots.
+    """
+    n = slots.numel()
+    pages = slots[::page_size] // page_size
+    expect = pages.repeat_interleave(page_size)[:n] * page_size + torch.arange(n) % page_size
+    return pages if torch.equal(slots, expect) else None
 
 
 # --------------------------------------------------------------- dense striped caches

@@ -16,6 +16,7 @@ compile pass can emit it into a graph and aot_autograd / inductor can trace it.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
@@ -42,6 +43,23 @@ def check_base(base: str) -> str:
     if base not in LSE_BASES:
         raise ValueError(f"LSE base must be one of {LSE_BASES} (as a string), got {base!r}")
     return base
+
+
+def _check_merge_args(fn: str, outputs: Tensor, lses: Tensor, base: str,
+                      out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """Validate merge arguments (outputs [c, ..., D], lses [c, ...]); returns the output dtype."""
+    check_base(base)
+    if outputs.dim() != lses.dim() + 1 or outputs.shape[:-1] != lses.shape:
+        raise ValueError(f"{fn}: outputs {tuple(outputs.shape)} must be lses {tuple(lses.shape)} + [D]")
+    return outputs.dtype if out_dtype is None else out_dtype
+
+
+def _check_packed_width(fn: str, packed: Tensor, D: int) -> int:
+    """k, the LSE tail columns of a packed [..., D + k] buffer; raises if the width is not D + k."""
+    k = packed_lse_columns(packed.dtype)
+    if packed.shape[-1] != D + k:
+        raise ValueError(f"{fn}: last dim {packed.shape[-1]} != D + k = {D} + {k}")
+    return k
 
 
 def _exp(x: Tensor, base: str) -> Tensor:
@@ -90,12 +108,7 @@ def merge_partials(
     with ``return_lse`` also the merged fp32 LSE [...] in the same base.
     Empty shards (LSE NaN/+inf/-inf) get weight 0; an all-empty row is 0 with LSE -inf.
     """
-    check_base(base)
-    if outputs.dim() != lses.dim() + 1 or outputs.shape[:-1] != lses.shape:
-        raise ValueError(
-            f"merge_partials: outputs {tuple(outputs.shape)} must be lses {tuple(lses.shape)} + [D]"
-        )
-    out_dtype = outputs.dtype if out_dtype is None else out_dtype
+    out_dtype = _check_merge_args("merge_partials", outputs, lses, base, out_dtype)
     masked = _masked_lse(lses)
     w, total, lse = _global_lse(masked, base)
     # Normalise the weights once per row; guarding the divisor keeps all-empty rows
@@ -160,9 +173,7 @@ def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:
 
 def unpack_output_lse(packed: Tensor, D: int) -> Tuple[Tensor, Tensor]:
     """Inverse of pack_output_lse: [..., D + k] -> (o [..., D] view, fp32 lse [...])."""
-    k = packed_lse_columns(packed.dtype)
-    if packed.shape[-1] != D + k:
-        raise ValueError(f"unpack_output_lse: last dim {packed.shape[-1]} != D + k = {D} + {k}")
+    _check_packed_width("unpack_output_lse", packed, D)
     o = packed[..., :D]
     # The tail slice is not aligned for a wider dtype view in general (row stride D+k
     # may be odd); a small contiguous copy makes the reinterpretation legal.
@@ -183,7 +194,10 @@ def _eager_cuda(t: Tensor) -> bool:
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_usable() -> bool:
+    # Cached: a failed import is retried from scratch (a sys.path scan) on every call,
+    # and this runs on every eager merge.
     try:
         import triton  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure means "not usable"

@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from dcp_pass.runtime.kernels.mla_attention import mla_attention, mla_attention_paged
-from dcp_pass.runtime.layout import local_length, owned_positions
+from dcp_pass.runtime.layout import local_length, owned_positions, whole_page_ids
 
 __all__ = [
     "verify_query_positions",
@@ -72,17 +72,15 @@ def rank_local_page_table(
     local = [int(local_length(int(n), c, rank)) for n in lens]
     max_pages = max([-(-n // page_size) for n in local] + [1])
     table = torch.zeros(len(rows), max_pages, dtype=torch.long)
-    for b, (r2t, n_local) in enumerate(zip(rows, local)):
+    for b, r2t in enumerate(rows):
         r2t = torch.as_tensor(r2t).long().to("cpu")
         if r2t.numel() < int(lens[b]):
             raise ValueError(f"row {b}: token map has {r2t.numel()} entries, kv_len is {int(lens[b])}")
         pos = owned_positions(0, int(lens[b]), c, rank)
         if bool((r2t[pos] % c != rank).any()):
             raise ValueError(f"row {b}: the token map does not give rank {rank} the positions p % {c} == {rank}")
-        slots = r2t[pos] // c
-        pages = slots[::page_size] // page_size
-        expect = pages.repeat_interleave(page_size)[:n_local] * page_size + torch.arange(n_local) % page_size
-        if not torch.equal(slots, expect):
+        pages = whole_page_ids(r2t[pos] // c, page_size)
+        if pages is None:
             raise ValueError(f"row {b}: local slots are not page-contiguous; allocate whole widened pages")
         table[b, : pages.numel()] = pages
     return table
@@ -139,25 +137,22 @@ def verify_attention(
     kv_len = torch.as_tensor(global_kv_len).long().to(q_lat.device)
     q_pos = verify_query_positions(kv_len, k_tokens)
     local_lens = local_length(kv_len, c, rank)
-    if page_table is None:
+    if page_table is not None and not zero_tail:
+        o, lse = mla_attention_paged(q_lat, q_rope, local_kv, local_pe, page_table, local_lens, v_dim, scale,
+                                     lse_base=lse_base, causal=(q_pos, c, rank))
+    else:
         kv, pe = local_kv, local_pe
+        if page_table is not None:
+            # gather the rank-local view once, then the same dense path
+            idx = page_table.long().to(local_kv.device)
+            kv = local_kv[idx].flatten(1, 2)
+            pe = local_pe[idx].flatten(1, 2) if local_pe is not None else None
+            assert kv.shape[1] == idx.shape[1] * local_kv.shape[1]
         if zero_tail:
             kv = _zero_tail(kv, local_lens)
             pe = _zero_tail(pe, local_lens) if pe is not None else None
         o, lse = mla_attention(q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=local_lens,
                                lse_base=lse_base, causal=(q_pos, c, rank))
-    elif zero_tail:
-        # gather the rank-local view once, then the same dense path
-        P = local_kv.shape[1]
-        idx = page_table.long().to(local_kv.device)
-        kv = _zero_tail(local_kv[idx].flatten(1, 2), local_lens)
-        pe = _zero_tail(local_pe[idx].flatten(1, 2), local_lens) if local_pe is not None else None
-        assert kv.shape[1] == idx.shape[1] * P
-        o, lse = mla_attention(q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=local_lens,
-                               lse_base=lse_base, causal=(q_pos, c, rank))
-    else:
-        o, lse = mla_attention_paged(q_lat, q_rope, local_kv, local_pe, page_table, local_lens, v_dim, scale,
-                                     lse_base=lse_base, causal=(q_pos, c, rank))
     from dcp_pass.runtime import comm
 
     return comm.exchange_partials(o, lse, exchange, group, c, lse_base, out_dtype)

@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.layout import local_length, owned_positions, owner, physical
+from dcp_pass.runtime.layout import local_length, owned_positions, owner, physical, whole_page_ids
 
 __all__ = [
     "TransferPlanError",
@@ -266,28 +266,25 @@ def build_transfer_plan(
     counts = tuple(int(local_length(num_tokens, c_dec, r)) for r in range(c_dec))
     positions = owned_positions(0, num_tokens, c_dec, r_dec)  # p % c_dec == r_dec
     dst_slots = physical(dec_idx[positions], c_dec)
-    local = positions // c_pre  # index of the token among the prefill rank's own rows
+    # Index of each token among the prefill rank's own rows: in page mode prefill rank
+    # r stores the same positions in the same local order, with DCP1 prefill (relayout)
+    # it is the position itself. Local row j sits at offset j % P of page page_table[j // P].
+    local = positions // c_pre
+    src_rows = page_table[local // P] * P + local % P
     if mode == "page":
-        # Prefill rank r stores the same positions in the same local order: its
-        # local row j sits at offset j % P of physical page page_table[j // P].
-        src_rows = page_table[local // P] * P + local % P
         n_local = counts[r_dec]
         n_pages = -(-n_local // P)
         src_pages = tuple(int(x) for x in page_table[:n_pages])
-        dst_pages = tuple(int(x) for x in (dst_slots[::P] // P)) if n_local else ()
         page_counts = tuple(min(P, n_local - i * P) for i in range(n_pages))
         # The decode side must keep whole pages together (true for the paged allocator).
-        expect = torch.tensor(dst_pages, dtype=torch.long).repeat_interleave(P)[:n_local] * P + (
-            torch.arange(n_local) % P
-        )
-        if not torch.equal(expect, dst_slots):
+        pages = whole_page_ids(dst_slots, P)
+        if pages is None:
             raise TransferPlanError(
                 "decode_token_indices do not map the request's local rows onto whole physical "
                 "pages; page mode needs page-aligned decode allocations"
             )
+        dst_pages = tuple(int(x) for x in pages)
     else:
-        # DCP1 prefill: token p is row page_table[p // P] * P + p % P of the dense pool.
-        src_rows = page_table[positions // P] * P + positions % P
         src_pages = dst_pages = page_counts = ()
     return TransferPlan(
         mode=mode,
@@ -474,7 +471,7 @@ def execute_transfer(
     if me == src_rank:
         if src_pool is None:
             raise TransferPlanError(f"rank {me} is the transfer source but src_pool is None")
-        dist.send(pack_rows(src_pool, plan).contiguous(), dst=dst_rank, group=group)
+        dist.send(pack_rows(src_pool, plan), dst=dst_rank, group=group)
         return n
     if dst_pool is None:
         raise TransferPlanError(f"rank {me} is the transfer destination but dst_pool is None")

@@ -1,4 +1,4 @@
 """Helpers for running real multi-process groups in tests, demos and benchmarks."""
-from dcp_pass.testing.multiproc import run_ranks
+from dcp_pass.testing.multiproc import Checks, run_ranks
 
-__all__ = ["run_ranks"]
+__all__ = ["Checks", "run_ranks"]

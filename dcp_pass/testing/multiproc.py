@@ -15,6 +15,19 @@ import traceback
 from typing import Any, Callable
 
 
+class Checks:
+    """Collects failed checks inside a rank instead of raising: a rank that raised
+    mid-way would leave its peers waiting in the next collective until the timeout.
+    ``check(ok, *msg)`` records ``repr(msg)`` in ``check.fails`` when ``ok`` is false."""
+
+    def __init__(self):
+        self.fails = []
+
+    def __call__(self, ok, *msg):
+        if not bool(ok):
+            self.fails.append(repr(msg))
+
+
 def _to_bytes(value: Any) -> bytes:
     # Tensors put on a multiprocessing queue travel as shared-memory handles that die
     # with the sending process; serialize them so results outlive the rank.

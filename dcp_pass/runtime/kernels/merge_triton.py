@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dcp_pass.runtime.merge import check_base, packed_lse_columns
+from dcp_pass.runtime.merge import _check_merge_args, _check_packed_width, check_base
 
 __all__ = ["merge_partials_triton", "unpack_merge_triton"]
 
@@ -120,6 +120,35 @@ def _block_d(D: int) -> int:
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
+def _launch(o3: Tensor, D: int, lead, out_dtype: torch.dtype, base: str, return_lse: bool,
+            lse: Tensor, lse_strides, bits: Tensor, bits_args, PACKED: bool, K: int, ELEM_BITS: int):
+    """Run _merge_kernel over partials o3 [c, N, >= D] and shape the result like [*lead, D].
+
+    ``lse``/``lse_strides`` address separate LSEs [c, N]; ``bits``/``bits_args`` (column
+    offset, strides) address LSEs packed into the rows' tail (PACKED=True).
+    """
+    c, N = o3.shape[0], o3.shape[1]
+    out = torch.empty((N, D), dtype=out_dtype, device=o3.device)
+    out_lse = torch.empty((N,), dtype=torch.float32, device=o3.device)
+    if N > 0 and D > 0:
+        BLOCK_D = _block_d(D)
+        grid = (N, triton.cdiv(D, BLOCK_D))
+        _merge_kernel[grid](
+            o3, lse, bits, out, out_lse,
+            N, D,
+            o3.stride(0), o3.stride(1), o3.stride(2),
+            *lse_strides,
+            *bits_args,
+            out.stride(0), out.stride(1),
+            C=c, BASE2=(base == "2"), PACKED=PACKED, K=K, ELEM_BITS=ELEM_BITS,
+            RETURN_LSE=return_lse, BLOCK_D=BLOCK_D,
+        )
+    out = out.reshape(*lead, D)
+    if return_lse:
+        return out, out_lse.reshape(lead)
+    return out
+
+
 def merge_partials_triton(
     outputs: Tensor,
     lses: Tensor,
@@ -128,38 +157,14 @@ def merge_partials_triton(
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Triton version of merge_partials: outputs [c, ..., D], lses [c, ...]."""
-    check_base(base)
-    if outputs.dim() != lses.dim() + 1 or outputs.shape[:-1] != lses.shape:
-        raise ValueError(
-            f"merge_partials_triton: outputs {tuple(outputs.shape)} must be lses {tuple(lses.shape)} + [D]"
-        )
-    out_dtype = outputs.dtype if out_dtype is None else out_dtype
+    out_dtype = _check_merge_args("merge_partials_triton", outputs, lses, base, out_dtype)
     c, D = outputs.shape[0], outputs.shape[-1]
-    lead = outputs.shape[1:-1]
     # reshape keeps a view whenever the leading dims can be flattened, so strided
     # inputs (e.g. a head slice) are read in place.
     o3 = outputs.reshape(c, -1, D)
     l2 = lses.reshape(c, -1)
-    N = o3.shape[1]
-    out = torch.empty((N, D), dtype=out_dtype, device=outputs.device)
-    out_lse = torch.empty((N,), dtype=torch.float32, device=outputs.device)
-    if N > 0 and D > 0:
-        BLOCK_D = _block_d(D)
-        grid = (N, triton.cdiv(D, BLOCK_D))
-        _merge_kernel[grid](
-            o3, l2, l2, out, out_lse,
-            N, D,
-            o3.stride(0), o3.stride(1), o3.stride(2),
-            l2.stride(0), l2.stride(1),
-            0, 0, 0,
-            out.stride(0), out.stride(1),
-            C=c, BASE2=(base == "2"), PACKED=False, K=1, ELEM_BITS=32,
-            RETURN_LSE=return_lse, BLOCK_D=BLOCK_D,
-        )
-    out = out.reshape(*lead, D)
-    if return_lse:
-        return out, out_lse.reshape(lead)
-    return out
+    return _launch(o3, D, outputs.shape[1:-1], out_dtype, base, return_lse,
+                   l2, (l2.stride(0), l2.stride(1)), l2, (0, 0, 0), PACKED=False, K=1, ELEM_BITS=32)
 
 
 def unpack_merge_triton(
@@ -175,34 +180,13 @@ def unpack_merge_triton(
     intermediate unpacked copies are made.
     """
     check_base(base)
-    k = packed_lse_columns(packed.dtype)
-    if packed.shape[-1] != D + k:
-        raise ValueError(f"unpack_merge_triton: last dim {packed.shape[-1]} != D + k = {D} + {k}")
+    k = _check_packed_width("unpack_merge_triton", packed, D)
     out_dtype = packed.dtype if out_dtype is None else out_dtype
-    c = packed.shape[0]
-    lead = packed.shape[1:-1]
-    p3 = packed.reshape(c, -1, D + k)
-    N = p3.shape[1]
+    p3 = packed.reshape(packed.shape[0], -1, D + k)
     elem = packed.element_size()
     # Same storage seen as integers of the same width: the kernel assembles the LSE
     # bits from these pieces.
     bits = p3.view(_INT_OF_SIZE[elem])
-    out = torch.empty((N, D), dtype=out_dtype, device=packed.device)
-    out_lse = torch.empty((N,), dtype=torch.float32, device=packed.device)
-    if N > 0 and D > 0:
-        BLOCK_D = _block_d(D)
-        grid = (N, triton.cdiv(D, BLOCK_D))
-        _merge_kernel[grid](
-            p3, p3, bits, out, out_lse,
-            N, D,
-            p3.stride(0), p3.stride(1), p3.stride(2),
-            0, 0,
-            D * bits.stride(2), bits.stride(0), bits.stride(1),
-            out.stride(0), out.stride(1),
-            C=c, BASE2=(base == "2"), PACKED=True, K=k, ELEM_BITS=8 * elem,
-            RETURN_LSE=return_lse, BLOCK_D=BLOCK_D,
-        )
-    out = out.reshape(*lead, D)
-    if return_lse:
-        return out, out_lse.reshape(lead)
-    return out
+    return _launch(p3, D, packed.shape[1:-1], out_dtype, base, return_lse,
+                   p3, (0, 0), bits, (D * bits.stride(2), bits.stride(0), bits.stride(1)),
+                   PACKED=True, K=k, ELEM_BITS=8 * elem)
