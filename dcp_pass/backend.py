@@ -145,7 +145,7 @@ class DcpBackend:
         self.report.graphs.append(graph_report)
         if not self.topology.enabled:
             graph_report.unchanged_reason = "dcp_size=1"
-            out = gm
+            out, caches, weights = gm, [], []
         else:
             plan = resolve_plan(opts, self.topology, example_inputs)
             config = PassConfig(plan, opts.replicate_q_proj, opts.strict)
@@ -154,11 +154,10 @@ class DcpBackend:
                 self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)
             if caches:
                 self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
-                self.graphs.append(out)
-                log.info("%s", self.report.summary())
-                return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report)
-        log.info("%s", self.report.summary())
         self.graphs.append(out)
+        log.info("%s", self.report.summary())
+        if caches:
+            return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report)
         return compile_inner(out, example_inputs, opts, mode)
 
 

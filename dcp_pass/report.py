@@ -56,15 +56,20 @@ class DcpReport:
     dcp_size: int = 1
     rank: int = 0
     graphs: list[GraphReport] = field(default_factory=list)
-    kv_bytes_full: int = 0  # bytes the model's cache buffers would hold on this rank without DCP
-    kv_bytes_local: int = 0  # bytes this rank really holds for them with DCP
     caches: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # id -> (name, full, local) bytes
 
     def add_cache(self, key: int, name: str, full: int, local: int) -> None:
-        if key not in self.caches:
-            self.caches[key] = (name, full, local)
-            self.kv_bytes_full += full
-            self.kv_bytes_local += local
+        self.caches.setdefault(key, (name, full, local))
+
+    @property
+    def kv_bytes_full(self) -> int:
+        """Bytes the model's cache buffers would hold on this rank without DCP."""
+        return sum(full for _, full, _ in self.caches.values())
+
+    @property
+    def kv_bytes_local(self) -> int:
+        """Bytes this rank really holds for them with DCP."""
+        return sum(local for _, _, local in self.caches.values())
 
     @property
     def layers_rewritten(self) -> int:

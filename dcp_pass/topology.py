@@ -45,8 +45,9 @@ class DcpTopology:
         return self.dcp_size > 1
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int) -> str:
+    """The divisors of `n`, comma-separated (the valid sizes an error message offers)."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def plan_topology(
@@ -59,22 +60,21 @@ def plan_topology(
     if world_size % tp != 0:
         raise DcpTopologyError(
             f"tp_size={tp} does not divide the world size {world_size}; valid tp_size values: "
-            f"{', '.join(map(str, _divisors(world_size)))}"
+            f"{_divisors(world_size)}"
         )
     if tp % attn_dp_size != 0:
         raise DcpTopologyError(
             f"attn_dp_size={attn_dp_size} does not divide tp_size={tp}; attention DP splits the TP group "
-            f"into equal replicas (valid attn_dp_size values: {', '.join(map(str, _divisors(tp)))})"
+            f"into equal replicas (valid attn_dp_size values: {_divisors(tp)})"
         )
     attn_tp = tp // attn_dp_size
     if tp == 1:
         return _plan_head_replicated(world_size, rank, dcp_size, attn_dp_size)
     if attn_tp % dcp_size != 0:
-        valid = ", ".join(map(str, _divisors(attn_tp)))
         raise DcpTopologyError(
             f"dcp_size={dcp_size} does not fit: attn_tp_size = tp_size / attn_dp_size = {tp} / {attn_dp_size} "
             f"= {attn_tp}, and attn_tp_size % dcp_size must be 0 so that a DCP group lies inside one "
-            f"attention-TP group of one attention-DP replica. Valid dcp_size values here: {valid}"
+            f"attention-TP group of one attention-DP replica. Valid dcp_size values here: {_divisors(attn_tp)}"
         )
     local = rank % tp
     attn_dp_rank, attn_tp_rank = divmod(local, attn_tp)
@@ -94,7 +94,7 @@ def _plan_head_replicated(world_size: int, rank: int, dcp_size: int, attn_dp_siz
         raise DcpTopologyError(
             f"dcp_size={dcp_size} does not divide the world size {world_size} for an unsharded model "
             f"(tp_size=1): DCP groups are blocks of dcp_size replicas. Valid dcp_size values: "
-            f"{', '.join(map(str, _divisors(world_size)))}"
+            f"{_divisors(world_size)}"
         )
     dcp_rank = rank % dcp_size
     first = rank - dcp_rank

@@ -195,6 +195,13 @@ def cache_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 # ----------------------------------------------------------------------------- test case
 
 
+def init_fake_world(c: int) -> None:
+    """A fake process group of `c` ranks; this process is rank 0."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c)
+
+
 def _replicated_region_on_gloo(rank: int, world: int) -> str:
     """Rank 0's attention region of a bf16 TP=2 model compiled with replicate_q_proj=True.
 
@@ -222,10 +229,7 @@ class GraphDiffTest(expecttest.TestCase):
     # helpers
 
     def world(self, c: int) -> None:
-        """A fake process group of `c` ranks; this process is rank 0."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c)
+        init_fake_world(c)
 
     def dcp(self, model: nn.Module, *calls: tuple, c: int, **options) -> DcpBackend:
         """Compile `model` with a DCP backend on a fake world of `c` ranks and run each call."""

@@ -2,21 +2,15 @@
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dcp_pass.backend import DcpBackend
-from test_graph_diff import TinyMLA, tiny_inputs
+from test_graph_diff import TinyMLA, init_fake_world, tiny_inputs
 
 
 @pytest.fixture
 def fake_world():
-    def make(c):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c)
-
     torch._dynamo.reset()
-    yield make
+    yield init_fake_world
     torch._dynamo.reset()
     if dist.is_initialized():
         dist.destroy_process_group()

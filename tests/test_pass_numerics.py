@@ -8,6 +8,8 @@ report must show the rewrite and the ~1/c KV bytes.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -46,8 +48,9 @@ def _run_configs(rank: int, world: int, configs: list[dict]):
     for cfg in configs:
         torch._dynamo.reset()
         tp = cfg["tp"]
-        seed = cfg.get("seed", 1)
-        model = _build(cfg["model"], cfg["dtype"], tp, rank if tp > 1 else 0, cfg.get("variant", {}), seed)
+        build = functools.partial(_build, cfg["model"], cfg["dtype"], tp, rank if tp > 1 else 0,
+                                  cfg.get("variant", {}), cfg.get("seed", 1))
+        model = build()
         backend = DcpBackend(dcp_size=world, tp_size=tp, inner=cfg["inner"], comm_backend=cfg.get("comm"),
                              replicate_q_proj=cfg.get("replicate"))
         compiled = torch.compile(model, backend=backend)
@@ -55,7 +58,7 @@ def _run_configs(rank: int, world: int, configs: list[dict]):
         if cfg.get("same_rank_reference"):
             # Teacher forcing: the uncompiled model with the same sharding decodes greedily,
             # then the compiled one is fed exactly the same tokens, step by step.
-            ref = _build(cfg["model"], cfg["dtype"], tp, rank if tp > 1 else 0, cfg.get("variant", {}), seed)
+            ref = build()
             eager_tokens, eager_logits = greedy_generate(ref, PROMPTS, STEPS)
             tokens, logits = _replay(compiled, PROMPTS, eager_tokens)
             eager_logits = torch.stack(eager_logits)
@@ -67,9 +70,7 @@ def _run_configs(rank: int, world: int, configs: list[dict]):
             # the same decode captured without DCP: the pass must not add a single recompile
             torch._dynamo.reset()
             captured = []
-            plain = torch.compile(_build(cfg["model"], cfg["dtype"], tp, rank if tp > 1 else 0,
-                                         cfg.get("variant", {}), seed),
-                                  backend=lambda gm, example: captured.append(gm) or gm.forward)
+            plain = torch.compile(build(), backend=lambda gm, example: captured.append(gm) or gm.forward)
             greedy_generate(plain, PROMPTS, STEPS)
             plain_graphs = len(captured)
         results.append({

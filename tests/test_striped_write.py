@@ -21,7 +21,6 @@ def _expected(shard, values, start, c, r, f0):
 
 @pytest.mark.parametrize("c, seq", [(2, 1), (2, 3), (3, 1), (3, 5), (4, 2), (4, 9)])
 def test_eager_and_symbolic_start_match_brute_force(c, seq):
-    torch._dynamo.reset()
     capacity, width, f0 = 24, 7, 2
     g = torch.Generator().manual_seed(c * 100 + seq)
     for r in range(c):
@@ -36,17 +35,16 @@ def test_eager_and_symbolic_start_match_brute_force(c, seq):
 
 
 def _check_one(compiled, c, r, seq, start, capacity, width, f0, g):
-    if True:
-        rows = -(-capacity // c) + 1  # one spare row, as the pass allocates
-        shard = torch.full((3, rows, width), float("nan"))
-        values = torch.randn(2, seq, 4, generator=g)
-        want = _expected(shard, values, start, c, r, f0)
-        eager = shard.clone()
-        write_owned_tokens_(eager, values, start, c, r, capacity, f0)
-        traced = shard.clone()
-        compiled(traced, values, start)
-        torch.testing.assert_close(eager, want, equal_nan=True)
-        torch.testing.assert_close(traced, want, equal_nan=True)
+    rows = -(-capacity // c) + 1  # one spare row, as the pass allocates
+    shard = torch.full((3, rows, width), float("nan"))
+    values = torch.randn(2, seq, 4, generator=g)
+    want = _expected(shard, values, start, c, r, f0)
+    eager = shard.clone()
+    write_owned_tokens_(eager, values, start, c, r, capacity, f0)
+    traced = shard.clone()
+    compiled(traced, values, start)
+    torch.testing.assert_close(eager, want, equal_nan=True)
+    torch.testing.assert_close(traced, want, equal_nan=True)
 
 
 def test_write_past_capacity_raises():

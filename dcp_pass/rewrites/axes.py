@@ -97,35 +97,36 @@ def axis_moving_step(node: fx.Node) -> Optional[tuple[fx.Node, list[Optional[int
     return None
 
 
+def _walk_back(node: fx.Node, steps: int):
+    """`node`, then each input reached by up to `steps` axis-moving ops back, with the
+    axis of that input that each axis of `node` came from (None for new axes)."""
+    order: list[Optional[int]] = list(range(len(shape_of(node) or ())))
+    current = node
+    yield current, order
+    for _ in range(steps):
+        step = axis_moving_step(current)
+        if step is None:
+            return
+        current, src_axes = step
+        order = [None if o is None else src_axes[o] for o in order]
+        yield current, order
+
+
 def trace_axes(node: fx.Node, stop: Any) -> Optional[tuple[fx.Node, list[Optional[int]]]]:
-    """Walk back through axis-moving ops until `stop(n)` is true.
+    """Walk back through axis-moving ops until `stop(n)` is true (at most 32 nodes).
 
     Returns (the stopping node, for each axis of `node` its axis in the stopping node or None).
     """
-    order: list[Optional[int]] = list(range(len(shape_of(node) or ())))
-    current = node
-    for _ in range(32):
+    for current, order in _walk_back(node, 31):
         if stop(current):
             return current, order
-        step = axis_moving_step(current)
-        if step is None:
-            return None
-        current, src_axes = step
-        order = [None if o is None else src_axes[o] for o in order]
     return None
 
 
 def trace_to_base(node: fx.Node) -> tuple[fx.Node, list[Optional[int]]]:
     """Walk back through axis-moving ops as far as possible (for layout tie-breaks)."""
-    order: list[Optional[int]] = list(range(len(shape_of(node) or ())))
-    current = node
-    for _ in range(32):
-        step = axis_moving_step(current)
-        if step is None:
-            break
-        current, src_axes = step
-        order = [None if o is None else src_axes[o] for o in order]
-    return current, order
+    *_, last = _walk_back(node, 32)
+    return last
 
 
 EINSUM_TARGETS = {torch.einsum, getattr(torch.functional, "einsum", torch.einsum)}

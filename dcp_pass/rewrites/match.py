@@ -56,6 +56,7 @@ class ScoreTerm:
     query: fx.Node
     query_roles: list[str]
     cache: CacheAccess
+    cache_label_roles: dict[str, str]  # label -> role of the cache operand's traced axes
 
 
 @dataclass
@@ -123,6 +124,12 @@ def _slice_bounds(index: Any) -> Optional[tuple[SizeArg, SizeArg]]:
     return start, index.stop
 
 
+def _batch_rows(index: Any) -> Optional[SizeArg]:
+    """`bsz` for a `:bsz` batch slice, else None."""
+    bounds = _slice_bounds(index)
+    return bounds[1] if bounds is not None and bounds[0] == 0 else None
+
+
 def parse_cache_index(buffer: fx.Node, index: Any) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]]]]:
     """(bsz, start, end, feat) for `buffer[:bsz, start:end(, f0:f1)]`, else None.
 
@@ -131,15 +138,13 @@ def parse_cache_index(buffer: fx.Node, index: Any) -> Optional[tuple[SizeArg, Si
     if isinstance(index, tuple) and len(index) == 1:
         index = index[0]
     if isinstance(index, slice):
-        batch = _slice_bounds(index)
-        if batch is None or batch[0] != 0 or batch[1] is None:
-            return None
-        return batch[1], 0, axes.shape_of(buffer)[1], None
+        bsz = _batch_rows(index)
+        return None if bsz is None else (bsz, 0, axes.shape_of(buffer)[1], None)
     if not isinstance(index, tuple) or len(index) not in (2, 3):
         return None
-    batch = _slice_bounds(index[0])
+    bsz = _batch_rows(index[0])
     seq = _slice_bounds(index[1])
-    if batch is None or seq is None or batch[0] != 0 or batch[1] is None or seq[1] is None:
+    if bsz is None or seq is None or seq[1] is None:
         return None
     feat = None
     if len(index) == 3:
@@ -150,7 +155,7 @@ def parse_cache_index(buffer: fx.Node, index: Any) -> Optional[tuple[SizeArg, Si
         f0, f1 = bounds[0], width if bounds[1] is None else bounds[1]
         f0, f1 = (f0 + width if f0 < 0 else f0), (f1 + width if f1 < 0 else min(f1, width))
         feat = None if (f0, f1) == (0, width) else (f0, f1)
-    return batch[1], seq[0], seq[1], feat
+    return bsz, seq[0], seq[1], feat
 
 
 def as_cache_read(node: fx.Node) -> Optional[CacheAccess]:
@@ -187,8 +192,7 @@ def _feature_slice(index: Any) -> Optional[tuple]:
         last = index[2]
     else:
         return None
-    bounds = _slice_bounds(last)
-    return bounds
+    return _slice_bounds(last)
 
 
 def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
@@ -201,11 +205,11 @@ def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
             return CacheAccess(node, buffer, *parsed, value=value)
         # `buffer[:b, positions] = v` with a position tensor (static-shape decode)
         if isinstance(index, tuple) and len(index) == 2 and isinstance(index[1], fx.Node):
-            batch = _slice_bounds(index[0])
+            bsz = _batch_rows(index[0])
             positions = axes.example_value(index[1])
-            if (batch is not None and batch[0] == 0 and batch[1] is not None and isinstance(positions, torch.Tensor)
+            if (bsz is not None and isinstance(positions, torch.Tensor)
                     and positions.dim() == 1 and not positions.is_floating_point()):
-                return CacheAccess(node, buffer, batch[1], None, None, None, value=value, positions=index[1])
+                return CacheAccess(node, buffer, bsz, None, None, None, value=value, positions=index[1])
     return None
 
 
@@ -222,9 +226,8 @@ def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
 
 
 def _softmax_dim(node: fx.Node) -> Optional[Any]:
-    if axes.is_method(node, "softmax"):
-        return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-    if axes.is_function(node, torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
+    if axes.is_method(node, "softmax") or axes.is_function(
+            node, torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
         return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
     return None
 
@@ -366,7 +369,7 @@ def _score_term(contraction: axes.Contraction, query_len_of) -> ScoreTerm:
     query = contraction.other(cache_operand)
     q_labels = contraction.operand_labels(query)
     q_roles = _assign_query_roles(query, q_labels, label_role, query_len_of(access.buffer))
-    return ScoreTerm(contraction, query, q_roles, access)
+    return ScoreTerm(contraction, query, q_roles, access, label_role)
 
 
 def _labels_to_roles(contraction: axes.Contraction, known: dict[str, str]) -> list[Optional[str]]:
@@ -421,10 +424,8 @@ def match_softmax(
     # Roles of the score tensor: same layout for every term.
     layouts = []
     for term in terms:
-        known = {l: r for l, r in zip(term.contraction.operand_labels(term.query), term.query_roles)}
-        cache_operand = term.contraction.other(term.query)
-        _, cache_roles = _cache_operand_roles(cache_operand)
-        known.update({l: r for l, r in zip(term.contraction.operand_labels(cache_operand), cache_roles) if r})
+        known = dict(zip(term.contraction.operand_labels(term.query), term.query_roles))
+        known.update(term.cache_label_roles)
         layouts.append(_labels_to_roles(term.contraction, known))
     score_roles = layouts[0]
     if any(layout != score_roles for layout in layouts) or sorted(map(str, score_roles)) != sorted([B, S, H, T]):

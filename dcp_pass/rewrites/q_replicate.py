@@ -87,6 +87,11 @@ def _is_parameter(node: fx.Node) -> bool:
     return bool(name and "_parameters[" in name)
 
 
+def _parameters(region: set[fx.Node]) -> list[fx.Node]:
+    # sorted: every rank must fingerprint and gather the same weights in the same order
+    return sorted((n for n in region if _is_parameter(n)), key=lambda n: n.name)
+
+
 def _is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and "_c10d_functional" in str(node.target)
 
@@ -161,10 +166,11 @@ class QueryReplicator:
             return None, "local (all heads on every rank)"
         if self.requested is False:
             return None, "all-gather"
-        reason = self._ineligible(match)
-        if reason:
-            return None, f"all-gather ({reason})"
-        return self._emit(match), "replicated q-proj/w_kc"
+        try:
+            region, sharded = self._replicable(match)
+        except ReplicationRefused as refused:
+            return None, f"all-gather ({refused})"
+        return self._emit(match, region, sharded), "replicated q-proj/w_kc"
 
     def _check_heads_replicated(self, match: MlaMatch) -> None:
         """tp_size=1 promises every rank holds all heads; a head-sharded model would
@@ -173,8 +179,7 @@ class QueryReplicator:
             region = query_region(self.gm.graph, [t.query for t in match.terms])
         except ReplicationRefused:
             return
-        # sorted: every rank must gather the same weights in the same order
-        for param in sorted((n for n in region if _is_parameter(n)), key=lambda n: n.name):
+        for param in _parameters(region):
             if weights_differ(self.values[param.name], self.plan.group_name, self.plan.c):
                 raise NearMiss(
                     f"tp_size=1 says every rank holds all attention heads, but the query weight "
@@ -184,23 +189,21 @@ class QueryReplicator:
 
     # -- eligibility ---------------------------------------------------------------
 
-    def _ineligible(self, match: MlaMatch) -> str:
-        try:
-            self._region = query_region(self.gm.graph, [t.query for t in match.terms])
-        except ReplicationRefused as refused:
-            return str(refused)
-        params = sorted((n for n in self._region if _is_parameter(n)), key=lambda n: n.name)
+    def _replicable(self, match: MlaMatch) -> tuple[set[fx.Node], list[fx.Node]]:
+        """(the query region, its TP-sharded weights); ReplicationRefused says why not."""
+        region = query_region(self.gm.graph, [t.query for t in match.terms])
+        params = _parameters(region)
         if not params:
-            return "queries use no weights"
+            raise ReplicationRefused("queries use no weights")
         dtypes = {self.values[p.name].dtype for p in params}
         if not dtypes <= set(REPLICABLE_DTYPES):
             names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-            return f"q weights are {names}; replication takes unquantized bf16/fp16 only"
+            raise ReplicationRefused(f"q weights are {names}; replication takes unquantized bf16/fp16 only")
         # a fingerprint decides; only the sharded weights are then gathered whole (_weight_input)
-        self._sharded = [p for p in params if weights_differ(self.values[p.name], self.plan.group_name, self.plan.c)]
-        if not self._sharded:
-            return "no q weight differs across DCP ranks"
-        return ""
+        sharded = [p for p in params if weights_differ(self.values[p.name], self.plan.group_name, self.plan.c)]
+        if not sharded:
+            raise ReplicationRefused("no q weight differs across DCP ranks")
+        return region, sharded
 
     # -- emission ------------------------------------------------------------------
 
@@ -220,30 +223,30 @@ class QueryReplicator:
             self._weight_inputs[key] = node
         return self._weight_inputs[key]
 
-    def _emit(self, match: MlaMatch) -> tuple[fx.Node, Optional[fx.Node]]:
+    def _emit(self, match: MlaMatch, region: set[fx.Node], sharded: list[fx.Node]) -> tuple[fx.Node, Optional[fx.Node]]:
         from dcp_pass.rewrites.attention import CANON_Q, ordered_terms, to_canonical
 
         graph = self.gm.graph
         latent, rope = ordered_terms(match)
-        outputs = [latent.query] + ([rope.query] if rope else [])
-        tainted: set[fx.Node] = set(self._sharded)
+        terms = [latent] + ([rope] if rope else [])
+        outputs = [term.query for term in terms]
+        tainted: set[fx.Node] = set(sharded)
+        cloned: list[fx.Node] = []  # the tainted region nodes, in graph order
         for node in graph.nodes:  # topological: a region node is tainted if an input is
-            if node in self._region and any(i in tainted for i in node.all_input_nodes):
+            if node in region and any(i in tainted for i in node.all_input_nodes):
                 tainted.add(node)
+                cloned.append(node)
         per_rank: list[list[fx.Node]] = []
         with graph.inserting_before(match.softmax):
             for rank in range(self.plan.c):
                 if rank == self.plan.rank:
                     copies = outputs
                 else:
-                    env: dict[fx.Node, fx.Node] = {p: self._weight_input(p, rank) for p in self._sharded}
-                    for node in [n for n in graph.nodes if n in tainted and n not in env]:
+                    env: dict[fx.Node, fx.Node] = {p: self._weight_input(p, rank) for p in sharded}
+                    for node in cloned:
                         env[node] = graph.node_copy(node, lambda n: env.get(n, n))
                     copies = [env[q] for q in outputs]
-                per_rank.append([
-                    to_canonical(graph, q, term.query_roles, CANON_Q)
-                    for q, term in zip(copies, [latent] + ([rope] if rope else []))
-                ])
+                per_rank.append([to_canonical(graph, q, term.query_roles, CANON_Q) for q, term in zip(copies, terms)])
             q_lat = graph.call_function(torch.cat, ([r[0] for r in per_rank], 2))
             q_rope = graph.call_function(torch.cat, ([r[1] for r in per_rank], 2)) if rope else None
         return q_lat, q_rope
