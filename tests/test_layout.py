@@ -364,3 +364,80 @@ def test_allocator_against_brute_force_model(c, page, pages, ops):
         check_invariants(alloc, model, c, page)
     # Page ids handed out always lie inside the pool, however often pages were recycled.
     assert ever_used <= set(range(pages))
+
+
+# -------------------------------------- bools and negative indices are rejected, not ignored
+# (issue #10 item 7) bool is an int subclass: c=True or rank=False used to pass every
+# check and silently mean 1 / 0. Each call below must raise, naming the argument.
+
+
+def _bool_calls():
+    from dcp_pass.runtime.extend import extend_attention_dcp, gather_prefix, query_positions, write_new_tokens_
+    from dcp_pass.runtime.speculative import rank_local_page_table, verify_attention, verify_query_positions
+
+    cache = torch.zeros(2, 8, 4)
+    new = torch.zeros(2, 3, 4)
+    q = torch.zeros(1, 2, 2, 4)
+    r2t = [torch.arange(16)]
+    yield "owner c", lambda: owner(5, True)
+    yield "physical c", lambda: physical(5, True)
+    yield "local_length c", lambda: local_length(10, True, 0)
+    yield "local_length r", lambda: local_length(10, 2, False)
+    yield "local_length L", lambda: local_length(True, 2, 0)
+    yield "local_capacity", lambda: local_capacity(True, 2)
+    yield "owned_positions r", lambda: owned_positions(0, 10, 2, True)
+    yield "owned_positions start", lambda: owned_positions(False, 10, 2, 0)
+    yield "filter_owned c", lambda: filter_owned(torch.arange(6), True, 0)
+    yield "shard_full_cache r", lambda: shard_full_cache(cache, 2, False)
+    yield "striped_write_ start", lambda: striped_write_(cache.clone(), new, True, 2, 0)
+    yield "StripedCache rank", lambda: StripedCache(2, 8, 4, 2, True)
+    yield "StripedCache max_batch", lambda: StripedCache(True, 8, 4, 2, 0)
+    yield "allocator c", lambda: PagedVirtualAllocator(32, 8, True)
+    yield "allocator local_slots rank", lambda: PagedVirtualAllocator(32, 8, 2).local_slots(torch.arange(4), False)
+    yield "extend write rank", lambda: write_new_tokens_(cache.clone(), new, 0, 2, False)
+    yield "extend prefix_lens", lambda: write_new_tokens_(cache.clone(), new, True, 2, 0)
+    yield "extend query_positions", lambda: query_positions(True, 2, 3)
+    yield "extend gather c", lambda: gather_prefix(cache, 2, None, True)
+    yield "extend dcp rank", lambda: extend_attention_dcp(
+        q, None, new[:1, :2], None, cache[:1], None, 0, 2, False, 4, 1.0)
+    yield "verify k_tokens", lambda: verify_query_positions(torch.tensor([5]), True)
+    yield "verify page_size", lambda: rank_local_page_table(r2t, [8], 2, 0, True)
+    yield "verify rank", lambda: rank_local_page_table(r2t, [8], 2, False, 4)
+    yield "verify c", lambda: rank_local_page_table(r2t, [8], True, 0, 4)
+    yield "verify_attention c", lambda: verify_attention(
+        torch.zeros(1, 1, 2, 4), None, torch.zeros(1, 8, 4), None, torch.tensor([4]), 1, True, 0, 1.0, v_dim=4)
+
+
+_BOOL_CALLS = list(_bool_calls())
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _BOOL_CALLS])
+def test_bool_sizes_and_ranks_are_rejected(name):
+    call = dict(_BOOL_CALLS)[name]
+    with pytest.raises(ValueError, match=r"(?i)bool|True|False"):
+        call()
+
+
+def test_speculative_rejects_negative_indices_and_sizes():
+    from dcp_pass.runtime.speculative import rank_local_page_table, verify_attention
+
+    r2t = torch.arange(16)
+    with pytest.raises(ValueError, match=r"page_size"):
+        rank_local_page_table([r2t], [8], 2, 0, -1)
+    with pytest.raises(ValueError, match=r"page_size"):
+        rank_local_page_table([r2t], [8], 2, 0, 0)
+    with pytest.raises(ValueError, match=r"global_kv_len"):
+        rank_local_page_table([r2t], [-2], 2, 0, 4)
+    # a negative virtual index would map to physical page -1: the pool's LAST page
+    bad = r2t.clone()
+    bad[:4] -= 4 * 2 * 2
+    with pytest.raises(ValueError, match=r"negative"):
+        rank_local_page_table([bad], [8], 2, 0, 4)
+    with pytest.raises(ValueError, match=r"rank"):
+        rank_local_page_table([r2t], [8], 2, -1, 4)
+    # a negative page id in a caller-built page table reads another request's page
+    q = torch.zeros(1, 1, 2, 4)
+    pool = torch.zeros(4, 4, 4)
+    with pytest.raises(ValueError, match=r"page_table.*negative"):
+        verify_attention(q, None, pool, None, torch.tensor([4]), 1, 2, 0, 1.0, v_dim=4,
+                         page_table=torch.tensor([[-1]]))

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_pass.runtime.kernels.mla_attention import mla_attention
-from dcp_pass.runtime.layout import local_capacity, local_length, striped_write_
+from dcp_pass.runtime.layout import _check_group_size, _check_rank, local_capacity, local_length, striped_write_
 
 __all__ = [
     "gather_prefix",
@@ -40,6 +40,13 @@ Group = Union[None, str, dist.ProcessGroup]
 
 
 def _lens(prefix_lens: Lens, batch: int) -> torch.Tensor:
+    if isinstance(prefix_lens, torch.Tensor):
+        has_bool = prefix_lens.dtype == torch.bool
+    else:
+        has_bool = isinstance(prefix_lens, bool) or (
+            not isinstance(prefix_lens, int) and any(isinstance(x, bool) for x in prefix_lens))
+    if has_bool:
+        raise ValueError(f"prefix_lens must be ints, got bools: prefix_lens={prefix_lens!r}")
     t = torch.as_tensor(prefix_lens, dtype=torch.long).to("cpu")
     if t.dim() == 0:
         t = t.expand(batch).clone()
@@ -65,6 +72,7 @@ def gather_prefix(local_cache: torch.Tensor, prefix_len: Lens, group: Group, c: 
     with ``Lmax = max(prefix_len)``; row ``b`` holds positions ``0 .. prefix_len[b]-1``
     in order and zeros after them. Collective: every rank of ``group`` must call it.
     """
+    _check_group_size(c)
     if local_cache.dim() != 3:
         raise ValueError(f"local_cache must be [B, Tl, D], got shape {tuple(local_cache.shape)}")
     B, Tl, Dk = local_cache.shape
@@ -94,6 +102,7 @@ def query_positions(prefix_lens: Lens, batch: int, seq: int, device=None) -> tor
 
 def write_new_tokens_(local_cache: torch.Tensor, new: torch.Tensor, prefix_lens: Lens, c: int, rank: int) -> None:
     """Write ``new [B, S, D]`` (row ``b`` at positions ``prefix_len[b] ..``) striped, in place."""
+    _check_rank(c, rank)
     B, S = new.shape[:2]
     lens = _lens(prefix_lens, B)
     need = int(local_length(lens + S, c, rank).max()) if B else 0
@@ -139,6 +148,7 @@ def extend_attention_gather(
     lse [B, S, H])``. With ``write`` the new tokens are then written striped into
     ``local_kv`` / ``local_pe``. Collective over ``group`` when ``c > 1``.
     """
+    _check_rank(c, rank)  # checked before any collective is issued
     B, S = new_kv.shape[:2]
     lens = _lens(prefix_lens, B)
     kv = _with_new(gather_prefix(local_kv, lens, group, c), new_kv, lens)
@@ -182,6 +192,7 @@ def extend_attention_dcp(
     rank's head shard ``[B, S, H/c, v_dim]``; ``"replicated"`` returns all heads
     merged on every rank.
     """
+    _check_rank(c, rank)  # checked before any collective is issued
     B, S = new_kv.shape[:2]
     lens = _lens(prefix_lens, B)
     write_new_tokens_(local_kv, new_kv, lens, c, rank)

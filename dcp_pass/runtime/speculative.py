@@ -23,13 +23,18 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from dcp_pass.runtime.kernels.mla_attention import mla_attention, mla_attention_paged
-from dcp_pass.runtime.layout import local_length, owned_positions, whole_page_ids
+from dcp_pass.runtime.layout import _check_rank, local_length, owned_positions, whole_page_ids
 
 __all__ = [
     "verify_query_positions",
     "rank_local_page_table",
     "verify_attention",
 ]
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
 
 
 def verify_query_positions(global_kv_len: torch.Tensor, k_tokens: int) -> torch.Tensor:
@@ -40,8 +45,7 @@ def verify_query_positions(global_kv_len: torch.Tensor, k_tokens: int) -> torch.
     kv_len = torch.as_tensor(global_kv_len).long()
     if kv_len.dim() != 1:
         raise ValueError(f"global_kv_len must be [B], got shape {tuple(kv_len.shape)}")
-    if k_tokens < 1:
-        raise ValueError(f"k_tokens must be >= 1, got {k_tokens}")
+    _check_positive_int("k_tokens", k_tokens)
     if kv_len.device.type == "cpu" and kv_len.numel() and int(kv_len.min()) < k_tokens:
         raise ValueError(
             f"every global_kv_len must include the {k_tokens} verified tokens, got {kv_len.tolist()}"
@@ -65,7 +69,11 @@ def rank_local_page_table(
     local token ``m * P``. Raises if the slots are not page-contiguous (the map was
     not allocated in whole widened pages). Unused entries are 0.
     """
+    _check_rank(c, rank)
+    _check_positive_int("page_size", page_size)
     lens = torch.as_tensor(global_kv_len, dtype=torch.long).to("cpu")
+    if lens.numel() and int(lens.min()) < 0:
+        raise ValueError(f"global_kv_len must be >= 0, got {lens.tolist()}")
     rows = list(req_to_token) if not isinstance(req_to_token, torch.Tensor) else list(req_to_token.unbind(0))
     if len(rows) != lens.numel():
         raise ValueError(f"{len(rows)} token maps for {lens.numel()} kv lengths")
@@ -77,6 +85,9 @@ def rank_local_page_table(
         if r2t.numel() < int(lens[b]):
             raise ValueError(f"row {b}: token map has {r2t.numel()} entries, kv_len is {int(lens[b])}")
         pos = owned_positions(0, int(lens[b]), c, rank)
+        if pos.numel() and int(r2t[pos].min()) < 0:
+            # v // c of a negative v is a negative page: it would index the pool's last pages
+            raise ValueError(f"row {b}: the token map holds a negative virtual index {int(r2t[pos].min())}")
         if bool((r2t[pos] % c != rank).any()):
             raise ValueError(f"row {b}: the token map does not give rank {rank} the positions p % {c} == {rank}")
         pages = whole_page_ids(r2t[pos] // c, page_size)
@@ -128,6 +139,12 @@ def verify_attention(
     None, else merges over ``group`` exactly like :func:`~dcp_pass.runtime.extend.extend_attention_dcp`
     (``"a2a"``/``"ag_rs"``: this rank's head shard; ``"replicated"``: all heads).
     """
+    _check_rank(c, rank)
+    _check_positive_int("k_tokens", k_tokens)
+    if page_table is not None and page_table.device.type == "cpu" and page_table.numel() \
+            and int(page_table.min()) < 0:
+        # checked on CPU only: on a device it would be a host sync per call
+        raise ValueError(f"page_table holds a negative page id {int(page_table.min())}")
     if q_lat.shape[1] != k_tokens:
         raise ValueError(f"q_lat has {q_lat.shape[1]} query tokens, k_tokens={k_tokens}")
     if v_dim is None:
