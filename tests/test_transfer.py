@@ -9,6 +9,7 @@ The multi-process test runs one spawn of 5 gloo ranks:
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -146,6 +147,63 @@ def test_state_transfer_keeps_attention_tp_mapping_and_ignores_dcp():
             assert torch.all(dst[[0, 1]] == 0)
     with pytest.raises(TransferPlanError, match="not divisible"):
         build_state_transfer(6, 1, 4, 0, 0, 0)
+
+
+def test_state_transfer_rejects_negative_and_bool_indices():
+    # dst_slot=-1 used to write the pool's LAST slot: another request's state
+    for kw, name in [({"dst_slot": -1}, "dst_slot=-1"), ({"src_slot": -2}, "src_slot=-2"),
+                     ({"dst_slot": True}, "dst_slot=True"), ({"src_slot": False}, "src_slot=False"),
+                     ({"decode_attn_tp_rank": -1}, "decode_attn_tp_rank=-1"),
+                     ({"decode_attn_tp_rank": False}, "decode_attn_tp_rank=False"),
+                     ({"num_heads": True, "prefill_attn_tp_size": 1, "decode_attn_tp_size": 1}, "num_heads=True"),
+                     ({"decode_attn_tp_size": True, "decode_attn_tp_rank": 0}, "decode_attn_tp_size=True"),
+                     ({"decode_dcp_size": True}, "decode_dcp_size=True")]:
+        args = dict(num_heads=8, prefill_attn_tp_size=1, decode_attn_tp_size=4, decode_attn_tp_rank=1,
+                    src_slot=0, dst_slot=1)
+        args.update(kw)
+        with pytest.raises(ValueError, match=re.escape(name)):
+            build_state_transfer(**args)
+    with pytest.raises(ValueError, match=r"dst_slot=-1"):
+        StateTransferPlan(0, 0, 0, -1, 0, 2, 0, 2)
+    with pytest.raises(ValueError, match=r"src_head_end"):
+        StateTransferPlan(0, 0, 0, 0, 3, 2, 0, 2)
+    # a plan whose slot or heads fall outside the pool must not be clipped or wrapped
+    pool = torch.zeros(3, 2, 5)
+    with pytest.raises(TransferPlanError, match=r"slot 3"):
+        pack_rows(pool, StateTransferPlan(0, 0, 3, 0, 0, 2, 0, 2))
+    with pytest.raises(TransferPlanError, match=r"heads \[0, 4\)"):
+        pack_rows(pool, StateTransferPlan(0, 0, 0, 0, 0, 4, 0, 4))
+    with pytest.raises(TransferPlanError, match=r"slot 5"):
+        unpack_rows_(pool, StateTransferPlan(0, 0, 0, 5, 0, 2, 0, 2), torch.ones(2, 5))
+
+
+def test_kv_plans_reject_duplicate_rows_and_bool_layouts():
+    f32 = torch.float32
+    # decode map hands rank 0 virtual indices 0 and 4 twice: two tokens to one slot
+    idx = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    with pytest.raises(TransferPlanError, match=r"decode slot.*twice|duplicate"):
+        build_transfer_plan(PageLayout(1, 0, P, f32), PageLayout(2, 0, P, f32), torch.arange(2), 8, idx)
+    # page mode: whole pages repeated pass the page-contiguity check, but not this one
+    idx2 = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])  # P=2, c=2: local slots 0,1,0,1 = page 0 twice
+    with pytest.raises(TransferPlanError, match=r"decode slot.*twice|duplicate"):
+        build_transfer_plan(PageLayout(2, 0, 2, f32), PageLayout(2, 0, 2, f32), torch.arange(2), 8, idx2)
+    # a prefill page listed twice would send the same rows for two different tokens
+    with pytest.raises(TransferPlanError, match=r"prefill.*twice|duplicate"):
+        build_transfer_plan(PageLayout(1, 0, P, f32), PageLayout(2, 0, P, f32), torch.tensor([3, 3]), 8,
+                            torch.arange(8))
+    for kw in ({"dcp_rank": False}, {"dcp_size": True}, {"page_size": True}, {"dcp_rank": -1}):
+        with pytest.raises(TransferPlanError, match=list(kw)[0]):
+            PageLayout(**{"dcp_size": 2, "dcp_rank": 0, "page_size": P, "kv_dtype": f32, **kw})
+
+
+def test_execute_transfer_rejects_negative_and_bool_ranks():
+    plan = build_transfer_plan(PageLayout(1, 0, P, torch.float32), PageLayout(1, 0, P, torch.float32),
+                               torch.arange(2), 8, torch.arange(8))
+    src, dst = torch.zeros(8, D), torch.zeros(8, D)
+    for s, d, name in [(-1, 0, "src_rank=-1"), (0, -1, "dst_rank=-1"), (False, 0, "src_rank=False"),
+                       (0, True, "dst_rank=True")]:
+        with pytest.raises(ValueError, match=re.escape(name)):
+            execute_transfer(plan, src, dst, s, d)
 
 
 # ------------------------------------------------------------------ multi-process

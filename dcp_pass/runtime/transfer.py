@@ -82,7 +82,7 @@ class PageLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TransferPlanError(f"PageLayout.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.dcp_rank, int) or not 0 <= self.dcp_rank < self.dcp_size:
+        if not _is_index(self.dcp_rank) or not self.dcp_rank < self.dcp_size:
             raise TransferPlanError(
                 f"PageLayout.dcp_rank must satisfy 0 <= dcp_rank < dcp_size={self.dcp_size}, "
                 f"got {self.dcp_rank!r}"
@@ -151,12 +151,54 @@ class StateTransferPlan:
     dst_head_start: int
     dst_head_end: int
 
+    def __post_init__(self) -> None:
+        for name in ("src_tp_rank", "dst_tp_rank", "src_slot", "dst_slot", "src_head_start",
+                     "src_head_end", "dst_head_start", "dst_head_end"):
+            _check_index(f"StateTransferPlan.{name}", getattr(self, name))
+        if self.src_head_end < self.src_head_start or self.dst_head_end < self.dst_head_start:
+            raise TransferPlanError(
+                f"StateTransferPlan head ranges must not be reversed: src_head_start={self.src_head_start}, "
+                f"src_head_end={self.src_head_end}, dst_head_start={self.dst_head_start}, "
+                f"dst_head_end={self.dst_head_end}"
+            )
+        if self.src_head_end - self.src_head_start != self.dst_head_end - self.dst_head_start:
+            raise TransferPlanError(
+                f"StateTransferPlan moves {self.src_head_end - self.src_head_start} source heads into "
+                f"{self.dst_head_end - self.dst_head_start} destination heads"
+            )
+
     @property
     def num_heads(self) -> int:
         return self.src_head_end - self.src_head_start
 
 
 # ------------------------------------------------------------------------ validation
+
+
+def _is_index(value) -> bool:
+    # bool is an int subclass; False/True as a rank or slot is a caller bug, not 0/1
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_index(name: str, value) -> None:
+    """A slot, page or rank: a non-negative int. A negative one would index from the end
+    (slot -1 is the pool's last slot: another request's)."""
+    if not _is_index(value):
+        raise TransferPlanError(f"{name} must be an int >= 0, got {name}={value!r}")
+
+
+def _check_size(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TransferPlanError(f"{name} must be an int >= 1, got {name}={value!r}")
+
+
+def _first_duplicate(t: torch.Tensor) -> Optional[int]:
+    """Some value that occurs more than once in the 1-D tensor ``t``, or None."""
+    if t.numel() < 2:
+        return None
+    values, counts = torch.unique(t, return_counts=True)
+    twice = values[counts > 1]
+    return int(twice[0]) if twice.numel() else None
 
 
 def _check_pair(prefill: PageLayout, decode: PageLayout, pool_kind: str) -> str:
@@ -286,6 +328,23 @@ def build_transfer_plan(
         dst_pages = tuple(int(x) for x in pages)
     else:
         src_pages = dst_pages = page_counts = ()
+    # Two tokens on one decode slot would overwrite each other (index_copy_ keeps one of
+    # them); two tokens read from one prefill row means the page table repeats a page.
+    dup = _first_duplicate(dst_slots)
+    if dup is not None:
+        p = positions[dst_slots == dup][:2].tolist()
+        raise TransferPlanError(
+            f"decode_token_indices put two tokens on one decode slot: positions {p[0]} and {p[1]} both "
+            f"map to decode slot {dup} of decode dcp_rank {r_dec} (duplicate virtual indices "
+            f"{dec_idx[p[0]].item()}, {dec_idx[p[1]].item()})"
+        )
+    used_pages = page_table[: -(-num_tokens // (P * c_pre))]
+    dup = _first_duplicate(used_pages)
+    if dup is not None:
+        raise TransferPlanError(
+            f"prefill_page_table lists prefill page {dup} twice among the {used_pages.numel()} pages "
+            f"holding the request's {num_tokens} tokens: its rows would be sent for two tokens each"
+        )
     return TransferPlan(
         mode=mode,
         prefill=prefill,
@@ -347,9 +406,10 @@ def build_state_transfer(
     """
     for name, v in (("num_heads", num_heads), ("prefill_attn_tp_size", prefill_attn_tp_size),
                     ("decode_attn_tp_size", decode_attn_tp_size), ("decode_dcp_size", decode_dcp_size)):
-        if not isinstance(v, int) or v < 1:
-            raise TransferPlanError(f"{name} must be an int >= 1, got {v!r}")
-    if not 0 <= decode_attn_tp_rank < decode_attn_tp_size:
+        _check_size(name, v)
+    for name, v in (("decode_attn_tp_rank", decode_attn_tp_rank), ("src_slot", src_slot), ("dst_slot", dst_slot)):
+        _check_index(name, v)
+    if not decode_attn_tp_rank < decode_attn_tp_size:
         raise TransferPlanError(
             f"decode_attn_tp_rank={decode_attn_tp_rank} out of range for decode_attn_tp_size="
             f"{decode_attn_tp_size}"
@@ -399,6 +459,15 @@ def _check_pool_dtype(pool: torch.Tensor, plan: Plan, side: str) -> None:
             )
 
 
+def _check_state_bounds(pool: torch.Tensor, slot: int, h0: int, h1: int, side: str) -> None:
+    # plain indexing would clip a head range past the pool (and wrap a negative slot)
+    if pool.dim() < 2 or slot >= pool.shape[0] or h1 > pool.shape[1]:
+        raise TransferPlanError(
+            f"state plan {side} slot {slot}, heads [{h0}, {h1}) is outside the state pool of shape "
+            f"{tuple(pool.shape)} ([slots, heads_local, ...])"
+        )
+
+
 def pack_rows(pool: torch.Tensor, plan: Plan) -> torch.Tensor:
     """Gather the plan's source rows of ``pool`` into one contiguous buffer.
 
@@ -406,6 +475,7 @@ def pack_rows(pool: torch.Tensor, plan: Plan) -> torch.Tensor:
     State plans: ``[heads, ...]`` from a ``[slots, heads_local, ...]`` state pool.
     """
     if isinstance(plan, StateTransferPlan):
+        _check_state_bounds(pool, plan.src_slot, plan.src_head_start, plan.src_head_end, "source")
         return pool[plan.src_slot, plan.src_head_start : plan.src_head_end].contiguous()
     _check_pool_dtype(pool, plan, "prefill")
     rows = plan.src_rows.to(pool.device)
@@ -419,6 +489,7 @@ def pack_rows(pool: torch.Tensor, plan: Plan) -> torch.Tensor:
 def unpack_rows_(pool: torch.Tensor, plan: Plan, packed: torch.Tensor) -> torch.Tensor:
     """Scatter a packed buffer into the decode pool in place; returns ``pool``."""
     if isinstance(plan, StateTransferPlan):
+        _check_state_bounds(pool, plan.dst_slot, plan.dst_head_start, plan.dst_head_end, "destination")
         pool[plan.dst_slot, plan.dst_head_start : plan.dst_head_end] = packed.to(pool.dtype)
         return pool
     _check_pool_dtype(pool, plan, "decode")
@@ -459,6 +530,8 @@ def execute_transfer(
     must then live on the current CUDA device). Returns the number of rows moved by
     this process (0 on a bystander). A plan with no rows sends nothing.
     """
+    _check_index("src_rank", src_rank)
+    _check_index("dst_rank", dst_rank)
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     n = plan.num_heads if isinstance(plan, StateTransferPlan) else plan.rank_tokens
     if me not in (src_rank, dst_rank) or n == 0:
