@@ -55,6 +55,49 @@ def test_host_tier_errors():
         HostKVTier(2, P, c, 2, D)
 
 
+def test_host_tier_rejects_many_to_one_copies():
+    c = 2
+    tier = HostKVTier(4, P, c, 0, D, torch.float32, pin_memory=False)
+    pool = torch.randn(8 * P, D)
+    # two device pages offloaded to one host page: the second silently overwrote the first
+    with pytest.raises(HostTierError, match=r"host page 0.*twice|duplicate"):
+        tier.offload(pool, [1, 2], [0, 0], unit="page")
+    with pytest.raises(HostTierError, match=r"twice|duplicate"):
+        tier.offload(pool, widened_page_indices([1, 2], P, c), widened_page_indices([3, 3], P, c))
+    # and two host pages reloaded into one device page
+    with pytest.raises(HostTierError, match=r"device page 5.*twice|duplicate"):
+        tier.reload(pool, [5, 5], [0, 1], unit="page")
+    assert torch.all(tier.buffer == 0)
+    # one source copied to two destinations is fine
+    assert tier.offload(pool, [1, 1], [0, 1], unit="page") == 2 * P
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"num_host_pages": True}, "num_host_pages"), ({"page_size": True}, "page_size"), ({"c": True}, "c"),
+    ({"rank": False}, "rank"), ({"rank": -1}, "rank"), ({"dim": True}, "dim"),
+])
+def test_host_tier_rejects_bool_sizes_and_negative_rank(kw, name):
+    args = {"num_host_pages": 2, "page_size": P, "c": 2, "rank": 0, "dim": D, **kw}
+    with pytest.raises(HostTierError, match=rf"\b{name}\b.*{list(kw.values())[0]!r}"):
+        HostKVTier(**args, dtype=torch.float32, pin_memory=False)
+
+
+def test_index_helpers_reject_negative_and_bool_arguments():
+    v = widened_page_indices([1], P, 2)
+    for call, name in [
+        (lambda: widened_page_indices([1], -1, 2), "page_size=-1"),
+        (lambda: widened_page_indices([1], True, 2), "page_size=True"),
+        (lambda: widened_page_indices([1], P, 0), "c=0"),
+        (lambda: widened_page_indices([1], P, True), "c=True"),
+        (lambda: widened_page_indices([-1], P, 2), "negative"),
+        (lambda: local_rows(v, 2, -1), "rank"),
+        (lambda: local_rows(v, 2, True), "rank"),
+        (lambda: local_rows(v, True, 0), "c"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
 def _attend(q, pool, r2t, n, c, r, group_name):
     pos = owned_positions(0, n, c, r)
     kv = pool[r2t[pos] // c].unsqueeze(0)

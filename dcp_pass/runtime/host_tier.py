@@ -18,7 +18,7 @@ from typing import Sequence, Union
 
 import torch
 
-from dcp_pass.runtime.layout import owner, physical
+from dcp_pass.runtime.layout import _check_rank, owner, physical
 
 __all__ = ["HostTierError", "HostKVTier", "widened_page_indices", "local_rows"]
 
@@ -44,8 +44,30 @@ def _as_index(name: str, x: Index) -> torch.Tensor:
     return t
 
 
+def _check_size(name: str, value) -> None:
+    # bool is an int subclass: page_size=True would silently mean 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise HostTierError(f"{name} must be an int >= 1, got {name}={value!r}")
+
+
+def _check_no_duplicates(name: str, rows: torch.Tensor, width: int, what: str) -> None:
+    """Destination rows of one copy must be distinct: index_copy_ keeps one of two writes."""
+    if rows.numel() < 2:
+        return
+    values, counts = torch.unique(rows, return_counts=True)
+    twice = values[counts > 1]
+    if twice.numel():
+        v = int(twice[0])
+        raise HostTierError(
+            f"{name} names {what} page {v // width} twice (virtual slot {v}): two source pages "
+            f"would be copied into one destination page"
+        )
+
+
 def widened_page_indices(pages: Index, page_size: int, c: int) -> torch.Tensor:
     """All ``P * c`` virtual slot indices of each widened page, in page order."""
+    _check_size("page_size", page_size)
+    _check_size("c", c)
     pages = _as_index("pages", pages)
     width = page_size * c
     return (pages.unsqueeze(1) * width + torch.arange(width)).reshape(-1)
@@ -71,6 +93,7 @@ def _check_whole_pages(name: str, idx: torch.Tensor, width: int) -> None:
 
 def local_rows(indices: torch.Tensor, c: int, rank: int) -> torch.Tensor:
     """Keep the virtual indices ``rank`` owns and map them to local rows ``i // c``."""
+    _check_rank(c, rank)
     return physical(indices[owner(indices, c) == rank], c)
 
 
@@ -93,9 +116,8 @@ class HostKVTier:
         pin_memory: Union[bool, str] = "auto",
     ) -> None:
         for name, v in (("num_host_pages", num_host_pages), ("page_size", page_size), ("c", c), ("dim", dim)):
-            if not isinstance(v, int) or v < 1:
-                raise HostTierError(f"HostKVTier: {name} must be an int >= 1, got {v!r}")
-        if not isinstance(rank, int) or not 0 <= rank < c:
+            _check_size(f"HostKVTier: {name}", v)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < c:
             raise HostTierError(f"HostKVTier: rank must satisfy 0 <= rank < c={c}, got {rank!r}")
         if pin_memory == "auto":
             pin_memory = torch.cuda.is_available()
@@ -123,7 +145,7 @@ class HostKVTier:
         return self.buffer.numel() * self.buffer.element_size()
 
     def _local_pairs(
-        self, device_pool: torch.Tensor, device_indices: Index, host_indices: Index, unit: str
+        self, device_pool: torch.Tensor, device_indices: Index, host_indices: Index, unit: str, direction: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if unit not in ("page", "token"):
             raise HostTierError(f"unit must be 'page' or 'token', got {unit!r}")
@@ -146,6 +168,11 @@ class HostKVTier:
         width = self.widened_page_size
         _check_whole_pages("device_indices", dev, width)
         _check_whole_pages("host_indices", host, width)
+        # the destination of the copy: host slots on offload, device slots on reload
+        if direction == "offload":
+            _check_no_duplicates("host_indices", host, width, "host")
+        else:
+            _check_no_duplicates("device_indices", dev, width, "device")
         if host.numel() and int(host.max()) >= self.virtual_capacity:
             raise HostTierError(
                 f"host slot {int(host.max())} out of range: the host tier has {self.num_host_pages} "
@@ -170,7 +197,7 @@ class HostKVTier:
         ``unit="token"``: both lists are widened virtual slot indices (whole pages of
         ``P*c`` consecutive, page-aligned slots); ``unit="page"``: widened page ids.
         """
-        dev_rows, host_rows = self._local_pairs(device_pool, device_indices, host_indices, unit)
+        dev_rows, host_rows = self._local_pairs(device_pool, device_indices, host_indices, unit, "offload")
         if dev_rows.numel():
             rows = device_pool.index_select(0, dev_rows.to(device_pool.device))
             self.buffer.index_copy_(0, host_rows, rows.to("cpu"))
@@ -180,7 +207,7 @@ class HostKVTier:
         self, device_pool: torch.Tensor, device_indices: Index, host_indices: Index, unit: str = "token"
     ) -> int:
         """Copy host (L2) -> device (L1) in place. Returns the number of local rows copied."""
-        dev_rows, host_rows = self._local_pairs(device_pool, device_indices, host_indices, unit)
+        dev_rows, host_rows = self._local_pairs(device_pool, device_indices, host_indices, unit, "reload")
         if dev_rows.numel():
             rows = self.buffer.index_select(0, host_rows)
             device_pool.index_copy_(

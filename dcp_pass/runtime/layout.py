@@ -52,22 +52,22 @@ def _is_concrete_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _reject_bool(name: str, x: object) -> None:
+def _reject_bool(name: str, x: object, what: str = "") -> None:
     # Without this a bool would pass every check below as "not a concrete int" (the
     # path meant for SymInts and tensors) and then silently act as 1 or 0.
     if isinstance(x, bool):
-        raise ValueError(f"{name} must be an int, got the bool {name}={x}")
+        raise ValueError(f"{what or name} must be an int, got the bool {name}={x}")
 
 
 def _check_group_size(c: IntLike) -> None:
-    _reject_bool("c", c)
+    _reject_bool("c", c, "DCP group size c")
     if _is_concrete_int(c) and c < 1:
         raise ValueError(f"DCP group size c must be >= 1, got c={c}")
 
 
 def _check_rank(c: IntLike, r: IntLike) -> None:
     _check_group_size(c)
-    _reject_bool("r", r)
+    _reject_bool("r", r, "DCP rank r")
     if _is_concrete_int(r) and r < 0:
         raise ValueError(f"DCP rank r must satisfy 0 <= r < c, got r={r}")
     if _is_concrete_int(c) and _is_concrete_int(r) and not 0 <= r < c:
