@@ -3,14 +3,18 @@
 Used by tests (gloo on CPU), the demo and the GPU benchmarks (nccl). Every rank runs
 `fn(rank, world_size, *args)`; its return value (picklable) comes back in rank order.
 A failure on any rank is re-raised in the parent with that rank's traceback, and the
-other ranks are terminated instead of hanging in a collective.
+other ranks are terminated instead of hanging in a collective. A rank that dies
+without a word (``os._exit``, a signal, a segfault) is noticed from its exit code
+while the parent waits, not at the timeout.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -77,6 +81,32 @@ def _rank_main(fn, rank, world_size, backend, init_file, threads, env, args, out
         out_q.put((rank, False, traceback.format_exc()))
 
 
+_POLL_S = 0.2  # how often the parent looks at its children's exit codes while waiting
+_GRACE_S = 2.0  # after a first failure, how long to wait for the other ranks' reports
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _failure_report(procs, errors: dict[int, str], results: dict[int, Any]) -> str:
+    """Every failed rank: first those that died without reporting (most likely the cause,
+    their peers then fail in a collective), then tracebacks in the order they came."""
+    silent = [
+        f"rank {r} {_exit_text(p.exitcode)} before returning a result (no traceback: "
+        f"os._exit, a signal or a crash)"
+        for r, p in enumerate(procs)
+        if r not in errors and r not in results and p.exitcode is not None
+    ]
+    raised = [f"rank {r} failed:\n{tb}" for r, tb in errors.items()]
+    return "\n".join(silent + raised)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -86,7 +116,12 @@ def run_ranks(
     threads_per_rank: int = 1,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results by rank.
+
+    Raises RuntimeError as soon as a rank raises or dies (its traceback or exit code;
+    the other ranks' reports that arrive within a short grace are added), and
+    TimeoutError when the ranks are all alive but have not finished within `timeout`
+    seconds in all."""
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,19 +137,58 @@ def run_ranks(
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
-        try:
-            while len(results) < world_size:
-                try:
-                    rank, ok, payload = out_q.get(timeout=timeout)
-                except queue.Empty:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s")
-                if not ok:
-                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        errors: dict[int, str] = {}
+
+        def receive(wait: float) -> bool:
+            try:
+                rank, ok, payload = out_q.get(timeout=wait)
+            except queue.Empty:
+                return False
+            if ok:
                 results[rank] = _from_bytes(payload)
+            else:
+                errors[rank] = payload
+            return True
+
+        def silent_deaths() -> list[int]:
+            return [r for r, p in enumerate(procs)
+                    if p.exitcode is not None and r not in results and r not in errors]
+
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < world_size and not errors:
+                if receive(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+                    continue
+                if silent_deaths():
+                    # A rank's last report may still be in the pipe when its exit code
+                    # shows: drain before calling it silent.
+                    while receive(0.5):
+                        pass
+                    if silent_deaths():
+                        break
+                elif time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s"
+                    )
+            if len(results) < world_size:
+                # Something failed: give the other ranks a moment to report too (a peer's
+                # collective fails once the failed rank is gone), so that the message has
+                # the root cause whichever report came first.
+                grace_end = time.monotonic() + _GRACE_S
+                while time.monotonic() < grace_end and any(
+                    r not in results and r not in errors and procs[r].exitcode is None for r in range(world_size)
+                ):
+                    receive(_POLL_S)
+                while receive(0.05):
+                    pass
+                raise RuntimeError(_failure_report(procs, errors, results))
         finally:
             for p in procs:
                 p.join(timeout=5 if len(results) == world_size else 0.5)
                 if p.is_alive():
                     p.terminate()
+                    p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
                     p.join(timeout=5)
     return [results[r] for r in range(world_size)]
