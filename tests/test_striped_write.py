@@ -51,3 +51,38 @@ def test_write_past_capacity_raises():
     shard = torch.zeros(1, 9, 4)
     with pytest.raises(RuntimeError, match="past the cache capacity"):
         write_owned_tokens_(shard, torch.ones(1, 3, 4), 15, 2, 0, 16)
+
+
+
+def _traced_write(c, r, capacity, f0, shard, values):
+    """The write as the inner compiler sees it: traced with a SymInt start (aot/inductor
+    trace the rewritten graph this way; Dynamo's own inlining sees an int)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def write(shard, start):  # values are static in the pass's graphs: a constant here
+        write_owned_tokens_(shard, values, start, c, r, capacity, f0)
+        return shard
+
+    traced = make_fx(write, tracing_mode="symbolic", _allow_non_fake_inputs=True)(shard, 3)
+    start = traced.graph.find_nodes(op="placeholder")[1]
+    assert isinstance(start.meta["val"], torch.SymInt), "start must stay symbolic"
+    return traced
+
+
+@pytest.mark.parametrize("c", range(1, 9))
+def test_symbolic_window_brute_force(c):
+    """Every (seq, start, rank) for c in 1..8, seq 1..17: the fixed window must cover
+    every owned row, (start + seq - 1) // c included, and touch nothing else."""
+    capacity, width, f0 = 40, 3, 1
+    g = torch.Generator().manual_seed(c)
+    rows = -(-capacity // c) + 1
+    for r in range(c):
+        for seq in range(1, 18):
+            values = torch.randn(2, seq, 2, generator=g)
+            shard = torch.full((2, rows, width), float("nan"))
+            traced = _traced_write(c, r, capacity, f0, shard.clone(), values)
+            for start in range(0, capacity - seq + 1):
+                want = _expected(shard, values, start, c, r, f0)
+                got = traced(shard.clone(), start)
+                torch.testing.assert_close(got, want, equal_nan=True,
+                                           msg=lambda m: f"c={c} r={r} seq={seq} start={start}: {m}")

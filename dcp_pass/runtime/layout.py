@@ -428,6 +428,11 @@ def check_write_capacity(end: int, capacity: int) -> None:
     )
 
 
+def window_rows(seq: int, c: int) -> int:
+    """Local rows a write of `seq` tokens can touch on one rank, over every start and rank."""
+    return (seq + c - 2) // c + 1
+
+
 def write_owned_tokens_(
     shard: torch.Tensor,
     values: torch.Tensor,
@@ -445,9 +450,12 @@ def write_owned_tokens_(
     With an int start it is `striped_write_` (one strided slice copy). With a symbolic
     start (decode after the first steps) how many tokens the rank owns depends on the
     value of start; a shape that depends on it would make Dynamo guard on it and
-    recompile every step. So the write covers a fixed window of `s // c + 1` local rows
-    from `start // c` and keeps the rows it does not own (`torch.where`): the same
-    shapes for every start. The shard needs one spare row for that window.
+    recompile every step. So the write covers a fixed window of local rows from
+    `start // c` and keeps the rows it does not own (`torch.where`): the same shapes for
+    every start. The owned rows run to `(start + s - 1) // c`, at most
+    `(s + c - 2) // c` rows past `start // c` (when `start % c == c - 1`), so the window
+    is `(s + c - 2) // c + 1` rows. Its end stays within `ceil(capacity / c) + 1`: the
+    shard needs one spare row.
     """
     seq = values.shape[1]
     check_write_capacity(start_pos + seq, capacity)
@@ -455,7 +463,7 @@ def write_owned_tokens_(
     if isinstance(start_pos, int):
         striped_write_(cols, values, start_pos, c, r)
         return
-    window = seq // c + 1
+    window = window_rows(seq, c)
     row0 = start_pos // c
     # position (relative to start_pos) of the token that belongs on local row row0 + i
     token = torch.arange(window, device=values.device) * c + (row0 * c + r - start_pos)
