@@ -34,11 +34,11 @@ def _global_partials(c: int, dtype=torch.float32):
     Hg = c * Hl
     O = torch.randn(c, B, S, Hg, D, generator=g)
     L = torch.randn(c, B, S, Hg, generator=g) * 4
-    # Empty shards in every spelling a kernel may use; their outputs are garbage.
+    # Empty shards (LSE -inf, the only spelling of "no visible key"); their outputs are
+    # garbage that must not leak.
     L[1, 0, 0, :] = NEG_INF  # shard 1 saw no keys for (b=0, s=0)
     O[1, 0, 0, :] = float("nan")
-    L[0, 1, 1, 0] = float("inf")  # FlashMLA's "empty"
-    L[c - 1, 2, 0, 1] = float("nan")
+    L[c - 1, 2, 0, 1] = NEG_INF
     L[:, 2, 1, Hg - 1] = NEG_INF  # a row empty on every rank
     return O.to(dtype), L, Hl
 

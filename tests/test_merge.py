@@ -85,18 +85,41 @@ def test_equal_lses_give_mean(c, base):
     torch.testing.assert_close(m, torch.full((4,), 2.5 + log_c))
 
 
-@pytest.mark.parametrize("empty", [NAN, INF, -INF])
 @pytest.mark.parametrize("garbage", [0.0, NAN, INF])
 @pytest.mark.parametrize("position", [0, 1, 2])
-def test_empty_shard_is_neutral(empty, garbage, position):
+def test_empty_shard_is_neutral(garbage, position):
+    """-inf LSE (no visible key) is an empty shard: weight 0, whatever its output holds."""
     o = torch.randn(2, 6, 8)
     lse = torch.randn(2, 6)
     want, want_lse = merge_partials(o, lse, return_lse=True)
     o3 = torch.cat([o[:position], torch.full((1, 6, 8), garbage), o[position:]])
-    l3 = torch.cat([lse[:position], torch.full((1, 6), empty), lse[position:]])
+    l3 = torch.cat([lse[:position], torch.full((1, 6), -INF), lse[position:]])
     got, got_lse = merge_partials(o3, l3, return_lse=True)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("bad, where", [(NAN, "lse"), (INF, "lse"), (NAN, "output")])
+@pytest.mark.parametrize("base", ["e", "2"])
+def test_nan_and_inf_propagate(bad, where, base):
+    """NaN in must mean NaN out: a NaN/+inf LSE or a NaN output of a non-empty shard is
+    data, not emptiness (the model without DCP gives NaN there); other rows stay exact."""
+    o = torch.randn(3, 4, 8)
+    lse = torch.randn(3, 4)
+    want = merge_partials(o, lse, base=base)
+    if where == "lse":
+        lse[1, 2] = bad
+    else:
+        o[1, 2, 3] = bad
+    got, m = merge_partials(o, lse, base=base, return_lse=True)
+    bad_out = got[2] if where == "lse" else got[2, 3]
+    assert torch.isnan(bad_out).all(), got[2]
+    if where == "lse":
+        assert torch.isnan(m[2]) or m[2] == INF
+    keep = [0, 1, 3]
+    torch.testing.assert_close(got[keep], want[keep])
+    g = global_lse(lse, base)
+    assert not torch.isfinite(g[2]) if where == "lse" else torch.isfinite(g).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -104,7 +127,7 @@ def test_empty_shard_is_neutral(empty, garbage, position):
 def test_all_empty_row_is_zero_with_neg_inf_lse(dtype, base):
     o = torch.randn(4, 3, 8).to(dtype)
     lse = torch.randn(4, 3)
-    lse[:, 1] = _t([NAN, INF, -INF, NAN])  # row 1 empty on every shard, every spelling
+    lse[:, 1] = -INF  # row 1 empty on every shard
     o[:, 1] = NAN
     out, m = merge_partials(o, lse, base=base, return_lse=True)
     assert out.dtype == dtype and m.dtype == torch.float32
@@ -154,12 +177,14 @@ def test_rescale_partials_sum_to_merge():
     # The ag_rs path: each rank's fp32 contribution, summed, is the merge.
     o = torch.randn(3, 5, 16)
     lse = torch.randn(3, 5)
-    lse[1, 2] = INF
-    lse[:, 4] = -INF
+    lse[1, 2] = -INF  # empty shard with a garbage output
     o[1, 2] = NAN
+    lse[:, 4] = -INF  # all-empty row
+    lse[2, 0] = NAN  # data: row 0 is NaN both ways
     g = global_lse(lse)
     total = sum(rescale_partial(o[r], lse[r], g) for r in range(3))
-    torch.testing.assert_close(total, merge_partials(o, lse))
+    torch.testing.assert_close(total, merge_partials(o, lse), equal_nan=True)
+    assert total[0].isnan().all() and torch.isfinite(total[1:]).all()
 
 
 def test_bad_arguments():
@@ -191,7 +216,7 @@ def test_merge_is_hierarchical(c, split, n_empty, seed, base):
     g = torch.Generator().manual_seed(seed)
     o = torch.randn(c, 3, 8, generator=g)
     lse = torch.randn(c, 3, generator=g) * 5
-    lse.view(-1)[torch.randperm(c * 3, generator=g)[:n_empty]] = NAN
+    lse.view(-1)[torch.randperm(c * 3, generator=g)[:n_empty]] = -INF  # empty shards
     a = merge_partials(o[:split], lse[:split], base, return_lse=True)
     b = merge_partials(o[split:], lse[split:], base, return_lse=True)
     two = merge_partials(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]]), base, return_lse=True)
@@ -344,7 +369,8 @@ def test_merge_packed_equals_merge_partials():
     packed = pack_output_lse(o, lse)
     a = merge_packed(packed, 16, return_lse=True)
     b = merge_partials(o, lse, return_lse=True)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0, equal_nan=True)
 
 
 def test_merge_partials_traces_under_torch_compile():
@@ -359,7 +385,9 @@ def test_merge_partials_traces_under_torch_compile():
     torch._dynamo.reset()
     got = torch.compile(f, backend="aot_eager", fullgraph=True)(o, lse)
     want = f(o, lse)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert got[0][0, 0].isnan().all()
 
 
 def test_dispatch_uses_reference_on_cpu():
@@ -386,9 +414,15 @@ _TRITON_SCRIPT = textwrap.dedent(
 
     def err(a, b):
         a, b = a.double(), b.double()
-        same_inf = (a == b)  # -inf == -inf for empty-row LSEs
-        d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
+        same = (a == b) | (a.isnan() & b.isnan())  # -inf empty rows; NaN rows propagate alike
+        d = torch.where(same, torch.zeros_like(a), (a - b).abs())
         return float(d.max()) if d.numel() else 0.0
+
+    def _finite_but_nan_row(tri, pk, D, nan_row):
+        rows, prows = tri.reshape(-1, D), pk.reshape(-1, D)
+        others = torch.arange(rows.shape[0]) != nan_row
+        return {"finite": bool(torch.isfinite(rows[others]).all() and torch.isfinite(prows[others]).all()),
+                "nan_row": bool(rows[nan_row].isnan().all() and prows[nan_row].isnan().all())}
 
     def case(c, shape, D, dtype, base, seed):
         g = torch.Generator().manual_seed(seed)
@@ -396,8 +430,9 @@ _TRITON_SCRIPT = textwrap.dedent(
         lse = torch.randn(c, *shape, generator=g) * 6
         flat_l, flat_o = lse.view(c, -1), o.view(c, -1, D)
         n = flat_l.shape[1]
-        flat_l[0, 0] = float("nan"); flat_o[0, 0] = float("nan")
-        flat_l[c - 1, n // 2] = float("inf")
+        flat_o[0, 0] = float("nan")
+        flat_l[0, 0] = float("-inf")  # an empty shard's garbage output stays out
+        flat_l[c - 1, n // 2] = float("nan")  # data: the row is NaN, as without DCP
         flat_l[:, n - 1] = float("-inf")  # an all-empty row
         if base == "2":
             lse = lse * math.log2(math.e)
@@ -417,7 +452,7 @@ _TRITON_SCRIPT = textwrap.dedent(
                         "merge": err(tri, ref), "merge_lse": err(tri_l, ref_l),
                         "packed": err(pk, ref), "packed_lse": err(pk_l, ref_l),
                         "dtype_ok": tri.dtype == dtype and pk.dtype == dtype,
-                        "finite": bool(torch.isfinite(tri).all() and torch.isfinite(pk).all()),
+                        **_finite_but_nan_row(tri, pk, D, lse.reshape(c, -1).shape[1] // 2),
                         "empty_row_lse": [float(tri_l.reshape(-1)[-1]), float(pk_l.reshape(-1)[-1])],
                     }
         # Strided input (every other head), fp32 output from fp16 partials, several
@@ -426,7 +461,8 @@ _TRITON_SCRIPT = textwrap.dedent(
         ref = merge_partials(o[:, :, ::2], lse[:, :, ::2], "e", torch.float32)
         tri = merge_partials_triton(o[:, :, ::2], lse[:, :, ::2], "e", torch.float32, False)
         out["strided-wide-fp16->fp32"] = {"merge": err(tri, ref), "dtype_ok": tri.dtype == torch.float32,
-                                          "finite": bool(torch.isfinite(tri).all())}
+                                          # one row holds the NaN LSE, all others finite
+                                          "finite": int((~torch.isfinite(tri)).any(-1).sum()) == 1}
     except Exception as e:
         import traceback
         print(json.dumps({"error": traceback.format_exc()})); sys.exit(0)
@@ -479,7 +515,7 @@ def test_triton_merge_in_interpreter(name):
     for key in ("merge_lse", "packed_lse"):
         if key in r:
             assert r[key] <= 4e-6, (name, key, r[key])  # ~2 ulps of LSEs up to ~20
-    assert r["dtype_ok"] and r["finite"], r
+    assert r["dtype_ok"] and r["finite"] and r.get("nan_row", True), r
     if "empty_row_lse" in r:
         assert r["empty_row_lse"] == [-INF, -INF], r
 

@@ -71,11 +71,15 @@ def _log(x: Tensor, base: str) -> Tensor:
 
 
 def _masked_lse(lses: Tensor) -> Tensor:
-    # NaN, +inf and -inf all mean "this shard saw no keys" (FlashMLA reports +inf
-    # for an empty sequence, other kernels -inf or NaN). Mapping every one of them
-    # to -inf makes the shard's weight exactly 0 below.
-    lse32 = lses.float()
-    return torch.where(torch.isfinite(lse32), lse32, torch.full_like(lse32, float("-inf")))
+    # -inf, and only -inf, marks an empty shard: the kernels return it exactly when a
+    # shard has no visible key (a count, not a value), and its weight is then exactly 0
+    # below. NaN and +inf are data (a NaN in the cache or the weights, an overflowed
+    # score) and propagate into the merged result as they would without DCP.
+    return lses.float()
+
+
+def _empty(masked: Tensor) -> Tensor:
+    return masked == float("-inf")
 
 
 def _global_lse(masked: Tensor, base: str) -> Tuple[Tensor, Tensor, Tensor]:
@@ -83,10 +87,10 @@ def _global_lse(masked: Tensor, base: str) -> Tuple[Tensor, Tensor, Tensor]:
 
     ``weights`` are b**(lse_r - max) (0 for empty shards), ``total`` their sum.
     """
-    m = masked.amax(dim=0)
+    m = masked.amax(dim=0)  # NaN if any shard's LSE is NaN
     # An all-empty row has max -inf; shifting by it would give -inf - -inf = NaN.
     # Shift by 0 instead: every weight is then exp(-inf) = 0 and the row stays empty.
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = torch.where(_empty(m), torch.zeros_like(m), m)
     w = _exp(masked - m, base)
     total = w.sum(dim=0)
     # log(0) = -inf, so an all-empty row gets lse = -inf without a branch.
@@ -106,18 +110,19 @@ def merge_partials(
     outputs: [c, ..., D] (fp32/bf16/fp16), lses: [c, ...] (any float dtype; read as fp32).
     Returns the merged output [..., D] in ``out_dtype`` (default outputs.dtype), and
     with ``return_lse`` also the merged fp32 LSE [...] in the same base.
-    Empty shards (LSE NaN/+inf/-inf) get weight 0; an all-empty row is 0 with LSE -inf.
+    Empty shards (LSE -inf) get weight 0; an all-empty row is 0 with LSE -inf. A NaN or
+    +inf LSE is data, not emptiness: the row's result is NaN, as without DCP.
     """
     out_dtype = _check_merge_args("merge_partials", outputs, lses, base, out_dtype)
     masked = _masked_lse(lses)
     w, total, lse = _global_lse(masked, base)
     # Normalise the weights once per row; guarding the divisor keeps all-empty rows
-    # at 0 instead of 0/0.
-    scale = w / torch.where(total > 0, total, torch.ones_like(total))
+    # (total exactly 0) at 0 instead of 0/0, and leaves a NaN total visible.
+    scale = w / torch.where(total == 0, torch.ones_like(total), total)
     o32 = outputs.float()
-    # An empty shard's output may be garbage (NaN from 0/0 in its softmax); 0 * NaN
-    # would poison the sum, so zero it explicitly.
-    o32 = torch.where((masked > float("-inf")).unsqueeze(-1), o32, torch.zeros_like(o32))
+    # An empty shard's output is not data (another kernel may leave 0/0 there);
+    # 0 * NaN would poison the sum, so zero it explicitly.
+    o32 = torch.where(_empty(masked).unsqueeze(-1), torch.zeros_like(o32), o32)
     out = (scale.unsqueeze(-1) * o32).sum(dim=0).to(out_dtype)
     if return_lse:
         return out, lse
@@ -138,10 +143,10 @@ def rescale_partial(o: Tensor, lse: Tensor, global_lse: Tensor, base: str = "e")
     """
     check_base(base)
     masked = _masked_lse(lse)
-    valid = masked > float("-inf")
-    # global_lse is finite whenever this shard is valid (it is >= this shard's lse);
-    # where it is -inf the shard is invalid too and the weight is forced to 0.
-    g = torch.where(torch.isfinite(global_lse), global_lse, torch.zeros_like(global_lse))
+    valid = ~_empty(masked)
+    # global_lse is -inf only where every shard, this one included, is empty: the
+    # weight is forced to 0 there. NaN/+inf pass through into the weight.
+    g = torch.where(_empty(global_lse), torch.zeros_like(global_lse), global_lse)
     w = torch.where(valid, _exp(masked - g, base), torch.zeros_like(masked))
     o32 = torch.where(valid.unsqueeze(-1), o.float(), torch.zeros((), dtype=torch.float32, device=o.device))
     return o32 * w.unsqueeze(-1)

@@ -72,11 +72,12 @@ def _merge_kernel(
     cmask = cols < D
     NEG_INF = float("-inf")
 
-    # Pass 1: max over valid shards. NaN / +inf / -inf LSEs are empty shards.
+    # Pass 1: max over non-empty shards. Only -inf marks an empty shard (no visible
+    # key); NaN and +inf are values and propagate as they would without DCP.
     m = tl.full((), NEG_INF, tl.float32)
     for r in range(C):
         l = _load_lse(lse_ptr, bits_ptr, r, n, s_lc, s_ln, bits_base, s_bc, s_bn, PACKED, K, ELEM_BITS)
-        valid = (l == l) & (tl.abs(l) != float("inf"))
+        valid = l != NEG_INF
         m = tl.maximum(m, tl.where(valid, l, NEG_INF))
     # All-empty row: shift by 0 so no -inf - -inf NaN appears; all weights become 0.
     m = tl.where(m == NEG_INF, 0.0, m)
@@ -86,7 +87,7 @@ def _merge_kernel(
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for r in range(C):
         l = _load_lse(lse_ptr, bits_ptr, r, n, s_lc, s_ln, bits_base, s_bc, s_bn, PACKED, K, ELEM_BITS)
-        valid = (l == l) & (tl.abs(l) != float("inf"))
+        valid = l != NEG_INF
         if BASE2:
             w = tl.exp2(l - m)
         else:
@@ -94,11 +95,12 @@ def _merge_kernel(
         w = tl.where(valid, w, 0.0)
         total += w
         o = tl.load(o_ptr + r * s_oc + n * s_on + cols * s_od, mask=cmask, other=0.0).to(tl.float32)
-        # Garbage (NaN) output of an empty shard must not leak through 0 * NaN.
+        # An empty shard's output is not data: it must not leak through 0 * NaN.
         o = tl.where(valid, o, 0.0)
         acc += w * o
 
-    safe_total = tl.where(total > 0.0, total, 1.0)
+    # total is 0 exactly when every shard is empty; NaN/inf totals must stay visible
+    safe_total = tl.where(total == 0.0, 1.0, total)
     res = acc / safe_total
     tl.store(out_ptr + n * s_outn + cols * s_outd, res.to(out_ptr.dtype.element_ty), mask=cmask)
     if RETURN_LSE:
@@ -107,7 +109,7 @@ def _merge_kernel(
             lse = m + tl.log2(safe_total)
         else:
             lse = m + tl.log(safe_total)
-        lse = tl.where(total > 0.0, lse, NEG_INF)
+        lse = tl.where(total == 0.0, NEG_INF, lse)
         # Only one column block writes the row's LSE.
         if pid_d == 0:
             tl.store(out_lse_ptr + n, lse)

@@ -146,8 +146,9 @@ def _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, 
         visible = visible & (gpos.view(1, 1, 1, T) <= q_pos.to(dev).long().view(B, S, 1, 1))
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1) if T > 0 else scores.new_full((B, S, H), float("-inf"))
-    empty = torch.isneginf(lse) | torch.isnan(lse)
-    lse = lse.masked_fill(empty, float("-inf"))
+    # -inf: no visible key (empty shard or every key masked), output 0. A NaN/+inf in
+    # the scores is data and gives NaN here, as the model without DCP would.
+    empty = torch.isneginf(lse)
     p = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
     p = p.masked_fill(empty.unsqueeze(-1), 0.0)
     out = torch.einsum("bsht,btd->bshd", p, kv[..., :v_dim].to(acc_dtype))
