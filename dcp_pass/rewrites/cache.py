@@ -5,15 +5,26 @@ model code are untouched), but its storage is released: the backend owns a compa
 shard `[max_batch, ceil(max_seq / c) + 1, D]` per rank (one spare row), keyed by the
 buffer object and reused by every later recompile. The graph takes the shard as a
 trailing static input, resolved per call from the buffer passed (see backend.py).
+
+A buffer built under `dcp_pass.deferred_caches()` never had full-size storage: it is
+created in the released form directly (`unallocated`) and gets only its shard.
+
+A buffer without full-size data must not be read outside a DCP graph. Ordinary
+operations that would (deepcopy, pickling, `Module.to`/`.half()`/..., eager calls of the
+owning module, another backend compiling it, state_dict save/load) raise `DcpCacheError`
+naming the buffer instead of copying garbage or crashing; see `guard` below.
 """
 from __future__ import annotations
 
+import functools
+import gc
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.report import log
 from dcp_pass.rewrites.match import CacheAccess
@@ -21,14 +32,13 @@ from dcp_pass.runtime import layout
 
 
 class DcpCacheError(RuntimeError):
-    """A cache buffer was striped earlier but a graph uses it in a way DCP cannot serve."""
+    """A cache buffer has no full-size data (striped by DCP, or deferred) and was used as if it had."""
 
 
 @dataclass
 class LocalCache:
     """This rank's shard of one model cache buffer."""
 
-    full_ref: "weakref.ref[torch.Tensor]"
     local: torch.Tensor
     virtual_capacity: int  # positions of the original buffer (its dim 1)
     c: int
@@ -41,14 +51,31 @@ class LocalCache:
         return self.local.numel() * self.local.element_size()
 
 
-_LOCAL_CACHES: dict[int, LocalCache] = {}
+@dataclass
+class DeferredCache:
+    """A cache buffer created without storage by `dcp_pass.deferred_caches()`."""
+
+    name: str
+    fill: Optional[float]  # 0.0 for torch.zeros, None for torch.empty
+    owner: str  # class name of the module that registered it
+
+
+# Keyed weakly by the buffer object: when a model is deleted its shards go with it.
+_LOCAL_CACHES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_DEFERRED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def lookup_local_cache(buffer: torch.Tensor) -> Optional[LocalCache]:
-    entry = _LOCAL_CACHES.get(id(buffer))
-    if entry is not None and entry.full_ref() is buffer:
-        return entry
-    return None
+    return _LOCAL_CACHES.get(buffer)
+
+
+def is_deferred(buffer: torch.Tensor) -> bool:
+    return buffer in _DEFERRED
+
+
+def is_released(buffer: torch.Tensor) -> bool:
+    """Whether `buffer` has no full-size data (striped, or deferred and not materialized)."""
+    return buffer in _LOCAL_CACHES or buffer in _DEFERRED
 
 
 def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
@@ -61,18 +88,23 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
                 f"it cannot be recompiled with dcp_size={c}, rank {rank}"
             )
         return entry
-    shard = layout.shard_full_cache(buffer.detach(), c, rank)  # keeps rows already written
+    batch, tokens, dim = buffer.shape
     # One spare row: a windowed write (symbolic start) may touch row (start + n) // c,
     # one past the last owned row when max_seq is a multiple of c. Never read.
-    local = shard.new_zeros((shard.shape[0], shard.shape[1] + 1, shard.shape[2]))
-    local[:, : shard.shape[1]] = shard
+    local = torch.zeros((batch, layout.local_capacity(tokens, c) + 1, dim), dtype=buffer.dtype, device=buffer.device)
+    if buffer not in _DEFERRED:  # a deferred buffer has no rows yet: its shard starts zeroed
+        owned = buffer.detach()[:, rank::c]  # keeps rows already written
+        local[:, : owned.shape[1]] = owned
     full_nbytes = buffer.numel() * buffer.element_size()
-    return LocalCache(weakref.ref(buffer), local, buffer.shape[1], c, rank, full_nbytes, name)
+    return LocalCache(local, tokens, c, rank, full_nbytes, name)
 
 
 def install(buffer: torch.Tensor, entry: LocalCache) -> None:
     """Make `entry` the owner of `buffer`'s rows and release the full-size storage (once)."""
     if lookup_local_cache(buffer) is entry:
+        return
+    if _DEFERRED.pop(buffer, None) is not None:  # never had full-size storage; guarded since defer()
+        _LOCAL_CACHES[buffer] = entry
         return
     if owns_storage(buffer):
         # Shape, stride and dtype stay, so Dynamo's guards on the buffer still pass.
@@ -84,7 +116,8 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
         log.warning("dcp_pass: %s shares its storage with other tensors; its full-size memory is kept",
                     entry.name)
         entry.full_nbytes = entry.local_nbytes  # report no saving that did not happen
-    _LOCAL_CACHES[id(buffer)] = entry
+    _LOCAL_CACHES[buffer] = entry
+    guard(buffer, _owners_of(buffer))
 
 
 def owns_storage(buffer: torch.Tensor) -> bool:
@@ -106,8 +139,280 @@ def local_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
     return entry
 
 
-def is_released(buffer: torch.Tensor) -> bool:
-    return lookup_local_cache(buffer) is not None
+# --------------------------------------------------------------------------- no memory behind
+
+
+def _storage_nbytes(shape, stride, element_size: int, offset: int = 0) -> int:
+    if any(s == 0 for s in shape):
+        return 0
+    return (offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride))) * element_size
+
+
+def unallocated(shape, stride, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of this shape, stride, dtype and device with a 0-byte storage; allocates nothing.
+
+    The same thing `untyped_storage().resize_(0)` leaves of a full tensor (what Dynamo
+    already guards and recompiles against), made without allocating first: `set_` checks
+    that the storage is big enough, so the tensor is set onto a non-owning storage of the
+    full byte size with a null pointer (nothing behind it), and that storage then swaps
+    pointer, size and allocator with an empty storage of the device. Materializing is
+    `untyped_storage().resize_(n)`, in place, for every tensor sharing the storage.
+    """
+    t = torch.empty(0, dtype=dtype, device=device)
+    nbytes = _storage_nbytes(shape, stride, t.element_size())
+    shell = torch._C._construct_storage_from_data_pointer(0, t.device, nbytes)
+    t.set_(shell, 0, tuple(shape), tuple(stride))
+    t.untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0, device=t.device))
+    return t
+
+
+def materialize_storage(t: torch.Tensor, fill: Optional[float]) -> None:
+    """Give an `unallocated` tensor (and every alias of its storage) its memory."""
+    t.untyped_storage().resize_(_storage_nbytes(t.shape, t.stride(), t.element_size(), t.storage_offset()))
+    if fill is not None:
+        with torch.no_grad():
+            torch.Tensor.fill_(t, fill)
+
+
+def defer(buffer: torch.Tensor, name: str, fill: Optional[float], owner: torch.nn.Module) -> None:
+    """Register an `unallocated` buffer as a deferred cache of `owner`."""
+    _DEFERRED[buffer] = DeferredCache(name, fill, type(owner).__name__)
+    guard(buffer, [owner])
+
+
+def materialize_full(buffer: torch.Tensor) -> None:
+    """Allocate a deferred buffer in full (dcp_size=1: no striping); it becomes an ordinary buffer."""
+    info = _DEFERRED.pop(buffer)
+    materialize_storage(buffer, info.fill)
+    for attr in _GUARDED_ATTRS:
+        buffer.__dict__.pop(attr, None)
+
+
+def _deferred_like(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    new = unallocated(t.shape, t.stride(), dtype, device)
+    _DEFERRED[new] = _DEFERRED[t]
+    guard(new, [])  # the owner's hooks are in place already
+    return new
+
+
+# --------------------------------------------------------------------------- guards
+#
+# Per-instance attributes on the buffer: copy.deepcopy and pickle look up `__deepcopy__`
+# and `__reduce_ex__` on the instance, and Module._apply (`.to`, `.half()`, `.cuda()`, ...)
+# calls `t.to(...)` etc. through instance attribute lookup. Dynamo itself sets instance
+# attributes on buffers (`_dynamo_static_input_type`) and does not guard on them, so they
+# cost no recompile. A deferred buffer converts and copies for free (there is nothing to
+# copy); a striped one refuses anything but a no-op conversion.
+
+_CONVERSIONS = ("to", "cuda", "cpu", "type", "float", "double", "half", "bfloat16")
+_GUARDED_ATTRS = _CONVERSIONS + ("__deepcopy__", "__reduce_ex__", "share_memory_")
+
+
+def _describe(buffer: torch.Tensor) -> tuple[str, str]:
+    """(name, why it has no full-size data) for messages."""
+    entry = _LOCAL_CACHES.get(buffer)
+    if entry is not None:
+        return entry.name, (f"DCP striped it (dcp_size={entry.c}): this rank keeps only positions p with "
+                            f"p % {entry.c} == {entry.rank} and its full-size storage was released")
+    info = _DEFERRED.get(buffer)
+    if info is not None:
+        return info.name, "it was built under dcp_pass.deferred_caches() and was never allocated"
+    return "?", "?"
+
+
+def _refuse(ref, what: str, *args: Any, **kwargs: Any):
+    buffer = ref()
+    name, why = _describe(buffer)
+    raise DcpCacheError(f"dcp_pass: cannot {what} cache buffer {name}: {why}. Do it before compiling the model "
+                        f"with backend='dcp' (or before dcp_pass.materialize), or build a new model.")
+
+
+def _convert(ref, method: str, *args: Any, **kwargs: Any):
+    buffer = ref()
+    # What the conversion does, learnt on an empty tensor of the same dtype and device.
+    probe = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    out = getattr(torch.Tensor, method)(probe, *args, **kwargs)
+    if not isinstance(out, torch.Tensor):  # t.type() with no argument: the type name
+        return out
+    if out is probe:  # a no-op conversion returns the tensor itself
+        return buffer
+    if buffer in _DEFERRED:
+        return _deferred_like(buffer, out.dtype, out.device)
+    return _refuse(ref, f"convert (.{method}) the")
+
+
+def _deepcopy(ref, memo):
+    buffer = ref()
+    if buffer in _DEFERRED:
+        return _deferred_like(buffer, buffer.dtype, buffer.device)
+    return _refuse(ref, "deep-copy the")
+
+
+def guard(buffer: torch.Tensor, owners: list) -> None:
+    """Make every ordinary path that would read `buffer`'s missing data raise `DcpCacheError`."""
+    ref = weakref.ref(buffer)  # no reference cycle: a deleted model frees its buffers at once
+    for method in _CONVERSIONS:
+        setattr(buffer, method, functools.partial(_convert, ref, method))
+    buffer.__deepcopy__ = functools.partial(_deepcopy, ref)
+    buffer.__reduce_ex__ = functools.partial(_refuse, ref, "pickle (torch.save) the")
+    buffer.share_memory_ = functools.partial(_refuse, ref, "share_memory_() the")
+    for module in owners:
+        _guard_owner(module)
+
+
+def _owners_of(buffer: torch.Tensor) -> list:
+    """Modules holding `buffer` in their `_buffers` (the backend is handed tensors, not modules).
+
+    gc.get_referrers scans the heap (~30 ms per 400k objects); once per released buffer.
+    """
+    dicts = [d for d in gc.get_referrers(buffer) if isinstance(d, dict)]
+    if not dicts:
+        return []
+    owners, instance_dicts = [], []
+    for r in gc.get_referrers(*dicts):
+        if isinstance(r, torch.nn.Module) and any(r.__dict__.get("_buffers") is d for d in dicts):
+            owners.append(r)
+        elif isinstance(r, dict) and any(r.get("_buffers") is d for d in dicts):
+            instance_dicts.append(r)  # a module whose __dict__ is a separate dict object
+    if instance_dicts:
+        owners += [m for m in gc.get_referrers(*instance_dicts)
+                   if isinstance(m, torch.nn.Module) and any(m.__dict__ is d for d in instance_dicts)]
+    return owners
+
+
+def _guard_owner(module: torch.nn.Module) -> None:
+    if _owner_pre_hook in module._forward_pre_hooks.values():
+        return
+    # With torch._dynamo.config.skip_nnmodule_hook_guards (default True) adding hooks after a
+    # compile does not recompile; graphs traced later trace the hook, which adds no node.
+    module.register_forward_pre_hook(_owner_pre_hook)
+    # Public names since torch 2.4/2.5; the private ones take the same hooks.
+    getattr(module, "register_state_dict_post_hook", module._register_state_dict_hook)(_owner_state_dict_hook)
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        module.register_load_state_dict_pre_hook(_owner_load_hook)
+    else:
+        module._register_load_state_dict_pre_hook(_owner_load_hook, with_module=True)
+
+
+def _unbacked(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [b for b in module._buffers.values() if b is not None and is_released(b)]
+
+
+def _inside_compiled_region() -> bool:
+    """Whether Dynamo intercepts frames here (it will compile the forward this hook precedes).
+
+    False in plain eager code and where Dynamo runs a frame without compiling it
+    (recompile limit reached, or torch.compiler.disable).
+    """
+    get = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+    callback = get() if get is not None else None
+    return callback not in (None, False, True)
+
+
+def _owner_pre_hook(module: torch.nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        _check_tracing_backend(type(module).__name__)  # runs for real at trace time; no graph node
+        return None
+    if _inside_compiled_region():
+        return None
+    buffers = _unbacked(module)
+    if not buffers:
+        return None
+    described = [_describe(b) for b in buffers]
+    names = ", ".join(name for name, _ in described)
+    msg = (f"dcp_pass: {type(module).__name__} ran eagerly, but its cache buffer(s) {names} hold no full-size "
+           f"data ({described[0][1]}). It can only run inside a graph compiled with backend='dcp'. Either the "
+           f"original module was called instead of the one torch.compile returned, or Dynamo fell back to eager "
+           f"for this frame (recompile limit reached: see TORCH_LOGS=recompiles and raise "
+           f"torch._dynamo.config.recompile_limit; or a compile error hidden by suppress_errors).")
+    if any(b in _DEFERRED for b in buffers):
+        msg += " To run it without DCP, call dcp_pass.materialize(model, dcp_size=1) first."
+    raise DcpCacheError(msg)
+
+
+def _tracing_backend() -> tuple[Optional[str], Any]:
+    """The backend Dynamo is tracing for: ("dcp", dcp_size), ("other", name) or (None, None) if unknown.
+
+    Walks Dynamo's wrappers of the compiler (WrapBackendDebug -> torch.compile's wrapper
+    -> the backend). Only a backend registered under another name counts as "other", so a
+    wrapper we do not know is never refused.
+    """
+    from dcp_pass.backend import DcpBackend, dcp_backend
+    from dcp_pass.options import DcpOptions
+
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        fn = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # noqa: BLE001 - internals moved: do not guess
+        return None, None
+    name, options, seen = None, None, []
+    while fn is not None and not any(fn is s for s in seen):
+        seen.append(fn)
+        if isinstance(fn, DcpBackend):
+            return "dcp", fn.options.dcp_size
+        if fn is dcp_backend:
+            return "dcp", DcpOptions.from_mapping(options).dcp_size
+        name = getattr(fn, "compiler_name", name)
+        kwargs = getattr(fn, "kwargs", None)
+        if isinstance(kwargs, dict) and kwargs.get("options") is not None:
+            options = kwargs["options"]
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+    if isinstance(name, str) and name != "dcp" and name in torch._dynamo.list_backends(exclude_tags=()):
+        return "other", name
+    return None, None
+
+
+@torch.compiler.assume_constant_result
+def _check_tracing_backend(owner: str) -> bool:
+    """At trace time: refuse a non-DCP backend; with dcp_size=1 give deferred buffers full storage.
+
+    Raising here (real Python, run by Dynamo while it traces) fails that compile only;
+    raising from traced code would make Dynamo skip the frame for the DCP compile too.
+    It gets the owner's class name, not the module: the arguments of this call are
+    guarded as constants, and a guard on the module's identity would recompile a shared
+    Block graph for every layer. So it looks at every cache buffer of the process.
+    """
+    kind, detail = _tracing_backend()  # detail: dcp_size, or the other backend's name
+    if kind == "dcp" and detail == 1:  # DCP off: the caches are ordinary full-size buffers
+        for buffer, info in list(_DEFERRED.items()):
+            if info.owner == owner:
+                materialize_full(buffer)
+    elif kind == "other" and (len(_LOCAL_CACHES) or len(_DEFERRED)):
+        described = [_describe(b) for b in (*_LOCAL_CACHES.keys(), *_DEFERRED.keys())]
+        names = ", ".join(n for n, _ in described[:4]) + (f" and {len(described) - 4} more" if len(described) > 4 else "")
+        raise DcpCacheError(
+            f"dcp_pass: {owner} is being compiled with backend {detail!r}, but cache buffer(s) {names} hold no "
+            f"full-size data ({described[0][1]}); only backend='dcp' can run them. Compile the model with "
+            f"backend='dcp' and the same options."
+        )
+    return True
+
+
+def _owner_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    for key, buffer in module._buffers.items():
+        if buffer is not None and prefix + key in state_dict and is_released(buffer):
+            _refuse(weakref.ref(buffer), "save (state_dict) the")
+
+
+def _owner_load_hook(module, state_dict, prefix, *args: Any) -> None:
+    for key, buffer in module._buffers.items():
+        if buffer is not None and prefix + key in state_dict and is_released(buffer):
+            _refuse(weakref.ref(buffer), "load (load_state_dict) into the")
+
+
+# --------------------------------------------------------------------------- graph
+
+
+def _fake(example: torch.Tensor) -> torch.Tensor:
+    """`example` as a static-shape fake of the current trace: graphs kept for reports then
+    hold no real shard (a deleted model frees its shards)."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode()
+    if fake_mode is None or isinstance(example, torch._subclasses.FakeTensor):
+        return example
+    return fake_mode.from_tensor(example, static_shapes=True)
 
 
 def static_placeholder(graph: fx.Graph, name: str, example: torch.Tensor) -> fx.Node:
@@ -119,7 +424,7 @@ def static_placeholder(graph: fx.Graph, name: str, example: torch.Tensor) -> fx.
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last):
         node = graph.placeholder(name)
-    node.meta["example_value"] = example
+    node.meta["example_value"] = _fake(example)
     node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
     node._dynamo_source = None
     return node
