@@ -6,7 +6,7 @@ from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.topology import DcpTopology, DcpTopologyError, plan_topology
 
 __all__ = ["DcpOptions", "DcpOptionError", "DcpTopology", "DcpTopologyError", "plan_topology",
-           "DcpBackend", "last_report"]
+           "DcpBackend", "last_report", "deferred_caches", "materialize", "DcpCacheError"]
 
 
 def __getattr__(name):
@@ -15,4 +15,12 @@ def __getattr__(name):
         from dcp_pass import backend
 
         return getattr(backend, name)
+    if name in ("deferred_caches", "materialize"):  # construction without full-size KV caches
+        from dcp_pass import deferred
+
+        return getattr(deferred, name)
+    if name == "DcpCacheError":
+        from dcp_pass.rewrites.cache import DcpCacheError
+
+        return DcpCacheError
     raise AttributeError(name)

@@ -17,7 +17,7 @@ from dcp_pass.report import GraphReport, LayerReport, log
 from dcp_pass.rewrites import cache as cache_rw
 from dcp_pass.rewrites import q_replicate
 from dcp_pass.rewrites.attention import AttentionPlan, rewrite_attention
-from dcp_pass.rewrites.match import NearMiss, find_mla, is_cache_buffer, module_path, buffer_source
+from dcp_pass.rewrites.match import NearMiss, find_mla, module_path, buffer_source
 
 
 class DcpRewriteError(RuntimeError):
@@ -39,7 +39,7 @@ def _placeholder_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> di
 def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.Node]:
     return [
         n for n in graph.nodes
-        if is_cache_buffer(n) and n.users and isinstance(values.get(n.name), torch.Tensor)
+        if n.op == "placeholder" and n.users and isinstance(values.get(n.name), torch.Tensor)
         and cache_rw.is_released(values[n.name])
     ]
 
@@ -110,6 +110,7 @@ def apply_dcp(
         log.warning("dcp_pass: graph left unchanged: %s", reason)
         return gm, [], []
 
+    _refuse_released(graph, values)  # e.g. a deferred buffer read next to a matched attention
     for buf, entry in entries.items():
         cache_rw.install(values[buf.name], entry)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -154,8 +155,9 @@ def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
     if used:
         names = ", ".join(module_path(buffer_source(n)) for n in used)
         raise DcpRewriteError(
-            f"cache buffer(s) {names} were striped by DCP in an earlier graph, but this graph reads them "
-            f"outside an MLA attention the pass can rewrite; their full-size storage no longer exists"
+            f"cache buffer(s) {names} have no full-size storage (striped by DCP in an earlier graph, or "
+            f"deferred by dcp_pass.deferred_caches()), but this graph reads them outside an MLA attention "
+            f"the pass can rewrite"
         )
 
 

@@ -1,0 +1,151 @@
+"""Build a model whose KV caches never exist at full size.
+
+    with dcp_pass.deferred_caches():
+        model = Transformer(args)
+    model = torch.compile(model, backend="dcp", options={"dcp_size": 2})
+
+Inside the context, large `torch.zeros` / `torch.empty` results start as `unallocated`
+tensors: full shape, stride, dtype and device (what Dynamo guards and the model code
+slices), no memory. One that the module registers with
+`register_buffer(name, t, persistent=False)` (the reference style for KV caches) stays
+that way and becomes a deferred cache: the first DCP compile (or `materialize`) gives it
+only this rank's stripe. Any other such tensor (a weight, a persistent buffer) gets its
+memory, zeroed for `torch.zeros`, before its first use or when the context exits, so the
+rest of the model is built exactly as without the context.
+
+A deferred cache that is read eagerly, copied, saved or compiled by another backend
+raises `DcpCacheError` naming it (rewrites/cache.py, `guard`); one that a DCP graph reads
+outside an attention the pass rewrites is refused by the pass.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from dcp_pass.rewrites import cache
+
+_FACTORIES = {torch.zeros: 0.0, torch.empty: None}  # factory -> fill
+# Calls that read only metadata: they leave a tensor without memory (nn.Linear's init reads
+# weight.shape before it writes the weight, and we read storages to find our tensors).
+_METADATA = {getattr(torch.Tensor, m) for m in ("untyped_storage", "size", "dim", "stride", "numel", "element_size",
+                                                 "storage_offset", "is_contiguous", "is_floating_point", "is_complex")}
+_METADATA |= {getattr(torch.Tensor, p).__get__ for p in ("shape", "dtype", "device", "layout", "ndim", "requires_grad",
+                                                         "is_cuda", "is_meta", "grad_fn", "is_leaf")}
+
+
+class _DeferMode(TorchFunctionMode):
+    """Creates large zeros/empty tensors without memory and backs them on first use."""
+
+    def __init__(self, min_bytes: int):
+        super().__init__()
+        self.min_bytes = min_bytes
+        # storage id -> (the storage, its full byte size, zero it?). The storage, not the
+        # tensor: `nn.Parameter(torch.empty(...))` keeps only an alias of the tensor made.
+        self.pending: dict[int, tuple[torch.UntypedStorage, int, bool]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and "out" not in kwargs:
+            made = self._unallocated(func, args, kwargs)
+            if made is not None:
+                return made
+        if func not in _METADATA:
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor):
+                    self._back(leaf)
+        return func(*args, **kwargs)
+
+    def _unallocated(self, func, args, kwargs) -> Optional[torch.Tensor]:
+        device = torch.device(kwargs.get("device") or torch.get_default_device())
+        if device.type == "meta" or kwargs.get("requires_grad") or kwargs.get("pin_memory"):
+            return None
+        meta = func(*args, **{**kwargs, "device": "meta"})  # shape, dtype, stride as the call asks
+        nbytes = meta.numel() * meta.element_size()
+        if meta.layout != torch.strided or nbytes == 0 or nbytes < self.min_bytes:
+            return None
+        t = cache.unallocated(meta.shape, meta.stride(), meta.dtype, device)
+        storage = t.untyped_storage()
+        self.pending[storage._cdata] = (storage, nbytes, _FACTORIES[func] is not None)
+        return t
+
+    def _back(self, t: torch.Tensor) -> None:
+        """Give `t`'s storage its memory if it is a pending one (for every alias, e.g. a Parameter)."""
+        if cache.is_deferred(t):
+            name, _ = cache._describe(t)
+            raise cache.DcpCacheError(f"dcp_pass: deferred cache buffer {name} was used while the model is built "
+                                      f"under dcp_pass.deferred_caches(); it has no memory until DCP stripes it")
+        if self.pending and t.device.type != "meta":
+            held = self.pending.pop(t.untyped_storage()._cdata, None)
+            if held is not None:
+                _back_storage(*held)
+
+    def claim(self, t: torch.Tensor) -> tuple[bool, Optional[float]]:
+        """Whether `t` is one of ours, still without memory (it stops being pending), and its fill."""
+        held = self.pending.pop(t.untyped_storage()._cdata, None)
+        return (False, None) if held is None else (True, 0.0 if held[2] else None)
+
+    def back_all(self) -> None:
+        for storage, nbytes, zero in self.pending.values():
+            if torch._C._storage_Use_Count(storage._cdata) > 1:  # some tensor still uses it
+                _back_storage(storage, nbytes, zero)
+        self.pending.clear()
+
+
+def _back_storage(storage: torch.UntypedStorage, nbytes: int, zero: bool) -> None:
+    storage.resize_(nbytes)
+    if zero:
+        storage.fill_(0)
+
+
+@contextlib.contextmanager
+def deferred_caches(min_bytes: int = 1 << 20) -> Iterator[None]:
+    """Build models inside this context so that their KV caches are never allocated at full size.
+
+    Applies to `torch.zeros` / `torch.empty` results of at least `min_bytes` that a module
+    registers with `register_buffer(..., persistent=False)`. Not thread-safe: it patches
+    `nn.Module.register_buffer` while it is active.
+    """
+    mode = _DeferMode(min_bytes)
+    original = torch.nn.Module.register_buffer
+
+    def register_buffer(module: torch.nn.Module, name: str, tensor: Optional[torch.Tensor],
+                        persistent: bool = True) -> None:
+        original(module, name, tensor, persistent)
+        if tensor is not None and not persistent:
+            ours, fill = mode.claim(tensor)
+            if ours:
+                cache.defer(tensor, f"{type(module).__name__}.{name}", fill, module)
+
+    torch.nn.Module.register_buffer = register_buffer
+    try:
+        with mode:
+            yield
+    finally:
+        torch.nn.Module.register_buffer = original
+        mode.back_all()
+
+
+def materialize(model: torch.nn.Module, dcp_size: int, rank: Optional[int] = None, device: Any = None) -> torch.nn.Module:
+    """Give every deferred cache of `model` its storage now, instead of at the first DCP compile.
+
+    dcp_size > 1: only this rank's stripe (the shard the DCP backend will use; `rank` is
+    the DCP rank, as the backend's topology computes it). dcp_size == 1: the full buffer,
+    zeroed, so the model runs as if built without `deferred_caches`. `device` first moves
+    the model (deferred caches move without memory).
+    """
+    if device is not None:
+        model.to(device)
+    if dcp_size > 1 and rank is None:
+        raise ValueError("materialize: pass rank= (this process's DCP rank) when dcp_size > 1")
+    for name, buffer in model.named_buffers():
+        if not cache.is_deferred(buffer):
+            continue
+        if dcp_size == 1:
+            cache.materialize_full(buffer)
+        else:
+            cache.install(buffer, cache.shard_for(buffer, dcp_size, rank, name))
+    return model
