@@ -54,9 +54,9 @@ def main():
         kv = torch.randn(B, T + 1, KV_LORA + ROPE, dtype=dtype, device=dev)
         mask = torch.zeros(1, 1, 1, T, device=dev)
         for name, fn in [
-            ("custom_op", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, T, KV_LORA, SCALE, None, "e",
+            ("custom_op", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, T, 1, 0, KV_LORA, SCALE, None, "e",
                                                                      "auto")),
-            ("custom_op+mask", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, T, KV_LORA, SCALE, mask,
+            ("custom_op+mask", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, T, 1, 0, KV_LORA, SCALE, mask,
                                                                           "e", "auto")),
             ("dispatcher", lambda: M.mla_attention(q, None, kv[:, :T], None, KV_LORA, SCALE)),
             ("empty_x2", lambda: (torch.empty(B, 1, H, KV_LORA, device=dev), torch.empty(B, 1, H, device=dev))),

@@ -291,7 +291,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -315,15 +315,13 @@ def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv
     add = start_pos + 1
     striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, start_pos, 2, 0, 16, 0)
     striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, start_pos, 2, 0, 16, 0)
-    add_1 = add + 1
-    n_local_keys = add_1 // 2
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = n_local_keys, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = add, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -347,9 +345,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     getitem_2 = unsqueeze[(None, Ellipsis)]
-    getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
-    mask_local = getitem_3.float()
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 2, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    mask_f32 = getitem_2.float()
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -373,9 +370,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     getitem_2 = unsqueeze[(None, Ellipsis)]
-    getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
-    mask_local = getitem_3.float()
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 4, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    mask_f32 = getitem_2.float()
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 8, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -403,7 +399,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_ag_rs(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -421,7 +417,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
@@ -438,7 +434,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
@@ -465,7 +461,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 7, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 14, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -485,7 +481,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 4)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 4, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 14, c = 4, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 4, base = 'e', out_dtype = torch.float32)
@@ -505,7 +501,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 8)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 2, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 14, c = 8, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 8, base = 'e', out_dtype = torch.float32)
@@ -564,7 +560,7 @@ def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
     cat_1 = torch.cat([q_lat, q_pe], dim = -1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     q_group = dcp_pass_runtime_comm_gather_heads(cat_1, '0', 2)
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, n_keys = 3, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -588,9 +584,8 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     where = torch.where(unsqueeze, -inf, 0.0)
     getitem_2 = where[(None, Ellipsis)]
-    getitem_3 = getitem_2[(Ellipsis, slice(0, None, 2))]
-    mask_local = getitem_3.float()
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 2, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+    mask_f32 = getitem_2.float()
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -630,7 +625,7 @@ q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -663,7 +658,7 @@ striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, c
 q_full = torch.cat([q_lat, q_pe_1], dim = -1)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 q_group = dcp_pass_runtime_comm_gather_heads(q_full, '0', 2)
-local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -687,9 +682,8 @@ q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 where = torch.where(unsqueeze_2, -inf, 0.0)
 getitem = where[(None, Ellipsis)]
-getitem_10 = getitem[(Ellipsis, slice(0, None, 2))]
-mask_local = getitem_10.float()
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 2, v_dim = 32, scale = 0.2041241452319315, mask = mask_local, lse_base = 'e', backend = 'auto')
+mask_f32 = getitem.float()
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = mask_f32, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -711,7 +705,7 @@ q_packed = torch.cat([q_lat_1, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -740,9 +734,8 @@ q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
 q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
 where = torch.where(unsqueeze, -inf, 0.0)
 getitem_5 = where[(None, Ellipsis)]
-getitem_6 = getitem_5[(Ellipsis, slice(0, None, 2))]
-mask_local = getitem_6.float()
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 8, v_dim = 8, scale = 0.25, mask = mask_local, lse_base = 'e', backend = 'auto')
+mask_f32 = getitem_5.float()
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 16, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
@@ -776,7 +769,7 @@ cat = torch.cat([q_lat, q_lat_1], 2)
 cat_1 = torch.cat([q_pe_1, q_pe_3], 2)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
-local_attention = torch.ops.dcp.mla_local_attention.default(cat, cat_1, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(cat, cat_1, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
@@ -808,7 +801,7 @@ q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
@@ -828,7 +821,7 @@ q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
@@ -857,7 +850,7 @@ q_packed = torch.cat([q_lat, q_pe_1], -1)
 q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, n_keys = 3, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)

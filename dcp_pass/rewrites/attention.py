@@ -1,12 +1,14 @@
 """Rewrite of one matched MLA attention into shard-local attention + collective merge.
 
 Emitted (before the softmax, in this order):
-  local key count      n_local = (end + c - 1 - rank) // c
-  local cache shards   local[:bsz(, :, f0:f1)], valid rows n_local passed as an int
+  local cache shards   local[:bsz(, :, f0:f1)]
   canonical queries    q.permute(...) -> [B, S, H, D]
   query heads          gather_heads (query all-gather)  | replicated projection | as is
-  striped mask         mask in [B, S, H, T] order, columns rank::c
-  dcp.mla_local_attention -> (partial output, lse)
+  mask                 the model's mask in [B, S, H, T] order, over global key positions
+  dcp.mla_local_attention(global key count, c, rank) -> (partial output, lse)
+Nothing emitted has a rank-dependent shape or symbolic expression: the op takes the
+global key count and the unstriped mask and keeps its stripe itself, so every rank's
+graph guards on the same things and recompiles at the same calls.
   exchange             exchange_a2a | exchange_ag_rs | exchange_replicated | exchange_fi_a2a
   output layout        permute back to the model's layout
 The value contraction's users then read the merged output; the old nodes die.
@@ -72,15 +74,8 @@ def _method(graph: fx.Graph, method: str, *args, name: Optional[str] = None) -> 
     return graph.create_node("call_method", method, args, {}, name=name)
 
 
-def local_key_count(graph: fx.Graph, end: Any, c: int, rank: int) -> Any:
-    """Keys of [0, end) owned by `rank`: (end + c - 1 - rank) // c, folded when `end` is an int."""
-    if isinstance(end, int):
-        return (end + c - 1 - rank) // c
-    return _call(graph, operator.floordiv, _call(graph, operator.add, end, c - 1 - rank), c, name="n_local_keys")
-
-
 def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, name: str) -> fx.Node:
-    """The batch rows (and feature columns) of a shard; key rows are bounded by the op's n_keys."""
+    """The batch rows (and feature columns) of a shard; key rows are bounded by the op."""
     index: tuple = (slice(None, access.bsz),)
     if access.feat is not None:
         index += (slice(None), slice(*access.feat))
@@ -95,8 +90,9 @@ def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], can
     return node if perm == list(range(len(perm))) else _method(graph, "permute", node, *perm, name=name)
 
 
-def striped_mask(graph: fx.Graph, match: MlaMatch, plan: AttentionPlan) -> Optional[fx.Node]:
-    """Sum of the score masks as one additive fp32 tensor in [B, S, H, T_local] order."""
+def score_mask(graph: fx.Graph, match: MlaMatch) -> Optional[fx.Node]:
+    """Sum of the score masks as one additive fp32 tensor in [B, S, H, T] order (global
+    key positions: the op keeps this rank's columns)."""
     total = None
     for mask in match.masks:
         node = mask.node
@@ -108,10 +104,7 @@ def striped_mask(graph: fx.Graph, match: MlaMatch, plan: AttentionPlan) -> Optio
         if missing:
             node = _call(graph, operator.getitem, node, (None,) * missing + (Ellipsis,))
         node = to_canonical(graph, node, match.score_roles, CANON_SCORES)
-        if T in mask.roles and not axes.known_equal(axes.shape_of(mask.node)[mask.roles.index(T)], 1):
-            # keys are striped, so is every per-key mask column
-            node = _call(graph, operator.getitem, node, (Ellipsis, slice(plan.rank, None, plan.c)))
-        node = _method(graph, "float", node, name="mask_local")
+        node = _method(graph, "float", node, name="mask_f32")
         total = node if total is None else _call(graph, operator.add, total, node)
     return total
 
@@ -154,7 +147,6 @@ def rewrite_attention(
     check_mask_heads(match, plan)
     value_node = match.value.node
     with graph.inserting_before(match.softmax):
-        n_local = local_key_count(graph, match.value_cache.end, plan.c, plan.rank)
         kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, "kv_local")
         pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local") if rope else None
         if query_override is not None:
@@ -165,9 +157,9 @@ def rewrite_attention(
             if plan.head_sharded:
                 d_lat = axes.shape_of(latent.query)[latent.query_roles.index(F)]
                 q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, d_lat)
-        mask = striped_mask(graph, match, plan)
+        mask = score_mask(graph, match)
         attn = _call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
-                     n_keys=n_local, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
+                     kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
                      backend=plan.attn_backend, name="local_attention")
         out = _call(graph, operator.getitem, attn, 0, name="partial_out")
         lse = _call(graph, operator.getitem, attn, 1, name="partial_lse")

@@ -22,7 +22,9 @@ def mla_local_attention(
     q_rope: Optional[torch.Tensor],
     kv: torch.Tensor,
     pe: Optional[torch.Tensor],
-    n_keys: int,
+    kv_len: int,
+    c: int,
+    rank: int,
     v_dim: int,
     scale: float,
     mask: Optional[torch.Tensor],
@@ -32,10 +34,16 @@ def mla_local_attention(
     """Attention of all query heads over this rank's KV shard only.
 
     q_lat [B,S,H,Dl], q_rope [B,S,H,Dr] or None (fused cache), kv [B,T,Dk] and pe [B,T,Dr]
-    are the rank-local cache shards, of which the first `n_keys` rows are valid; values are
-    kv[..., :v_dim]; mask is additive and already striped like the keys. The valid length
-    travels as an int, not as a sliced view: a symbolic tensor size would let shape checks
-    specialise on it (size 1 vs more) and recompile the graph as the context grows. Returns the partial output [B,S,H,v_dim] (q dtype) and its fp32
+    are the rank-local cache shards; values are kv[..., :v_dim]. `kv_len` is the GLOBAL
+    key count and `mask` the model's additive mask over GLOBAL key positions
+    [B,S,H,kv_len] (or broadcastable): the op keeps rank `rank`'s stripe of both itself.
+
+    Why global: every shape and symbolic expression the graph holds must be the same on
+    every rank. A rank-local count or a striped mask has a rank-dependent size, and a
+    guard on it (a size-1 check, say) would make one rank recompile where another does
+    not; compile-time collectives would then pair with the wrong peer. And an int, not
+    a sliced view: a symbolic tensor size would specialise (size 1 vs more) as the
+    context grows. Returns the partial output [B,S,H,v_dim] (q dtype) and its fp32
     log-sum-exp [B,S,H] in `lse_base`; an empty shard gives zeros and -inf.
     """
     from dcp_pass.runtime.kernels import mla_attention as kernels
@@ -46,14 +54,17 @@ def mla_local_attention(
     # V3-sized model, docs/performance.md), the reference's cuBLAS GEMMs are far faster
     if q_lat.is_cuda and (backend == "triton" or (backend == "auto" and kv.dtype != torch.float32)):
         fn = kernels.mla_attention
-    kv = kv[:, :n_keys]
-    pe = pe[:, :n_keys] if pe is not None else None
+    n_local = (kv_len + c - 1 - rank) // c
+    kv = kv[:, :n_local]
+    pe = pe[:, :n_local] if pe is not None else None
+    if mask is not None and mask.shape[-1] != 1:
+        mask = mask[..., rank::c]
     out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, None, lse_base, None)
     return out.contiguous(), lse.contiguous()
 
 
 @mla_local_attention.register_fake
-def _(q_lat, q_rope, kv, pe, n_keys, v_dim, scale, mask, lse_base, backend):
+def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend):
     B, S, H, _ = q_lat.shape
     out = q_lat.new_empty((B, S, H, v_dim))
     lse = q_lat.new_empty((B, S, H), dtype=torch.float32)
