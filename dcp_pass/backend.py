@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.report import DcpReport, GraphReport, log
 from dcp_pass.rewrites.apply import PassConfig, apply_dcp
@@ -139,6 +140,7 @@ class DcpBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, **_: Any):
         opts = self.options
         if self.topology is None:
+            check_options_agree(opts)  # before anything rank-specific can diverge
             self.topology = topology_from_world(opts.dcp_size, opts.tp_size, opts.attn_dp_size)
             self.report.rank = self.topology.rank
         graph_report = GraphReport(len(self.report.graphs))
