@@ -13,9 +13,11 @@ only this rank's stripe. Any other such tensor (a weight, a persistent buffer) g
 memory, zeroed for `torch.zeros`, before its first use or when the context exits, so the
 rest of the model is built exactly as without the context.
 
-A deferred cache that is read eagerly, copied, saved or compiled by another backend
-raises `DcpCacheError` naming it (rewrites/cache.py, `guard`); one that a DCP graph reads
-outside an attention the pass rewrites is refused by the pass.
+A deferred cache whose module runs eagerly, or that is pickled, saved or compiled by
+another backend, raises `DcpCacheError` naming it (rewrites/cache.py, `guard`); one that
+a DCP graph reads outside an attention the pass rewrites is refused by the pass. Moving
+or deep-copying the model keeps it deferred (there is nothing to copy). Code that reads
+the tensor object itself (`buf.sum()`) is not intercepted: it reads a 0-byte storage.
 """
 from __future__ import annotations
 

@@ -224,8 +224,9 @@ def _describe(buffer: torch.Tensor) -> tuple[str, str]:
 def _refuse(ref, what: str, *args: Any, **kwargs: Any):
     buffer = ref()
     name, why = _describe(buffer)
-    raise DcpCacheError(f"dcp_pass: cannot {what} cache buffer {name}: {why}. Do it before compiling the model "
-                        f"with backend='dcp' (or before dcp_pass.materialize), or build a new model.")
+    fix = ("Build the model without dcp_pass.deferred_caches() to do this" if buffer in _DEFERRED else
+           "Do it before compiling the model with backend='dcp', or build a new model")
+    raise DcpCacheError(f"dcp_pass: cannot {what} cache buffer {name}: {why}. {fix}.")
 
 
 def _convert(ref, method: str, *args: Any, **kwargs: Any):
@@ -245,7 +246,8 @@ def _convert(ref, method: str, *args: Any, **kwargs: Any):
 def _deepcopy(ref, memo):
     buffer = ref()
     if buffer in _DEFERRED:
-        return _deferred_like(buffer, buffer.dtype, buffer.device)
+        memo[id(buffer)] = _deferred_like(buffer, buffer.dtype, buffer.device)
+        return memo[id(buffer)]
     return _refuse(ref, "deep-copy the")
 
 
