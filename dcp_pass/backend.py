@@ -101,13 +101,21 @@ def _static_examples(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
 
 
-def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport) -> Callable:
+def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
+                      position=None) -> Callable:
     """Compile `gm` (which takes the local shards and replicated weights as trailing
-    inputs) and feed them per call, resolved from the buffers/weights actually passed."""
+    inputs) and feed them per call, resolved from the buffers/weights actually passed.
+
+    With `position` (rewrites/positions.py) the graph no longer takes the int step
+    position: it is written into a static device buffer, the graph's last input,
+    before each call, so the graph's inputs are the same objects at every step.
+    """
     from dcp_pass.rewrites.cache import local_for
 
-    trailing = _static_examples([entry.local for _, entry in caches] + [w.example for w in weights])
-    compiled = compile_inner(gm, list(example_inputs) + trailing, opts, mode)
+    trailing = _static_examples([entry.local for _, entry in caches] + [w.example for w in weights]
+                                + ([position.buffer] if position is not None else []))
+    examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
+    compiled = compile_inner(gm, examples + trailing, opts, mode)
     specs = [(index, entry.c, entry.rank, entry.name) for index, entry in caches]
 
     def run(*args):
@@ -120,13 +128,31 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
             shards.append(entry.local)
         replicas = [w.resolve(args[w.index]) for w in weights]
         # Dynamo calls backends' results with positional args; so do we.
-        return compiled(*args, *shards, *replicas)
+        if position is None:
+            return compiled(*args, *shards, *replicas)
+        return compiled(*position.call_args(args), *shards, *replicas, position.buffer)
 
     return run
 
 
 class DcpBackend:
     """A `dcp` backend instance; keeps a report and the rewritten graphs of every compile."""
+def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, report: GraphReport):
+    """Move the graph's int step position to the device where that is wanted and possible."""
+    from dcp_pass.rewrites.positions import NotStatic, positions_to_device
+
+    wanted = opts.static_positions if opts.static_positions is not None else device.type == "cuda"
+    if not wanted:
+        return gm, None
+    try:
+        gm, position = positions_to_device(gm)
+    except NotStatic as why:
+        report.notes.append(f"int position kept (no static-shape decode graph): {why}")
+        return gm, None
+    report.notes.append("int step position moved to the device (static-shape graph)")
+    return gm, position
+
+
 
     def __init__(self, options: Optional[Mapping[str, Any]] = None, **kwargs: Any):
         merged = dict(options or {})
@@ -147,6 +173,7 @@ class DcpBackend:
         self.report.graphs.append(graph_report)
         if not self.topology.enabled:
             graph_report.unchanged_reason = "dcp_size=1"
+        position = None
             out, caches, weights = gm, [], []
         else:
             plan = resolve_plan(opts, self.topology, example_inputs)
@@ -158,8 +185,11 @@ class DcpBackend:
                 self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
         self.graphs.append(out)
         log.info("%s", self.report.summary())
-        if caches:
-            return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report)
+            # every graph of a DCP model, with MLA or not: one symbolic graph would keep
+            # the step from replaying as CUDA graphs
+            out, position = device_position(out, opts, _device_of(example_inputs), graph_report)
+        if caches or position is not None:
+            return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position)
         return compile_inner(out, example_inputs, opts, mode)
 
 

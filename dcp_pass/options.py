@@ -43,6 +43,9 @@ class DcpOptions:
     inner: str = "inductor"
     group: Any = None  # an explicit DCP ProcessGroup; None: built from the topology
     strict: bool = False  # True: a near-miss MLA pattern is an error instead of a fallback
+    # int step positions as device data in rewritten graphs (static shapes, replayable CUDA
+    # graphs); None: on for CUDA models, off on CPU
+    static_positions: Optional[bool] = None
     inner_options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -71,6 +74,9 @@ class DcpOptions:
         _check_choice("lse_base", self.lse_base, LSE_BASES, allow_none=True)
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         _check_choice("inner", self.inner, INNER_COMPILERS)
+        if self.static_positions is not None and not isinstance(self.static_positions, bool):
+            raise DcpOptionError(
+                f"option 'static_positions' must be True, False or None, got {self.static_positions!r}")
         if not isinstance(self.strict, bool):
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
         if not isinstance(self.inner_options, Mapping):

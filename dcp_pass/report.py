@@ -43,6 +43,7 @@ class GraphReport:
     layers: list[LayerReport] = field(default_factory=list)
     near_misses: list[tuple[str, str]] = field(default_factory=list)
     unchanged_reason: str = ""
+    notes: list[str] = field(default_factory=list)  # other decisions (e.g. the step position)
 
     @property
     def rewritten(self) -> int:
@@ -86,6 +87,8 @@ class DcpReport:
                 lines.append(f"    {'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}")
             for where, reason in g.near_misses:
                 lines.append(f"    near miss at {where}: {reason}")
+            for note in g.notes:
+                lines.append(f"    {note}")
         if self.caches:
             lines.append(
                 f"  KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "

@@ -30,6 +30,7 @@ def mla_local_attention(
     mask: Optional[torch.Tensor],
     lse_base: str,
     backend: str,
+    kv_lens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of all query heads over this rank's KV shard only.
 
@@ -45,6 +46,10 @@ def mla_local_attention(
     a sliced view: a symbolic tensor size would specialise (size 1 vs more) as the
     context grows. Returns the partial output [B,S,H,v_dim] (q dtype) and its fp32
     log-sum-exp [B,S,H] in `lse_base`; an empty shard gives zeros and -inf.
+
+    `kv_lens` (int64 [1] or [B], on the device) replaces `kv_len` when the global key
+    count is device data (static-shape decode, see rewrites/positions.py): the shards
+    are passed whole and the kernel's work follows the counts, with no host sync.
     """
     from dcp_pass.runtime.kernels import mla_attention as kernels
 
@@ -54,17 +59,21 @@ def mla_local_attention(
     # V3-sized model, docs/performance.md), the reference's cuBLAS GEMMs are far faster
     if q_lat.is_cuda and (backend == "triton" or (backend == "auto" and kv.dtype != torch.float32)):
         fn = kernels.mla_attention
-    n_local = (kv_len + c - 1 - rank) // c
-    kv = kv[:, :n_local]
-    pe = pe[:, :n_local] if pe is not None else None
+    local_lens = None
+    if kv_lens is not None:
+        local_lens = ((kv_lens + (c - 1 - rank)) // c).expand(q_lat.shape[0]).contiguous()
+    else:
+        n_local = (kv_len + c - 1 - rank) // c
+        kv = kv[:, :n_local]
+        pe = pe[:, :n_local] if pe is not None else None
     if mask is not None and mask.shape[-1] != 1:
         mask = mask[..., rank::c]
-    out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, None, lse_base, None)
+    out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, local_lens, lse_base, None)
     return out.contiguous(), lse.contiguous()
 
 
 @mla_local_attention.register_fake
-def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend):
+def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend, kv_lens=None):
     B, S, H, _ = q_lat.shape
     out = q_lat.new_empty((B, S, H, v_dim))
     lse = q_lat.new_empty((B, S, H), dtype=torch.float32)
