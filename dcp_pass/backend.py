@@ -8,10 +8,12 @@ want the report and the rewritten graphs.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
@@ -193,28 +195,55 @@ def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, 
         return compile_inner(out, example_inputs, opts, mode)
 
 
-_BACKENDS: dict[int, tuple[Any, DcpBackend]] = {}
-_LAST: list[DcpBackend] = []
+# One DcpBackend per torch.compile call, held weakly by the object Dynamo keeps for that
+# call (the backend wrapper its compiled frames call on every recompile): the entry lives
+# exactly as long as the compiled model does. (Keying by id(options) shared one backend
+# between every compile without options, id(None), and never let an entry go.)
+_BACKENDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_LAST_REPORT: list[DcpReport] = []  # plain data (names, byte counts), no tensors
+_LAST_BACKEND: list[weakref.ref] = []  # weak: must not keep a dead model's graphs alive
+
+
+def _compile_call_owner() -> Optional[object]:
+    """The object Dynamo holds for the torch.compile / torch._dynamo.optimize call whose
+    frame is being compiled (the output graph's `compiler_fn`: one per call, reused by
+    every recompile of that compiled model, freed with it); None outside Dynamo."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001 - Dynamo internals moved: fall back to one backend per call
+        return None
+    return getattr(getattr(tx, "output", None), "compiler_fn", None)
 
 
 def dcp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[Mapping[str, Any]] = None,
                 mode: Optional[str] = None, **kwargs: Any):
-    """Entry point of `backend="dcp"`; one DcpBackend per `options` object (i.e. per torch.compile call)."""
-    key = id(options)
-    held = _BACKENDS.get(key)
-    if held is None or held[0] is not options:
-        held = (options, DcpBackend(options))
-        _BACKENDS[key] = held
-    backend = held[1]
-    _LAST[:] = [backend]
+    """Entry point of `backend="dcp"`; one DcpBackend per torch.compile call (shared by its
+    recompiles, freed with the compiled model). Called outside Dynamo: a new one per call."""
+    owner = _compile_call_owner()
+    backend = None
+    if owner is not None:
+        try:
+            backend = _BACKENDS.get(owner)
+        except TypeError:  # not weak-referenceable
+            owner = None
+    if backend is None:
+        backend = DcpBackend(options)
+        if owner is not None:
+            _BACKENDS[owner] = backend
+    _LAST_REPORT[:] = [backend.report]
+    _LAST_BACKEND[:] = [weakref.ref(backend)]
     return backend(gm, example_inputs, mode=mode)
 
 
 def last_report() -> Optional[DcpReport]:
-    """The report of the `dcp` backend that compiled most recently in this process."""
-    return _LAST[0].report if _LAST else None
+    """The report of the `dcp` backend that compiled most recently in this process
+    (kept after its model is gone: it holds no tensors)."""
+    return _LAST_REPORT[0] if _LAST_REPORT else None
 
 
 def last_backend() -> Optional[DcpBackend]:
-    """The `dcp` backend instance that compiled most recently (its graphs, diffs, report)."""
-    return _LAST[0] if _LAST else None
+    """The `dcp` backend instance that compiled most recently (its graphs, diffs, report);
+    None once its compiled model has been freed."""
+    return _LAST_BACKEND[0]() if _LAST_BACKEND else None
