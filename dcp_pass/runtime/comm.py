@@ -122,6 +122,11 @@ def gather_heads(x: Tensor, group_name: str, c: int) -> Tensor:
 # head-sharded exchanges: every rank ends with its TP-local head shard
 
 
+def _lse_acc(lse: Tensor) -> Tensor:
+    """The LSE as exchanged by the ag_rs paths: fp32, or fp64 when it is fp64 (fp64 models)."""
+    return lse if lse.dtype == torch.float64 else lse.float()
+
+
 def _chunks_first(t: Tensor, c: int) -> Tensor:
     """[..., H, X] -> [c, ..., H/c, X]: head chunk j in slot j."""
     return t.unflatten(-2, (c, t.shape[-2] // c)).movedim(-3, 0)
@@ -164,7 +169,7 @@ def exchange_ag_rs(
     check_base(base)
     _check_exchange_args(o, lse, c, split_heads=True)
     out_dtype = o.dtype if out_dtype is None else out_dtype
-    g = global_lse(_all_gather0(lse.float(), group_name, c), base)  # [..., Hg]
+    g = global_lse(_all_gather0(_lse_acc(lse), group_name, c), base)  # [..., Hg]
     contrib = rescale_partial(o, lse, g, base)  # fp32 [..., Hg, D]
     send = _chunks_first(contrib, c)  # [c, ..., Hl, D]
     return _reduce_scatter0(send, group_name, c).to(out_dtype)
@@ -196,7 +201,7 @@ def exchange_replicated(
         packed = pack_output_lse(o, lse)
         return merge_packed(_all_gather0(packed, group_name, c), o.shape[-1], base, out_dtype)
     if method == "ag_rs":
-        g = global_lse(_all_gather0(lse.float(), group_name, c), base)
+        g = global_lse(_all_gather0(_lse_acc(lse), group_name, c), base)
         return _all_reduce(rescale_partial(o, lse, g, base), group_name, c).to(out_dtype)
     raise ValueError(f"exchange_replicated: method must be 'a2a' or 'ag_rs', got {method!r}")
 

@@ -70,12 +70,18 @@ def _log(x: Tensor, base: str) -> Tensor:
     return torch.log(x) if base == "e" else torch.log2(x)
 
 
-def _masked_lse(lses: Tensor) -> Tensor:
+def _acc_dtype(*tensors: Tensor) -> torch.dtype:
+    """The merge's accumulation dtype: fp64 when any operand is fp64 (an fp64 model is
+    merged in fp64, so DCP stays exact to fp64 rounding), fp32 otherwise."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _masked_lse(lses: Tensor, acc: torch.dtype = torch.float32) -> Tensor:
     # -inf, and only -inf, marks an empty shard: the kernels return it exactly when a
     # shard has no visible key (a count, not a value), and its weight is then exactly 0
     # below. NaN and +inf are data (a NaN in the cache or the weights, an overflowed
     # score) and propagate into the merged result as they would without DCP.
-    return lses.float()
+    return lses.to(acc)
 
 
 def _empty(masked: Tensor) -> Tensor:
@@ -107,19 +113,21 @@ def merge_partials(
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Merge c partial attention results exactly.
 
-    outputs: [c, ..., D] (fp32/bf16/fp16), lses: [c, ...] (any float dtype; read as fp32).
+    outputs: [c, ..., D] (fp32/bf16/fp16/fp64), lses: [c, ...] (any float dtype; read as fp32).
     Returns the merged output [..., D] in ``out_dtype`` (default outputs.dtype), and
-    with ``return_lse`` also the merged fp32 LSE [...] in the same base.
+    with ``return_lse`` also the merged fp32 LSE [...] in the same base. When outputs or
+    LSEs are fp64 the merge runs in fp64 and the LSE comes back fp64.
     Empty shards (LSE -inf) get weight 0; an all-empty row is 0 with LSE -inf. A NaN or
     +inf LSE is data, not emptiness: the row's result is NaN, as without DCP.
     """
     out_dtype = _check_merge_args("merge_partials", outputs, lses, base, out_dtype)
-    masked = _masked_lse(lses)
+    acc = _acc_dtype(outputs, lses)
+    masked = _masked_lse(lses, acc)
     w, total, lse = _global_lse(masked, base)
     # Normalise the weights once per row; guarding the divisor keeps all-empty rows
     # (total exactly 0) at 0 instead of 0/0, and leaves a NaN total visible.
     scale = w / torch.where(total == 0, torch.ones_like(total), total)
-    o32 = outputs.float()
+    o32 = outputs.to(acc)
     # An empty shard's output is not data (another kernel may leave 0/0 there);
     # 0 * NaN would poison the sum, so zero it explicitly.
     o32 = torch.where(_empty(masked).unsqueeze(-1), torch.zeros_like(o32), o32)
@@ -130,30 +138,37 @@ def merge_partials(
 
 
 def global_lse(lses: Tensor, base: str = "e") -> Tensor:
-    """fp32 logsumexp over dim 0 of partial LSEs [c, ...], empty shards ignored (-inf if all empty)."""
+    """fp32 (fp64 for fp64 LSEs) logsumexp over dim 0 of partial LSEs [c, ...], empty
+    shards ignored (-inf if all empty)."""
     check_base(base)
-    return _global_lse(_masked_lse(lses), base)[2]
+    return _global_lse(_masked_lse(lses, _acc_dtype(lses)), base)[2]
 
 
 def rescale_partial(o: Tensor, lse: Tensor, global_lse: Tensor, base: str = "e") -> Tensor:
-    """fp32 ``o * b**(lse - global_lse)``, with empty shards (or empty rows) giving 0.
+    """fp32 (fp64 if any input is fp64) ``o * b**(lse - global_lse)``, with empty shards
+    (or empty rows) giving 0.
 
     This is one rank's contribution to the merged output when the sum over ranks is
     done by a collective (reduce-scatter / all-reduce) instead of locally.
     """
     check_base(base)
-    masked = _masked_lse(lse)
+    acc = _acc_dtype(o, lse, global_lse)
+    masked = _masked_lse(lse, acc)
     valid = ~_empty(masked)
     # global_lse is -inf only where every shard, this one included, is empty: the
     # weight is forced to 0 there. NaN/+inf pass through into the weight.
-    g = torch.where(_empty(global_lse), torch.zeros_like(global_lse), global_lse)
+    g = global_lse.to(acc)
+    g = torch.where(_empty(g), torch.zeros_like(g), g)
     w = torch.where(valid, _exp(masked - g, base), torch.zeros_like(masked))
-    o32 = torch.where(valid.unsqueeze(-1), o.float(), torch.zeros((), dtype=torch.float32, device=o.device))
+    o32 = torch.where(valid.unsqueeze(-1), o.to(acc), torch.zeros((), dtype=acc, device=o.device))
     return o32 * w.unsqueeze(-1)
 
 
 def packed_lse_columns(dtype: torch.dtype) -> int:
-    """Number of tail columns of ``dtype`` that hold one fp32 LSE."""
+    """Number of tail columns of ``dtype`` that hold one fp32 LSE (one fp64 column for
+    fp64 outputs: the LSE is stored converted, which is exact, not reinterpreted)."""
+    if dtype == torch.float64:
+        return 1
     size = torch.empty((), dtype=dtype).element_size()
     if size > 4 or 4 % size:
         raise ValueError(f"cannot pack an fp32 LSE into columns of {dtype} ({size}-byte elements)")
@@ -166,10 +181,14 @@ def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:
     The LSE's 4 bytes are reinterpreted (not converted) into k = 4 // o.element_size()
     tail columns so a single collective moves both, and the round trip is bit-exact
     (NaN payloads and -0.0 included). Uses dtype views only, so it traces.
+    fp64 outputs take the LSE as one fp64 column, converted (exact for fp32 and fp64
+    LSEs); unpacking returns it as fp64.
     """
     if o.shape[:-1] != lse.shape:
         raise ValueError(f"pack_output_lse: o {tuple(o.shape)} must be lse {tuple(lse.shape)} + [D]")
     k = packed_lse_columns(o.dtype)
+    if o.dtype == torch.float64:
+        return torch.cat([o, lse.to(torch.float64).unsqueeze(-1)], dim=-1)
     # contiguous() first: a dtype view needs a unit-stride last dimension.
     tail = lse.to(torch.float32).contiguous().unsqueeze(-1).view(o.dtype)
     assert tail.shape[-1] == k
@@ -177,9 +196,11 @@ def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:
 
 
 def unpack_output_lse(packed: Tensor, D: int) -> Tuple[Tensor, Tensor]:
-    """Inverse of pack_output_lse: [..., D + k] -> (o [..., D] view, fp32 lse [...])."""
+    """Inverse of pack_output_lse: [..., D + k] -> (o [..., D] view, fp32 lse [...]; fp64 for fp64)."""
     _check_packed_width("unpack_output_lse", packed, D)
     o = packed[..., :D]
+    if packed.dtype == torch.float64:
+        return o, packed[..., D]
     # The tail slice is not aligned for a wider dtype view in general (row stride D+k
     # may be odd); a small contiguous copy makes the reinterpretation legal.
     lse = packed[..., D:].contiguous().view(torch.float32).squeeze(-1)
@@ -222,7 +243,7 @@ def merge_partials_dispatch(
     Under torch.compile the reference is used: a raw Triton launch is not traceable
     with fake tensors, and inductor fuses the reference into one kernel anyway.
     """
-    if _eager_cuda(outputs) and _triton_usable():
+    if _eager_cuda(outputs) and _triton_usable() and _acc_dtype(outputs, lses) != torch.float64:
         from dcp_pass.runtime.kernels.merge_triton import merge_partials_triton
 
         return merge_partials_triton(outputs, lses, base, out_dtype, return_lse)
@@ -241,7 +262,7 @@ def merge_packed(
     Eager CUDA uses the fused Triton unpack+merge; everything else unpacks with
     views and runs the reference merge (traceable).
     """
-    if _eager_cuda(packed) and _triton_usable():
+    if _eager_cuda(packed) and _triton_usable() and packed.dtype != torch.float64:
         from dcp_pass.runtime.kernels.merge_triton import unpack_merge_triton
 
         return unpack_merge_triton(packed, D, base, out_dtype, return_lse)

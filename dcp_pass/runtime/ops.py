@@ -76,5 +76,5 @@ def mla_local_attention(
 def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend, kv_lens=None):
     B, S, H, _ = q_lat.shape
     out = q_lat.new_empty((B, S, H, v_dim))
-    lse = q_lat.new_empty((B, S, H), dtype=torch.float32)
+    lse = q_lat.new_empty((B, S, H), dtype=torch.float64 if q_lat.dtype == torch.float64 else torch.float32)
     return out, lse

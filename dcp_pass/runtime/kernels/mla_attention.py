@@ -172,23 +172,24 @@ def mla_attention_reference(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plain torch MLA attention in fp32 (fp64 when the query is fp64).
 
-    Returns ``(out [B,S,H,v_dim] in q dtype, lse fp32 [B,S,H])`` in ``lse_base``.
+    Returns ``(out [B,S,H,v_dim] in q dtype, lse fp32 [B,S,H])`` in ``lse_base``; the
+    LSE is fp64 for an fp64 query (an fp32 LSE would cost fp64 models ~1e-7 in the merge).
     """
     base = _check_base(lse_base)
     acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
     o, lse = _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc)
     if base == "2":
         lse = lse * LOG2E
-    return _finish(o, lse, q_lat.dtype, out, lse_out)
+    return _finish(o, lse, q_lat.dtype, out, lse_out, lse_dtype=acc)
 
 
-def _finish(o, lse, out_dtype, out, lse_out):
+def _finish(o, lse, out_dtype, out, lse_out, lse_dtype=torch.float32):
     if out is None:
         out = o.to(out_dtype)
     else:
         out.copy_(o)
     if lse_out is None:
-        lse_out = lse.to(torch.float32)
+        lse_out = lse.to(lse_dtype)
     else:
         lse_out.copy_(lse)
     return out, lse_out
