@@ -23,8 +23,59 @@ from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
 
 
+_ENTER_INFERENCE = torch.autograd.grad_mode._enter_inference_mode
+_EXIT_INFERENCE = torch.autograd.grad_mode._exit_inference_mode
+
+
+def inference_mode_block(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(enter, exit) when the whole graph is one `torch.inference_mode()` block.
+
+    A forward decorated with `@torch.inference_mode()` that Dynamo captures as one graph
+    starts with `_enter_inference_mode(True)` and ends with its `_exit_inference_mode`.
+    """
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    if len(compute) < 2:
+        return None
+    enter, leave = compute[0], compute[-1]
+    if not (enter.op == "call_function" and enter.target is _ENTER_INFERENCE and enter.args[:1] == (True,)
+            and leave.op == "call_function" and leave.target is _EXIT_INFERENCE and leave.args[:1] == (enter,)):
+        return None
+    if any(n.target in (_ENTER_INFERENCE, _EXIT_INFERENCE) for n in compute[1:-1]):
+        return None
+    return enter, leave
+
+
 def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str]) -> Callable:
-    """Hand the (rewritten) graph to the compiler named by `opts.inner`."""
+    """Hand the (rewritten) graph to the compiler named by `opts.inner`.
+
+    A graph that is one inference-mode block (pytorch#180823: AOT autograd fails on it
+    with "Cannot set version_counter for inference tensor", plain inductor too) is
+    compiled without its enter/exit nodes under `torch.no_grad()` and called inside
+    `torch.inference_mode()`: the same semantics (no autograd, inference-tensor
+    outputs), as pytorch#181106 proposes (functionalize outside inference mode).
+    """
+    block = inference_mode_block(gm) if opts.inner != "eager" else None
+    if block is None:
+        return _compile_inner(gm, example_inputs, opts, mode)
+    import copy
+
+    body = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    for node in reversed([n for n in body.graph.nodes if n.target in (_ENTER_INFERENCE, _EXIT_INFERENCE)]):
+        body.graph.erase_node(node)  # the exit first: it uses the enter
+    body.recompile()
+    with torch.no_grad():
+        compiled = _compile_inner(body, example_inputs, opts, mode)
+
+    def run(*args):
+        with torch.inference_mode():
+            return compiled(*args)
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str]) -> Callable:
     if opts.inner == "eager":
         return gm.forward
     if opts.inner == "aot_eager":
@@ -59,6 +110,56 @@ def check_attn_backend(requested: str, device: torch.device) -> str:
                   else "the FlashInfer MLA path is not wired into the pass yet")
         raise DcpOptionError(f"option 'attn_backend'='flashinfer' cannot run: {reason}; use 'auto', 'triton' or 'torch'")
     return requested
+
+
+def check_inference_only(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_report: GraphReport) -> None:
+    """A graph the pass rewrote cannot be differentiated: refuse it when the call needs gradients.
+
+    The exchange of partial results (functional collectives) has no backward, so a
+    backward through a rewritten graph would silently drop the other ranks' share of
+    every attention gradient. Decode runs without gradients; say how to get there.
+    """
+    if not graph_report.rewritten or not _grad_enabled_at(gm, torch.ops.dcp.mla_local_attention.default):
+        return
+    needing = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not needing:
+        return
+    from dcp_pass.rewrites.apply import DcpRewriteError
+    from dcp_pass.rewrites.match import buffer_source, module_path
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def name(i: int) -> str:
+        node = placeholders[i] if i < len(placeholders) else None
+        return module_path(buffer_source(node)) if node is not None else f"input {i}"
+
+    shown = ", ".join(name(i) for i in needing[:3]) + (f" and {len(needing) - 3} more" if len(needing) > 3 else "")
+    raise DcpRewriteError(
+        f"graph {graph_report.graph_index}: DCP rewrote {graph_report.rewritten} MLA layer(s), but this call needs "
+        f"gradients (grad mode is on and {shown} require grad). DCP is for decode: the exchange of partial "
+        f"attention results has no backward. Call the compiled model under torch.no_grad() or "
+        f"torch.inference_mode(), or freeze the weights with model.requires_grad_(False)."
+    )
+
+
+def _grad_enabled_at(gm: fx.GraphModule, target: Any) -> bool:
+    """Whether grad mode is on at some call of `target`, following the grad-mode nodes
+    Dynamo records (`torch.no_grad()` / `torch.inference_mode()` blocks or decorators
+    inside the captured frame) from the mode the graph is compiled in."""
+    enabled, saved = torch.is_grad_enabled(), []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        elif node.target is _ENTER_INFERENCE:
+            saved.append(enabled)
+            enabled = enabled and not node.args[0]
+        elif node.target is _EXIT_INFERENCE:
+            enabled = saved.pop() if saved else enabled
+        elif node.target is target and enabled:
+            return True
+    return False
 
 
 def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[Any]) -> AttentionPlan:
@@ -181,6 +282,7 @@ def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, 
             plan = resolve_plan(opts, self.topology, example_inputs)
             config = PassConfig(plan, opts.replicate_q_proj, opts.strict)
             out, caches, weights = apply_dcp(gm, example_inputs, config, graph_report)
+            check_inference_only(out, example_inputs, graph_report)
             for index, entry in caches:
                 self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)
             if caches:
