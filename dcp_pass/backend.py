@@ -76,6 +76,7 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
 
 
 def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str]) -> Callable:
+    patches = inner_config_patches(opts, _device_of(example_inputs), mode)
     if opts.inner == "eager":
         return gm.forward
     if opts.inner == "aot_eager":
@@ -84,9 +85,32 @@ def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpO
         return aot_eager(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    patches = dict(torch._inductor.list_mode_options(mode)) if mode and mode != "default" else {}
-    patches.update(opts.inner_options)
     return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+def inner_config_patches(opts: DcpOptions, device: torch.device, mode: Optional[str]) -> dict[str, Any]:
+    """Inductor config patches of the inner compile: `mode`'s options (when a DcpBackend is
+    given a mode), then option 'cudagraphs', then 'inner_options' (which win).
+
+    cudagraphs "auto": `mode` decides when given, else on for CUDA tensors under inductor
+    (as mode="reduce-overhead" would set it: torch.compile refuses mode= with options=);
+    True / False force it; True needs CUDA tensors (raises DcpOptionError otherwise).
+    """
+    if opts.cudagraphs is True and torch.device(device).type != "cuda":
+        raise DcpOptionError(
+            f"option 'cudagraphs'=True needs CUDA tensors, the model is on {torch.device(device).type}; "
+            f"use 'auto' (off there) or False"
+        )
+    if opts.inner != "inductor":
+        return {}
+    given_mode = bool(mode) and mode != "default"
+    patches = dict(torch._inductor.list_mode_options(mode)) if given_mode else {}
+    if isinstance(opts.cudagraphs, bool):
+        patches["triton.cudagraphs"] = opts.cudagraphs
+    elif not given_mode and torch.device(device).type == "cuda":
+        patches["triton.cudagraphs"] = True
+    patches.update(opts.inner_options)
+    return patches
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:

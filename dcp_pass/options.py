@@ -24,6 +24,7 @@ ALIASES = {
     "attention_data_parallel_size": "attn_dp_size",
     "dp_attention_size": "attn_dp_size",
     "dcp_comm_backend": "comm_backend",
+    "cuda_graphs": "cudagraphs",
 }
 
 
@@ -47,6 +48,10 @@ class DcpOptions:
     # graphs); None: on for CUDA models, off on CPU
     static_positions: Optional[bool] = None
     inner_options: Mapping[str, Any] = field(default_factory=dict)
+    # CUDA graphs for the inner compile (inductor's triton.cudagraphs, what mode="reduce-overhead"
+    # sets; torch.compile refuses mode= together with options=). "auto": on for CUDA models
+    # compiled by inductor, off otherwise; True needs both (checked at compile)
+    cudagraphs: Any = "auto"
 
     @classmethod
     def from_mapping(cls, options: Optional[Mapping[str, Any]]) -> "DcpOptions":
@@ -81,6 +86,16 @@ class DcpOptions:
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
         if not isinstance(self.inner_options, Mapping):
             raise DcpOptionError("option 'inner_options' must be a dict of inner-compiler options")
+        if not (isinstance(self.cudagraphs, bool) or self.cudagraphs == "auto"):
+            raise DcpOptionError(f"option 'cudagraphs' must be 'auto', True or False, got {self.cudagraphs!r}")
+        if self.cudagraphs is True and self.inner != "inductor":
+            raise DcpOptionError(
+                f"option 'cudagraphs'=True needs inner='inductor' (CUDA graphs are inductor's), got inner={self.inner!r}")
+        given = self.inner_options.get("triton.cudagraphs")
+        if isinstance(self.cudagraphs, bool) and given is not None and bool(given) != self.cudagraphs:
+            raise DcpOptionError(
+                f"options 'cudagraphs'={self.cudagraphs!r} and 'inner_options'['triton.cudagraphs']={given!r} "
+                f"disagree; give one of them")
         if self.group is not None and not _looks_like_process_group(self.group):
             raise DcpOptionError(
                 f"option 'group' must be a torch.distributed ProcessGroup, got {type(self.group).__name__}"

@@ -1,0 +1,123 @@
+"""Option 'cudagraphs' (issue #11 item 3): CUDA graphs from the options dict.
+
+`torch.compile(m, backend="dcp", options={...}, mode="reduce-overhead")` is refused by
+torch.compile itself, so a backend reached by name gets CUDA graphs only through its
+options. The patch dict is a pure function of (options, device, mode), tested here for
+CPU and CUDA devices without a GPU; the wiring into the inductor compile is checked with
+the device and compile_fx stubbed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_pass.options import DcpOptionError, DcpOptions
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def _patches(device, mode=None, **options):
+    from dcp_pass.backend import inner_config_patches
+
+    return inner_config_patches(DcpOptions.from_mapping(options), device, mode)
+
+
+def test_cudagraphs_option_validation():
+    assert DcpOptions.from_mapping({}).cudagraphs == "auto"
+    for value in ("auto", True, False):
+        assert DcpOptions.from_mapping({"cudagraphs": value}).cudagraphs == value
+    assert DcpOptions.from_mapping({"cuda_graphs": False}).cudagraphs is False  # alias
+    for bad in ("yes", 1, 0, None, "on"):
+        with pytest.raises(DcpOptionError, match="'cudagraphs'"):
+            DcpOptions.from_mapping({"cudagraphs": bad})
+    with pytest.raises(DcpOptionError, match="'cudagraphs'=True needs inner='inductor'"):
+        DcpOptions.from_mapping({"cudagraphs": True, "inner": "aot_eager"})
+    DcpOptions.from_mapping({"cudagraphs": False, "inner": "eager"})  # off is fine anywhere
+    with pytest.raises(DcpOptionError, match="disagree"):
+        DcpOptions.from_mapping({"cudagraphs": True, "inner_options": {"triton.cudagraphs": False}})
+    with pytest.raises(DcpOptionError, match="disagree"):
+        DcpOptions.from_mapping({"cudagraphs": False, "cuda_graphs": True})
+
+
+def test_inner_config_patches():
+    # auto: on for CUDA under inductor, nothing on CPU or for other inner compilers
+    assert _patches(CUDA) == {"triton.cudagraphs": True}
+    assert _patches(CPU) == {}
+    assert _patches(CUDA, inner="aot_eager") == {}
+    assert _patches(CUDA, inner="eager") == {}
+    # forced
+    assert _patches(CUDA, cudagraphs=True) == {"triton.cudagraphs": True}
+    assert _patches(CUDA, cudagraphs=False) == {"triton.cudagraphs": False}
+    assert _patches(CPU, cudagraphs=False) == {"triton.cudagraphs": False}
+    with pytest.raises(DcpOptionError, match="'cudagraphs'=True needs CUDA tensors, the model is on cpu"):
+        _patches(CPU, cudagraphs=True)
+    # a mode (DcpBackend given mode=): auto follows it, True/False override its choice
+    assert _patches(CUDA, mode="reduce-overhead") == {"triton.cudagraphs": True}
+    assert _patches(CPU, mode="reduce-overhead") == {"triton.cudagraphs": True}  # as plain inductor
+    assert "triton.cudagraphs" not in _patches(CUDA, mode="max-autotune-no-cudagraphs")
+    assert _patches(CUDA, mode="max-autotune-no-cudagraphs")["max_autotune"] is True
+    assert _patches(CUDA, mode="reduce-overhead", cudagraphs=False) == {"triton.cudagraphs": False}
+    assert _patches(CUDA, mode="max-autotune", cudagraphs=False)["triton.cudagraphs"] is False
+    assert _patches(CUDA, mode="default") == {"triton.cudagraphs": True}
+    # inner_options come last
+    assert _patches(CUDA, inner_options={"triton.cudagraphs": False}) == {"triton.cudagraphs": False}
+    assert _patches(CPU, inner_options={"max_autotune": True}) == {"max_autotune": True}
+    assert _patches(CUDA, inner_options={"max_autotune": True}) == {"triton.cudagraphs": True, "max_autotune": True}
+
+
+def _stub_inductor(monkeypatch, device):
+    """compile_fx records its config patches; the model's tensors report `device`."""
+    import torch._inductor.compile_fx as cfx
+
+    import dcp_pass.backend as backend
+
+    seen = []
+
+    def compile_fx(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(config_patches)
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", compile_fx)
+    monkeypatch.setattr(backend, "_device_of", lambda example_inputs: torch.device(device))
+    return seen
+
+
+@pytest.mark.parametrize("device,options,want", [
+    ("cuda", {}, {"triton.cudagraphs": True}),
+    ("cuda", {"cudagraphs": False}, {"triton.cudagraphs": False}),
+    ("cuda", {"cuda_graphs": True, "inner_options": {"max_autotune": True}},
+     {"triton.cudagraphs": True, "max_autotune": True}),
+    ("cpu", {}, None),
+    ("cpu", {"cudagraphs": "auto"}, None),
+])
+def test_compile_hands_patches_to_inductor(monkeypatch, device, options, want):
+    import torch._dynamo
+
+    seen = _stub_inductor(monkeypatch, device)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x * 2).sin(), backend="dcp", options={"inner": "inductor", **options})
+    x = torch.randn(3)
+    torch.testing.assert_close(fn(x), (x * 2).sin())
+    assert seen == [want]
+    torch._dynamo.reset()
+
+
+def test_cudagraphs_true_on_cpu_raises_at_compile():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + 1, backend="dcp", options={"cudagraphs": True})
+    with pytest.raises(Exception, match="'cudagraphs'=True needs CUDA tensors") as info:
+        fn(torch.randn(3))
+    assert "DcpOptionError" in str(info.value) or isinstance(info.value, DcpOptionError)
+    torch._dynamo.reset()
+
+
+def test_cudagraphs_auto_on_cpu_compiles_with_inductor():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x * 3).cos(), backend="dcp", options={"cudagraphs": "auto"})
+    x = torch.randn(5)
+    torch.testing.assert_close(fn(x), (x * 3).cos())
+    torch._dynamo.reset()
