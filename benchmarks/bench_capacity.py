@@ -119,7 +119,7 @@ def probe(rank, world, cfg):
 
     phase = "compile + first step"
     try:  # past here collectives run: an OOM raises, and run_ranks ends the peer
-        backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"])
+        backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"], cudagraphs=False)  # no graph pools
         compiled = torch.compile(model, backend=backend)
         tok = torch.randint(0, args.vocab_size, (cfg["batch"], 1), generator=torch.Generator().manual_seed(5)).to(dev)
         t0 = time.time()
