@@ -159,6 +159,13 @@ def unallocated(shape, stride, dtype: torch.dtype, device) -> torch.Tensor:
     pointer, size and allocator with an empty storage of the device. Materializing is
     `untyped_storage().resize_(n)`, in place, for every tensor sharing the storage.
     """
+    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        # Seen on torch 2.11 (the H200 machines): without it the only storage big enough
+        # for set_'s bounds check is a non-resizable null one, which can never be backed.
+        raise DcpCacheError(
+            f"dcp_pass.deferred_caches() needs torch.UntypedStorage._swap_data_ptr_ (torch >= 2.12); "
+            f"this torch {torch.__version__} lacks it: build the model without deferred_caches() (each rank "
+            f"then holds the full cache until the first compiled call stripes it)")
     t = torch.empty(0, dtype=dtype, device=device)
     nbytes = _storage_nbytes(shape, stride, t.element_size())
     shell = torch._C._construct_storage_from_data_pointer(0, t.device, nbytes)
