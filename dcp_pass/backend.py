@@ -266,10 +266,10 @@ class DcpBackend:
     """A `dcp` backend instance; keeps a report and the rewritten graphs of every compile."""
 def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, report: GraphReport):
     """Move the graph's int step position to the device where that is wanted and possible."""
-    from dcp_pass.rewrites.positions import NotStatic, positions_to_device
+    from dcp_pass.rewrites.positions import NotStatic, has_symbolic_input, positions_to_device
 
     wanted = opts.static_positions if opts.static_positions is not None else device.type == "cuda"
-    if not wanted:
+    if not wanted or not has_symbolic_input(gm.graph):  # static graphs have nothing to move
         return gm, None
     try:
         gm, position = positions_to_device(gm)

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from dcp_pass.rewrites import fx_util
 from dcp_pass.runtime import layout
 
 _ARITH = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.mul,
@@ -69,9 +70,7 @@ class DevicePosition:
 
     def example_inputs(self, examples) -> list:
         """The inner compiler's example inputs for the leading inputs (static restaged ones)."""
-        from torch._guards import detect_fake_mode
-
-        fake_mode = detect_fake_mode()
+        fake_mode = fx_util.current_fake_mode()
         out = []
         for i, value in enumerate(examples):
             if i == self.index or i in self.dropped:
@@ -83,8 +82,7 @@ class DevicePosition:
         return out
 
 
-def _value(node: Any) -> Any:
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
+_value = fx_util.node_value
 
 
 def _is_symint(node: Any) -> bool:
@@ -123,6 +121,10 @@ def _static_difference(a: Any, b: Any) -> Optional[int]:
 
 def _static_tensor(value: Any) -> bool:
     return all(isinstance(d, int) for d in (*value.shape, *value.stride(), value.storage_offset()))
+
+
+def has_symbolic_input(graph: fx.Graph) -> bool:
+    return any(_is_symint(n) for n in graph.find_nodes(op="placeholder"))
 
 
 def find_position_input(graph: fx.Graph) -> tuple[fx.Node, list[fx.Node], list[fx.Node]]:
@@ -259,17 +261,14 @@ def positions_to_device(gm: fx.GraphModule) -> tuple[fx.GraphModule, DevicePosit
     Raises NotStatic when it does not apply. The int placeholder is removed; the new
     int64 [1] input `dcp_start_pos` is the graph's last input.
     """
-    from dcp_pass.rewrites.apply import copy_dynamo_graph_module
-    from dcp_pass.rewrites.cache import static_placeholder
-
     find_position_input(gm.graph)  # cheap refusal before copying
-    work = copy_dynamo_graph_module(gm)
+    work = fx_util.copy_dynamo_graph_module(gm)
     graph = work.graph
     start, unused, restage = find_position_input(graph)
     device = _device_of(graph)
     placeholders = list(graph.find_nodes(op="placeholder"))
     buffer = torch.zeros(1, dtype=torch.long, device=device)
-    start_t = static_placeholder(graph, "dcp_start_pos", buffer)
+    start_t = fx_util.static_placeholder(graph, "dcp_start_pos", buffer)
     _Rewriter(graph, start, start_t, device).visit(start)
     _erase_dead_symbolic(graph)
     if start.users:
