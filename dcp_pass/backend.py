@@ -305,7 +305,8 @@ def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, 
         else:
             plan = resolve_plan(opts, self.topology, example_inputs)
             config = PassConfig(plan, opts.replicate_q_proj, opts.strict)
-            out, caches, weights = apply_dcp(gm, example_inputs, config, graph_report)
+            result = apply_dcp(gm, example_inputs, config, graph_report)
+            out, caches, weights = result.graph_module, result.caches, result.weights
             check_inference_only(out, example_inputs, graph_report)
             for index, entry in caches:
                 self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)

@@ -6,8 +6,7 @@ copy returned. Otherwise the original graph is returned unchanged with the reaso
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -15,8 +14,9 @@ import torch.fx as fx
 
 from dcp_pass.report import GraphReport, LayerReport, log
 from dcp_pass.rewrites import cache as cache_rw
+from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites import q_replicate
-from dcp_pass.rewrites.attention import AttentionPlan, rewrite_attention
+from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.rewrites.match import NearMiss, find_mla, module_path, buffer_source
 
 
@@ -31,11 +31,6 @@ class PassConfig:
     strict: bool
 
 
-def _placeholder_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, Any]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {n.name: v for n, v in zip(placeholders, example_inputs)}
-
-
 def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.Node]:
     return [
         n for n in graph.nodes
@@ -44,17 +39,27 @@ def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.N
     ]
 
 
+@dataclass
+class DcpPassResult:
+    """What `apply_dcp` returns.
+
+    `graph_module`: the graph module to compile (the input one when nothing changed).
+    `caches`: for each cache shard input it gained, the index of the full-size buffer
+    input it shards and that shard now. `weights`: the other inputs it gained (replicated
+    q weights), each resolved per call from an existing input.
+    """
+
+    graph_module: fx.GraphModule
+    caches: list[tuple[int, cache_rw.LocalCache]] = field(default_factory=list)
+    weights: list[q_replicate.ExtraInput] = field(default_factory=list)
+
+
 def apply_dcp(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport
-) -> tuple[fx.GraphModule, list[tuple[int, cache_rw.LocalCache]], list[q_replicate.ExtraInput]]:
-    """Rewrite every absorbed-MLA block of `gm`.
-
-    Returns the graph module to compile; for each cache shard input it gained, the index
-    of the full-size buffer input it shards and that shard now; then the other inputs it
-    gained (replicated q weights), each resolved per call from an existing input.
-    """
-    values = _placeholder_values(gm, example_inputs)
-    work = copy_dynamo_graph_module(gm)
+) -> DcpPassResult:
+    """Rewrite every absorbed-MLA block of `gm` (see `DcpPassResult`)."""
+    values = fx_util.placeholder_values(gm, example_inputs)
+    work = fx_util.copy_dynamo_graph_module(gm)
     graph = work.graph
     found = find_mla(graph)
     report.near_misses.extend(found.near_misses)
@@ -70,7 +75,7 @@ def apply_dcp(
         _refuse_released(graph, values)
         report.unchanged_reason = "no absorbed-MLA attention in this graph" + (
             f" ({len(found.near_misses)} near miss(es) left unchanged)" if found.near_misses else "")
-        return gm, [], []
+        return DcpPassResult(gm)
 
     entries: dict[fx.Node, cache_rw.LocalCache] = {}
     local_nodes: dict[fx.Node, fx.Node] = {}
@@ -81,13 +86,13 @@ def apply_dcp(
     for buf, writes in found.writes.items():
         if buf in local_nodes:
             for write in writes:
-                cache_rw.rewrite_write(graph, write, local_nodes[buf], entries[buf])
+                write.rewrite_write(graph, local_nodes[buf], entries[buf])
 
     replicated = q_replicate.QueryReplicator(work, values, plan, config.replicate_q_proj)
     for match in found.matches:
         try:
             override, q_detail = replicated.queries_for(match)
-            rewrite_attention(work, match, plan, local_nodes, override)
+            match.rewrite(work, plan, local_nodes, override)
         except NearMiss as miss:
             raise DcpRewriteError(
                 f"layer {match.layer}: {miss}; its cache writes were already striped, so it cannot be left unchanged"
@@ -108,37 +113,16 @@ def apply_dcp(
         report.layers = [LayerReport(layer.layer, False, reason) for layer in report.layers]
         report.unchanged_reason = reason
         log.warning("dcp_pass: graph left unchanged: %s", reason)
-        return gm, [], []
+        return DcpPassResult(gm)
 
     _refuse_released(graph, values)  # e.g. a deferred buffer read next to a matched attention
     for buf, entry in entries.items():
         cache_rw.install(values[buf.name], entry)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    placeholders = fx_util.placeholders(graph)
     caches = [(placeholders.index(buf), entries[buf]) for buf in local_nodes]
     graph.lint()
     work.recompile()
-    return work, caches, replicated.extra
-
-
-def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of a Dynamo graph module that keeps what aot_autograd reads from it.
-
-    aot_autograd recognises a Dynamo graph by `meta["dynamo_compile_id"]`,
-    `_param_name_to_source` and each placeholder's `_dynamo_source`; from them it marks
-    parameters and buffers as static inputs, which CUDA graphs need (a mutated input
-    that is not static makes inductor skip cudagraphs). A plain copy drops all three.
-    """
-    work = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    work.meta.update(gm.meta)
-    for attr in ("_param_name_to_source", "_source_to_user_stacks"):
-        if hasattr(gm, attr):
-            setattr(work, attr, getattr(gm, attr))
-    sources = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
-    for node in work.graph.find_nodes(op="placeholder"):
-        old = sources.get(node.name)
-        if old is not None and hasattr(old, "_dynamo_source"):
-            node._dynamo_source = old._dynamo_source
-    return work
+    return DcpPassResult(work, caches, replicated.extra)
 
 
 def _describe_use(node: fx.Node, depth: int = 3) -> str:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, H, S, T
+from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.match import CacheAccess, MlaMatch, NearMiss
 from dcp_pass.runtime import comm
 from dcp_pass.runtime import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
@@ -65,21 +66,12 @@ def check_mask_heads(match: MlaMatch, plan: AttentionPlan) -> None:
             raise NearMiss("the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
 
 
-def _call(graph: fx.Graph, target, *args, name: Optional[str] = None, **kwargs) -> fx.Node:
-    # Named nodes keep the rewritten graph readable in graph-diff reviews.
-    return graph.create_node("call_function", target, args, kwargs, name=name)
-
-
-def _method(graph: fx.Graph, method: str, *args, name: Optional[str] = None) -> fx.Node:
-    return graph.create_node("call_method", method, args, {}, name=name)
-
-
 def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, name: str) -> fx.Node:
     """The batch rows (and feature columns) of a shard; key rows are bounded by the op."""
     index: tuple = (slice(None, access.bsz),)
     if access.feat is not None:
         index += (slice(None), slice(*access.feat))
-    return _call(graph, operator.getitem, local, index, name=name)
+    return call(graph, operator.getitem, local, index, name=name)
 
 
 def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], canonical: list[str],
@@ -87,7 +79,7 @@ def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], can
     perm = axes.permutation_to(roles, canonical)
     if perm is None:
         raise NearMiss(f"{node.name} has axes {roles}, cannot order them as {canonical}")
-    return node if perm == list(range(len(perm))) else _method(graph, "permute", node, *perm, name=name)
+    return node if perm == list(range(len(perm))) else method(graph, "permute", node, *perm, name=name)
 
 
 def score_mask(graph: fx.Graph, match: MlaMatch) -> Optional[fx.Node]:
@@ -97,36 +89,36 @@ def score_mask(graph: fx.Graph, match: MlaMatch) -> Optional[fx.Node]:
     for mask in match.masks:
         node = mask.node
         if mask.kind == "bool":
-            node = _call(graph, torch.where, node, float("-inf"), 0.0)
+            node = call(graph, torch.where, node, float("-inf"), 0.0)
         if mask.multiplier != 1.0:
-            node = _call(graph, operator.mul, node, mask.multiplier)
+            node = call(graph, operator.mul, node, mask.multiplier)
         missing = len(match.score_roles) - len(mask.roles)
         if missing:
-            node = _call(graph, operator.getitem, node, (None,) * missing + (Ellipsis,))
+            node = call(graph, operator.getitem, node, (None,) * missing + (Ellipsis,))
         node = to_canonical(graph, node, match.score_roles, CANON_SCORES)
-        node = _method(graph, "float", node, name="mask_f32")
-        total = node if total is None else _call(graph, operator.add, total, node)
+        node = method(graph, "float", node, name="mask_f32")
+        total = node if total is None else call(graph, operator.add, total, node)
     return total
 
 
 def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
     common = dict(base=plan.lse_base, out_dtype=match.out_dtype)
     if not plan.head_sharded:
-        method = "ag_rs" if plan.comm_backend == "ag_rs" else "a2a"
-        return _call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c, method=method,
+        how = "ag_rs" if plan.comm_backend == "ag_rs" else "a2a"
+        return call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c, method=how,
                      name="merged", **common)
     fn = {"a2a": comm.exchange_a2a, "ag_rs": comm.exchange_ag_rs, "fi_a2a": comm.exchange_fi_a2a}[plan.comm_backend]
-    return _call(graph, fn, out, lse, plan.group_name, plan.c, name="merged", **common)
+    return call(graph, fn, out, lse, plan.group_name, plan.c, name="merged", **common)
 
 
 def gather_queries(graph: fx.Graph, q_lat: fx.Node, q_rope: Optional[fx.Node], plan: AttentionPlan, d_lat: int):
     """One all-gather carries both query parts of the DCP group, in DCP-rank (= head) order."""
-    packed = q_lat if q_rope is None else _call(graph, torch.cat, [q_lat, q_rope], -1, name="q_packed")
-    gathered = _call(graph, comm.gather_heads, packed, plan.group_name, plan.c, name="q_group")
+    packed = q_lat if q_rope is None else call(graph, torch.cat, [q_lat, q_rope], -1, name="q_packed")
+    gathered = call(graph, comm.gather_heads, packed, plan.group_name, plan.c, name="q_group")
     if q_rope is None:
         return gathered, None
-    lat = _call(graph, operator.getitem, gathered, (Ellipsis, slice(None, d_lat)), name="q_lat_group")
-    rope = _call(graph, operator.getitem, gathered, (Ellipsis, slice(d_lat, None)), name="q_rope_group")
+    lat = call(graph, operator.getitem, gathered, (Ellipsis, slice(None, d_lat)), name="q_lat_group")
+    rope = call(graph, operator.getitem, gathered, (Ellipsis, slice(d_lat, None)), name="q_rope_group")
     return lat, rope
 
 
@@ -158,46 +150,14 @@ def rewrite_attention(
                 d_lat = axes.shape_of(latent.query)[latent.query_roles.index(F)]
                 q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, d_lat)
         mask = score_mask(graph, match)
-        attn = _call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
+        attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
                      kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
                      backend=plan.attn_backend, name="local_attention")
-        out = _call(graph, operator.getitem, attn, 0, name="partial_out")
-        lse = _call(graph, operator.getitem, attn, 1, name="partial_lse")
+        out = call(graph, operator.getitem, attn, 0, name="partial_out")
+        lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
         merged = emit_exchange(graph, out, lse, match, plan)
         back = [CANON_Q.index(r) for r in match.out_roles]
-        result = merged if back == list(range(4)) else _method(graph, "permute", merged, *back, name="merged_layout")
+        result = merged if back == list(range(4)) else method(graph, "permute", merged, *back, name="merged_layout")
     value_node.replace_all_uses_with(result)
     erase_dead_region(graph, [value_node])
     return result
-
-
-_INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.itruediv, operator.isub}
-
-
-def _mutates_input(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("__")
-    return node.target in _INPLACE_FUNCTIONS or node.target is operator.setitem
-
-
-def erase_dead_region(graph: fx.Graph, roots: list[fx.Node]) -> None:
-    """Erase the nodes that only fed the replaced attention, walking back from `roots`.
-
-    Not a graph-wide DCE: a graph may hold in-place ops whose results are unused on
-    purpose (a `copy_` after an all_reduce), which a generic DCE would drop. An in-place
-    op is erased only when the tensor it mutates dies with it.
-    """
-    work = list(roots)
-    dead: set[fx.Node] = set()
-    while work:
-        node = work.pop()
-        if node in dead or node.users or node.op not in ("call_function", "call_method"):
-            continue
-        if _mutates_input(node):
-            target = node.args[0]
-            if not isinstance(target, fx.Node) or len(target.users) > 1:
-                continue
-        inputs = list(node.all_input_nodes)
-        graph.erase_node(node)
-        dead.add(node)
-        work.extend(inputs)

@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.report import log
+from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites.match import CacheAccess
 from dcp_pass.runtime import layout
 
@@ -347,8 +348,7 @@ def _inside_compiled_region() -> bool:
     False in plain eager code and where Dynamo runs a frame without compiling it
     (recompile limit reached, or torch.compiler.disable).
     """
-    get = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
-    callback = get() if get is not None else None
+    callback = fx_util.eval_frame_callback()
     return callback not in (None, False, True)
 
 
@@ -384,9 +384,7 @@ def _tracing_backend() -> tuple[Optional[str], Any]:
     from dcp_pass.options import DcpOptions
 
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        fn = InstructionTranslator.current_tx().output.compiler_fn
+        fn = fx_util.tracing_compiler_fn()
     except Exception:  # noqa: BLE001 - internals moved: do not guess
         return None, None
     name, options, seen = None, None, []
@@ -401,7 +399,7 @@ def _tracing_backend() -> tuple[Optional[str], Any]:
         if isinstance(kwargs, dict) and kwargs.get("options") is not None:
             options = kwargs["options"]
         fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-    if isinstance(name, str) and name != "dcp" and name in torch._dynamo.list_backends(exclude_tags=()):
+    if isinstance(name, str) and name != "dcp" and name in fx_util.registered_backends():
         return "other", name
     return None, None
 
@@ -447,35 +445,9 @@ def _owner_load_hook(module, state_dict, prefix, *args: Any) -> None:
 # --------------------------------------------------------------------------- graph
 
 
-def _fake(example: torch.Tensor) -> torch.Tensor:
-    """`example` as a static-shape fake of the current trace: graphs kept for reports then
-    hold no real shard (a deleted model frees its shards)."""
-    from torch._guards import detect_fake_mode
-
-    fake_mode = detect_fake_mode()
-    if fake_mode is None or isinstance(example, torch._subclasses.FakeTensor):
-        return example
-    return fake_mode.from_tensor(example, static_shapes=True)
-
-
-def static_placeholder(graph: fx.Graph, name: str, example: torch.Tensor) -> fx.Node:
-    """A new trailing graph input that holds a long-lived tensor (a shard, a gathered weight).
-
-    Marked static the way Dynamo marks buffers (no source, `_dynamo_static_input_type`),
-    so inductor's CUDA graphs may read it in place and capture writes into it.
-    """
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(last):
-        node = graph.placeholder(name)
-    node.meta["example_value"] = _fake(example)
-    node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
-    node._dynamo_source = None
-    return node
-
-
 def local_cache_placeholder(graph: fx.Graph, index: int, example: torch.Tensor) -> fx.Node:
     """A new trailing graph input carrying the local shard of one cache buffer."""
-    return static_placeholder(graph, f"dcp_local_cache_{index}", example)
+    return fx_util.static_placeholder(graph, f"dcp_local_cache_{index}", example)
 
 
 def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: LocalCache) -> fx.Node:
@@ -491,8 +463,4 @@ def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: Lo
     else:
         fn, where = layout.write_owned_tokens_, write.start
     args = (local, write.value, where, entry.c, entry.rank, entry.virtual_capacity, write.feat[0] if write.feat else 0)
-    with graph.inserting_before(write.node):
-        new = graph.create_node("call_function", fn, args, {}, name="striped_write")
-    write.node.replace_all_uses_with(new)
-    graph.erase_node(write.node)
-    return new
+    return fx_util.replace_node(graph, write.node, fn, args, name="striped_write")

@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from dcp_pass.rewrites import axes
+from dcp_pass.rewrites import axes, fx_util
 from dcp_pass.rewrites.axes import B, F, H, S, T
 
 SizeArg = Union[int, fx.Node]
@@ -48,6 +48,12 @@ class CacheAccess:
     feat: Optional[tuple[int, int]]  # absolute feature columns, None = all
     value: Optional[fx.Node] = None  # the written tensor, for writes
     positions: Optional[fx.Node] = None  # a LongTensor of positions, for `buffer[:b, pos] = v`
+
+    def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
+        """Replace this write by a striped write into the shard `local` (`cache.rewrite_write`)."""
+        from dcp_pass.rewrites.cache import rewrite_write
+
+        return rewrite_write(graph, self, local, entry)
 
 
 @dataclass
@@ -90,15 +96,21 @@ class MlaMatch:
                 seen.append(access.buffer)
         return seen
 
+    def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
+                query_override: Optional[tuple[fx.Node, Optional[fx.Node]]] = None) -> fx.Node:
+        """Replace this attention by shard-local attention + merge (`attention.rewrite_attention`);
+        returns the node holding the merged output."""
+        from dcp_pass.rewrites.attention import rewrite_attention
+
+        return rewrite_attention(gm, self, plan, local_nodes, query_override)
+
 
 # ----------------------------------------------------------------------------- buffers
 
 
 def buffer_source(node: fx.Node) -> Optional[str]:
     """Dynamo's source name of a placeholder (e.g. L['self']._modules['attn']._buffers['kv_cache'])."""
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    return source.name if source is not None else None
+    return fx_util.dynamo_source_name(node)
 
 
 def is_cache_buffer(node: Any) -> bool:
@@ -402,6 +414,21 @@ def match_softmax(
     softmax: fx.Node, depends_on_cache, query_len_of
 ) -> MlaMatch:
     """Match one softmax; raises NotAttention or NearMiss."""
+    parser, scale, terms = _score_terms(softmax, depends_on_cache, query_len_of)
+    score_roles = _score_roles(terms)
+    probs, value_node, value = _value_contraction(softmax)
+    cache_operand, value_cache, cache_roles, out_roles = _value_roles(probs, value_node, value, score_roles)
+    first = terms[0].cache
+    v_width = _check_value_cache(terms, value_cache, cache_operand, cache_roles)
+    masks = _mask_terms(parser, score_roles)
+    out_dtype = axes.example_value(value_node).dtype
+    layer = module_path(buffer_source(first.buffer)).rsplit(".", 1)[0]
+    return MlaMatch(layer, softmax, terms, scale, masks, score_roles, value, value_cache, out_roles,
+                    out_dtype, v_width)
+
+
+def _score_terms(softmax: fx.Node, depends_on_cache, query_len_of) -> tuple[_ScoreParser, float, list[ScoreTerm]]:
+    """The softmax input as `scale * sum(q_i . k_i) + masks`: (parser with the masks, scale, terms)."""
     scores = softmax.args[0]
     if not isinstance(scores, fx.Node) or not depends_on_cache(scores):
         raise NotAttention()
@@ -420,8 +447,11 @@ def match_softmax(
     terms = [_score_term(contraction, query_len_of) for contraction, _ in parser.terms]
     if len(terms) > 2:
         raise NearMiss(f"{len(terms)} score contractions; expected latent (+ rotary)")
+    return parser, scale, terms
 
-    # Roles of the score tensor: same layout for every term.
+
+def _score_roles(terms: list[ScoreTerm]) -> list[Optional[str]]:
+    """Roles of the score tensor: same layout for every term."""
     layouts = []
     for term in terms:
         known = dict(zip(term.contraction.operand_labels(term.query), term.query_roles))
@@ -432,8 +462,11 @@ def match_softmax(
         raise NearMiss(f"score terms have layouts {layouts}; expected one [batch, seq, heads, keys] layout")
     if terms[0].cache.buffer is (terms[1].cache.buffer if len(terms) > 1 else None) and terms[0].cache.feat == terms[1].cache.feat:
         raise NearMiss("both score terms read the same cache columns")
+    return score_roles
 
-    # softmax -> casts -> value contraction
+
+def _value_contraction(softmax: fx.Node) -> tuple[fx.Node, fx.Node, axes.Contraction]:
+    """softmax -> casts -> value contraction: (probabilities after casts, value node, its contraction)."""
     probs = softmax
     while len(probs.users) == 1 and axes.is_dtype_cast(next(iter(probs.users))):
         probs = next(iter(probs.users))
@@ -445,6 +478,11 @@ def match_softmax(
         value = _flattened_value_contraction(probs, value_node)
     if value is None or (value.lhs is not probs and value.rhs is not probs):
         raise NearMiss(f"attention probabilities feed {value_node.format_node()}, not a value contraction")
+    return probs, value_node, value
+
+
+def _value_roles(probs: fx.Node, value_node: fx.Node, value: axes.Contraction, score_roles: list[Optional[str]]):
+    """(cache operand, its cache access, its roles, output roles) of the value contraction."""
     cache_operand = value.other(probs)
     cached = _cache_operand_roles(cache_operand)
     if cached is None:
@@ -460,7 +498,12 @@ def match_softmax(
     out_roles = _labels_to_roles(value, known)
     if sorted(map(str, out_roles)) != sorted([B, S, H, F]):
         raise NearMiss(f"value contraction output has axes {out_roles}; expected batch, seq, heads, feature")
+    return cache_operand, value_cache, cache_roles, out_roles
 
+
+def _check_value_cache(terms: list[ScoreTerm], value_cache: CacheAccess, cache_operand: fx.Node,
+                       cache_roles: list[Optional[str]]) -> Any:
+    """The values must be the leading latent columns over the scores' rows; returns their width."""
     first = terms[0].cache
     f0 = first.feat[0] if first.feat else 0
     v_width = axes.shape_of(cache_operand)[cache_roles.index(F)]
@@ -472,16 +515,16 @@ def match_softmax(
             term.cache.bsz is not value_cache.bsz or term.cache.end is not value_cache.end
         ):
             raise NearMiss("score and value cache slices cover different batch/positions")
+    return v_width
 
+
+def _mask_terms(parser: _ScoreParser, score_roles: list[Optional[str]]) -> list[MaskTerm]:
     masks = []
     for node, kind, mult in parser.masks:
         if mult <= 0:
             raise NearMiss("mask multiplied by a non-positive scale")
         masks.append(MaskTerm(node, kind, mult, _mask_roles(node, score_roles)))
-    out_dtype = axes.example_value(value_node).dtype
-    layer = module_path(buffer_source(first.buffer)).rsplit(".", 1)[0]
-    return MlaMatch(layer, softmax, terms, scale, masks, score_roles, value, value_cache, out_roles,
-                    out_dtype, v_width)
+    return masks
 
 
 @dataclass

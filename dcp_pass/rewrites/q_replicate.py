@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from dcp_pass.rewrites import axes
+from dcp_pass.rewrites import axes, fx_util
 from dcp_pass.rewrites.match import MlaMatch, NearMiss, buffer_source
 
 REPLICABLE_DTYPES = (torch.bfloat16, torch.float16)
@@ -98,11 +98,9 @@ def _is_collective(node: fx.Node) -> bool:
 
 def _mutators(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """For each node, the in-place ops that later overwrite it (`x.copy_(...)`, `x.add_(...)`)."""
-    from dcp_pass.rewrites.attention import _mutates_input
-
     found: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
-        if node.op in ("call_function", "call_method") and _mutates_input(node) and isinstance(node.args[0], fx.Node):
+        if node.op in ("call_function", "call_method") and fx_util.mutates_input(node) and isinstance(node.args[0], fx.Node):
             found.setdefault(node.args[0], []).append(node)
     return found
 
@@ -210,14 +208,12 @@ class QueryReplicator:
     def _weight_input(self, param: fx.Node, rank: int) -> fx.Node:
         key = (param, rank)
         if key not in self._weight_inputs:
-            from dcp_pass.rewrites.cache import static_placeholder
-
             graph = self.gm.graph
             plan = self.plan
             weight = self.values[param.name]
             example = gathered_shards(weight, plan.group_name, plan.c)[rank]
-            node = static_placeholder(graph, f"dcp_q_weight_{len(self._weight_inputs)}", axes.example_value(param))
-            index = [n for n in graph.nodes if n.op == "placeholder"].index(param)
+            node = fx_util.static_placeholder(graph, f"dcp_q_weight_{len(self._weight_inputs)}", axes.example_value(param))
+            index = fx_util.placeholders(graph).index(param)
             self.extra.append(ExtraInput(
                 index, lambda w, r=rank: gathered_shards(w, plan.group_name, plan.c)[r], example))
             self._weight_inputs[key] = node

@@ -283,7 +283,34 @@ def build_transfer_plan(
     c_pre, c_dec = prefill.dcp_size, decode.dcp_size
     r_dec = decode.dcp_rank
 
-    # Capacity checks: the prefill pages must hold the request, the decode map cover it.
+    dec_idx = _checked_capacity(page_table, dec_idx, num_tokens, P, c_pre, c_dec)
+    counts = tuple(int(local_length(num_tokens, c_dec, r)) for r in range(c_dec))
+    positions, src_rows, dst_slots = _token_rows(page_table, dec_idx, num_tokens, P, c_pre, c_dec, r_dec)
+    if mode == "page":
+        src_pages, dst_pages, page_counts = _page_runs(page_table, dst_slots, counts[r_dec], P)
+    else:
+        src_pages = dst_pages = page_counts = ()
+    _check_duplicates(page_table, dec_idx, positions, dst_slots, num_tokens, P, c_pre, r_dec)
+    return TransferPlan(
+        mode=mode,
+        prefill=prefill,
+        decode=decode,
+        num_tokens=num_tokens,
+        rank_token_counts=counts,
+        src_rows=src_rows.contiguous(),
+        dst_slots=dst_slots.contiguous(),
+        positions=positions,
+        src_pages=src_pages,
+        dst_pages=dst_pages,
+        page_token_counts=page_counts,
+        pool_kind=pool_kind,
+    )
+
+
+def _checked_capacity(page_table: torch.Tensor, dec_idx: torch.Tensor, num_tokens: int, P: int,
+                      c_pre: int, c_dec: int) -> torch.Tensor:
+    """Capacity checks: the prefill pages must hold the request, the decode map cover it
+    (position-aligned); returns the first `num_tokens` decode indices."""
     prefill_tokens = page_table.numel() * P * c_pre
     if num_tokens > prefill_tokens:
         raise TransferPlanError(
@@ -304,8 +331,12 @@ def build_transfer_plan(
             f"virtual index {int(dec_idx[p])} owned by decode rank {int(owner(dec_idx[p], c_dec))}, "
             f"expected rank {p % c_dec} (allocate whole widened pages of {P * c_dec} slots)"
         )
+    return dec_idx
 
-    counts = tuple(int(local_length(num_tokens, c_dec, r)) for r in range(c_dec))
+
+def _token_rows(page_table: torch.Tensor, dec_idx: torch.Tensor, num_tokens: int, P: int,
+                c_pre: int, c_dec: int, r_dec: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions decode rank `r_dec` owns, their prefill source rows, their decode slots)."""
     positions = owned_positions(0, num_tokens, c_dec, r_dec)  # p % c_dec == r_dec
     dst_slots = physical(dec_idx[positions], c_dec)
     # Index of each token among the prefill rank's own rows: in page mode prefill rank
@@ -313,23 +344,30 @@ def build_transfer_plan(
     # it is the position itself. Local row j sits at offset j % P of page page_table[j // P].
     local = positions // c_pre
     src_rows = page_table[local // P] * P + local % P
-    if mode == "page":
-        n_local = counts[r_dec]
-        n_pages = -(-n_local // P)
-        src_pages = tuple(int(x) for x in page_table[:n_pages])
-        page_counts = tuple(min(P, n_local - i * P) for i in range(n_pages))
-        # The decode side must keep whole pages together (true for the paged allocator).
-        pages = whole_page_ids(dst_slots, P)
-        if pages is None:
-            raise TransferPlanError(
-                "decode_token_indices do not map the request's local rows onto whole physical "
-                "pages; page mode needs page-aligned decode allocations"
-            )
-        dst_pages = tuple(int(x) for x in pages)
-    else:
-        src_pages = dst_pages = page_counts = ()
-    # Two tokens on one decode slot would overwrite each other (index_copy_ keeps one of
-    # them); two tokens read from one prefill row means the page table repeats a page.
+    return positions, src_rows, dst_slots
+
+
+def _page_runs(page_table: torch.Tensor, dst_slots: torch.Tensor, n_local: int,
+               P: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Page mode: (source pages, destination pages, tokens per page)."""
+    n_pages = -(-n_local // P)
+    src_pages = tuple(int(x) for x in page_table[:n_pages])
+    page_counts = tuple(min(P, n_local - i * P) for i in range(n_pages))
+    # The decode side must keep whole pages together (true for the paged allocator).
+    pages = whole_page_ids(dst_slots, P)
+    if pages is None:
+        raise TransferPlanError(
+            "decode_token_indices do not map the request's local rows onto whole physical "
+            "pages; page mode needs page-aligned decode allocations"
+        )
+    dst_pages = tuple(int(x) for x in pages)
+    return src_pages, dst_pages, page_counts
+
+
+def _check_duplicates(page_table: torch.Tensor, dec_idx: torch.Tensor, positions: torch.Tensor,
+                      dst_slots: torch.Tensor, num_tokens: int, P: int, c_pre: int, r_dec: int) -> None:
+    """Two tokens on one decode slot would overwrite each other (index_copy_ keeps one of
+    them); two tokens read from one prefill row means the page table repeats a page."""
     dup = _first_duplicate(dst_slots)
     if dup is not None:
         p = positions[dst_slots == dup][:2].tolist()
@@ -345,20 +383,6 @@ def build_transfer_plan(
             f"prefill_page_table lists prefill page {dup} twice among the {used_pages.numel()} pages "
             f"holding the request's {num_tokens} tokens: its rows would be sent for two tokens each"
         )
-    return TransferPlan(
-        mode=mode,
-        prefill=prefill,
-        decode=decode,
-        num_tokens=num_tokens,
-        rank_token_counts=counts,
-        src_rows=src_rows.contiguous(),
-        dst_slots=dst_slots.contiguous(),
-        positions=positions,
-        src_pages=src_pages,
-        dst_pages=dst_pages,
-        page_token_counts=page_counts,
-        pool_kind=pool_kind,
-    )
 
 
 def build_transfer_plan_from_allocator(

@@ -1,0 +1,169 @@
+"""Graph surgery helpers shared by the rewrites, and every use of private Dynamo API.
+
+Nothing here knows about MLA: node creation with readable names, the dead-region
+erase that keeps deliberate in-place ops, static placeholders marked the way Dynamo
+marks buffers, copying a Dynamo graph module without losing what aot_autograd reads
+from it, and the few Dynamo internals the pass and the cache guard rely on
+(`_dynamo_source`, `_dynamo_static_input_type`, the current fake mode, the eval-frame
+callback, the tracing compiler). When torch moves one of them, this is the one file
+to change.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+# --------------------------------------------------------------------------- node creation
+
+
+def call(graph: fx.Graph, target, *args, name: Optional[str] = None, **kwargs) -> fx.Node:
+    """A `call_function` node; named nodes keep the rewritten graph readable in graph-diff reviews."""
+    return graph.create_node("call_function", target, args, kwargs, name=name)
+
+
+def method(graph: fx.Graph, method_name: str, *args, name: Optional[str] = None) -> fx.Node:
+    """A `call_method` node (`x.permute(...)`, `x.float()`)."""
+    return graph.create_node("call_method", method_name, args, {}, name=name)
+
+
+def replace_node(graph: fx.Graph, old: fx.Node, target, args: tuple, name: Optional[str] = None) -> fx.Node:
+    """Put a `call_function` of `target` where `old` was; `old`'s users read it; `old` is erased."""
+    with graph.inserting_before(old):
+        new = graph.create_node("call_function", target, args, {}, name=name)
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+    return new
+
+
+def placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def placeholder_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, Any]:
+    """Placeholder name -> the example input passed for it."""
+    return {n.name: v for n, v in zip(placeholders(gm.graph), example_inputs)}
+
+
+def node_value(node: Any) -> Any:
+    """The traced value of `node` (`example_value` from Dynamo, `val` from aot), or `node` itself."""
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
+
+
+# --------------------------------------------------------------------------- dead code
+
+
+INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.itruediv, operator.isub}
+
+
+def mutates_input(node: fx.Node) -> bool:
+    """Whether `node` writes into its first argument (`x.copy_(...)`, `x += y`, `x[i] = v`)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    return node.target in INPLACE_FUNCTIONS or node.target is operator.setitem
+
+
+def erase_dead_region(graph: fx.Graph, roots: list[fx.Node]) -> None:
+    """Erase the nodes that only fed the replaced attention, walking back from `roots`.
+
+    Not a graph-wide DCE: a graph may hold in-place ops whose results are unused on
+    purpose (a `copy_` after an all_reduce), which a generic DCE would drop. An in-place
+    op is erased only when the tensor it mutates dies with it.
+    """
+    work = list(roots)
+    dead: set[fx.Node] = set()
+    while work:
+        node = work.pop()
+        if node in dead or node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if mutates_input(node):
+            target = node.args[0]
+            if not isinstance(target, fx.Node) or len(target.users) > 1:
+                continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        dead.add(node)
+        work.extend(inputs)
+
+
+# --------------------------------------------------------------------------- Dynamo internals
+
+
+def dynamo_source_name(node: fx.Node) -> Optional[str]:
+    """Dynamo's source name of a placeholder (e.g. L['self']._modules['attn']._buffers['kv_cache'])."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return source.name if source is not None else None
+
+
+def current_fake_mode():
+    """The fake mode of the trace in progress, or None."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode()
+
+
+def static_fake(example: torch.Tensor) -> torch.Tensor:
+    """`example` as a static-shape fake of the current trace: graphs kept for reports then
+    hold no real shard (a deleted model frees its shards)."""
+    fake_mode = current_fake_mode()
+    if fake_mode is None or isinstance(example, torch._subclasses.FakeTensor):
+        return example
+    return fake_mode.from_tensor(example, static_shapes=True)
+
+
+def static_placeholder(graph: fx.Graph, name: str, example: torch.Tensor) -> fx.Node:
+    """A new trailing graph input that holds a long-lived tensor (a shard, a gathered weight).
+
+    Marked static the way Dynamo marks buffers (no source, `_dynamo_static_input_type`),
+    so inductor's CUDA graphs may read it in place and capture writes into it.
+    """
+    last = placeholders(graph)[-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(name)
+    node.meta["example_value"] = static_fake(example)
+    node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+    node._dynamo_source = None
+    return node
+
+
+def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a Dynamo graph module that keeps what aot_autograd reads from it.
+
+    aot_autograd recognises a Dynamo graph by `meta["dynamo_compile_id"]`,
+    `_param_name_to_source` and each placeholder's `_dynamo_source`; from them it marks
+    parameters and buffers as static inputs, which CUDA graphs need (a mutated input
+    that is not static makes inductor skip cudagraphs). A plain copy drops all three.
+    """
+    work = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    work.meta.update(gm.meta)
+    for attr in ("_param_name_to_source", "_source_to_user_stacks"):
+        if hasattr(gm, attr):
+            setattr(work, attr, getattr(gm, attr))
+    sources = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    for node in work.graph.find_nodes(op="placeholder"):
+        old = sources.get(node.name)
+        if old is not None and hasattr(old, "_dynamo_source"):
+            node._dynamo_source = old._dynamo_source
+    return work
+
+
+def eval_frame_callback() -> Any:
+    """Dynamo's current eval-frame callback (None, False or True when it compiles nothing here)."""
+    get = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+    return get() if get is not None else None
+
+
+def tracing_compiler_fn() -> Any:
+    """The compiler function of the frame Dynamo is tracing now; raises if none (or internals moved)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    return InstructionTranslator.current_tx().output.compiler_fn
+
+
+def registered_backends() -> list[str]:
+    """Every backend name Dynamo knows, debug ones included."""
+    return torch._dynamo.list_backends(exclude_tags=())
