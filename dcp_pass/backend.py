@@ -262,8 +262,6 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     return run
 
 
-class DcpBackend:
-    """A `dcp` backend instance; keeps a report and the rewritten graphs of every compile."""
 def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, report: GraphReport):
     """Move the graph's int step position to the device where that is wanted and possible."""
     from dcp_pass.rewrites.positions import NotStatic, has_symbolic_input, positions_to_device
@@ -280,6 +278,8 @@ def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, 
     return gm, position
 
 
+class DcpBackend:
+    """A `dcp` backend instance; keeps a report and the rewritten graphs of every compile."""
 
     def __init__(self, options: Optional[Mapping[str, Any]] = None, **kwargs: Any):
         merged = dict(options or {})
@@ -298,9 +298,9 @@ def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, 
             self.report.rank = self.topology.rank
         graph_report = GraphReport(len(self.report.graphs))
         self.report.graphs.append(graph_report)
+        position = None
         if not self.topology.enabled:
             graph_report.unchanged_reason = "dcp_size=1"
-        position = None
             out, caches, weights = gm, [], []
         else:
             plan = resolve_plan(opts, self.topology, example_inputs)
@@ -312,11 +312,11 @@ def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, 
                 self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)
             if caches:
                 self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
-        self.graphs.append(out)
-        log.info("%s", self.report.summary())
             # every graph of a DCP model, with MLA or not: one symbolic graph would keep
             # the step from replaying as CUDA graphs
             out, position = device_position(out, opts, _device_of(example_inputs), graph_report)
+        self.graphs.append(out)
+        log.info("%s", self.report.summary())
         if caches or position is not None:
             return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position)
         return compile_inner(out, example_inputs, opts, mode)
