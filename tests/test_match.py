@@ -55,6 +55,38 @@ def example_model(seqlen: int = 1, start_pos: int = 4, **kw) -> list[GraphMatche
     return capture(model, torch.zeros(2, seqlen, dtype=torch.long), start_pos)
 
 
+class NearMissMLA(TinyMLA):
+    """TinyMLA (split caches, additive mask) with one thing the pass cannot rewrite exactly."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q_lat, q_pe, latent, k_pe, start_pos: int, mask):
+        bsz, seqlen = q_lat.shape[:2]
+        end = start_pos + seqlen
+        self.kv_cache[:bsz, start_pos:end] = latent
+        self.pe_cache[:bsz, start_pos:end] = k_pe
+        lat = torch.einsum("bshc,btc->bsht", q_lat, self.kv_cache[:bsz, :end])
+        rope = torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end])
+        kind = self.kind
+        scores = (lat * 0.25 + rope * 0.5) if kind == "scaled_apart" else (lat + rope)
+        if kind == "tensor_scale":
+            scores = scores * self.w_uv.abs().mean()
+        elif kind not in ("scaled_apart", "negative_mask"):
+            scores = scores * 0.25
+        if kind == "finite_fill":
+            scores = scores.masked_fill(mask.unsqueeze(1) < 0, -1.0)
+        else:
+            scores = scores + mask.unsqueeze(1)
+        if kind == "negative_mask":  # a negative scale after the mask flips it
+            scores = scores * -0.25
+        probs = scores.softmax(dim=1 if kind == "softmax_dim" else -1, dtype=torch.float32).type_as(q_lat)
+        values = self.pe_cache[:bsz, :end] if kind == "values_from_pe" else self.kv_cache[:bsz, :end]
+        o = torch.einsum("bsht,btc->bshc", probs, values)
+        return o.flatten(2)
+
+
 class MatcherTest(unittest.TestCase):
     def find(self, graphs: list[GraphMatches]) -> GraphMatches:
         self.assertEqual(len(graphs), 1)
@@ -126,6 +158,24 @@ class MatcherTest(unittest.TestCase):
         self.assertIn("softmax", where)
         self.assertEqual(reason, "attention probabilities are used outside the value product")
         self.assertEqual(len(found.writes), 2)  # the writes are still found (the pass refuses them later)
+
+    def test_near_miss_reasons(self):
+        # one near miss per stage of match_softmax: scores, score layout, value contraction, masks
+        cases = {
+            "finite_fill": "masked_fill with value -1.0 on attention scores (only -inf-like fills are exact)",
+            "tensor_scale": "attention scores scaled by a tensor",
+            "softmax_dim": "softmax over dim 1 of a rank-4 score; only the last (key) axis is supported",
+            "scaled_apart": "score terms scaled differently ([0.25, 0.5])",
+            "values_from_pe": "values are not the leading columns of the latent cache read by the first score term",
+            "negative_mask": "mask multiplied by a non-positive scale",
+        }
+        for kind, reason in cases.items():
+            with self.subTest(kind=kind):
+                seqlen, start = (3, 2)
+                found = self.find(capture(NearMissMLA(kind), *tiny_inputs(seqlen, start, "additive")))
+                self.assertEqual(found.matches, [])
+                self.assertEqual(len(found.near_misses), 1, found.near_misses)
+                self.assertIn(reason, found.near_misses[0][1])
 
     def test_no_cache_no_match(self):
         found = self.find(capture(TinyMLP(), torch.randn(3, 8)))
