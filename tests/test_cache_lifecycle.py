@@ -16,7 +16,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dcp_pass.backend import DcpBackend
@@ -24,16 +23,6 @@ from dcp_pass.rewrites import cache
 from dcp_pass.rewrites.cache import DcpCacheError
 from dcp_pass.testing import run_ranks
 from test_graph_diff import TinyMLA, init_fake_world, tiny_inputs
-
-
-@pytest.fixture
-def fake_world():
-    torch._dynamo.reset()
-    init_fake_world(2)
-    yield
-    torch._dynamo.reset()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class Outer(nn.Module):

@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import dcp_pass
@@ -19,7 +18,7 @@ from dcp_pass.backend import DcpBackend
 from dcp_pass.rewrites import cache
 from dcp_pass.rewrites.cache import DcpCacheError
 from dcp_pass.testing import run_ranks
-from test_graph_diff import TinyMLA, init_fake_world, tiny_inputs
+from test_graph_diff import TinyMLA, tiny_inputs
 
 # Odd sizes, so that no other allocation has the byte size of a full cache buffer.
 ARGS = dict(max_batch_size=3, max_seq_len=300, n_layers=2, n_dense_layers=1)
@@ -145,16 +144,6 @@ def test_deferred_caches_move_and_copy_without_memory():
         assert m.kv_cache.dtype == torch.float64 and cache.is_deferred(m.kv_cache)
         assert m.kv_cache.untyped_storage().nbytes() == 0 and m.w_uv.dtype == torch.float64
     assert copied.kv_cache is not model.kv_cache
-
-
-@pytest.fixture
-def fake_world():
-    torch._dynamo.reset()
-    init_fake_world(2)
-    yield
-    torch._dynamo.reset()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @torch.no_grad()
