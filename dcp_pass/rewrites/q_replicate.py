@@ -16,11 +16,11 @@ tensor actually passed: one compiled graph can serve several layers.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes, fx_util
@@ -38,14 +38,15 @@ class ExtraInput:
     example: torch.Tensor
 
 
-_GATHERED: dict[int, tuple["weakref.ref[torch.Tensor]", list[torch.Tensor]]] = {}
+# weight -> every rank's shard of it; weak, so a dead model's gathered weights go with it
+_GATHERED = WeakIdKeyDictionary()
 
 
 def gathered_shards(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]:
     """Every DCP rank's shard of `weight` (an eager all-gather on first use, then cached)."""
-    held = _GATHERED.get(id(weight))
-    if held is not None and held[0]() is weight:
-        return held[1]
+    held = _GATHERED.get(weight)
+    if held is not None:
+        return held
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -60,7 +61,7 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int) -> list[torch
     else:
         parts = [torch.empty_like(local) for _ in range(c)]
         dist.all_gather(parts, local, group=group)
-    _GATHERED[id(weight)] = (weakref.ref(weight), parts)
+    _GATHERED[weight] = parts
     return parts
 
 
