@@ -23,7 +23,7 @@ graph surgery; the runtime functions it calls know nothing of graphs.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -55,31 +55,25 @@ class DevicePosition:
     index: int
     buffer: torch.Tensor
     dropped: tuple[int, ...] = ()
-    restaged: dict[int, torch.Tensor] = None  # type: ignore[assignment]
+    restaged: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def _kept(self, n: int) -> list[int]:
+        return [i for i in range(n) if i != self.index and i not in self.dropped]
 
     def call_args(self, args: tuple) -> list:
         """The rewritten graph's leading inputs for the original graph's `args`."""
         self.buffer.fill_(args[self.index])
-        out = []
-        for i, arg in enumerate(args):
-            if i == self.index or i in self.dropped:
-                continue
-            staged = self.restaged.get(i) if self.restaged else None
-            out.append(staged.copy_(arg) if staged is not None else arg)
-        return out
+        staged = self.restaged
+        return [staged[i].copy_(args[i]) if i in staged else args[i] for i in self._kept(len(args))]
 
     def example_inputs(self, examples) -> list:
         """The inner compiler's example inputs for the leading inputs (static restaged ones)."""
         fake_mode = fx_util.current_fake_mode()
-        out = []
-        for i, value in enumerate(examples):
-            if i == self.index or i in self.dropped:
-                continue
-            staged = self.restaged.get(i) if self.restaged else None
-            if staged is not None:
-                value = fake_mode.from_tensor(staged, static_shapes=True) if fake_mode else staged
-            out.append(value)
-        return out
+
+        def static(t):
+            return fake_mode.from_tensor(t, static_shapes=True) if fake_mode else t
+
+        return [static(self.restaged[i]) if i in self.restaged else examples[i] for i in self._kept(len(examples))]
 
 
 _value = fx_util.node_value
