@@ -22,6 +22,10 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from dcp_pass.runtime.merge_checks import LSE_BASES, check_base, packed_lse_columns
+from dcp_pass.runtime.merge_checks import check_merge_args as _check_merge_args
+from dcp_pass.runtime.merge_checks import check_packed_width as _check_packed_width
+
 __all__ = [
     "LSE_BASES",
     "check_base",
@@ -34,33 +38,6 @@ __all__ = [
     "global_lse",
     "merge_packed",
 ]
-
-LSE_BASES = ("e", "2")
-
-
-def check_base(base: str) -> str:
-    """Validate an LSE base name; returns it unchanged."""
-    if base not in LSE_BASES:
-        raise ValueError(f"LSE base must be one of {LSE_BASES} (as a string), got {base!r}")
-    return base
-
-
-def _check_merge_args(fn: str, outputs: Tensor, lses: Tensor, base: str,
-                      out_dtype: Optional[torch.dtype]) -> torch.dtype:
-    """Validate merge arguments (outputs [c, ..., D], lses [c, ...]); returns the output dtype."""
-    check_base(base)
-    if outputs.dim() != lses.dim() + 1 or outputs.shape[:-1] != lses.shape:
-        raise ValueError(f"{fn}: outputs {tuple(outputs.shape)} must be lses {tuple(lses.shape)} + [D]")
-    return outputs.dtype if out_dtype is None else out_dtype
-
-
-def _check_packed_width(fn: str, packed: Tensor, D: int) -> int:
-    """k, the LSE tail columns of a packed [..., D + k] buffer; raises if the width is not D + k."""
-    k = packed_lse_columns(packed.dtype)
-    if packed.shape[-1] != D + k:
-        raise ValueError(f"{fn}: last dim {packed.shape[-1]} != D + k = {D} + {k}")
-    return k
-
 
 def _exp(x: Tensor, base: str) -> Tensor:
     return torch.exp(x) if base == "e" else torch.exp2(x)
@@ -162,17 +139,6 @@ def rescale_partial(o: Tensor, lse: Tensor, global_lse: Tensor, base: str = "e")
     w = torch.where(valid, _exp(masked - g, base), torch.zeros_like(masked))
     o32 = torch.where(valid.unsqueeze(-1), o.to(acc), torch.zeros((), dtype=acc, device=o.device))
     return o32 * w.unsqueeze(-1)
-
-
-def packed_lse_columns(dtype: torch.dtype) -> int:
-    """Number of tail columns of ``dtype`` that hold one fp32 LSE (one fp64 column for
-    fp64 outputs: the LSE is stored converted, which is exact, not reinterpreted)."""
-    if dtype == torch.float64:
-        return 1
-    size = torch.empty((), dtype=dtype).element_size()
-    if size > 4 or 4 % size:
-        raise ValueError(f"cannot pack an fp32 LSE into columns of {dtype} ({size}-byte elements)")
-    return 4 // size
 
 
 def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dcp_pass.runtime.merge import _check_merge_args, _check_packed_width, check_base
+from dcp_pass.runtime.merge_checks import check_base, check_merge_args, check_packed_width
 
 __all__ = ["merge_partials_triton", "unpack_merge_triton"]
 
@@ -159,7 +159,7 @@ def merge_partials_triton(
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Triton version of merge_partials: outputs [c, ..., D], lses [c, ...]."""
-    out_dtype = _check_merge_args("merge_partials_triton", outputs, lses, base, out_dtype)
+    out_dtype = check_merge_args("merge_partials_triton", outputs, lses, base, out_dtype)
     c, D = outputs.shape[0], outputs.shape[-1]
     # reshape keeps a view whenever the leading dims can be flattened, so strided
     # inputs (e.g. a head slice) are read in place.
@@ -182,7 +182,7 @@ def unpack_merge_triton(
     intermediate unpacked copies are made.
     """
     check_base(base)
-    k = _check_packed_width("unpack_merge_triton", packed, D)
+    k = check_packed_width("unpack_merge_triton", packed, D)
     out_dtype = packed.dtype if out_dtype is None else out_dtype
     p3 = packed.reshape(packed.shape[0], -1, D + k)
     elem = packed.element_size()

@@ -45,6 +45,9 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
+from .common import (INTERPRETED, LN2, LOG2E, Causal, as_causal, causal_operand, check_base,  # noqa: F401
+                     check_launchable, lse_scale, mask_operand, outputs, pow2, split_parts)
+
 __all__ = [
     "mla_attention",
     "mla_attention_paged",
@@ -57,71 +60,12 @@ __all__ = [
     "triton_supported",
 ]
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-Causal = Optional[Tuple[torch.Tensor, int, int]]
-
-
-# --------------------------------------------------------------------------------------
-# argument normalisation shared by every path
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Parts:
-    """Where the two score terms live: 'main' (also the values) and 'tail' (rope)."""
-
-    q_main: torch.Tensor  # [B, S, H, Dm]
-    k_main: torch.Tensor  # [B, T, Dm]  (a column slice of kv)
-    q_tail: Optional[torch.Tensor]  # [B, S, H, Dt]
-    k_tail: Optional[torch.Tensor]  # [B, T, Dt]
-
-
-def _check_base(lse_base) -> str:
-    base = str(lse_base)
-    if base not in ("e", "2"):
-        raise ValueError(f"lse_base must be 'e' or '2', got {lse_base!r}")
-    return base
-
-
-def _split_parts(q_lat, q_rope, kv, pe, v_dim) -> _Parts:
-    if q_lat.dim() != 4:
-        raise ValueError(f"q_lat must be [B, S, H, D], got shape {tuple(q_lat.shape)}")
-    if kv.dim() != 3:
-        raise ValueError(f"kv must be [B, T, Dk], got shape {tuple(kv.shape)}")
-    dl = q_lat.shape[-1]
-    if pe is None:
-        if q_rope is not None:
-            raise ValueError("q_rope given but pe is None: a fused cache needs the rope part inside q_lat")
-        if kv.shape[-1] < dl:
-            raise ValueError(f"fused cache has {kv.shape[-1]} columns, q_lat needs {dl}")
-        if not 0 < v_dim <= dl:
-            raise ValueError(f"v_dim={v_dim} must be in (0, {dl}] for a fused cache")
-        # fused: the first v_dim columns are latent (keys and values), the rest rope
-        q_main, k_main = q_lat[..., :v_dim], kv[..., :v_dim]
-        if dl > v_dim:
-            q_tail, k_tail = q_lat[..., v_dim:], kv[..., v_dim:dl]
-        else:
-            q_tail = k_tail = None
-    else:
-        if q_rope is None:
-            raise ValueError("pe given but q_rope is None")
-        if kv.shape[-1] < dl:
-            raise ValueError(f"kv has {kv.shape[-1]} columns, q_lat needs {dl}")
-        if q_rope.shape[-1] != pe.shape[-1]:
-            raise ValueError(f"q_rope dim {q_rope.shape[-1]} != pe dim {pe.shape[-1]}")
-        if not 0 < v_dim <= kv.shape[-1]:
-            raise ValueError(f"v_dim={v_dim} must be in (0, {kv.shape[-1]}]")
-        q_main, k_main = q_lat, kv[..., :dl]
-        q_tail, k_tail = (q_rope, pe) if pe.shape[-1] > 0 else (None, None)
-    return _Parts(q_main, k_main, q_tail, k_tail)
-
-
 # --------------------------------------------------------------------------------------
 # reference (torch, fp32 or fp64)
 # --------------------------------------------------------------------------------------
 def _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc_dtype):
     """Returns (out [B,S,H,v_dim], lse_e [B,S,H]) in ``acc_dtype``."""
-    parts = _split_parts(q_lat, q_rope, kv, pe, v_dim)
+    parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
     B, S, H, _ = q_lat.shape
     T = kv.shape[1]
     dev = q_lat.device
@@ -165,7 +109,7 @@ def mla_attention_reference(
     mask: Optional[torch.Tensor] = None,
     kv_lens: Optional[torch.Tensor] = None,
     lse_base: str = "e",
-    causal: Causal = None,
+    causal: Optional[Causal] = None,
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
@@ -175,7 +119,8 @@ def mla_attention_reference(
     Returns ``(out [B,S,H,v_dim] in q dtype, lse fp32 [B,S,H])`` in ``lse_base``; the
     LSE is fp64 for an fp64 query (an fp32 LSE would cost fp64 models ~1e-7 in the merge).
     """
-    base = _check_base(lse_base)
+    base = check_base(lse_base)
+    causal = as_causal(causal)
     acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
     o, lse = _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc)
     if base == "2":
@@ -216,7 +161,7 @@ def mla_attention_reference_paged(
     scale: float,
     mask: Optional[torch.Tensor] = None,
     lse_base: str = "e",
-    causal: Causal = None,
+    causal: Optional[Causal] = None,
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
@@ -429,12 +374,6 @@ def _reduce_kernel_src(
 if HAS_TRITON:
     _stage1_jit = triton.jit(_stage1_kernel_src)
     _reduce_jit = triton.jit(_reduce_kernel_src)
-    # With TRITON_INTERPRET=1 set before triton's import, triton.jit returns interpreted
-    # functions and the kernels run on CPU tensors (tests); the flag must precede the
-    # import because triton's own library functions (tl.cdiv, tl.max) are jitted too.
-    INTERPRETED = not isinstance(_stage1_jit, triton.runtime.JITFunction)
-else:  # pragma: no cover
-    INTERPRETED = False
 
 
 # --------------------------------------------------------------------------------------
@@ -460,10 +399,6 @@ def _sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, (int(n) - 1)).bit_length())
 
 
 # Per head-rows bucket: (block_h, block_n, warps, stages, v_split, waves). Resource use
@@ -531,13 +466,13 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
     every tile.
     """
     if device.type != "cuda":  # interpreter: small blocks, a few splits to exercise stage 2
-        block_h = min(_pow2(rows), 32)
+        block_h = min(pow2(rows), 32)
         block_n = 16
         ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), block_n)))
         return MLAKernelConfig(block_h, block_n, 4, 1, ns)
     bucket = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_h, block_n, warps, stages, v_split, waves = _TUNED[bucket]
-    bdm, bdt = _pow2(d_main), _pow2(max(d_tail, 1)) if d_tail else 0
+    bdm, bdt = pow2(d_main), pow2(max(d_tail, 1)) if d_tail else 0
     limit = _smem_limit(device)
     fits = lambda bh, bn, st: smem_estimate(bh, bn, st, bdm, bdt, elem_bytes, has_mask, paged, mask_shared) <= limit  # noqa: E731
     if not fits(block_h, block_n, stages):
@@ -574,74 +509,12 @@ def triton_supported(q_lat, q_rope, kv, pe, v_dim) -> bool:
     if pe is not None and v_dim > d_main:
         return False  # values wider than the key part: not a decode MLA layout
     d_tail = (q_lat.shape[-1] - v_dim) if pe is None else pe.shape[-1]
-    return _pow2(d_main) <= 1024 and _pow2(d_tail) <= 256
+    return pow2(d_main) <= 1024 and pow2(d_tail) <= 256
 
 
 # --------------------------------------------------------------------------------------
 # Triton entry points
 # --------------------------------------------------------------------------------------
-def _bcast_mask(mask, B, S, H, T, device):
-    if mask is None:
-        return None
-    m = mask
-    if m.dtype != torch.float32:
-        m = m.float()
-    if m.device != device:
-        m = m.to(device)
-    return torch.broadcast_to(m, (B, S, H, T))
-
-
-def _mask_operand(mask, B, S, H, T, device):
-    """(mask as fp32 [B, S, H, T] or None, its strides, MASK_SHARED) for the kernels.
-
-    MASK_SHARED: one mask row serves every row of a block (rows differ only by head, or the
-    mask does not vary over query tokens either).
-    """
-    mask_b = _bcast_mask(mask, B, S, H, T, device)
-    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
-    return mask_b, ms, mask_b is not None and ms[2] == 0 and (S == 1 or ms[1] == 0)
-
-
-def _causal_operand(causal, B, S, dummy):
-    """(q_pos [B, S], its strides, cp_world, cp_rank); without causal ``dummy`` stands in (CAUSAL is off)."""
-    if causal is None:
-        return dummy, (0, 0), 1, 0
-    q_pos, cp_world, cp_rank = causal
-    q_pos = torch.broadcast_to(q_pos, (B, S))
-    return q_pos, q_pos.stride(), int(cp_world), int(cp_rank)
-
-
-def _outputs(q_lat, v_dim, out, lse_out, empty_shard):
-    """The output buffers (allocated when not given) and whether they are final already.
-
-    Final without a launch: no rows, or an empty shard (neutral partials: output 0, LSE -inf).
-    """
-    B, S, H, _ = q_lat.shape
-    if out is None:
-        out = torch.empty(B, S, H, v_dim, dtype=q_lat.dtype, device=q_lat.device)
-    if lse_out is None:
-        lse_out = torch.empty(B, S, H, dtype=torch.float32, device=q_lat.device)
-    if B == 0 or S * H == 0:
-        return out, lse_out, True
-    if empty_shard:
-        out.zero_()
-        lse_out.fill_(float("-inf"))
-        return out, lse_out, True
-    return out, lse_out, False
-
-
-def _check_launchable(device, kv_lens, who):
-    if device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(f"{who} on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
-    if kv_lens is not None and kv_lens.device != device:
-        raise ValueError("kv_lens must be on the query's device")
-
-
-def _lse_scale(base):
-    """Factor from a base-2 LSE to one in ``base``."""
-    return LN2 if base == "e" else 1.0
-
-
 def partial_outputs(out, lse_out, ns, H, base):
     """Where a split kernel writes its per-split results, with strides as (b, split, s, h[, d]).
 
@@ -652,7 +525,7 @@ def partial_outputs(out, lse_out, ns, H, base):
     if ns == 1:
         ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
         lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
-        return out, lse_out, ops, lps, _lse_scale(base)
+        return out, lse_out, ops, lps, lse_scale(base)
     B, S, _, v_dim = out.shape
     o_part = torch.empty(B, ns, S * H, v_dim, dtype=torch.float32, device=out.device)
     l_part = torch.empty(B, ns, S * H, dtype=torch.float32, device=out.device)
@@ -663,34 +536,35 @@ def partial_outputs(out, lse_out, ns, H, base):
 
 def reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns):
     """Stage 2 (merge of ``ns`` split partials) over grid (S * H, B): (args, constexprs, num_warps)."""
-    args = (o_part, l_part, out, lse_out, H, _lse_scale(base),
+    args = (o_part, l_part, out, lse_out, H, lse_scale(base),
             *o_part.stride(), *l_part.stride(), *out.stride(), *lse_out.stride())
-    return args, dict(D_V=v_dim, BLOCK_DV=_pow2(v_dim), NUM_SPLITS=ns), 4 if v_dim >= 256 else 1
+    return args, dict(D_V=v_dim, BLOCK_DV=pow2(v_dim), NUM_SPLITS=ns), 4 if v_dim >= 256 else 1
 
 
 def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv_lens, lse_base,
             causal, out, lse_out, num_splits, config):
-    base = _check_base(lse_base)
-    parts = _split_parts(q_lat, q_rope, kv, pe, v_dim)
+    base = check_base(lse_base)
+    causal = as_causal(causal)
+    parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
     B, S, H, _ = q_lat.shape
     paged = page_table is not None
     T = page_table.shape[1] * page_size if paged else kv.shape[1]
     device = q_lat.device
-    out, lse_out, done = _outputs(q_lat, v_dim, out, lse_out, T == 0 or (paged and kv.shape[0] == 0))
+    out, lse_out, done = outputs(q_lat, v_dim, out, lse_out, T == 0 or (paged and kv.shape[0] == 0))
     if done:
         return out, lse_out
     SH = S * H
 
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
-    mask_b, ms, mask_shared = _mask_operand(mask, B, S, H, T, device)
+    mask_b, ms, mask_shared = mask_operand(mask, B, S, H, T, device)
     if config is None:
         cfg = pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
                           mask_shared=mask_shared, paged=paged, elem_bytes=kv.element_size())
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    _check_launchable(device, kv_lens, "mla_attention_triton")
+    check_launchable(device, kv_lens, "mla_attention_triton")
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     has_tail = parts.q_tail is not None
@@ -700,12 +574,12 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
     kts = parts.k_tail.stride() if has_tail else (0, 0, 0)
     pt, pts = (page_table, page_table.stride()) if paged else (dummy, (0, 0))
     lens = kv_lens if kv_lens is not None else dummy
-    q_pos, qps, cp_world, cp_rank = _causal_operand(causal, B, S, dummy)
+    q_pos, qps, cp_world, cp_rank = causal_operand(causal, B, S, dummy)
 
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     is_f32 = kv.dtype == torch.float32
 
-    v_split = cfg.v_split if (_pow2(d_main) == d_main and d_main >= 32) else 1
+    v_split = cfg.v_split if (pow2(d_main) == d_main and d_main >= 32) else 1
     grid = (triton.cdiv(SH, cfg.block_h) * v_split, ns, B)
     _stage1_jit[grid](
         parts.q_main, qt, parts.k_main, kt, pt, lens, mask_b if mask_b is not None else dummy, q_pos,
@@ -714,7 +588,7 @@ def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv
         *parts.q_main.stride(), *qts, *parts.k_main.stride(), *kts, *pts, *ms, *qps, *ops, *lps,
         D_MAIN=d_main, D_TAIL=d_tail, D_V=v_dim,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(max(d_tail, 1)), V_SPLIT=v_split,
+        BLOCK_DM=pow2(d_main), BLOCK_DT=pow2(max(d_tail, 1)), V_SPLIT=v_split,
         NUM_SPLITS=ns, PAGE=page_size if paged else 1,
         PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
@@ -736,7 +610,7 @@ def mla_attention_triton(
     mask: Optional[torch.Tensor] = None,
     kv_lens: Optional[torch.Tensor] = None,
     lse_base: str = "e",
-    causal: Causal = None,
+    causal: Optional[Causal] = None,
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
@@ -776,7 +650,7 @@ def mla_attention_triton_paged(
     scale: float,
     mask: Optional[torch.Tensor] = None,
     lse_base: str = "e",
-    causal: Causal = None,
+    causal: Optional[Causal] = None,
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
@@ -807,7 +681,7 @@ def mla_attention(
     mask: Optional[torch.Tensor] = None,
     kv_lens: Optional[torch.Tensor] = None,
     lse_base: str = "e",
-    causal: Causal = None,
+    causal: Optional[Causal] = None,
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
@@ -822,7 +696,7 @@ def mla_attention(
 
 def mla_attention_paged(
     q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None, lse_base="e",
-    causal: Causal = None, *, out=None, lse_out=None,
+    causal: Optional[Causal] = None, *, out=None, lse_out=None,
 ):
     """Paged dispatcher: Triton on CUDA when supported, the torch reference otherwise."""
     if q_lat.is_cuda and triton_supported(q_lat, q_rope, kv_pool, pe_pool, v_dim):

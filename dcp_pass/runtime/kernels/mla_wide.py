@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 
 from . import mla_attention as _base
-from .mla_attention import (HAS_TRITON, LOG2E, _causal_operand, _check_base, _check_launchable, _mask_operand,
-                            _outputs, _pow2, _split_parts)
+from .common import (HAS_TRITON, LOG2E, as_causal, causal_operand, check_base, check_launchable, mask_operand,
+                     outputs, pow2, split_parts)
 
 if HAS_TRITON:
     import triton
@@ -283,16 +283,16 @@ def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, 
                      base: Optional[WideConfig] = None) -> WideConfig:
     """From shapes only. The interpreter gets small tiles and a few splits (tests)."""
     if device.type != "cuda":
-        block_m = max(16, min(_pow2(rows), 32))
-        block_v = max(16, _pow2(d_v) // 2)
+        block_m = max(16, min(pow2(rows), 32))
+        block_v = max(16, pow2(d_v) // 2)
         ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), 16)))
         return WideConfig(block_m, 16, 16, 4, 1, block_v, 4, 1, ns)
     cfg = base or WIDE_DEFAULT
-    block_m = max(16, min(cfg.block_m, _pow2(rows)))
+    block_m = max(16, min(cfg.block_m, pow2(rows)))
     warps_a, warps_b = cfg.warps_a, cfg.warps_b
     if block_m <= 64:  # one warpgroup covers 64 rows of scores
         warps_a = 4
-    block_v = max(16, min(cfg.block_v, _pow2(d_v)))
+    block_v = max(16, min(cfg.block_v, pow2(d_v)))
     stages_a, stages_b = cfg.stages_a, cfg.stages_b
     block_n = cfg.block_n
     if elem_bytes == 4:  # fp32 caches: halve what is pipelined
@@ -319,7 +319,7 @@ def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool
         return False
     d_main = v_dim if pe is None else q_lat.shape[-1]
     rows = q_lat.shape[1] * q_lat.shape[2]
-    return rows >= WIDE_MIN_ROWS and _pow2(d_main) == d_main and d_main >= 256
+    return rows >= WIDE_MIN_ROWS and pow2(d_main) == d_main and d_main >= 256
 
 
 def route_wide(path, config, q_lat, q_rope, kv, pe, v_dim) -> bool:
@@ -375,7 +375,7 @@ class _Launch:
 
 def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg: WideConfig):
     """The launches of one call (kernel A, kernel B, and the split merge when splits > 1)."""
-    parts = _split_parts(q_lat, q_rope, kv, pe, v_dim)
+    parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
     B, S, H, _ = q_lat.shape
     T = kv.shape[1]
     device = q_lat.device
@@ -403,11 +403,11 @@ def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out,
     m_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
     l_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
 
-    mask_b, ms, mask_shared = _mask_operand(mask, B, S, H, T, device)
-    q_pos, qps, cp_world, cp_rank = _causal_operand(causal, B, S, dummy)
+    mask_b, ms, mask_shared = mask_operand(mask, B, S, H, T, device)
+    q_pos, qps, cp_world, cp_rank = causal_operand(causal, B, S, dummy)
     lens = kv_lens if kv_lens is not None else dummy
     is_f32 = kv.dtype == torch.float32
-    block_s = _pow2(S, 2)
+    block_s = pow2(S, 2)
 
     launches = [_Launch(
         _scores_jit, (n_rb * NT, B),
@@ -418,7 +418,7 @@ def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out,
          p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
          m_buf.stride(0), m_buf.stride(1)],
         dict(D_MAIN=d_a, D_TAIL=d_t,
-             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=cfg.block_k, BLOCK_KT=max(16, min(cfg.block_k, _pow2(max(d_t, 1)))),
+             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=cfg.block_k, BLOCK_KT=max(16, min(cfg.block_k, pow2(max(d_t, 1)))),
              BLOCK_S=block_s, N_RB=n_rb,
              HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None, HAS_MASK=mask_b is not None,
              CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared),
@@ -452,16 +452,17 @@ def mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=N
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
-    base = _check_base(lse_base)
-    parts = _split_parts(q_lat, q_rope, kv, pe, v_dim)
+    base = check_base(lse_base)
+    causal = as_causal(causal)
+    parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
     B, S, H, _ = q_lat.shape
     T = kv.shape[1]
     device = q_lat.device
-    out, lse_out, done = _outputs(q_lat, v_dim, out, lse_out, T == 0)
+    out, lse_out, done = outputs(q_lat, v_dim, out, lse_out, T == 0)
     if done:
         return out, lse_out
     SH = S * H
-    _check_launchable(device, kv_lens, "mla_attention_wide")
+    check_launchable(device, kv_lens, "mla_attention_wide")
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are

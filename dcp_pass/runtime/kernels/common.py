@@ -1,0 +1,186 @@
+"""Host-side pieces shared by the MLA attention kernels (``mla_attention``, ``mla_wide``).
+
+Argument normalisation and checks, the operands every launch builds the same way
+(mask, causal positions, output buffers) and small constants. Nothing here launches a
+kernel; both kernel modules import from here, neither from the other's privates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+try:  # triton is optional at import time (CPU-only installs still get the reference)
+    import triton
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRETED",
+    "LOG2E",
+    "LN2",
+    "Causal",
+    "as_causal",
+    "Parts",
+    "check_base",
+    "split_parts",
+    "pow2",
+    "mask_operand",
+    "causal_operand",
+    "outputs",
+    "check_launchable",
+    "lse_scale",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _probe_src(X):
+    pass
+
+
+if HAS_TRITON:
+    # With TRITON_INTERPRET=1 set before triton's import, triton.jit returns interpreted
+    # functions and the kernels run on CPU tensors (tests); the flag must precede the
+    # import because triton's own library functions (tl.cdiv, tl.max) are jitted too.
+    INTERPRETED = not isinstance(triton.jit(_probe_src), triton.runtime.JITFunction)
+else:  # pragma: no cover
+    INTERPRETED = False
+
+
+class Causal(NamedTuple):
+    """Causal visibility on a DCP shard: local key k (global position ``k * cp_world + cp_rank``)
+    is visible to a query at global position ``q_pos[b, s]`` when that position is not before it."""
+
+    q_pos: torch.Tensor  # [B, S] (or broadcastable), integer global query positions
+    cp_world: int
+    cp_rank: int
+
+
+def as_causal(causal) -> Optional[Causal]:
+    """None, a ``Causal`` or a plain ``(q_pos, cp_world, cp_rank)`` tuple -> ``Optional[Causal]``."""
+    if causal is None or isinstance(causal, Causal):
+        return causal
+    return Causal(*causal)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Where the two score terms live: 'main' (also the values) and 'tail' (rope)."""
+
+    q_main: torch.Tensor  # [B, S, H, Dm]
+    k_main: torch.Tensor  # [B, T, Dm]  (a column slice of kv)
+    q_tail: Optional[torch.Tensor]  # [B, S, H, Dt]
+    k_tail: Optional[torch.Tensor]  # [B, T, Dt]
+
+
+def check_base(lse_base) -> str:
+    base = str(lse_base)
+    if base not in ("e", "2"):
+        raise ValueError(f"lse_base must be 'e' or '2', got {lse_base!r}")
+    return base
+
+
+def split_parts(q_lat, q_rope, kv, pe, v_dim) -> Parts:
+    if q_lat.dim() != 4:
+        raise ValueError(f"q_lat must be [B, S, H, D], got shape {tuple(q_lat.shape)}")
+    if kv.dim() != 3:
+        raise ValueError(f"kv must be [B, T, Dk], got shape {tuple(kv.shape)}")
+    dl = q_lat.shape[-1]
+    if pe is None:
+        if q_rope is not None:
+            raise ValueError("q_rope given but pe is None: a fused cache needs the rope part inside q_lat")
+        if kv.shape[-1] < dl:
+            raise ValueError(f"fused cache has {kv.shape[-1]} columns, q_lat needs {dl}")
+        if not 0 < v_dim <= dl:
+            raise ValueError(f"v_dim={v_dim} must be in (0, {dl}] for a fused cache")
+        # fused: the first v_dim columns are latent (keys and values), the rest rope
+        q_main, k_main = q_lat[..., :v_dim], kv[..., :v_dim]
+        if dl > v_dim:
+            q_tail, k_tail = q_lat[..., v_dim:], kv[..., v_dim:dl]
+        else:
+            q_tail = k_tail = None
+    else:
+        if q_rope is None:
+            raise ValueError("pe given but q_rope is None")
+        if kv.shape[-1] < dl:
+            raise ValueError(f"kv has {kv.shape[-1]} columns, q_lat needs {dl}")
+        if q_rope.shape[-1] != pe.shape[-1]:
+            raise ValueError(f"q_rope dim {q_rope.shape[-1]} != pe dim {pe.shape[-1]}")
+        if not 0 < v_dim <= kv.shape[-1]:
+            raise ValueError(f"v_dim={v_dim} must be in (0, {kv.shape[-1]}]")
+        q_main, k_main = q_lat, kv[..., :dl]
+        q_tail, k_tail = (q_rope, pe) if pe.shape[-1] > 0 else (None, None)
+    return Parts(q_main, k_main, q_tail, k_tail)
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, (int(n) - 1)).bit_length())
+
+
+def _bcast_mask(mask, B, S, H, T, device):
+    if mask is None:
+        return None
+    m = mask
+    if m.dtype != torch.float32:
+        m = m.float()
+    if m.device != device:
+        m = m.to(device)
+    return torch.broadcast_to(m, (B, S, H, T))
+
+
+def mask_operand(mask, B, S, H, T, device):
+    """(mask as fp32 [B, S, H, T] or None, its strides, MASK_SHARED) for the kernels.
+
+    MASK_SHARED: one mask row serves every row of a block (rows differ only by head, or the
+    mask does not vary over query tokens either).
+    """
+    mask_b = _bcast_mask(mask, B, S, H, T, device)
+    ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
+    return mask_b, ms, mask_b is not None and ms[2] == 0 and (S == 1 or ms[1] == 0)
+
+
+def causal_operand(causal, B, S, dummy):
+    """(q_pos [B, S], its strides, cp_world, cp_rank); without causal ``dummy`` stands in (CAUSAL is off)."""
+    if causal is None:
+        return dummy, (0, 0), 1, 0
+    q_pos, cp_world, cp_rank = causal
+    q_pos = torch.broadcast_to(q_pos, (B, S))
+    return q_pos, q_pos.stride(), int(cp_world), int(cp_rank)
+
+
+def outputs(q_lat, v_dim, out, lse_out, empty_shard):
+    """The output buffers (allocated when not given) and whether they are final already.
+
+    Final without a launch: no rows, or an empty shard (neutral partials: output 0, LSE -inf).
+    """
+    B, S, H, _ = q_lat.shape
+    if out is None:
+        out = torch.empty(B, S, H, v_dim, dtype=q_lat.dtype, device=q_lat.device)
+    if lse_out is None:
+        lse_out = torch.empty(B, S, H, dtype=torch.float32, device=q_lat.device)
+    if B == 0 or S * H == 0:
+        return out, lse_out, True
+    if empty_shard:
+        out.zero_()
+        lse_out.fill_(float("-inf"))
+        return out, lse_out, True
+    return out, lse_out, False
+
+
+def check_launchable(device, kv_lens, who):
+    if device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"{who} on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
+    if kv_lens is not None and kv_lens.device != device:
+        raise ValueError("kv_lens must be on the query's device")
+
+
+def lse_scale(base):
+    """Factor from a base-2 LSE to one in ``base``."""
+    return LN2 if base == "e" else 1.0
