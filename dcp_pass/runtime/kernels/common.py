@@ -27,6 +27,7 @@ __all__ = [
     "Causal",
     "as_causal",
     "Parts",
+    "MlaArgs",
     "check_base",
     "split_parts",
     "pow2",
@@ -78,6 +79,39 @@ class Parts:
     k_main: torch.Tensor  # [B, T, Dm]  (a column slice of kv)
     q_tail: Optional[torch.Tensor]  # [B, S, H, Dt]
     k_tail: Optional[torch.Tensor]  # [B, T, Dt]
+
+
+@dataclass(frozen=True)
+class MlaArgs:
+    """The attention operands of one call, as the internal launch paths take them.
+
+    The public functions keep their positional signatures and build one of these; ``kv``
+    and ``pe`` are the page pools when ``page_table`` is given (``page_size`` = pool rows
+    per page). ``causal`` is stored as a :class:`Causal` (a plain 3-tuple is converted).
+    """
+
+    q_lat: torch.Tensor
+    q_rope: Optional[torch.Tensor]
+    kv: torch.Tensor
+    pe: Optional[torch.Tensor]
+    v_dim: int
+    scale: float
+    mask: Optional[torch.Tensor] = None
+    kv_lens: Optional[torch.Tensor] = None
+    lse_base: str = "e"
+    causal: Optional[Causal] = None
+    page_table: Optional[torch.Tensor] = None
+    page_size: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "causal", as_causal(self.causal))
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+    def parts(self) -> "Parts":
+        return split_parts(self.q_lat, self.q_rope, self.kv, self.pe, self.v_dim)
 
 
 def check_base(lse_base) -> str:

@@ -45,7 +45,7 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-from .common import (INTERPRETED, LN2, LOG2E, Causal, as_causal, causal_operand, check_base,  # noqa: F401
+from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
                      check_launchable, lse_scale, mask_operand, outputs, pow2, split_parts)
 
 __all__ = [
@@ -541,11 +541,12 @@ def reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns):
     return args, dict(D_V=v_dim, BLOCK_DV=pow2(v_dim), NUM_SPLITS=ns), 4 if v_dim >= 256 else 1
 
 
-def _launch(q_lat, q_rope, kv, pe, page_table, page_size, v_dim, scale, mask, kv_lens, lse_base,
-            causal, out, lse_out, num_splits, config):
-    base = check_base(lse_base)
-    causal = as_causal(causal)
-    parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
+def _launch(a: MlaArgs, out, lse_out, num_splits, config):
+    """The fused split-KV path (contiguous or paged cache): stage 1, then stage 2 when split."""
+    base = check_base(a.lse_base)
+    q_lat, kv, page_table, page_size, v_dim = a.q_lat, a.kv, a.page_table, a.page_size, a.v_dim
+    scale, mask, kv_lens, causal = a.scale, a.mask, a.kv_lens, a.causal
+    parts = a.parts()
     B, S, H, _ = q_lat.shape
     paged = page_table is not None
     T = page_table.shape[1] * page_size if paged else kv.shape[1]
@@ -632,11 +633,10 @@ def mla_attention_triton(
         raise RuntimeError("triton is not importable")
     from . import mla_wide
 
+    a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal)
     if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim):
-        return mla_wide.mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
-                                           out=out, lse_out=lse_out, num_splits=num_splits, config=config)
-    return _launch(q_lat, q_rope, kv, pe, None, 1, v_dim, scale, mask, kv_lens, lse_base, causal,
-                   out, lse_out, num_splits, config)
+        return mla_wide.launch_wide(a, out, lse_out, num_splits, config)
+    return _launch(a, out, lse_out, num_splits, config)
 
 
 def mla_attention_triton_paged(
@@ -664,8 +664,9 @@ def mla_attention_triton_paged(
         raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(kv_pool.shape)}")
     if page_table.dim() != 2 or page_table.shape[0] != q_lat.shape[0]:
         raise ValueError(f"page_table must be [B, max_pages], got {tuple(page_table.shape)}")
-    return _launch(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_pool.shape[1], v_dim, scale, mask,
-                   kv_lens, lse_base, causal, out, lse_out, num_splits, config)
+    a = MlaArgs(q_lat, q_rope, kv_pool, pe_pool, v_dim, scale, mask, kv_lens, lse_base, causal,
+                page_table=page_table, page_size=kv_pool.shape[1])
+    return _launch(a, out, lse_out, num_splits, config)
 
 
 # --------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 
 from . import mla_attention as _base
-from .common import (HAS_TRITON, LOG2E, as_causal, causal_operand, check_base, check_launchable, mask_operand,
-                     outputs, pow2, split_parts)
+from .common import (HAS_TRITON, LOG2E, MlaArgs, causal_operand, check_base, check_launchable, mask_operand,
+                     outputs, pow2)
 
 if HAS_TRITON:
     import triton
@@ -374,8 +374,15 @@ class _Launch:
 
 
 def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg: WideConfig):
+    """:func:`plan` from positional operands (kept for ``benchmarks/offline_wide.py``)."""
+    return plan(MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal), out, lse_out, cfg)
+
+
+def plan(a: MlaArgs, out, lse_out, cfg: WideConfig):
     """The launches of one call (kernel A, kernel B, and the split merge when splits > 1)."""
-    parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
+    base = check_base(a.lse_base)
+    q_lat, kv, v_dim, scale, mask, kv_lens, causal = a.q_lat, a.kv, a.v_dim, a.scale, a.mask, a.kv_lens, a.causal
+    parts = a.parts()
     B, S, H, _ = q_lat.shape
     T = kv.shape[1]
     device = q_lat.device
@@ -452,9 +459,15 @@ def mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=N
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
-    base = check_base(lse_base)
-    causal = as_causal(causal)
-    parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
+    return launch_wide(MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal),
+                       out, lse_out, num_splits, config)
+
+
+def launch_wide(a: MlaArgs, out, lse_out, num_splits, config: Optional[WideConfig]):
+    """:func:`mla_attention_wide` on bundled operands (also the wide branch of ``mla_attention_triton``)."""
+    check_base(a.lse_base)
+    q_lat, kv, v_dim, kv_lens = a.q_lat, a.kv, a.v_dim, a.kv_lens
+    parts = a.parts()
     B, S, H, _ = q_lat.shape
     T = kv.shape[1]
     device = q_lat.device
@@ -471,6 +484,6 @@ def mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=N
     else:
         cfg = pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device, num_splits,
                                elem_bytes=kv.element_size(), base=config)
-    for launch in _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg):
+    for launch in plan(a, out, lse_out, cfg):
         launch()
     return out, lse_out
