@@ -108,6 +108,10 @@ def group_name(pg):
 
 
 # ----------------------------------------------------------------------------- the layer
+# benchmark variant -> comm backend (a name of dcp_pass.runtime.backends.COMM_BACKENDS)
+COMM_OF_VARIANT = {"a2a_rq": "a2a", "a2a_gq": "a2a", "ag_rs": "ag_rs"}
+
+
 class Layer:
     """One rank's part of the MLA layer for one (c, comm) setting."""
 
@@ -175,20 +179,20 @@ class Layer:
         return layout.local_length(self.pos + 1, c, r)
 
     def attend(self, qf, kv_lens):
-        from dcp_pass.runtime.kernels.mla_attention import mla_attention
+        from dcp_pass.runtime.backends import resolve_attention_backend
 
-        return mla_attention(qf, None, self.cache, None, self.dims["kv_lora"], self.scale, None, kv_lens, "e")
+        # None: Triton on CUDA, the torch reference elsewhere (runtime/backends.py)
+        run = resolve_attention_backend(None, qf.device, self.cache.dtype).run
+        return run(qf, None, self.cache, None, self.dims["kv_lora"], self.scale, None, kv_lens, "e")
 
     def exchange(self, o, lse):
-        from dcp_pass.runtime.comm import exchange_a2a, exchange_ag_rs
+        from dcp_pass.runtime.backends import COMM_BACKENDS
 
         c = self.topo.c
         if c == 1:
             return o
         gn = group_name(self.topo.dcp_group)
-        if self.comm in ("a2a_gq", "a2a_rq"):
-            return exchange_a2a(o, lse, gn, c, "e")
-        return exchange_ag_rs(o, lse, gn, c, "e")
+        return COMM_BACKENDS[COMM_OF_VARIANT[self.comm]].exchange(o, lse, gn, c, "e")
 
     def out_path(self, o):
         B = o.shape[0]
@@ -417,7 +421,8 @@ def main():
     ap.add_argument("--dcp", default="1,2")
     ap.add_argument("--ctx", default="8192,32768,131072,262144")
     ap.add_argument("--batch", default="1,8,32")
-    ap.add_argument("--comm", default="a2a_rq,a2a_gq,ag_rs")
+    ap.add_argument("--comm", default=",".join(COMM_OF_VARIANT), help="comma list of variants: "
+                    + ", ".join(f"{v} ({b})" for v, b in COMM_OF_VARIANT.items()))
     ap.add_argument("--modes", default="eager,graph")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -427,6 +432,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=540)
     a = ap.parse_args()
+    unknown = [v for v in a.comm.split(",") if v not in COMM_OF_VARIANT]
+    if unknown:
+        ap.error(f"--comm: unknown variant(s) {', '.join(unknown)}; valid: {', '.join(COMM_OF_VARIANT)}")
     from dcp_pass.testing import run_ranks
 
     if a.check and a.device == "cuda" and not a.small:

@@ -122,17 +122,19 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 def check_attn_backend(requested: str, device: torch.device) -> str:
     """An explicitly requested attention backend must be able to run here."""
-    if requested == "triton" and device.type != "cuda":
-        raise DcpOptionError(
-            f"option 'attn_backend'='triton' needs CUDA tensors, the model is on {device.type}; "
-            f"use 'auto' or 'torch'"
-        )
-    if requested == "flashinfer":
-        import importlib.util
+    from dcp_pass.runtime.backends import ATTENTION_BACKENDS, AUTO
 
-        reason = ("flashinfer is not installed" if importlib.util.find_spec("flashinfer") is None
-                  else "the FlashInfer MLA path is not wired into the pass yet")
-        raise DcpOptionError(f"option 'attn_backend'='flashinfer' cannot run: {reason}; use 'auto', 'triton' or 'torch'")
+    if requested == AUTO:
+        return requested
+    if requested not in ATTENTION_BACKENDS:
+        names = ", ".join(map(repr, [AUTO, *ATTENTION_BACKENDS]))
+        raise DcpOptionError(f"option 'attn_backend' must be one of {names}; got {requested!r}")
+    reason = ATTENTION_BACKENDS[requested].available(torch.device(device), None)
+    if reason is not None:
+        here = [AUTO] + [n for n, b in ATTENTION_BACKENDS.items()
+                         if n != requested and b.available(torch.device(device), None) is None]
+        choices = ", ".join(map(repr, here[:-1])) + f" or {here[-1]!r}"
+        raise DcpOptionError(f"option 'attn_backend'={requested!r} {reason}; use {choices}")
     return requested
 
 
@@ -189,6 +191,7 @@ def _grad_enabled_at(gm: fx.GraphModule, target: Any) -> bool:
 def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[Any]) -> AttentionPlan:
     """Group, comm backend, LSE base and attention backend for this compile."""
     from dcp_pass.runtime import comm
+    from dcp_pass.runtime.backends import attention_lse_base
 
     group = opts.group
     if group is not None:
@@ -198,7 +201,7 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
     device = _device_of(example_inputs)
     comm_backend = comm.select_comm_backend(opts.comm_backend, device, group)
     attn_backend = check_attn_backend(opts.attn_backend, device)
-    lse_base = opts.lse_base or ("2" if attn_backend == "flashinfer" else "e")
+    lse_base = opts.lse_base or attention_lse_base(attn_backend)
     return AttentionPlan(topo.dcp_size, topo.dcp_rank, group.group_name, comm_backend, topo.head_sharded,
                          lse_base, attn_backend)
 

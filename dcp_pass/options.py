@@ -10,8 +10,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-COMM_BACKENDS = ("a2a", "ag_rs", "fi_a2a")
-ATTN_BACKENDS = ("auto", "triton", "flashinfer", "torch")
+from dcp_pass.runtime import backends as _backends
+
+# the names of the backend tables (dcp_pass/runtime/backends.py), which every chooser reads
+COMM_BACKENDS = tuple(_backends.COMM_BACKENDS)
+ATTN_BACKENDS = _backends.attention_backend_names()
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 LSE_BASES = ("e", "2")
 

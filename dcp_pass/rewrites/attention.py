@@ -27,6 +27,7 @@ from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.match import CacheAccess, MlaMatch, NearMiss
 from dcp_pass.runtime import comm
+from dcp_pass.runtime.backends import COMM_BACKENDS
 from dcp_pass.runtime import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 CANON_Q = [B, S, H, F]
@@ -103,12 +104,11 @@ def score_mask(graph: fx.Graph, match: MlaMatch) -> Optional[fx.Node]:
 
 def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
     common = dict(base=plan.lse_base, out_dtype=match.out_dtype)
+    backend = COMM_BACKENDS[plan.comm_backend]
     if not plan.head_sharded:
-        how = "ag_rs" if plan.comm_backend == "ag_rs" else "a2a"
-        return call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c, method=how,
-                     name="merged", **common)
-    fn = {"a2a": comm.exchange_a2a, "ag_rs": comm.exchange_ag_rs, "fi_a2a": comm.exchange_fi_a2a}[plan.comm_backend]
-    return call(graph, fn, out, lse, plan.group_name, plan.c, name="merged", **common)
+        return call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c,
+                     method=backend.replicated_method, name="merged", **common)
+    return call(graph, backend.exchange, out, lse, plan.group_name, plan.c, name="merged", **common)
 
 
 def gather_queries(graph: fx.Graph, q_lat: fx.Node, q_rope: Optional[fx.Node], plan: AttentionPlan, d_lat: int):

@@ -11,7 +11,8 @@ Shapes follow the compile pass's canonical layout: partial output ``o`` is
 (heads ``j*H/c .. (j+1)*H/c``) belongs to DCP rank ``j``; the c partials of a row are
 merged in DCP-rank order, which is also KV-shard order.
 
-Backends (SPEC section 4):
+Backends (SPEC section 4; the table every chooser reads is COMM_BACKENDS in
+runtime/backends.py):
   * ``a2a``    one packed all-to-all of (output, LSE), then a local exact merge;
   * ``ag_rs``  LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs;
   * ``fi_a2a`` FlashInfer's MNNVL all-to-all (Blackwell, one MNNVL domain).
@@ -47,7 +48,16 @@ __all__ = [
     "select_comm_backend",
 ]
 
-COMM_BACKENDS = ("a2a", "ag_rs", "fi_a2a")
+
+def __getattr__(name: str):
+    # COMM_BACKENDS (name -> CommBackend) lives in runtime/backends.py, which imports the
+    # exchanges below; read lazily so the two modules do not import each other at load
+    if name == "COMM_BACKENDS":
+        from dcp_pass.runtime.backends import COMM_BACKENDS
+
+        return COMM_BACKENDS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _fc = torch.ops._c10d_functional
 
@@ -317,32 +327,20 @@ def resolve_comm_backend(
     an all-to-all (NCCL/RCCL on CUDA/ROCm, gloo on CPU); "ag_rs" only where it has none.
     An explicit request that cannot run raises ValueError saying why.
     """
-    fi_blockers = []
-    if device_type != "cuda":
-        fi_blockers.append(f"it needs a CUDA device, not {device_type!r}")
-    elif not is_blackwell:
-        fi_blockers.append("it needs a Blackwell GPU (compute capability 10.x)")
-    if not mnnvl_single_domain:
-        fi_blockers.append("the DCP group is not inside one MNNVL domain")
-    if not flashinfer_available:
-        fi_blockers.append("flashinfer is not available")
+    from dcp_pass.runtime.backends import COMM_BACKENDS, DEFAULT_COMM_PREFERENCE
 
+    facts = dict(device_type=device_type, is_blackwell=is_blackwell, mnnvl_single_domain=mnnvl_single_domain,
+                 has_all_to_all=has_all_to_all, flashinfer_available=flashinfer_available)
     if requested is None:
-        if not fi_blockers:
-            return "fi_a2a"
-        return "a2a" if has_all_to_all else "ag_rs"
+        return next(n for n in DEFAULT_COMM_PREFERENCE if not COMM_BACKENDS[n].blockers(facts))
     if requested not in COMM_BACKENDS:
         raise ValueError(
             f"unknown DCP comm backend {requested!r}; valid names are {', '.join(map(repr, COMM_BACKENDS))} "
             "(or None for the platform default)"
         )
-    if requested == "fi_a2a" and fi_blockers:
-        raise ValueError("DCP comm backend 'fi_a2a' cannot run here: " + "; ".join(fi_blockers) + ".")
-    if requested == "a2a" and not has_all_to_all:
-        raise ValueError(
-            "DCP comm backend 'a2a' cannot run here: the process group's backend has no "
-            "all_to_all_single; use 'ag_rs'."
-        )
+    blockers = COMM_BACKENDS[requested].blockers(facts)
+    if blockers:
+        raise ValueError(f"DCP comm backend {requested!r} cannot run here: " + "; ".join(blockers) + ".")
     return requested
 
 
@@ -452,10 +450,10 @@ def exchange_partials(
         name = group
     else:
         name = (group if group is not None else dist.group.WORLD).group_name
-    if method == "a2a":
-        return exchange_a2a(o, lse, name, c, base, out_dtype)
-    if method == "ag_rs":
-        return exchange_ag_rs(o, lse, name, c, base, out_dtype)
+    from dcp_pass.runtime.backends import COMM_BACKENDS
+
+    if method in ("a2a", "ag_rs"):
+        return COMM_BACKENDS[method].exchange(o, lse, name, c, base, out_dtype)
     if method == "replicated":
-        return exchange_replicated(o, lse, name, c, "a2a", base, out_dtype)
+        return exchange_replicated(o, lse, name, c, COMM_BACKENDS["a2a"].replicated_method, base, out_dtype)
     raise ValueError(f"exchange must be None, 'a2a', 'ag_rs' or 'replicated', got {method!r}")

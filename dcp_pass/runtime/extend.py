@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.kernels.mla_attention import mla_attention
+from dcp_pass.runtime.backends import resolve_attention_backend
 from dcp_pass.runtime.layout import _check_group_size, _check_rank, local_capacity, local_length, striped_write_
 
 __all__ = [
@@ -140,6 +140,8 @@ def extend_attention_gather(
     scale: float,
     lse_base: str = "e",
     write: bool = True,
+    *,
+    attn_backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gather path: ordinary causal attention over (gathered prefix + new tokens).
 
@@ -147,6 +149,8 @@ def extend_attention_gather(
     the result is final for those heads, no merge). Returns ``(out [B, S, H, v_dim],
     lse [B, S, H])``. With ``write`` the new tokens are then written striped into
     ``local_kv`` / ``local_pe``. Collective over ``group`` when ``c > 1``.
+    ``attn_backend``: a name of :data:`~dcp_pass.runtime.backends.ATTENTION_BACKENDS`;
+    None runs Triton on CUDA and the torch reference elsewhere.
     """
     _check_rank(c, rank)  # checked before any collective is issued
     B, S = new_kv.shape[:2]
@@ -156,7 +160,8 @@ def extend_attention_gather(
     if local_pe is not None:
         pe = _with_new(gather_prefix(local_pe, lens, group, c), new_pe, lens)
     q_pos = query_positions(lens, B, S, q_lat.device)
-    out, lse = mla_attention(
+    attend = resolve_attention_backend(attn_backend, q_lat.device, kv.dtype).run
+    out, lse = attend(
         q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=(lens + S).to(q_lat.device),
         lse_base=lse_base, causal=(q_pos, 1, 0),
     )
@@ -183,6 +188,8 @@ def extend_attention_dcp(
     exchange: Optional[str] = None,
     group: Group = None,
     out_dtype: Optional[torch.dtype] = None,
+    *,
+    attn_backend: Optional[str] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """DCP path: write new tokens striped, shard-local attention with global causality.
 
@@ -190,7 +197,7 @@ def extend_attention_dcp(
     rank-local partial ``(out [B,S,H,v_dim], lse [B,S,H])``; ``"a2a"`` / ``"ag_rs"``
     merge it with the packed all-to-all / reduce-scatter exchange and return this
     rank's head shard ``[B, S, H/c, v_dim]``; ``"replicated"`` returns all heads
-    merged on every rank.
+    merged on every rank. ``attn_backend`` as in :func:`extend_attention_gather`.
     """
     _check_rank(c, rank)  # checked before any collective is issued
     B, S = new_kv.shape[:2]
@@ -200,7 +207,8 @@ def extend_attention_dcp(
         write_new_tokens_(local_pe, new_pe, lens, c, rank)
     q_pos = query_positions(lens, B, S, q_lat.device)
     local_lens = local_length((lens + S).to(q_lat.device), c, rank)
-    o, lse = mla_attention(
+    attend = resolve_attention_backend(attn_backend, q_lat.device, local_kv.dtype).run
+    o, lse = attend(
         q_lat, q_rope, local_kv, local_pe, v_dim, scale, kv_lens=local_lens,
         lse_base=lse_base, causal=(q_pos, c, rank),
     )

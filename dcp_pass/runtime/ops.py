@@ -2,9 +2,10 @@
 
 A custom op (not a plain Python call) because the inner compilers must treat the
 shard-local attention as an opaque kernel: it has a fake implementation for
-tracing, and its real implementation chooses the Triton kernel or the torch
-reference at run time. (Striped cache writes need no op: they are one strided
-slice copy in the graph, see rewrites/cache.py.)
+tracing, and its real implementation chooses its attention backend (the Triton
+kernel or the torch reference, runtime/backends.py) at run time. (Striped cache
+writes need no op: they are one strided slice copy in the graph, see
+rewrites/cache.py.)
 """
 from __future__ import annotations
 
@@ -51,14 +52,12 @@ def mla_local_attention(
     count is device data (static-shape decode, see rewrites/positions.py): the shards
     are passed whole and the kernel's work follows the counts, with no host sync.
     """
-    from dcp_pass.runtime.kernels import mla_attention as kernels
+    from dcp_pass.runtime.backends import resolve_attention_backend
 
-    fn = kernels.mla_attention_reference
-    # fp32 caches are a checking mode: the Triton kernel runs them with IEEE fp32 dots on
-    # tiles shrunk to fit shared memory (72.7 ms vs 6.5 ms per step for the 4-layer
-    # V3-sized model, docs/performance.md), the reference's cuBLAS GEMMs are far faster
-    if q_lat.is_cuda and (backend == "triton" or (backend == "auto" and kv.dtype != torch.float32)):
-        fn = kernels.mla_attention
+    # "auto": Triton on CUDA for 16-bit caches, the torch reference for fp32 caches (a
+    # checking mode) and off CUDA; a named backend that cannot run here (refused at
+    # compile) falls back to the reference, as it always did
+    fn = resolve_attention_backend(backend, q_lat.device, kv.dtype, strict=False).run
     local_lens = None
     if kv_lens is not None:
         local_lens = ((kv_lens + (c - 1 - rank)) // c).expand(q_lat.shape[0]).contiguous()

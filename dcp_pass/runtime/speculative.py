@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from dcp_pass.runtime.kernels.mla_attention import mla_attention, mla_attention_paged
+from dcp_pass.runtime.backends import resolve_attention_backend
 from dcp_pass.runtime.layout import _check_rank, local_length, owned_positions, whole_page_ids
 
 __all__ = [
@@ -120,6 +120,8 @@ def verify_attention(
     exchange: Optional[str] = None,
     group=None,
     out_dtype: Optional[torch.dtype] = None,
+    *,
+    attn_backend: Optional[str] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Rank-local target verification over a striped MLA cache.
 
@@ -138,6 +140,9 @@ def verify_attention(
     Returns the rank-local ``(out [B,k,H,v_dim], lse [B,k,H])`` when ``exchange`` is
     None, else merges over ``group`` exactly like :func:`~dcp_pass.runtime.extend.extend_attention_dcp`
     (``"a2a"``/``"ag_rs"``: this rank's head shard; ``"replicated"``: all heads).
+
+    ``attn_backend``: a name of :data:`~dcp_pass.runtime.backends.ATTENTION_BACKENDS`;
+    None runs Triton on CUDA and the torch reference elsewhere.
     """
     _check_rank(c, rank)
     _check_positive_int("k_tokens", k_tokens)
@@ -154,9 +159,10 @@ def verify_attention(
     kv_len = torch.as_tensor(global_kv_len).long().to(q_lat.device)
     q_pos = verify_query_positions(kv_len, k_tokens)
     local_lens = local_length(kv_len, c, rank)
+    backend = resolve_attention_backend(attn_backend, q_lat.device, local_kv.dtype)
     if page_table is not None and not zero_tail:
-        o, lse = mla_attention_paged(q_lat, q_rope, local_kv, local_pe, page_table, local_lens, v_dim, scale,
-                                     lse_base=lse_base, causal=(q_pos, c, rank))
+        o, lse = backend.run_paged(q_lat, q_rope, local_kv, local_pe, page_table, local_lens, v_dim, scale,
+                                   lse_base=lse_base, causal=(q_pos, c, rank))
     else:
         kv, pe = local_kv, local_pe
         if page_table is not None:
@@ -168,8 +174,8 @@ def verify_attention(
         if zero_tail:
             kv = _zero_tail(kv, local_lens)
             pe = _zero_tail(pe, local_lens) if pe is not None else None
-        o, lse = mla_attention(q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=local_lens,
-                               lse_base=lse_base, causal=(q_pos, c, rank))
+        o, lse = backend.run(q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=local_lens,
+                             lse_base=lse_base, causal=(q_pos, c, rank))
     from dcp_pass.runtime import comm
 
     return comm.exchange_partials(o, lse, exchange, group, c, lse_base, out_dtype)

@@ -1,0 +1,246 @@
+"""The comm backends and attention backends of DCP, one table each.
+
+Every chooser reads these tables: option validation (dcp_pass/options.py), plan
+resolution (dcp_pass/backend.py), the rewrite's exchange (rewrites/attention.py),
+the shard-local attention op (runtime/ops.py), extend (runtime/extend.py),
+speculative verification (runtime/speculative.py) and the benchmarks. A new backend
+is one entry here (vLLM's attention backend registry is the model).
+
+* ``COMM_BACKENDS``: name -> :class:`CommBackend` (head-sharded exchange, the method
+  the replicated-heads exchange uses, what keeps it from running on given platform
+  facts, description). Insertion order is the default's preference order.
+* ``ATTENTION_BACKENDS``: name -> :class:`AttentionBackend` (availability check,
+  dense and paged run functions, native LSE base). ``"auto"`` is not an entry: it is
+  resolved per call by :func:`resolve_attention_backend`.
+
+The runtime never imports the rewrites: this module imports only runtime code.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+
+from dcp_pass.runtime import comm
+
+__all__ = [
+    "CommBackend",
+    "AttentionBackend",
+    "AttentionBackendUnavailable",
+    "COMM_BACKENDS",
+    "ATTENTION_BACKENDS",
+    "AUTO",
+    "attention_backend_names",
+    "attention_lse_base",
+    "comm_backend_blockers",
+    "resolve_attention_backend",
+]
+
+
+# --------------------------------------------------------------------------------------
+# comm backends
+
+
+@dataclass(frozen=True)
+class CommBackend:
+    name: str
+    # head-sharded exchange: (o, lse, group_name, c, base, out_dtype) -> this rank's head shard
+    exchange: Callable[..., torch.Tensor]
+    # the `method` exchange_replicated uses for models whose heads are not sharded
+    replicated_method: str
+    # platform facts (resolve_comm_backend's keyword inputs) -> reasons it cannot run; [] = can
+    blockers: Callable[[Mapping[str, Any]], List[str]]
+    description: str
+
+
+def _fi_a2a_blockers(facts: Mapping[str, Any]) -> List[str]:
+    out = []
+    if facts["device_type"] != "cuda":
+        out.append(f"it needs a CUDA device, not {facts['device_type']!r}")
+    elif not facts["is_blackwell"]:
+        out.append("it needs a Blackwell GPU (compute capability 10.x)")
+    if not facts["mnnvl_single_domain"]:
+        out.append("the DCP group is not inside one MNNVL domain")
+    if not facts["flashinfer_available"]:
+        out.append("flashinfer is not available")
+    return out
+
+
+def _a2a_blockers(facts: Mapping[str, Any]) -> List[str]:
+    if not facts["has_all_to_all"]:
+        return ["the process group's backend has no all_to_all_single; use 'ag_rs'"]
+    return []
+
+
+# Insertion order: the preference order of the platform default (the first that can run).
+# Names and order also give options.COMM_BACKENDS.
+COMM_BACKENDS: Dict[str, CommBackend] = {
+    "a2a": CommBackend(
+        "a2a", comm.exchange_a2a, "a2a", _a2a_blockers,
+        "one packed all-to-all of (output, LSE), then a local exact merge",
+    ),
+    "ag_rs": CommBackend(
+        "ag_rs", comm.exchange_ag_rs, "ag_rs", lambda facts: [],
+        "LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs",
+    ),
+    "fi_a2a": CommBackend(
+        "fi_a2a", comm.exchange_fi_a2a, "a2a", _fi_a2a_blockers,
+        "FlashInfer's MNNVL all-to-all (Blackwell, one MNNVL domain)",
+    ),
+}
+
+# The platform default tries these in order (SPEC section 4); ag_rs runs everywhere.
+DEFAULT_COMM_PREFERENCE = ("fi_a2a", "a2a", "ag_rs")
+
+
+def comm_backend_blockers(name: str, facts: Mapping[str, Any]) -> List[str]:
+    """Why comm backend `name` cannot run on `facts` ([] when it can)."""
+    return COMM_BACKENDS[name].blockers(facts)
+
+
+# --------------------------------------------------------------------------------------
+# attention backends
+
+AUTO = "auto"
+
+
+class AttentionBackendUnavailable(ValueError):
+    """An attention backend was asked for where it cannot run."""
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    # (device, dtype) -> None when it can run there, else the reason it cannot
+    available: Callable[[torch.device, Optional[torch.dtype]], Optional[str]]
+    # run(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None)
+    #   -> (out [B,S,H,v_dim], lse [B,S,H])
+    run: Optional[Callable[..., Any]]
+    # run_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None,
+    #   lse_base="e", causal=None) -> (out, lse)
+    run_paged: Optional[Callable[..., Any]]
+    lse_base: str  # the base its LSE comes in natively; the plan's default LSE base
+    description: str
+
+
+def _triton_available(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"needs CUDA tensors, the model is on {device.type}"
+    return None
+
+
+def _torch_available(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    return None
+
+
+def _flashinfer_available(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    if importlib.util.find_spec("flashinfer") is None:
+        return "cannot run: flashinfer is not installed"
+    return "cannot run: the FlashInfer MLA path is not wired into the pass yet"
+
+
+# Kernel imports stay lazy: importing the tables (options validation) must not import Triton.
+def _triton_run(*args, **kwargs):
+    from dcp_pass.runtime.kernels.mla_attention import mla_attention
+
+    # the kernels' dispatcher: Triton where the shapes are supported, the reference otherwise
+    return mla_attention(*args, **kwargs)
+
+
+def _triton_run_paged(*args, **kwargs):
+    from dcp_pass.runtime.kernels.mla_attention import mla_attention_paged
+
+    return mla_attention_paged(*args, **kwargs)
+
+
+def _torch_run(*args, **kwargs):
+    from dcp_pass.runtime.kernels.mla_attention import mla_attention_reference
+
+    return mla_attention_reference(*args, **kwargs)
+
+
+def _torch_run_paged(*args, **kwargs):
+    from dcp_pass.runtime.kernels.mla_attention import mla_attention_reference_paged
+
+    return mla_attention_reference_paged(*args, **kwargs)
+
+
+# Insertion order gives options.ATTN_BACKENDS (after "auto").
+ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
+    "triton": AttentionBackend(
+        "triton", _triton_available, _triton_run, _triton_run_paged, "e",
+        "split-KV flash-decoding Triton kernel (runtime/kernels/mla_attention.py)",
+    ),
+    "flashinfer": AttentionBackend(
+        "flashinfer", _flashinfer_available, None, None, "2",
+        "FlashInfer MLA (not wired into the pass yet)",
+    ),
+    "torch": AttentionBackend(
+        "torch", _torch_available, _torch_run, _torch_run_paged, "e",
+        "torch reference (runs everywhere; the fp32 checking mode)",
+    ),
+}
+
+FALLBACK_ATTENTION = "torch"  # runs everywhere
+
+
+def attention_backend_names() -> tuple:
+    """Every name option 'attn_backend' accepts: "auto" then the table's names."""
+    return (AUTO,) + tuple(ATTENTION_BACKENDS)
+
+
+def _auto_choice(device: torch.device, dtype: Optional[torch.dtype], fp32_reference: bool) -> str:
+    # fp32 caches are a checking mode: the Triton kernel runs them with IEEE fp32 dots on
+    # tiles shrunk to fit shared memory (72.7 ms vs 6.5 ms per step for the 4-layer
+    # V3-sized model, docs/performance.md), the reference's cuBLAS GEMMs are far faster
+    if torch.device(device).type == "cuda" and not (fp32_reference and dtype == torch.float32):
+        return "triton"
+    return "torch"
+
+
+def attention_lse_base(requested: str) -> str:
+    """The native LSE base of `requested` ("auto": that of every backend auto can pick)."""
+    if requested == AUTO:
+        bases = {ATTENTION_BACKENDS[n].lse_base for n in ("triton", "torch")}
+        assert len(bases) == 1, bases
+        return bases.pop()
+    return ATTENTION_BACKENDS[requested].lse_base
+
+
+def resolve_attention_backend(
+    requested: Optional[str],
+    device: torch.device,
+    dtype: Optional[torch.dtype] = None,
+    *,
+    strict: bool = True,
+) -> AttentionBackend:
+    """The attention backend that runs a call on `device` with cache dtype `dtype`.
+
+    * ``"auto"``: Triton on CUDA for 16-bit caches, the torch reference for fp32 caches
+      (a checking mode) and off CUDA: what the compiled op runs.
+    * ``None``: Triton on CUDA whatever the dtype, the reference elsewhere: the default
+      of the runtime features (extend, speculative verification), which have no fp32
+      checking mode.
+    * a table name: that backend; where it cannot run (or for an unknown name),
+      ``strict`` raises :class:`AttentionBackendUnavailable` saying why, otherwise the
+      reference runs.
+    """
+    if requested is None or requested == AUTO:
+        return ATTENTION_BACKENDS[_auto_choice(device, dtype, fp32_reference=requested == AUTO)]
+    if requested not in ATTENTION_BACKENDS:
+        if not strict:
+            return ATTENTION_BACKENDS[FALLBACK_ATTENTION]
+        raise AttentionBackendUnavailable(
+            f"unknown attention backend {requested!r}; valid names are "
+            f"{', '.join(map(repr, attention_backend_names()))} (or None)")
+    entry = ATTENTION_BACKENDS[requested]
+    reason = entry.available(torch.device(device), dtype)
+    if reason is None and entry.run is not None:
+        return entry
+    if strict:
+        raise AttentionBackendUnavailable(
+            f"attention backend {requested!r} {reason or 'cannot run: it has no run function'}")
+    return ATTENTION_BACKENDS[FALLBACK_ATTENTION]
