@@ -53,6 +53,7 @@ def mla_local_attention(
     are passed whole and the kernel's work follows the counts, with no host sync.
     """
     from dcp_pass.runtime.backends import resolve_attention_backend
+    from dcp_pass.runtime.layout import local_length
 
     # "auto": Triton on CUDA for 16-bit caches, the torch reference for fp32 caches (a
     # checking mode) and off CUDA; a named backend that cannot run here (refused at
@@ -60,9 +61,9 @@ def mla_local_attention(
     fn = resolve_attention_backend(backend, q_lat.device, kv.dtype, strict=False).run
     local_lens = None
     if kv_lens is not None:
-        local_lens = ((kv_lens + (c - 1 - rank)) // c).expand(q_lat.shape[0]).contiguous()
+        local_lens = local_length(kv_lens, c, rank).expand(q_lat.shape[0]).contiguous()
     else:
-        n_local = (kv_len + c - 1 - rank) // c
+        n_local = local_length(kv_len, c, rank)
         kv = kv[:, :n_local]
         pe = pe[:, :n_local] if pe is not None else None
     if mask is not None and mask.shape[-1] != 1:
