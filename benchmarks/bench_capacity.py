@@ -52,7 +52,7 @@ def _held_bytes(model) -> int:
 
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [e.local for e in map(cache.lookup_local_cache, model.buffers()) if e is not None]
-    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+    return sum({t.untyped_storage()._cdata: cache.held_nbytes(t) for t in tensors}.values())
 
 
 def _cache_bytes(model) -> int:
@@ -62,7 +62,7 @@ def _cache_bytes(model) -> int:
     for name, buf in model.named_buffers():
         if name.endswith("_cache"):
             entry = cache.lookup_local_cache(buf)
-            total += entry.local_nbytes if entry is not None else buf.untyped_storage().nbytes()
+            total += entry.local_nbytes if entry is not None else cache.held_nbytes(buf)
     return total
 
 

@@ -45,9 +45,11 @@ class _DeferMode(TorchFunctionMode):
     def __init__(self, min_bytes: int):
         super().__init__()
         self.min_bytes = min_bytes
-        # storage id -> (the storage, its full byte size, zero it?). The storage, not the
-        # tensor: `nn.Parameter(torch.empty(...))` keeps only an alias of the tensor made.
-        self.pending: dict[int, tuple[torch.UntypedStorage, int, bool]] = {}
+        # Keyed by the `_cdata` of the storage each tensor made here starts on (kept alive
+        # here, so the key stays unique). Keyed by storage, not tensor:
+        # `nn.Parameter(torch.empty(...))` keeps only an alias of the tensor made.
+        self.pending: dict[int, tuple[torch.UntypedStorage, Optional[float]]] = {}  # shell, fill
+        self.backed: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}  # shell, memory
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,37 +72,46 @@ class _DeferMode(TorchFunctionMode):
         if meta.layout != torch.strided or nbytes == 0 or nbytes < self.min_bytes:
             return None
         t = cache.unallocated(meta.shape, meta.stride(), meta.dtype, device)
-        storage = t.untyped_storage()
-        self.pending[storage._cdata] = (storage, nbytes, _FACTORIES[func] is not None)
+        shell = t.untyped_storage()
+        self.pending[shell._cdata] = (shell, _FACTORIES[func])
         return t
 
     def _back(self, t: torch.Tensor) -> None:
-        """Give `t`'s storage its memory if it is a pending one (for every alias, e.g. a Parameter)."""
+        """Before a torch call reads or writes `t`: move it onto memory if it is on one of our shells."""
         if cache.is_deferred(t):
             name, _ = cache._describe(t)
             raise cache.DcpCacheError(f"dcp_pass: deferred cache buffer {name} was used while the model is built "
                                       f"under dcp_pass.deferred_caches(); it has no memory until DCP stripes it")
-        if self.pending and t.device.type != "meta":
-            held = self.pending.pop(t.untyped_storage()._cdata, None)
-            if held is not None:
-                _back_storage(*held)
+        if (self.pending or self.backed) and t.layout == torch.strided and t.device.type != "meta" \
+                and not cache.has_memory(t):
+            key = t.untyped_storage()._cdata
+            if key in self.pending:
+                shell, fill = self.pending.pop(key)
+                self.backed[key] = (shell, cache.new_backing(shell, fill))
+            if key in self.backed:  # every alias that reaches a torch call moves onto the same memory
+                cache.move_onto(t, self.backed[key][1])
 
     def claim(self, t: torch.Tensor) -> tuple[bool, Optional[float]]:
         """Whether `t` is one of ours, still without memory (it stops being pending), and its fill."""
         held = self.pending.pop(t.untyped_storage()._cdata, None)
-        return (False, None) if held is None else (True, 0.0 if held[2] else None)
+        return (False, None) if held is None else (True, held[1])
 
     def back_all(self) -> None:
-        for storage, nbytes, zero in self.pending.values():
-            if torch._C._storage_Use_Count(storage._cdata) > 1:  # some tensor still uses it
-                _back_storage(storage, nbytes, zero)
+        """At exit: every tensor still on one of our shells (but deferred caches) gets its memory."""
+        # Each shell is referenced here once; more means a tensor still uses it.
+        live = {key: entry for key, entry in {**self.pending, **self.backed}.items()
+                if torch._C._storage_Use_Count(key) > 1}
+        if live:
+            for alias in cache.aliases_of(live):
+                if cache.is_deferred(alias):
+                    continue
+                key = alias.untyped_storage()._cdata
+                if key in self.pending:
+                    shell, fill = self.pending.pop(key)
+                    self.backed[key] = (shell, cache.new_backing(shell, fill))
+                cache.move_onto(alias, self.backed[key][1])
         self.pending.clear()
-
-
-def _back_storage(storage: torch.UntypedStorage, nbytes: int, zero: bool) -> None:
-    storage.resize_(nbytes)
-    if zero:
-        storage.fill_(0)
+        self.backed.clear()
 
 
 @contextlib.contextmanager

@@ -59,13 +59,13 @@ def _rank_deferred(rank, world):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with dcp_pass.deferred_caches(min_bytes=0):  # 0: weights take the "back on first use" path too
             model = build_model(args, rank=rank, seed=3)
-        unbacked = all(b.untyped_storage().nbytes() == 0 for n, b in model.named_buffers() if n.endswith("_cache"))
+        unbacked = all(not cache.has_memory(b) for n, b in model.named_buffers() if n.endswith("_cache"))
         tokens, logits = _decode(torch.compile(model, backend=DcpBackend(dcp_size=world, inner="aot_eager")))
     seen = _allocations(prof)
 
     caches = {n: b for n, b in model.named_buffers() if n.endswith("_cache")}
     shards = [cache.lookup_local_cache(b).local for b in caches.values()]
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+    storages = {t.untyped_storage()._cdata: cache.held_nbytes(t)
                 for t in (*model.parameters(), *model.buffers(), *shards)}
     cache_bytes = {n: b.numel() * b.element_size() for n, b in caches.items()}
     others = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
@@ -122,7 +122,7 @@ def test_deferred_dcp1_gets_full_buffers_and_equals_an_ordinary_build():
     reference = NPMLA()
     model = _deferred(NPMLA)
     assert torch.equal(model.w_uv, reference.w_uv)  # weights built exactly as without the context
-    assert model.kv_cache.untyped_storage().nbytes() == 0
+    assert not cache.has_memory(model.kv_cache)
     with pytest.raises(DcpCacheError, match=r"NPMLA ran eagerly.*NPMLA.kv_cache.*deferred_caches.*materialize"):
         model(*tiny_inputs(1, 0))
     compiled = torch.compile(model, backend=DcpBackend(dcp_size=1, inner="eager"))  # DCP off: full buffers
@@ -142,7 +142,7 @@ def test_deferred_caches_move_and_copy_without_memory():
     copied = copy.deepcopy(model)
     for m in (model, copied):
         assert m.kv_cache.dtype == torch.float64 and cache.is_deferred(m.kv_cache)
-        assert m.kv_cache.untyped_storage().nbytes() == 0 and m.w_uv.dtype == torch.float64
+        assert not cache.has_memory(m.kv_cache) and m.w_uv.dtype == torch.float64
     assert copied.kv_cache is not model.kv_cache
 
 
@@ -151,7 +151,7 @@ def test_deferred_caches_get_only_their_stripe(fake_world):
     model = _deferred(NPMLA)
     dcp_pass.materialize(model, dcp_size=2, rank=0)  # before the first compile, as the backend would
     entry = cache.lookup_local_cache(model.kv_cache)
-    assert tuple(entry.local.shape) == (2, 16 // 2 + 1, 8) and model.kv_cache.untyped_storage().nbytes() == 0
+    assert tuple(entry.local.shape) == (2, 16 // 2 + 1, 8) and not cache.has_memory(model.kv_cache)
     compiled = torch.compile(model, backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))
     compiled(*tiny_inputs(1, 0))
     assert cache.lookup_local_cache(model.kv_cache) is entry  # the backend uses that shard
@@ -179,3 +179,42 @@ def test_weights_and_persistent_buffers_are_allocated_as_usual():
     for t in (model.lin.weight, model.kept, model.raw):
         assert t.untyped_storage().nbytes() == 64 * 64 * 4 and not cache.is_released(t)
     assert model.kept.abs().sum() == 0
+    assert all(cache.has_memory(t) for t in (model.lin.weight, model.kept, model.raw))
+
+
+def test_aliases_get_one_memory_whether_touched_or_not():
+    """A tensor made inside the context lives on a null storage until moved onto memory; every
+    alias of it must land on the same memory, whether a torch call reached it during the build
+    (moved then) or not (found at exit). A miss would leave a tensor that segfaults when read."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            base = torch.zeros(64, 64)
+            self.untouched = nn.Parameter(base)  # an alias nothing reads before the build ends
+            self.view = base[1:3]  # another alias, a view with an offset
+            self.touched = nn.Parameter(torch.empty(32, 64))
+            self.touched_view = self.touched.detach()[4:]
+            nn.init.ones_(self.touched)  # a torch call reaches the Parameter: moved then
+
+    model = _deferred(M)
+    # Booleans only: a failing assert that printed a tensor would read the null storage.
+    backed = [cache.has_memory(t) for t in (model.untouched, model.view, model.touched, model.touched_view)]
+    assert backed == [True] * 4
+    assert model.untouched.untyped_storage()._cdata == model.view.untyped_storage()._cdata
+    assert model.touched.untyped_storage()._cdata == model.touched_view.untyped_storage()._cdata
+    assert model.untouched.abs().sum() == 0 and model.view.shape == (2, 64)
+    with torch.no_grad():
+        model.untouched[1, 0] = 5.0
+    assert model.view[0, 0] == 5.0  # one memory, not copies
+    assert bool((model.touched_view == 1).all()) and model.touched.requires_grad
+
+
+@torch.no_grad()
+def test_dcp1_materialize_moves_every_alias_of_a_cache():
+    model = _deferred(NPMLA)
+    alias = model.kv_cache.detach()[1:]  # a view taken before the cache has memory
+    dcp_pass.materialize(model, dcp_size=1)
+    backed = [cache.has_memory(model.kv_cache), cache.has_memory(alias)]
+    assert backed == [True, True]
+    assert alias.untyped_storage()._cdata == model.kv_cache.untyped_storage()._cdata
+    assert model.kv_cache.abs().sum() == 0 and alias.shape[0] == model.kv_cache.shape[0] - 1

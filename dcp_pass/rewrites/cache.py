@@ -7,7 +7,7 @@ buffer object and reused by every later recompile. The graph takes the shard as 
 trailing static input, resolved per call from the buffer passed (see backend.py).
 
 A buffer built under `dcp_pass.deferred_caches()` never had full-size storage: it is
-created in the released form directly (`unallocated`) and gets only its shard.
+created without memory (`unallocated`) and gets only its shard.
 
 A buffer without full-size data must not be read outside a DCP graph. Ordinary
 operations that would (deepcopy, pickling, `Module.to`/`.half()`/..., eager calls of the
@@ -151,36 +151,80 @@ def _storage_nbytes(shape, stride, element_size: int, offset: int = 0) -> int:
 
 
 def unallocated(shape, stride, dtype: torch.dtype, device) -> torch.Tensor:
-    """A tensor of this shape, stride, dtype and device with a 0-byte storage; allocates nothing.
+    """A tensor of this shape, stride, dtype and device with no memory behind it; allocates nothing.
 
-    The same thing `untyped_storage().resize_(0)` leaves of a full tensor (what Dynamo
-    already guards and recompiles against), made without allocating first: `set_` checks
-    that the storage is big enough, so the tensor is set onto a non-owning storage of the
-    full byte size with a null pointer (nothing behind it), and that storage then swaps
-    pointer, size and allocator with an empty storage of the device. Materializing is
-    `untyped_storage().resize_(n)`, in place, for every tensor sharing the storage.
+    `set_` checks that the storage is big enough for the shape, so the tensor sits on a
+    non-owning, non-resizable storage of the full byte size whose pointer is null: what
+    Dynamo fakeifies and guards (shape, stride, dtype, device) is the full buffer's, and
+    nothing can ever be read through it. It gets memory only by moving onto a new storage
+    (`back`). One mechanism on every torch >= 2.11: 2.11 has no way to give a storage a
+    pointer in place (`UntypedStorage._swap_data_ptr_` came later), so none is used.
     """
-    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
-        # Seen on torch 2.11 (the H200 machines): without it the only storage big enough
-        # for set_'s bounds check is a non-resizable null one, which can never be backed.
-        raise DcpCacheError(
-            f"dcp_pass.deferred_caches() needs torch.UntypedStorage._swap_data_ptr_ (torch >= 2.12); "
-            f"this torch {torch.__version__} lacks it: build the model without deferred_caches() (each rank "
-            f"then holds the full cache until the first compiled call stripes it)")
     t = torch.empty(0, dtype=dtype, device=device)
     nbytes = _storage_nbytes(shape, stride, t.element_size())
     shell = torch._C._construct_storage_from_data_pointer(0, t.device, nbytes)
     t.set_(shell, 0, tuple(shape), tuple(stride))
-    t.untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0, device=t.device))
     return t
 
 
-def materialize_storage(t: torch.Tensor, fill: Optional[float]) -> None:
-    """Give an `unallocated` tensor (and every alias of its storage) its memory."""
-    t.untyped_storage().resize_(_storage_nbytes(t.shape, t.stride(), t.element_size(), t.storage_offset()))
+def has_memory(t: torch.Tensor) -> bool:
+    """False for an `unallocated` tensor (and every other alias of its storage)."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return True  # nothing to back
+    try:
+        return storage.data_ptr() != 0
+    except RuntimeError:  # torch refuses the pointer of a null storage that claims bytes: ours
+        return False
+
+
+def held_nbytes(t: torch.Tensor) -> int:
+    """Bytes of memory behind `t`'s storage: 0 for an `unallocated` one."""
+    return t.untyped_storage().nbytes() if has_memory(t) else 0
+
+
+def new_backing(shell: torch.UntypedStorage, fill: Optional[float]) -> torch.UntypedStorage:
+    """Memory for the tensors of `shell` (an `unallocated` storage), filled if asked."""
+    storage = torch.UntypedStorage(shell.nbytes(), device=shell.device)
     if fill is not None:
-        with torch.no_grad():
-            torch.Tensor.fill_(t, fill)
+        assert fill == 0.0, fill  # torch.zeros; torch.empty has no fill
+        storage.fill_(0)
+    return storage
+
+
+def move_onto(t: torch.Tensor, storage: torch.UntypedStorage) -> None:
+    """Point `t` (same object, shape, stride and offset) at `storage`."""
+    with torch.no_grad():
+        torch.Tensor.set_(t, storage, t.storage_offset(), t.shape, t.stride())
+
+
+def aliases_of(shells: dict[int, Any]) -> list[torch.Tensor]:
+    """Every live tensor whose storage is one of `shells` (keyed by `_cdata`).
+
+    A scan of the garbage collector's objects: used only when a shell still has users we
+    do not know (an alias made without a torch call we see, e.g. `nn.Parameter(t)` never
+    touched before the model is built), once per construction.
+    """
+    found = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no __class__ lookups
+            try:
+                if obj.untyped_storage()._cdata in shells:
+                    found.append(obj)
+            except (RuntimeError, NotImplementedError):  # fake, functional or other storage-less tensors
+                continue
+    return found
+
+
+def back(t: torch.Tensor, fill: Optional[float]) -> None:
+    """Give an `unallocated` tensor, and every other tensor on its storage, memory (filled if asked)."""
+    shell = t.untyped_storage()
+    storage = new_backing(shell, fill)
+    move_onto(t, storage)
+    # Left: the Python storage object `shell` itself (1); anything more is another alias.
+    if torch._C._storage_Use_Count(shell._cdata) > 1:
+        for alias in aliases_of({shell._cdata: shell}):
+            move_onto(alias, storage)
 
 
 def defer(buffer: torch.Tensor, name: str, fill: Optional[float], owner: torch.nn.Module) -> None:
@@ -192,7 +236,7 @@ def defer(buffer: torch.Tensor, name: str, fill: Optional[float], owner: torch.n
 def materialize_full(buffer: torch.Tensor) -> None:
     """Allocate a deferred buffer in full (dcp_size=1: no striping); it becomes an ordinary buffer."""
     info = _DEFERRED.pop(buffer)
-    materialize_storage(buffer, info.fill)
+    back(buffer, info.fill)
     for attr in _GUARDED_ATTRS:
         buffer.__dict__.pop(attr, None)
 
