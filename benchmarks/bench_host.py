@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import KV_LORA, ROPE, SCALE, env_info, fmt_table, write_json  # noqa: E402
 
-import dcp_pass.runtime.ops  # noqa: E402,F401  (registers torch.ops.dcp)
-from dcp_pass.runtime.kernels import mla_attention as M  # noqa: E402
+import dcp_pass.runtime.decode.ops  # noqa: E402,F401  (registers torch.ops.dcp)
+from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 
 
 def per_call_us(fn, n=200, dev="cuda"):

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table,  # noqa: E402
                     matmul_rate, write_json)
 
-from dcp_pass.runtime.kernels import mla_attention as M  # noqa: E402
-from dcp_pass.runtime.kernels import mla_wide as W  # noqa: E402
+from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
+from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
 
 D = KV_LORA + ROPE
 L2_BYTES = 60 << 20

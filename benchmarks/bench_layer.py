@@ -4,7 +4,7 @@ Every rank runs the layer's TP-local part (q path, latent KV write, attention, w
 o_proj + TP all-reduce). With DCP = c, the c consecutive attention-TP ranks of a DCP
 group stripe the KV cache (rank r keeps positions p % c == r at row p // c), attend
 with the query heads of the whole group over their own stripe, and exchange/merge the
-partials (dcp_pass.runtime.comm) back to their TP-local heads:
+partials (dcp_pass.runtime.decode.comm) back to their TP-local heads:
 
   a2a_gq   query all-gather + packed all-to-all (SPEC "a2a, gathered Q")
   a2a_rq   q-proj / w_kc replicated: one packed all-to-all ("a2a, replicated Q")
@@ -108,7 +108,7 @@ def group_name(pg):
 
 
 # ----------------------------------------------------------------------------- the layer
-# benchmark variant -> comm backend (a name of dcp_pass.runtime.backends.COMM_BACKENDS)
+# benchmark variant -> comm backend (a name of dcp_pass.runtime.decode.backends.COMM_BACKENDS)
 COMM_OF_VARIANT = {"a2a_rq": "a2a", "a2a_gq": "a2a", "ag_rs": "ag_rs"}
 
 
@@ -116,7 +116,7 @@ class Layer:
     """One rank's part of the MLA layer for one (c, comm) setting."""
 
     def __init__(self, W, dims, topo: Topo, comm, B, L, device, dtype, fill="random", full_cache=None):
-        from dcp_pass.runtime import layout
+        from dcp_pass.runtime.decode import layout
 
         self.dims, self.topo, self.comm, self.B, self.L = dims, topo, comm, B, L
         H, nope, rope, kvl, vh = (dims[k] for k in ("heads", "nope", "rope", "kv_lora", "v_head"))
@@ -154,7 +154,7 @@ class Layer:
 
     # pieces, so that the benchmark can time them alone
     def q_path(self, x):
-        from dcp_pass.runtime.comm import gather_heads
+        from dcp_pass.runtime.decode.comm import gather_heads
 
         d = self.dims
         B = x.shape[0]
@@ -168,7 +168,7 @@ class Layer:
         return qf
 
     def kv_write(self, x):
-        from dcp_pass.runtime import layout
+        from dcp_pass.runtime.decode import layout
 
         d, c, r = self.dims, self.topo.c, self.topo.dcp_rank
         kvn = x[:, 0] @ self.wkv_a.t()
@@ -179,14 +179,14 @@ class Layer:
         return layout.local_length(self.pos + 1, c, r)
 
     def attend(self, qf, kv_lens):
-        from dcp_pass.runtime.backends import resolve_attention_backend
+        from dcp_pass.runtime.decode.backends import resolve_attention_backend
 
-        # None: Triton on CUDA, the torch reference elsewhere (runtime/backends.py)
+        # None: Triton on CUDA, the torch reference elsewhere (runtime/decode/backends.py)
         run = resolve_attention_backend(None, qf.device, self.cache.dtype).run
         return run(qf, None, self.cache, None, self.dims["kv_lora"], self.scale, None, kv_lens, "e")
 
     def exchange(self, o, lse):
-        from dcp_pass.runtime.backends import COMM_BACKENDS
+        from dcp_pass.runtime.decode.backends import COMM_BACKENDS
 
         c = self.topo.c
         if c == 1:
@@ -352,7 +352,7 @@ def run_timings(lay: Layer, cfg, rank):
     o, lse = lay.attend(qf, kv_lens)
     pieces = {"attn_ms": lambda: lay.attend(qf, kv_lens)}
     if c > 1:
-        from dcp_pass.runtime.comm import gather_heads
+        from dcp_pass.runtime.decode.comm import gather_heads
 
         if lay.replicated_q:
             pieces["exchange_ms"] = lambda: lay.exchange(o, lse)

@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dcp_pass.runtime.kernels import mla_wide as W  # noqa: E402
+from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
 
 _DT = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
        torch.int64: "*i64"}

@@ -122,7 +122,7 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 def check_attn_backend(requested: str, device: torch.device) -> str:
     """An explicitly requested attention backend must be able to run here."""
-    from dcp_pass.runtime.backends import ATTENTION_BACKENDS, AUTO
+    from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, AUTO
 
     if requested == AUTO:
         return requested
@@ -190,8 +190,8 @@ def _grad_enabled_at(gm: fx.GraphModule, target: Any) -> bool:
 
 def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[Any]) -> AttentionPlan:
     """Group, comm backend, LSE base and attention backend for this compile."""
-    from dcp_pass.runtime import comm
-    from dcp_pass.runtime.backends import attention_lse_base
+    from dcp_pass.runtime.decode import comm
+    from dcp_pass.runtime.decode.backends import attention_lse_base
 
     group = opts.group
     if group is not None:

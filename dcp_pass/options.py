@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from dcp_pass.runtime import backends as _backends
+from dcp_pass.runtime.decode import backends as _backends
 
-# the names of the backend tables (dcp_pass/runtime/backends.py), which every chooser reads
+# the names of the backend tables (dcp_pass/runtime/decode/backends.py), which every chooser reads
 COMM_BACKENDS = tuple(_backends.COMM_BACKENDS)
 ATTN_BACKENDS = _backends.attention_backend_names()
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")

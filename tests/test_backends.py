@@ -1,19 +1,19 @@
-"""The backend tables (dcp_pass/runtime/backends.py): every chooser reads the same names."""
+"""The backend tables (dcp_pass/runtime/decode/backends.py): every chooser reads the same names."""
 import pytest
 import torch
 
 from dcp_pass import options
 from dcp_pass.backend import check_attn_backend
 from dcp_pass.options import DcpOptionError
-from dcp_pass.runtime import backends, comm
-from dcp_pass.runtime.backends import (
+from dcp_pass.runtime.decode import backends, comm
+from dcp_pass.runtime.decode.backends import (
     ATTENTION_BACKENDS,
     COMM_BACKENDS,
     AttentionBackendUnavailable,
     attention_lse_base,
     resolve_attention_backend,
 )
-from dcp_pass.runtime.kernels import mla_attention as kernels
+from dcp_pass.runtime.decode.kernels import mla_attention as kernels
 
 
 def test_option_names_come_from_the_tables():

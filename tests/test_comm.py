@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from dcp_pass.runtime.comm import (
+from dcp_pass.runtime.decode.comm import (
     COMM_BACKENDS,
     CommBackendUnavailable,
     exchange_fi_a2a,
     resolve_comm_backend,
 )
-from dcp_pass.runtime.merge import merge_partials
+from dcp_pass.runtime.decode.merge import merge_partials
 
 SEED = 1234
 NEG_INF = float("-inf")
@@ -63,7 +63,7 @@ def _local_attention(q, k, v, keep, scale):
 def _dcp_decode_case(rank: int, c: int, group_name: str, dev: str):
     """A whole DCP decode step: gather Q heads, local attention on this rank's stripe,
     packed all-to-all + merge; compared with float64 full attention."""
-    from dcp_pass.runtime.comm import exchange_a2a, gather_heads
+    from dcp_pass.runtime.decode.comm import exchange_a2a, gather_heads
 
     g = torch.Generator().manual_seed(SEED * 7 + c)
     B, S, Hl, Dk, Dv, Lmax = 3, 1, 2, 16, 12, 13
@@ -95,7 +95,7 @@ def _compile_case(rank: int, c: int, group_name: str, O, L, Hl):
     """exchange_a2a under torch.compile(aot_eager) and its traced op counts."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dcp_pass.runtime.comm import exchange_a2a
+    from dcp_pass.runtime.decode.comm import exchange_a2a
 
     def step(o, lse):
         return exchange_a2a(o, lse, group_name, c)
@@ -123,7 +123,7 @@ def _compile_case(rank: int, c: int, group_name: str, O, L, Hl):
 def _rank_main(rank: int, world_size: int, do_compile: bool, dev: str = "cpu"):
     import torch.distributed as dist
 
-    from dcp_pass.runtime.comm import (
+    from dcp_pass.runtime.decode.comm import (
         device_comm_facts,
         exchange_a2a,
         exchange_ag_rs,

@@ -10,8 +10,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.extend import extend_attention_dcp, extend_attention_gather, gather_prefix
-from dcp_pass.runtime.layout import local_capacity, local_length, striped_write_
+from dcp_pass.runtime.compose.extend import extend_attention_dcp, extend_attention_gather, gather_prefix
+from dcp_pass.runtime.decode.layout import local_capacity, local_length, striped_write_
 from dcp_pass.testing import Checks, run_ranks
 
 DL, DR, H = 16, 8, 6  # H divisible by 2 and 3

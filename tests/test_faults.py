@@ -31,7 +31,7 @@ def _peer(rank, mode, init_file, pg_timeout, out_q, release):
     import torch
     import torch.distributed as dist
 
-    from dcp_pass.runtime.comm import exchange_partials
+    from dcp_pass.runtime.decode.comm import exchange_partials
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcp_pass.runtime.merge import merge_packed, merge_partials, pack_output_lse, unpack_output_lse
+from dcp_pass.runtime.decode.merge import merge_packed, merge_partials, pack_output_lse, unpack_output_lse
 from dcp_pass.testing import run_ranks
 
 PROMPTS = [[5, 7, 9, 11, 2], [1], [3, 4], [8, 8, 1]]

@@ -28,7 +28,7 @@ from typing import Optional
 
 import expecttest
 
-from dcp_pass.runtime.layout import write_owned_tokens_, write_tokens_at_
+from dcp_pass.runtime.decode.layout import write_owned_tokens_, write_tokens_at_
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -36,7 +36,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dcp_pass.backend import DcpBackend
-from dcp_pass.runtime import comm
+from dcp_pass.runtime.decode import comm
 
 EXCHANGES = (comm.exchange_a2a, comm.exchange_ag_rs, comm.exchange_replicated, comm.exchange_fi_a2a)
 
@@ -283,18 +283,18 @@ class GraphDiffTest(expecttest.TestCase):
         # end = 6 positions: rank 0 of 2 owns 0, 2, 4 -> local slice [:2, :3]; no mask for one token
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
-    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -313,18 +313,18 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertExpectedInline(render(be.graphs[1]), """\
 def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
     add = start_pos + 1
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, start_pos, 2, 0, 16, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, start_pos, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, start_pos, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, start_pos, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
-    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = add, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -335,13 +335,13 @@ def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv
         # the [S, T] causal mask is put in [B, S, H, T] order and striped like the keys (columns 0::2)
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
-    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     getitem_2 = unsqueeze[(None, Ellipsis)]
@@ -349,7 +349,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -360,13 +360,13 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
-    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     getitem_2 = unsqueeze[(None, Ellipsis)]
@@ -374,7 +374,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 8, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -391,18 +391,18 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
-    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_ag_rs(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_ag_rs(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -413,14 +413,14 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -430,14 +430,14 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -453,18 +453,18 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         # end = 14: rank 0 owns 0, 2, ..., 12 -> 7 local keys
         self.assertExpectedInline(render(self._decode_c(2)), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 13, 2, 0, 32, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 13, 2, 0, 32, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 13, 2, 0, 32, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 13, 2, 0, 32, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
-    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 14, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -523,14 +523,14 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
     cat = torch.cat([latent, k_pe], dim = -1)
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, cat, 5, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, cat, 5, 2, 0, 16, 0)
     cat_1 = torch.cat([q_lat, q_pe], dim = -1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
-    q_group = dcp_pass_runtime_comm_gather_heads(cat_1, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(cat_1, '0', 2)
     local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_2 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_2.flatten(2)
     return (o_1,)""")
@@ -540,13 +540,13 @@ def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
 def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
-    striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
-    striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
-    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     where = torch.where(unsqueeze, -inf, 0.0)
@@ -555,7 +555,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")
@@ -583,19 +583,19 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
         for gm in rewritten:
             self.assertRewritten(gm)
         self.assertExpectedInline(region(rewritten[0]), """\
-striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
-q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
         self.assertExpectedInline(op_summary(rewritten[0]), """write_owned_tokens_ .squeeze write_owned_tokens_ [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a [] einsum""")
@@ -621,14 +621,14 @@ dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
         be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, cat, 4, 2, 0, 96, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, cat, 4, 2, 0, 96, 0)
 q_full = torch.cat([q_lat, q_pe_1], dim = -1)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
-q_group = dcp_pass_runtime_comm_gather_heads(q_full, '0', 2)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_full, '0', 2)
 local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
 
@@ -637,14 +637,14 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
         be = self.dcp(model, (self._tokens(4), 0), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 0, 2, 0, 96, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 0, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 0, 2, 0, 96, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 0, 2, 0, 96, 0)
 unsqueeze_2 = mask.unsqueeze(1)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
-q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 where = torch.where(unsqueeze_2, -inf, 0.0)
@@ -653,7 +653,7 @@ mask_f32 = getitem.float()
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = mask_f32, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
 
@@ -663,19 +663,19 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
         be = self.dcp(model, (self._tokens(1), 4), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat_1, q_pe_1], -1)
-q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 flatten_6 = merged.flatten(0, 1)""")
 
     def test_tensor_positions_static_shapes(self):
@@ -686,8 +686,8 @@ flatten_6 = merged.flatten(0, 1)""")
         be = self.dcp(StaticPosMLA(), _inputs([5], g), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(region(be.graphs[0]), """\
-striped_write = dcp_pass_runtime_layout_write_tokens_at_(dcp_local_cache_0, latent, input_pos, 2, 0, 16, 0)
-striped_write_1 = dcp_pass_runtime_layout_write_tokens_at_(dcp_local_cache_1, k_pe, input_pos, 2, 0, 16, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_tokens_at_(dcp_local_cache_0, latent, input_pos, 2, 0, 16, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_tokens_at_(dcp_local_cache_1, k_pe, input_pos, 2, 0, 16, 0)
 keys = torch.arange(16, device = device(type='cpu'))
 getitem = keys[(None, slice(None, None, None))]
 getitem_1 = input_pos[(slice(None, None, None), None)]
@@ -696,7 +696,7 @@ unsqueeze = future.unsqueeze(1)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe], -1)
-q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
 q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
 where = torch.where(unsqueeze, -inf, 0.0)
@@ -705,7 +705,7 @@ mask_f32 = getitem_5.float()
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 16, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)""")
 
     def test_replicated_q_on_real_ranks(self):
@@ -714,9 +714,9 @@ einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)""")
         text = run_ranks(_replicated_region_on_gloo, 2, timeout=300)[0]
         self.assertNotIn("gather_heads", text)
         self.assertExpectedInline(text, """\
-striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 q_2 = torch._C._nn.linear(rms_norm, dcp_q_weight_1)
 q_3 = q_2.view(2, 1, 2, 24)
 split_2 = torch.functional.split(q_3, [16, 8], dim = -1)
@@ -739,7 +739,7 @@ pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 local_attention = torch.ops.dcp.mla_local_attention.default(cat, cat_1, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)
 ---
@@ -759,19 +759,19 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
             regions[replicate] = region(be.graphs[0])
             torch._dynamo.reset()
         self.assertExpectedInline(regions[False], """\
-striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
-q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
         # replicate_q_proj=True on the fake process group: the compile-time weight gather returns
@@ -779,19 +779,19 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
         # report says why). The replicated graph itself runs on real gloo ranks in
         # test_pass_numerics.test_c2_bf16_replicated_q_equals_gathered_q.
         self.assertExpectedInline(regions[True], """\
-striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_1, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
-q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
 
@@ -808,19 +808,19 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
         self.assertRewritten(gm)
         # only the MLA layer is rewritten ...
         self.assertExpectedInline(region(gm), """\
-striped_write = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_4, 4, 2, 0, 96, 0)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, rms_norm_4, 4, 2, 0, 96, 0)
 squeeze = k_pe_1.squeeze(2)
-striped_write_1 = dcp_pass_runtime_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, squeeze, 4, 2, 0, 96, 0)
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 q_packed = torch.cat([q_lat, q_pe_1], -1)
-q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
 q_lat_group = q_group[(Ellipsis, slice(None, 32, None))]
 q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_16 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_3 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_16)""")
         self.assertExpectedInline(be.report.summary(), """\

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.comm import exchange_replicated
-from dcp_pass.runtime.host_tier import HostKVTier, HostTierError, local_rows, widened_page_indices
-from dcp_pass.runtime.kernels.mla_attention import mla_attention_reference
-from dcp_pass.runtime.layout import PagedVirtualAllocator, filter_owned, owned_positions
+from dcp_pass.runtime.decode.comm import exchange_replicated
+from dcp_pass.runtime.compose.host_tier import HostKVTier, HostTierError, local_rows, widened_page_indices
+from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
+from dcp_pass.runtime.decode.layout import PagedVirtualAllocator, filter_owned, owned_positions
 from dcp_pass.testing import Checks, run_ranks
 
 P, D, DL, H = 4, 24, 16, 4

@@ -1,4 +1,4 @@
-"""Tests of the shard-local MLA attention kernels (dcp_pass.runtime.kernels.mla_attention).
+"""Tests of the shard-local MLA attention kernels (dcp_pass.runtime.decode.kernels.mla_attention).
 
 CPU part: the Triton kernels run under Triton's interpreter. TRITON_INTERPRET=1 must be
 set before triton is imported, and setting it inside a shared pytest process would turn
@@ -30,7 +30,7 @@ ROOT = os.path.dirname(HERE)
 # helpers shared by the worker and the GPU tests
 # ======================================================================================
 def _mod():
-    from dcp_pass.runtime.kernels import mla_attention as m
+    from dcp_pass.runtime.decode.kernels import mla_attention as m
 
     return m
 
@@ -94,7 +94,7 @@ def local_merge(outs, lses):
 def merge(outs, lses):
     """Use the project's merge_partials when it exists, else the local one."""
     try:
-        from dcp_pass.runtime.merge import merge_partials
+        from dcp_pass.runtime.decode.merge import merge_partials
     except Exception:
         return local_merge(outs, lses)
     o, lse = merge_partials(outs, lses, "e", torch.float64, True)

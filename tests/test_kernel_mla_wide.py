@@ -1,4 +1,4 @@
-"""Tests of the two-GEMM wide-head MLA kernels (dcp_pass.runtime.kernels.mla_wide).
+"""Tests of the two-GEMM wide-head MLA kernels (dcp_pass.runtime.decode.kernels.mla_wide).
 
 CPU part: the kernels run under Triton's interpreter in one worker subprocess (this file
 run as a script, TRITON_INTERPRET=1 set before triton's import; see test_kernel_mla.py
@@ -30,13 +30,13 @@ from test_kernel_mla import TOL, _gen, check_close, make_inputs, merge, poisoned
 
 
 def _wide():
-    from dcp_pass.runtime.kernels import mla_wide as w
+    from dcp_pass.runtime.decode.kernels import mla_wide as w
 
     return w
 
 
 def _base():
-    from dcp_pass.runtime.kernels import mla_attention as m
+    from dcp_pass.runtime.decode.kernels import mla_attention as m
 
     return m
 

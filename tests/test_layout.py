@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_pass.runtime.layout import (
+from dcp_pass.runtime.decode.layout import (
     CacheCapacityError,
     OutOfKVPagesError,
     PagedVirtualAllocator,
@@ -372,8 +372,8 @@ def test_allocator_against_brute_force_model(c, page, pages, ops):
 
 
 def _bool_calls():
-    from dcp_pass.runtime.extend import extend_attention_dcp, gather_prefix, query_positions, write_new_tokens_
-    from dcp_pass.runtime.speculative import rank_local_page_table, verify_attention, verify_query_positions
+    from dcp_pass.runtime.compose.extend import extend_attention_dcp, gather_prefix, query_positions, write_new_tokens_
+    from dcp_pass.runtime.compose.speculative import rank_local_page_table, verify_attention, verify_query_positions
 
     cache = torch.zeros(2, 8, 4)
     new = torch.zeros(2, 3, 4)
@@ -419,7 +419,7 @@ def test_bool_sizes_and_ranks_are_rejected(name):
 
 
 def test_speculative_rejects_negative_indices_and_sizes():
-    from dcp_pass.runtime.speculative import rank_local_page_table, verify_attention
+    from dcp_pass.runtime.compose.speculative import rank_local_page_table, verify_attention
 
     r2t = torch.arange(16)
     with pytest.raises(ValueError, match=r"page_size"):

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_pass.runtime.merge import (
+from dcp_pass.runtime.decode.merge import (
     global_lse,
     merge_packed,
     merge_partials,
@@ -407,10 +407,10 @@ _TRITON_SCRIPT = textwrap.dedent(
     import torch
     try:
         import triton  # noqa: F401
-        from dcp_pass.runtime.kernels.merge_triton import merge_partials_triton, unpack_merge_triton
+        from dcp_pass.runtime.decode.kernels.merge_triton import merge_partials_triton, unpack_merge_triton
     except Exception as e:
         print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
-    from dcp_pass.runtime.merge import merge_partials, pack_output_lse
+    from dcp_pass.runtime.decode.merge import merge_partials, pack_output_lse
 
     def err(a, b):
         a, b = a.double(), b.double()
@@ -531,7 +531,7 @@ _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA d
 @pytest.mark.parametrize("base", ["e", "2"])
 @pytest.mark.parametrize("c,D", [(2, 512), (4, 576), (8, 7), (16, 1100)])
 def test_triton_merge_on_gpu(dtype, base, c, D):
-    from dcp_pass.runtime.kernels.merge_triton import merge_partials_triton, unpack_merge_triton
+    from dcp_pass.runtime.decode.kernels.merge_triton import merge_partials_triton, unpack_merge_triton
 
     g = torch.Generator().manual_seed(c * D)
     o = torch.randn(c, 4, 1, 16, D, generator=g).to(dtype)

@@ -40,20 +40,20 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     add_1 = torch.add(dcp_start_pos, 1)
     arange = torch.arange(1, device = device(type='cpu'))
     add_2 = torch.add(dcp_start_pos, arange)
-    striped_write = dcp_pass_runtime_layout_write_tokens_at_(dcp_local_cache_0, latent, add_2, 2, 0, 16, 0)
+    striped_write = dcp_pass_runtime_decode_layout_write_tokens_at_(dcp_local_cache_0, latent, add_2, 2, 0, 16, 0)
     arange_1 = torch.arange(1, device = device(type='cpu'))
     add_3 = torch.add(dcp_start_pos, arange_1)
-    striped_write_1 = dcp_pass_runtime_layout_write_tokens_at_(dcp_local_cache_1, k_pe, add_3, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_tokens_at_(dcp_local_cache_1, k_pe, add_3, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
     pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
     q_packed = torch.cat([q_lat, q_pe], -1)
-    q_group = dcp_pass_runtime_comm_gather_heads(q_packed, '0', 2)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 0, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto', kv_lens = add_1)
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
     einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
     o_1 = einsum_3.flatten(2)
     return (o_1,)""")

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.layout import PagedVirtualAllocator, owned_positions, shard_full_cache
-from dcp_pass.runtime.speculative import rank_local_page_table, verify_attention, verify_query_positions
+from dcp_pass.runtime.decode.layout import PagedVirtualAllocator, owned_positions, shard_full_cache
+from dcp_pass.runtime.compose.speculative import rank_local_page_table, verify_attention, verify_query_positions
 from dcp_pass.testing import Checks, run_ranks
 
 DL, DR, H, K = 16, 8, 4, 3

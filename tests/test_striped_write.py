@@ -7,7 +7,7 @@ exactly the owned tokens at row p // c and leave every other row untouched.
 import pytest
 import torch
 
-from dcp_pass.runtime.layout import write_owned_tokens_
+from dcp_pass.runtime.decode.layout import write_owned_tokens_
 
 
 def _expected(shard, values, start, c, r, f0):

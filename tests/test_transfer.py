@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.kernels.mla_attention import mla_attention_reference
-from dcp_pass.runtime.layout import PagedVirtualAllocator, local_length, owned_positions, shard_full_cache
-from dcp_pass.runtime.merge import merge_partials
-from dcp_pass.runtime.transfer import (
+from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
+from dcp_pass.runtime.decode.layout import PagedVirtualAllocator, local_length, owned_positions, shard_full_cache
+from dcp_pass.runtime.decode.merge import merge_partials
+from dcp_pass.runtime.compose.transfer import (
     PageLayout,
     StateTransferPlan,
     TransferPlanError,

@@ -26,9 +26,9 @@ from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.match import CacheAccess, MlaMatch, NearMiss
-from dcp_pass.runtime import comm
-from dcp_pass.runtime.backends import COMM_BACKENDS
-from dcp_pass.runtime import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_pass.runtime.decode import comm
+from dcp_pass.runtime.decode.backends import COMM_BACKENDS
+from dcp_pass.runtime.decode import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 CANON_Q = [B, S, H, F]
 CANON_SCORES = [B, S, H, T]

@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dcp_pass.report import log
 from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites.match import CacheAccess
-from dcp_pass.runtime import layout
+from dcp_pass.runtime.decode import layout
 
 
 class DcpCacheError(RuntimeError):

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import fx_util
-from dcp_pass.runtime import layout
+from dcp_pass.runtime.decode import layout
 
 _ARITH = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.mul,
           operator.floordiv: torch.floor_divide}

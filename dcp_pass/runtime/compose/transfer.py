@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.layout import local_length, owned_positions, owner, physical, whole_page_ids
+from dcp_pass.runtime.decode.layout import local_length, owned_positions, owner, physical, whole_page_ids
 
 __all__ = [
     "TransferPlanError",
@@ -272,7 +272,7 @@ def build_transfer_plan(
     request's virtual token indices on the decode side (``req_to_token``; at least
     ``num_tokens`` entries; only the first ``num_tokens`` are used). Decode rank
     ``r`` must own exactly the positions ``p % c == r`` (true for page-aligned
-    allocations such as :class:`~dcp_pass.runtime.layout.PagedVirtualAllocator`).
+    allocations such as :class:`~dcp_pass.runtime.decode.layout.PagedVirtualAllocator`).
     """
     mode = _check_pair(prefill, decode, pool_kind)
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
@@ -394,7 +394,7 @@ def build_transfer_plan_from_allocator(
     pool_kind: str = "mla",
 ) -> TransferPlan:
     """:func:`build_transfer_plan` with the decode metadata read from a
-    :class:`~dcp_pass.runtime.layout.PagedVirtualAllocator` (the request must already
+    :class:`~dcp_pass.runtime.decode.layout.PagedVirtualAllocator` (the request must already
     be allocated there with its full length)."""
     if allocator.c != decode.dcp_size:
         raise TransferPlanError(

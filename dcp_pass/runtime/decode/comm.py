@@ -12,7 +12,7 @@ Shapes follow the compile pass's canonical layout: partial output ``o`` is
 merged in DCP-rank order, which is also KV-shard order.
 
 Backends (SPEC section 4; the table every chooser reads is COMM_BACKENDS in
-runtime/backends.py):
+runtime/decode/backends.py):
   * ``a2a``    one packed all-to-all of (output, LSE), then a local exact merge;
   * ``ag_rs``  LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs;
   * ``fi_a2a`` FlashInfer's MNNVL all-to-all (Blackwell, one MNNVL domain).
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dcp_pass.runtime.merge import (
+from dcp_pass.runtime.decode.merge import (
     check_base,
     global_lse,
     merge_packed,
@@ -50,10 +50,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # COMM_BACKENDS (name -> CommBackend) lives in runtime/backends.py, which imports the
+    # COMM_BACKENDS (name -> CommBackend) lives in runtime/decode/backends.py, which imports the
     # exchanges below; read lazily so the two modules do not import each other at load
     if name == "COMM_BACKENDS":
-        from dcp_pass.runtime.backends import COMM_BACKENDS
+        from dcp_pass.runtime.decode.backends import COMM_BACKENDS
 
         return COMM_BACKENDS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -327,7 +327,7 @@ def resolve_comm_backend(
     an all-to-all (NCCL/RCCL on CUDA/ROCm, gloo on CPU); "ag_rs" only where it has none.
     An explicit request that cannot run raises ValueError saying why.
     """
-    from dcp_pass.runtime.backends import COMM_BACKENDS, DEFAULT_COMM_PREFERENCE
+    from dcp_pass.runtime.decode.backends import COMM_BACKENDS, DEFAULT_COMM_PREFERENCE
 
     facts = dict(device_type=device_type, is_blackwell=is_blackwell, mnnvl_single_domain=mnnvl_single_domain,
                  has_all_to_all=has_all_to_all, flashinfer_available=flashinfer_available)
@@ -450,7 +450,7 @@ def exchange_partials(
         name = group
     else:
         name = (group if group is not None else dist.group.WORLD).group_name
-    from dcp_pass.runtime.backends import COMM_BACKENDS
+    from dcp_pass.runtime.decode.backends import COMM_BACKENDS
 
     if method in ("a2a", "ag_rs"):
         return COMM_BACKENDS[method].exchange(o, lse, name, c, base, out_dtype)

@@ -2,8 +2,8 @@
 
 Every chooser reads these tables: option validation (dcp_pass/options.py), plan
 resolution (dcp_pass/backend.py), the rewrite's exchange (rewrites/attention.py),
-the shard-local attention op (runtime/ops.py), extend (runtime/extend.py),
-speculative verification (runtime/speculative.py) and the benchmarks. A new backend
+the shard-local attention op (runtime/decode/ops.py), extend (runtime/compose/extend.py),
+speculative verification (runtime/compose/speculative.py) and the benchmarks. A new backend
 is one entry here (vLLM's attention backend registry is the model).
 
 * ``COMM_BACKENDS``: name -> :class:`CommBackend` (head-sharded exchange, the method
@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from dcp_pass.runtime import comm
+from dcp_pass.runtime.decode import comm
 
 __all__ = [
     "CommBackend",
@@ -144,26 +144,26 @@ def _flashinfer_available(device: torch.device, dtype: Optional[torch.dtype] = N
 
 # Kernel imports stay lazy: importing the tables (options validation) must not import Triton.
 def _triton_run(*args, **kwargs):
-    from dcp_pass.runtime.kernels.mla_attention import mla_attention
+    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention
 
     # the kernels' dispatcher: Triton where the shapes are supported, the reference otherwise
     return mla_attention(*args, **kwargs)
 
 
 def _triton_run_paged(*args, **kwargs):
-    from dcp_pass.runtime.kernels.mla_attention import mla_attention_paged
+    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_paged
 
     return mla_attention_paged(*args, **kwargs)
 
 
 def _torch_run(*args, **kwargs):
-    from dcp_pass.runtime.kernels.mla_attention import mla_attention_reference
+    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
 
     return mla_attention_reference(*args, **kwargs)
 
 
 def _torch_run_paged(*args, **kwargs):
-    from dcp_pass.runtime.kernels.mla_attention import mla_attention_reference_paged
+    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference_paged
 
     return mla_attention_reference_paged(*args, **kwargs)
 
@@ -172,7 +172,7 @@ def _torch_run_paged(*args, **kwargs):
 ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
     "triton": AttentionBackend(
         "triton", _triton_available, _triton_run, _triton_run_paged, "e",
-        "split-KV flash-decoding Triton kernel (runtime/kernels/mla_attention.py)",
+        "split-KV flash-decoding Triton kernel (runtime/decode/kernels/mla_attention.py)",
     ),
     "flashinfer": AttentionBackend(
         "flashinfer", _flashinfer_available, None, None, "2",

@@ -18,7 +18,7 @@ from typing import Sequence, Union
 
 import torch
 
-from dcp_pass.runtime.layout import _check_rank, owner, physical
+from dcp_pass.runtime.decode.layout import _check_rank, owner, physical
 
 __all__ = ["HostTierError", "HostKVTier", "widened_page_indices", "local_rows"]
 

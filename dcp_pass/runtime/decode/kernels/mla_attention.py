@@ -2,7 +2,7 @@
 
 Every DCP rank runs attention for all query heads of its DCP group over its own
 stripe of the latent KV cache and returns a partial output plus its log-sum-exp
-(LSE); `dcp_pass.runtime.merge` combines the partials exactly.
+(LSE); `dcp_pass.runtime.decode.merge` combines the partials exactly.
 
 Shapes (canonical layout, any strides):
 

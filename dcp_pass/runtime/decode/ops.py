@@ -3,7 +3,7 @@
 A custom op (not a plain Python call) because the inner compilers must treat the
 shard-local attention as an opaque kernel: it has a fake implementation for
 tracing, and its real implementation chooses its attention backend (the Triton
-kernel or the torch reference, runtime/backends.py) at run time. (Striped cache
+kernel or the torch reference, runtime/decode/backends.py) at run time. (Striped cache
 writes need no op: they are one strided slice copy in the graph, see
 rewrites/cache.py.)
 """
@@ -52,8 +52,8 @@ def mla_local_attention(
     count is device data (static-shape decode, see rewrites/positions.py): the shards
     are passed whole and the kernel's work follows the counts, with no host sync.
     """
-    from dcp_pass.runtime.backends import resolve_attention_backend
-    from dcp_pass.runtime.layout import local_length
+    from dcp_pass.runtime.decode.backends import resolve_attention_backend
+    from dcp_pass.runtime.decode.layout import local_length
 
     # "auto": Triton on CUDA for 16-bit caches, the torch reference for fp32 caches (a
     # checking mode) and off CUDA; a named backend that cannot run here (refused at

@@ -22,8 +22,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from dcp_pass.runtime.backends import resolve_attention_backend
-from dcp_pass.runtime.layout import _check_rank, local_length, owned_positions, whole_page_ids
+from dcp_pass.runtime.decode.backends import resolve_attention_backend
+from dcp_pass.runtime.decode.layout import _check_rank, local_length, owned_positions, whole_page_ids
 
 __all__ = [
     "verify_query_positions",
@@ -138,10 +138,10 @@ def verify_attention(
     be finite (they are real KV).
 
     Returns the rank-local ``(out [B,k,H,v_dim], lse [B,k,H])`` when ``exchange`` is
-    None, else merges over ``group`` exactly like :func:`~dcp_pass.runtime.extend.extend_attention_dcp`
+    None, else merges over ``group`` exactly like :func:`~dcp_pass.runtime.compose.extend.extend_attention_dcp`
     (``"a2a"``/``"ag_rs"``: this rank's head shard; ``"replicated"``: all heads).
 
-    ``attn_backend``: a name of :data:`~dcp_pass.runtime.backends.ATTENTION_BACKENDS`;
+    ``attn_backend``: a name of :data:`~dcp_pass.runtime.decode.backends.ATTENTION_BACKENDS`;
     None runs Triton on CUDA and the torch reference elsewhere.
     """
     _check_rank(c, rank)
@@ -176,6 +176,6 @@ def verify_attention(
             pe = _zero_tail(pe, local_lens) if pe is not None else None
         o, lse = backend.run(q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=local_lens,
                              lse_base=lse_base, causal=(q_pos, c, rank))
-    from dcp_pass.runtime import comm
+    from dcp_pass.runtime.decode import comm
 
     return comm.exchange_partials(o, lse, exchange, group, c, lse_base, out_dtype)

@@ -1,6 +1,6 @@
 """Triton kernels for the exact DCP LSE merge.
 
-Same maths as ``dcp_pass.runtime.merge.merge_partials`` (see there); these exist so
+Same maths as ``dcp_pass.runtime.decode.merge.merge_partials`` (see there); these exist so
 eager CUDA runs do the merge in one pass over the partials, and so the packed
 all-to-all receive buffer can be merged without first being split into separate
 output and LSE tensors.
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dcp_pass.runtime.merge_checks import check_base, check_merge_args, check_packed_width
+from dcp_pass.runtime.decode.merge_checks import check_base, check_merge_args, check_packed_width
 
 __all__ = ["merge_partials_triton", "unpack_merge_triton"]
 

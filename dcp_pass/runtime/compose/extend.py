@@ -12,7 +12,7 @@ Extend is outside the decode cost model (SPEC.md section 7). Two correct ways:
   at ``prefix_len[b] + i``) and the partials are merged by the usual DCP exchange.
 
 Caches are per-sequence striped tensors ``[B, Tl, D]`` (see
-:class:`~dcp_pass.runtime.layout.StripedCache`): row ``b``'s position ``p`` owned by
+:class:`~dcp_pass.runtime.decode.layout.StripedCache`): row ``b``'s position ``p`` owned by
 this rank sits at local row ``p // c``. A fused cache (latent + rope columns) is
 passed as ``local_kv`` with ``local_pe=None``; a split cache passes both.
 ``prefix_lens`` may be an int or a length-``B`` sequence / tensor (ragged rows).
@@ -24,8 +24,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.backends import resolve_attention_backend
-from dcp_pass.runtime.layout import _check_group_size, _check_rank, local_capacity, local_length, striped_write_
+from dcp_pass.runtime.decode.backends import resolve_attention_backend
+from dcp_pass.runtime.decode.layout import _check_group_size, _check_rank, local_capacity, local_length, striped_write_
 
 __all__ = [
     "gather_prefix",
@@ -149,7 +149,7 @@ def extend_attention_gather(
     the result is final for those heads, no merge). Returns ``(out [B, S, H, v_dim],
     lse [B, S, H])``. With ``write`` the new tokens are then written striped into
     ``local_kv`` / ``local_pe``. Collective over ``group`` when ``c > 1``.
-    ``attn_backend``: a name of :data:`~dcp_pass.runtime.backends.ATTENTION_BACKENDS`;
+    ``attn_backend``: a name of :data:`~dcp_pass.runtime.decode.backends.ATTENTION_BACKENDS`;
     None runs Triton on CUDA and the torch reference elsewhere.
     """
     _check_rank(c, rank)  # checked before any collective is issued
@@ -212,6 +212,6 @@ def extend_attention_dcp(
         q_lat, q_rope, local_kv, local_pe, v_dim, scale, kv_lens=local_lens,
         lse_base=lse_base, causal=(q_pos, c, rank),
     )
-    from dcp_pass.runtime import comm
+    from dcp_pass.runtime.decode import comm
 
     return comm.exchange_partials(o, lse, exchange, group, c, lse_base, out_dtype)

@@ -22,9 +22,9 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from dcp_pass.runtime.merge_checks import LSE_BASES, check_base, packed_lse_columns
-from dcp_pass.runtime.merge_checks import check_merge_args as _check_merge_args
-from dcp_pass.runtime.merge_checks import check_packed_width as _check_packed_width
+from dcp_pass.runtime.decode.merge_checks import LSE_BASES, check_base, packed_lse_columns
+from dcp_pass.runtime.decode.merge_checks import check_merge_args as _check_merge_args
+from dcp_pass.runtime.decode.merge_checks import check_packed_width as _check_packed_width
 
 __all__ = [
     "LSE_BASES",
@@ -210,7 +210,7 @@ def merge_partials_dispatch(
     with fake tensors, and inductor fuses the reference into one kernel anyway.
     """
     if _eager_cuda(outputs) and _triton_usable() and _acc_dtype(outputs, lses) != torch.float64:
-        from dcp_pass.runtime.kernels.merge_triton import merge_partials_triton
+        from dcp_pass.runtime.decode.kernels.merge_triton import merge_partials_triton
 
         return merge_partials_triton(outputs, lses, base, out_dtype, return_lse)
     return merge_partials(outputs, lses, base, out_dtype, return_lse)
@@ -229,7 +229,7 @@ def merge_packed(
     views and runs the reference merge (traceable).
     """
     if _eager_cuda(packed) and _triton_usable() and packed.dtype != torch.float64:
-        from dcp_pass.runtime.kernels.merge_triton import unpack_merge_triton
+        from dcp_pass.runtime.decode.kernels.merge_triton import unpack_merge_triton
 
         return unpack_merge_triton(packed, D, base, out_dtype, return_lse)
     o, lse = unpack_output_lse(packed, D)
