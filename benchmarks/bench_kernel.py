@@ -29,6 +29,7 @@ from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor
 
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
+from dcp_pass.runtime.decode.kernels.splits import split_count  # noqa: E402
 
 D = KV_LORA + ROPE
 L2_BYTES = 60 << 20
@@ -137,7 +138,7 @@ def sweep(results, ceil, tuned_path=None):
         for (bh, bn, w, st, vs) in cfgs[bucket]:
             n_prog = -(-H // bh) * vs
             for waves in (1, 2, 4):
-                ns = M.split_count(B, n_prog, T, torch.device(DEV), waves)
+                ns = split_count(B, n_prog, T, torch.device(DEV), waves)
                 cfg = M.MLAKernelConfig(bh, bn, w, st, ns, vs)
                 rec = dict(H=H, B=B, T=T, bucket=bucket, block_h=bh, block_n=bn, warps=w, stages=st, v_split=vs,
                            waves=waves, splits=ns)

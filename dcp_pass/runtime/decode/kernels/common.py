@@ -1,8 +1,9 @@
 """Host-side pieces shared by the MLA attention kernels (``mla_attention``, ``mla_wide``).
 
-Argument normalisation and checks, the operands every launch builds the same way
-(mask, causal positions, output buffers) and small constants. Nothing here launches a
-kernel; both kernel modules import from here, neither from the other's privates.
+Argument normalisation and checks (including which operands the Triton path takes), the
+operands every launch builds the same way (mask, causal positions, output buffers) and
+small constants. Nothing here launches a kernel; both kernel modules import from here
+and from ``splits`` (split count, stage-2 merge), neither from the other.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ __all__ = [
     "outputs",
     "check_launchable",
     "lse_scale",
+    "triton_supported",
 ]
 
 LOG2E = 1.4426950408889634
@@ -218,3 +220,20 @@ def check_launchable(device, kv_lens, who):
 def lse_scale(base):
     """Factor from a base-2 LSE to one in ``base``."""
     return LN2 if base == "e" else 1.0
+
+
+def triton_supported(q_lat, q_rope, kv, pe, v_dim) -> bool:
+    """Whether the Triton path handles these operands (else use the reference)."""
+    if not HAS_TRITON:
+        return False
+    if kv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if q_lat.dtype != kv.dtype or (q_rope is not None and q_rope.dtype != kv.dtype):
+        return False
+    if pe is not None and pe.dtype != kv.dtype:
+        return False
+    d_main = v_dim if pe is None else q_lat.shape[-1]
+    if pe is not None and v_dim > d_main:
+        return False  # values wider than the key part: not a decode MLA layout
+    d_tail = (q_lat.shape[-1] - v_dim) if pe is None else pe.shape[-1]
+    return pow2(d_main) <= 1024 and pow2(d_tail) <= 256

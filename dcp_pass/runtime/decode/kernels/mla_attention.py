@@ -23,10 +23,15 @@ e (``lse_base="e"``) or base 2 (``"2"``); the merge must use the same base.
 The Triton path is two-stage flash-decoding: stage 1 gives each program a block of
 (query token, head) rows and one split of the row's keys, so each KV tile is read
 once for all rows of the block (the latent tile serves as keys and values); stage 2
-merges the splits. Split sizes are derived on the device from ``kv_lens``, the
-number of splits from shapes only: no host syncs, CUDA-graph capturable. Nothing is
-registered with ``torch.library`` here: the compile pass wraps these functions in
-its own custom op.
+merges the splits (``splits.reduce_launch``, shared with the two-GEMM kernel). Split
+sizes are derived on the device from ``kv_lens``, the number of splits from shapes only
+(``splits.split_count``): no host syncs, CUDA-graph capturable. Nothing is registered
+with ``torch.library`` here: the compile pass wraps these functions in its own custom op.
+
+Module layering: ``common`` and ``splits`` hold what both kernels share; ``mla_wide``
+imports only those; this module, above it, holds the dispatchers, and
+:func:`mla_attention_triton` is the one place that routes between the split-KV kernel
+and ``mla_wide``'s two-GEMM kernel.
 """
 from __future__ import annotations
 
@@ -45,8 +50,10 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
+from . import mla_wide
 from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
-                     check_launchable, lse_scale, mask_operand, outputs, pow2, split_parts)
+                     check_launchable, mask_operand, outputs, pow2, split_parts, triton_supported)
+from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
     "mla_attention",
@@ -336,44 +343,8 @@ def _stage1_kernel_src(
     tl.store(L + b * sl_b + pid_sp * sl_sp + s_idx * sl_s + h_idx * sl_h, lse, mask=row_ok & ((rows * 0 + vc) == 0))
 
 
-def _reduce_kernel_src(
-    OP, LP, O, L,
-    H, lse_scale,
-    sop_b, sop_sp, sop_r, sop_d,
-    slp_b, slp_sp, slp_r,
-    so_b, so_s, so_h, so_d,
-    sl_b, sl_s, sl_h,
-    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):
-    """Merge NUM_SPLITS base-2 partials of one (row, batch) into the final output."""
-    r = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    s_idx = r // H
-    h_idx = r % H
-    offs_d = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < D_V
-    lp = LP + b * slp_b + r * slp_r
-    op = OP + b * sop_b + r * sop_r + offs_d * sop_d
-    m = tl.load(lp)
-    for sp in range(1, NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lp + sp * slp_sp))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.exp2(tl.load(lp) - m_use)
-    acc = den * tl.load(op, mask=d_ok, other=0.0)
-    for sp in range(1, NUM_SPLITS):
-        w = tl.exp2(tl.load(lp + sp * slp_sp) - m_use)
-        acc += w * tl.load(op + sp * sop_sp, mask=d_ok, other=0.0)
-        den += w
-    empty = den == 0.0
-    out = acc / tl.where(empty, 1.0, den)
-    lse = tl.where(empty, float("-inf"), m_use + tl.log2(tl.where(empty, 1.0, den))) * lse_scale
-    tl.store(O + b * so_b + s_idx * so_s + h_idx * so_h + offs_d * so_d, out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(L + b * sl_b + s_idx * sl_s + h_idx * sl_h, lse)
-
-
 if HAS_TRITON:
     _stage1_jit = triton.jit(_stage1_kernel_src)
-    _reduce_jit = triton.jit(_reduce_kernel_src)
 
 
 # --------------------------------------------------------------------------------------
@@ -387,18 +358,6 @@ class MLAKernelConfig:
     num_stages: int
     num_splits: int
     v_split: int = 1
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 # Per head-rows bucket: (block_h, block_n, warps, stages, v_split, waves). Resource use
@@ -486,61 +445,9 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
     return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)), v_split)
 
 
-def split_count(batch: int, n_programs: int, t_cap: int, device: torch.device, waves: float = 1.0,
-                min_tokens: int = 256) -> int:
-    """Splits so that at most ``waves`` x SM-count programs run (whole waves, no ragged
-    last wave), each over >= min_tokens keys; ``n_programs`` = programs per split per row."""
-    target = max(1, int(waves * _sm_count(device)))
-    ns = target // max(1, batch * n_programs)
-    return max(1, min(ns, triton.cdiv(max(t_cap, 1), min_tokens)))
-
-
-def triton_supported(q_lat, q_rope, kv, pe, v_dim) -> bool:
-    """Whether the Triton path handles these operands (else use the reference)."""
-    if not HAS_TRITON:
-        return False
-    if kv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False
-    if q_lat.dtype != kv.dtype or (q_rope is not None and q_rope.dtype != kv.dtype):
-        return False
-    if pe is not None and pe.dtype != kv.dtype:
-        return False
-    d_main = v_dim if pe is None else q_lat.shape[-1]
-    if pe is not None and v_dim > d_main:
-        return False  # values wider than the key part: not a decode MLA layout
-    d_tail = (q_lat.shape[-1] - v_dim) if pe is None else pe.shape[-1]
-    return pow2(d_main) <= 1024 and pow2(d_tail) <= 256
-
-
 # --------------------------------------------------------------------------------------
 # Triton entry points
 # --------------------------------------------------------------------------------------
-def partial_outputs(out, lse_out, ns, H, base):
-    """Where a split kernel writes its per-split results, with strides as (b, split, s, h[, d]).
-
-    One split writes the final output and LSE directly (LSE in ``base``); more splits
-    write fp32 partials with base-2 LSEs into scratch, merged by ``_reduce_jit``.
-    Returns (o_part, l_part, o_strides, l_strides, lse_scale).
-    """
-    if ns == 1:
-        ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
-        lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
-        return out, lse_out, ops, lps, lse_scale(base)
-    B, S, _, v_dim = out.shape
-    o_part = torch.empty(B, ns, S * H, v_dim, dtype=torch.float32, device=out.device)
-    l_part = torch.empty(B, ns, S * H, dtype=torch.float32, device=out.device)
-    ops = (o_part.stride(0), o_part.stride(1), H * o_part.stride(2), o_part.stride(2), o_part.stride(3))
-    lps = (l_part.stride(0), l_part.stride(1), H * l_part.stride(2), l_part.stride(2))
-    return o_part, l_part, ops, lps, 1.0
-
-
-def reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns):
-    """Stage 2 (merge of ``ns`` split partials) over grid (S * H, B): (args, constexprs, num_warps)."""
-    args = (o_part, l_part, out, lse_out, H, lse_scale(base),
-            *o_part.stride(), *l_part.stride(), *out.stride(), *lse_out.stride())
-    return args, dict(D_V=v_dim, BLOCK_DV=pow2(v_dim), NUM_SPLITS=ns), 4 if v_dim >= 256 else 1
-
-
 def _launch(a: MlaArgs, out, lse_out, num_splits, config):
     """The fused split-KV path (contiguous or paged cache): stage 1, then stage 2 when split."""
     base = check_base(a.lse_base)
@@ -596,8 +503,8 @@ def _launch(a: MlaArgs, out, lse_out, num_splits, config):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if ns > 1:
-        args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
-        _reduce_jit[(SH, B)](*args, **consts, num_warps=warps)
+        kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
+        kernel[grid](*args, **consts, num_warps=warps)
     return out, lse_out
 
 
@@ -631,8 +538,6 @@ def mla_attention_triton(
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
-    from . import mla_wide
-
     a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal)
     if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim):
         return mla_wide.launch_wide(a, out, lse_out, num_splits, config)

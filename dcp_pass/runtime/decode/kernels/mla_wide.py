@@ -31,9 +31,9 @@ from typing import Optional
 
 import torch
 
-from . import mla_attention as _base
 from .common import (HAS_TRITON, LOG2E, MlaArgs, causal_operand, check_base, check_launchable, mask_operand,
-                     outputs, pow2)
+                     outputs, pow2, triton_supported)
+from .splits import partial_outputs, reduce_launch, split_count
 
 if HAS_TRITON:
     import triton
@@ -301,14 +301,14 @@ def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, 
     ns = num_splits if num_splits is not None else cfg.num_splits
     if ns is None:
         n_prog = triton.cdiv(rows, block_m) * triton.cdiv(d_v, block_v)
-        ns = _base.split_count(batch, n_prog, t_cap, device, cfg.waves, min_tokens=max(256, 4 * block_n))
+        ns = split_count(batch, n_prog, t_cap, device, cfg.waves, min_tokens=max(256, 4 * block_n))
     return WideConfig(block_m, block_n, cfg.block_k, warps_a, stages_a, block_v, warps_b, stages_b,
                       max(1, int(ns)), cfg.waves)
 
 
 def wide_supported(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
     """Whether the two-GEMM path handles these operands (contiguous caches only)."""
-    return not paged and _base.triton_supported(q_lat, q_rope, kv, pe, v_dim)
+    return not paged and triton_supported(q_lat, q_rope, kv, pe, v_dim)
 
 
 def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
@@ -431,7 +431,7 @@ def plan(a: MlaArgs, out, lse_out, cfg: WideConfig):
              CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared),
         cfg.warps_a, cfg.stages_a)]
 
-    o_part, l_part, ops, lps, l_scale = _base.partial_outputs(out, lse_out, ns, H, base)
+    o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     v = kv  # values: the first v_dim columns of the cache
     launches.append(_Launch(
         _values_jit, (n_rb * n_vc * ns, B),
@@ -445,8 +445,8 @@ def plan(a: MlaArgs, out, lse_out, cfg: WideConfig):
              HAS_LENS=kv_lens is not None, CAUSAL=causal is not None, IEEE=is_f32),
         cfg.warps_b, cfg.stages_b))
     if ns > 1:
-        args, consts, warps = _base.reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
-        launches.append(_Launch(_base._reduce_jit, (SH, B), list(args), consts, warps, 3))
+        kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
+        launches.append(_Launch(kernel, grid, list(args), consts, warps, 3))
     return launches
 
 

@@ -1,0 +1,122 @@
+"""How the keys of a row are split across programs, and how the splits are merged back.
+
+Shared by both Triton MLA kernels (``mla_attention``'s fused split-KV kernel and
+``mla_wide``'s two-GEMM kernel), which import from here and never from each other:
+
+* :func:`split_count`: the number of key splits, from shapes and the SM count only;
+* :func:`partial_outputs`: where a split kernel writes its per-split results (the final
+  output directly for one split, fp32 scratch with base-2 LSEs for more);
+* :func:`reduce_launch`: the stage-2 kernel that merges the scratch into the output.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import HAS_TRITON, lse_scale, pow2
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover
+    triton = None
+    tl = None
+
+__all__ = ["split_count", "partial_outputs", "reduce_launch"]
+
+
+# --------------------------------------------------------------------------------------
+# split count (shape-derived only)
+# --------------------------------------------------------------------------------------
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def split_count(batch: int, n_programs: int, t_cap: int, device: torch.device, waves: float = 1.0,
+                min_tokens: int = 256) -> int:
+    """Splits so that at most ``waves`` x SM-count programs run (whole waves, no ragged
+    last wave), each over >= min_tokens keys; ``n_programs`` = programs per split per row."""
+    target = max(1, int(waves * _sm_count(device)))
+    ns = target // max(1, batch * n_programs)
+    return max(1, min(ns, triton.cdiv(max(t_cap, 1), min_tokens)))
+
+
+# --------------------------------------------------------------------------------------
+# stage 2: merge of the split partials
+# --------------------------------------------------------------------------------------
+def _reduce_kernel_src(
+    OP, LP, O, L,
+    H, lse_scale,
+    sop_b, sop_sp, sop_r, sop_d,
+    slp_b, slp_sp, slp_r,
+    so_b, so_s, so_h, so_d,
+    sl_b, sl_s, sl_h,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Merge NUM_SPLITS base-2 partials of one (row, batch) into the final output."""
+    r = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    s_idx = r // H
+    h_idx = r % H
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D_V
+    lp = LP + b * slp_b + r * slp_r
+    op = OP + b * sop_b + r * sop_r + offs_d * sop_d
+    m = tl.load(lp)
+    for sp in range(1, NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lp + sp * slp_sp))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.exp2(tl.load(lp) - m_use)
+    acc = den * tl.load(op, mask=d_ok, other=0.0)
+    for sp in range(1, NUM_SPLITS):
+        w = tl.exp2(tl.load(lp + sp * slp_sp) - m_use)
+        acc += w * tl.load(op + sp * sop_sp, mask=d_ok, other=0.0)
+        den += w
+    empty = den == 0.0
+    out = acc / tl.where(empty, 1.0, den)
+    lse = tl.where(empty, float("-inf"), m_use + tl.log2(tl.where(empty, 1.0, den))) * lse_scale
+    tl.store(O + b * so_b + s_idx * so_s + h_idx * so_h + offs_d * so_d, out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(L + b * sl_b + s_idx * sl_s + h_idx * sl_h, lse)
+
+
+if HAS_TRITON:
+    _reduce_jit = triton.jit(_reduce_kernel_src)
+
+
+def partial_outputs(out, lse_out, ns, H, base):
+    """Where a split kernel writes its per-split results, with strides as (b, split, s, h[, d]).
+
+    One split writes the final output and LSE directly (LSE in ``base``); more splits
+    write fp32 partials with base-2 LSEs into scratch, merged by :func:`reduce_launch`'s kernel.
+    Returns (o_part, l_part, o_strides, l_strides, lse_scale).
+    """
+    if ns == 1:
+        ops = (out.stride(0), 0, out.stride(1), out.stride(2), out.stride(3))
+        lps = (lse_out.stride(0), 0, lse_out.stride(1), lse_out.stride(2))
+        return out, lse_out, ops, lps, lse_scale(base)
+    B, S, _, v_dim = out.shape
+    o_part = torch.empty(B, ns, S * H, v_dim, dtype=torch.float32, device=out.device)
+    l_part = torch.empty(B, ns, S * H, dtype=torch.float32, device=out.device)
+    ops = (o_part.stride(0), o_part.stride(1), H * o_part.stride(2), o_part.stride(2), o_part.stride(3))
+    lps = (l_part.stride(0), l_part.stride(1), H * l_part.stride(2), l_part.stride(2))
+    return o_part, l_part, ops, lps, 1.0
+
+
+def reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns):
+    """Stage 2, the merge of ``ns`` split partials into ``out`` / ``lse_out`` (LSE in ``base``).
+
+    Returns ``(kernel, grid, args, constexprs, num_warps)``, launched as
+    ``kernel[grid](*args, **constexprs, num_warps=num_warps)``; grid (S * H, B).
+    """
+    B, S = out.shape[0], out.shape[1]
+    args = (o_part, l_part, out, lse_out, H, lse_scale(base),
+            *o_part.stride(), *l_part.stride(), *out.stride(), *lse_out.stride())
+    consts = dict(D_V=v_dim, BLOCK_DV=pow2(v_dim), NUM_SPLITS=ns)
+    return _reduce_jit, (S * H, B), args, consts, 4 if v_dim >= 256 else 1
