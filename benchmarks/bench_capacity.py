@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -161,7 +162,9 @@ def run_probe(cfg, c, ctx):
     except RuntimeError as e:
         text = str(e)
         oom = "OOM_PHASE=" in text or "OutOfMemoryError" in text
-        phase = text.split("OOM_PHASE=")[1].split(":")[0] if "OOM_PHASE=" in text else None
+        # The first "OOM_PHASE=" of a traceback can be the source line of the raise itself
+        phases = re.findall(r"OOM_PHASE=([^{:]+):", text)
+        phase = phases[0] if phases else None
         rec = dict(c=c, ctx=ctx, ok=False, oom=oom, phase=phase, error=text[-600:])
     rec["wall_s"] = round(time.time() - t0, 1)
     print("probe", {k: v for k, v in rec.items() if k != "error"}, flush=True)
