@@ -94,12 +94,23 @@ def inner_config_patches(opts: DcpOptions, device: torch.device, mode: Optional[
 
     cudagraphs "auto": `mode` decides when given, else on for CUDA tensors under inductor
     (as mode="reduce-overhead" would set it: torch.compile refuses mode= with options=);
-    True / False force it; True needs CUDA tensors (raises DcpOptionError otherwise).
+    True / False force it; True needs CUDA tensors (raises DcpOptionError otherwise). An
+    attention backend that cannot run inside graph capture (the table's ``capturable``,
+    e.g. FlashInfer's host-side plan) turns "auto" off and refuses True.
     """
+    from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS
+
     if opts.cudagraphs is True and torch.device(device).type != "cuda":
         raise DcpOptionError(
             f"option 'cudagraphs'=True needs CUDA tensors, the model is on {torch.device(device).type}; "
             f"use 'auto' (off there) or False"
+        )
+    entry = ATTENTION_BACKENDS.get(opts.attn_backend)
+    capturable = entry is None or entry.capturable
+    if opts.cudagraphs is True and not capturable:
+        raise DcpOptionError(
+            f"option 'cudagraphs'=True: attention backend {opts.attn_backend!r} cannot run inside CUDA-graph "
+            f"capture; use 'auto' (off with it) or False, or another 'attn_backend'"
         )
     if opts.inner != "inductor":
         return {}
@@ -108,7 +119,9 @@ def inner_config_patches(opts: DcpOptions, device: torch.device, mode: Optional[
     if isinstance(opts.cudagraphs, bool):
         patches["triton.cudagraphs"] = opts.cudagraphs
     elif not given_mode and torch.device(device).type == "cuda":
-        patches["triton.cudagraphs"] = True
+        patches["triton.cudagraphs"] = capturable
+    elif patches.get("triton.cudagraphs") and not capturable:  # the mode's choice
+        patches["triton.cudagraphs"] = False
     patches.update(opts.inner_options)
     return patches
 

@@ -27,7 +27,7 @@ from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.match import CacheAccess, MlaMatch, NearMiss
 from dcp_pass.runtime.decode import comm
-from dcp_pass.runtime.decode.backends import COMM_BACKENDS
+from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, COMM_BACKENDS
 from dcp_pass.runtime.decode import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 CANON_Q = [B, S, H, F]
@@ -65,6 +65,15 @@ def check_mask_heads(match: MlaMatch, plan: AttentionPlan) -> None:
         shape = axes.shape_of(mask.node)
         if H in mask.roles and not axes.known_equal(shape[mask.roles.index(H)], 1):
             raise NearMiss("the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
+
+
+def check_backend_mask(match: MlaMatch, plan: AttentionPlan) -> None:
+    """A backend without additive masks (the table's ``takes_mask``) refuses a masked layer here,
+    at compile time, rather than at its first call."""
+    entry = ATTENTION_BACKENDS.get(plan.attn_backend)
+    if match.masks and entry is not None and not entry.takes_mask:
+        raise NearMiss(f"attention backend {plan.attn_backend!r} takes no additive score mask and this layer "
+                       f"adds one; use attn_backend='triton' or 'auto'")
 
 
 def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, name: str) -> fx.Node:
@@ -137,6 +146,7 @@ def rewrite_attention(
     graph = gm.graph
     latent, rope = ordered_terms(match)
     check_mask_heads(match, plan)
+    check_backend_mask(match, plan)
     value_node = match.value.node
     with graph.inserting_before(match.softmax):
         kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, "kv_local")

@@ -17,7 +17,6 @@ The runtime never imports the rewrites: this module imports only runtime code.
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
@@ -123,6 +122,10 @@ class AttentionBackend:
     run_paged: Optional[Callable[..., Any]]
     lse_base: str  # the base its LSE comes in natively; the plan's default LSE base
     description: str
+    # False: it cannot run inside CUDA-graph capture (the pass turns cudagraphs "auto" off)
+    capturable: bool = True
+    # False: it refuses an additive score mask (the pass refuses masked layers at compile)
+    takes_mask: bool = True
 
 
 def _triton_available(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
@@ -137,9 +140,9 @@ def _torch_available(device: torch.device, dtype: Optional[torch.dtype] = None) 
 
 
 def _flashinfer_available(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
-    if importlib.util.find_spec("flashinfer") is None:
-        return "cannot run: flashinfer is not installed"
-    return "cannot run: the FlashInfer MLA path is not wired into the pass yet"
+    from dcp_pass.runtime.decode.kernels.flashinfer_mla import flashinfer_unavailable
+
+    return flashinfer_unavailable(device, dtype)
 
 
 # Kernel imports stay lazy: importing the tables (options validation) must not import Triton.
@@ -168,6 +171,18 @@ def _torch_run_paged(*args, **kwargs):
     return mla_attention_reference_paged(*args, **kwargs)
 
 
+def _flashinfer_run(*args, **kwargs):
+    from dcp_pass.runtime.decode.kernels.flashinfer_mla import mla_attention_flashinfer
+
+    return mla_attention_flashinfer(*args, **kwargs)
+
+
+def _flashinfer_run_paged(*args, **kwargs):
+    from dcp_pass.runtime.decode.kernels.flashinfer_mla import mla_attention_flashinfer_paged
+
+    return mla_attention_flashinfer_paged(*args, **kwargs)
+
+
 # Insertion order gives options.ATTN_BACKENDS (after "auto").
 ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
     "triton": AttentionBackend(
@@ -175,8 +190,10 @@ ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
         "split-KV flash-decoding Triton kernel (runtime/decode/kernels/mla_attention.py)",
     ),
     "flashinfer": AttentionBackend(
-        "flashinfer", _flashinfer_available, None, None, "2",
-        "FlashInfer MLA (not wired into the pass yet)",
+        "flashinfer", _flashinfer_available, _flashinfer_run, _flashinfer_run_paged, "2",
+        "FlashInfer's BatchMLAPagedAttentionWrapper (runtime/decode/kernels/flashinfer_mla.py): "
+        "host-side plan, no additive masks",
+        capturable=False, takes_mask=False,
     ),
     "torch": AttentionBackend(
         "torch", _torch_available, _torch_run, _torch_run_paged, "e",
