@@ -268,9 +268,9 @@ def _plan(runner: _Runner, key: Optional[tuple], qo_indptr, kv_indptr, kv_indice
         kv_indices = kv_indices()
     runner.wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len, heads, CKV_DIM, KPE_DIM, page_size,
                         False, float(scale), q_dtype, kv_dtype)
-    if kv_indices.is_cuda:
+    if kv_indices.is_cuda:  # on the stream plan() queued its copy on: the device's current one
         runner.event = torch.cuda.Event()
-        runner.event.record()
+        runner.event.record(torch.cuda.current_stream(kv_indices.device))
     runner.key = key
 
 
