@@ -262,6 +262,17 @@ def test_striped_causal_verification_emulated(emulated, c, r):
     _close(got, want)
 
 
+def test_global_lengths_with_lens_stripe(emulated):
+    # the op's convention for device counts: global counts, the kernel takes rank r's share
+    c, r = 4, 3
+    q_lat, q_rope, kv, pe = _inputs(3, 1, 2, 6)
+    glob = torch.tensor([21, 4, 3])
+    local = glob // c + (r < glob % c).long()
+    got = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=glob, lens_stripe=(c, r))
+    _close(got, mla_attention_reference(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=local))
+    assert torch.isneginf(got[1][2]).all()  # 3 global keys: none on rank 3
+
+
 def test_plan_reused_across_layers(emulated):
     q_lat, q_rope, kv, pe = _inputs(2, 1, 2, 5)
     lens = torch.tensor([5, 3])

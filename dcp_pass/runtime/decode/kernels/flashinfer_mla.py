@@ -336,8 +336,12 @@ def _check_kernel_inputs(q_lat, kv, pe) -> None:
         raise ValueError("attention backend 'flashinfer' needs CUDA tensors")
 
 
-def _host_counts(kv_lens, causal, B, S, T) -> torch.Tensor:
-    """[B, S] visible key counts on the host: one device-to-host copy at most."""
+def _host_counts(kv_lens, causal, B, S, T, lens_stripe=(1, 0)) -> torch.Tensor:
+    """[B, S] visible key counts on the host: one device-to-host copy at most.
+
+    ``lens_stripe=(c, r)``: ``kv_lens`` are global counts of which rank r of c holds
+    ``(n + c - 1 - r) // c`` (the op's calling convention for device counts).
+    """
     from .common import as_causal
 
     causal = as_causal(causal)
@@ -351,6 +355,11 @@ def _host_counts(kv_lens, causal, B, S, T) -> torch.Tensor:
         else:
             lens = lens.cpu()
     lens = torch.broadcast_to(torch.as_tensor(lens).reshape(-1), (B,))
+    c, r = (int(x) for x in lens_stripe)
+    if kv_lens is not None and c > 1:
+        if not 0 <= r < c:
+            raise ValueError(f"lens_stripe must be (c, r) with 0 <= r < c, got {tuple(lens_stripe)}")
+        lens = torch.div(lens.to(torch.int64).clamp(min=0) + (c - 1 - r), c, rounding_mode="floor")
     if causal is None:
         return visible_counts(lens, S, T)
     return visible_counts(lens, S, T, q_pos, causal.cp_world, causal.cp_rank)
@@ -412,8 +421,12 @@ def mla_attention_flashinfer(
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
+    lens_stripe: Tuple[int, int] = (1, 0),
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlashInfer MLA over dense shards ``kv [B, T, Dk]`` / ``pe [B, T, 64]`` (see the module doc)."""
+    """FlashInfer MLA over dense shards ``kv [B, T, Dk]`` / ``pe [B, T, 64]`` (see the module doc).
+
+    ``lens_stripe=(c, r)``: ``kv_lens`` are global key counts, rank r of c holds its share.
+    """
     from .common import check_base
 
     base = check_base(lse_base)
@@ -423,7 +436,7 @@ def mla_attention_flashinfer(
     T = kv.shape[1]
     if B == 0 or S * H == 0 or T == 0:
         return _empty_result(q_lat, v_dim, out, lse_out)
-    counts = _host_counts(kv_lens, causal, B, S, T)
+    counts = _host_counts(kv_lens, causal, B, S, T, lens_stripe)
     if not bool((counts > 0).any()):
         return _empty_result(q_lat, v_dim, out, lse_out)
 
@@ -471,6 +484,7 @@ def mla_attention_flashinfer_paged(
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
+    lens_stripe: Tuple[int, int] = (1, 0),
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer MLA over page pools ``[num_pages, P, Dk]`` and ``page_table [B, max_pages]``."""
     from .common import check_base
@@ -486,7 +500,7 @@ def mla_attention_flashinfer_paged(
     P, max_pages = kv_pool.shape[1], page_table.shape[1]
     if B == 0 or S * H == 0 or kv_pool.shape[0] == 0 or max_pages == 0:
         return _empty_result(q_lat, v_dim, out, lse_out)
-    counts = _host_counts(kv_lens, causal, B, S, P * max_pages)
+    counts = _host_counts(kv_lens, causal, B, S, P * max_pages, lens_stripe)
     if not bool((counts > 0).any()):
         return _empty_result(q_lat, v_dim, out, lse_out)
 
