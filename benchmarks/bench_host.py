@@ -5,7 +5,10 @@ step whose GPU work is shorter than its host work is host-bound. This times, on 
 decode shape so the GPU never holds the host back, the mean wall time per call of N
 calls issued back to back (one sync at the end), for each layer of the call stack:
 
-* ``custom_op``  torch.ops.dcp.mla_local_attention, as the compiled graph calls it
+* ``custom_op``  torch.ops.dcp.mla_local_attention, as the compiled graph calls it (int key count)
+* ``op_lens``    the same with device key counts (global, c=2), as static-position decode
+                 graphs call it: replayed after its first call (runtime/decode/replay.py)
+* ``op_lens_python`` the same with DCP_REPLAY=0: its Python path every call
 * ``dispatcher`` kernels.mla_attention (shape checks, config, both Triton launches)
 * ``empty_x2``   two torch.empty calls (the allocation floor)
 
@@ -40,6 +43,14 @@ def per_call_us(fn, n=200, dev="cuda"):
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def _no_replay(fn):
+    os.environ["DCP_REPLAY"] = "0"
+    try:
+        return fn()
+    finally:
+        os.environ.pop("DCP_REPLAY")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -53,11 +64,16 @@ def main():
         q = torch.randn(B, 1, H, KV_LORA + ROPE, dtype=dtype, device=dev)
         kv = torch.randn(B, T + 1, KV_LORA + ROPE, dtype=dtype, device=dev)
         mask = torch.zeros(1, 1, 1, T, device=dev)
+        glens = torch.full((B,), 2 * T, dtype=torch.int64, device=dev)
         for name, fn in [
             ("custom_op", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, T, 1, 0, KV_LORA, SCALE, None, "e",
                                                                      "auto")),
             ("custom_op+mask", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, T, 1, 0, KV_LORA, SCALE, mask,
                                                                           "e", "auto")),
+            ("op_lens", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None,
+                                                                  "e", "auto", glens)),
+            ("op_lens_python", lambda: _no_replay(lambda: torch.ops.dcp.mla_local_attention(
+                q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None, "e", "auto", glens))),
             ("dispatcher", lambda: M.mla_attention(q, None, kv[:, :T], None, KV_LORA, SCALE)),
             ("empty_x2", lambda: (torch.empty(B, 1, H, KV_LORA, device=dev), torch.empty(B, 1, H, device=dev))),
         ]:

@@ -50,6 +50,14 @@ def per_call_us(fn, n=300):
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def _python_path(fn):
+    os.environ["DCP_REPLAY"] = "0"
+    try:
+        return fn()
+    finally:
+        os.environ.pop("DCP_REPLAY")
+
+
 class _Recorder:
     """Stands in for a JITFunction: records each `[grid](...)` call, then forwards it."""
 
@@ -94,15 +102,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="1x16x256,8x16x16384,8x128x16384", help="BxHxT list")
+    ap.add_argument("--no-inductor", action="store_true", help="skip the torch.compile rows (they compile for minutes)")
     a = ap.parse_args()
     M = _kernels()
     dev, dtype = "cuda", torch.bfloat16
     rows, errors = [], {}
     attn_op = None
-    try:
-        attn_op = triton_op_variant(M)
-    except Exception:
-        errors["triton_op_define"] = traceback.format_exc()[-3000:]
+    if not a.no_inductor:
+        try:
+            attn_op = triton_op_variant(M)
+        except Exception:
+            errors["triton_op_define"] = traceback.format_exc()[-3000:]
     for shape in a.shapes.split(","):
         B, H, T = (int(x) for x in shape.split("x"))
         q = torch.randn(B, 1, H, KV_LORA + ROPE, dtype=dtype, device=dev)
@@ -114,6 +124,8 @@ def main():
                                                                    "e", "auto"),
             "custom_op_lens": lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE,
                                                                         None, "e", "auto", glens),
+            "custom_op_lens_python": lambda: _python_path(lambda: torch.ops.dcp.mla_local_attention(
+                q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None, "e", "auto", glens)),
             "triton_entry": lambda: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, None, lens, "e"),
         }
         log = recorded_launches(M, cases["triton_entry"])
@@ -124,9 +136,10 @@ def main():
             return torch.ops.dcp.mla_local_attention(q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None, "e",
                                                      "auto", glens)
         try:
-            comp = torch.compile(plain, backend="inductor", fullgraph=True)
-            comp(q, kv, glens)
-            cases["inductor_custom_op"] = lambda: comp(q, kv, glens)
+            if not a.no_inductor:
+                comp = torch.compile(plain, backend="inductor", fullgraph=True)
+                comp(q, kv, glens)
+                cases["inductor_custom_op"] = lambda: comp(q, kv, glens)
         except Exception:
             errors[f"inductor_custom_op {shape}"] = traceback.format_exc()[-3000:]
         if attn_op is not None:

@@ -184,6 +184,37 @@ def check_kv_lens_int32_and_overlong_fp32():
     _run_and_compare(torch.float32, B=2, kv_lens=torch.tensor([99, 3], dtype=torch.int32))
 
 
+def _striped_lens_case(path):
+    """Global counts with lens_stripe=(c, r) give what the rank's own counts give.
+
+    Counts 0, 1, c-1, c, 2c+1 and past the shard, as [B] and as one broadcast [1] count:
+    the kernels take (n + c - 1 - r) // c themselves (the op no longer does it in torch)."""
+    m = _mod()
+    B, S, H, T = 4, 1, 4, 24
+    for c, r in ((2, 0), (2, 1), (3, 2), (4, 1)):
+        g = _gen()
+        q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, 32, 8, T, torch.float32, gen=g)
+        scale = 0.7 / math.sqrt(q_lat.shape[-1])
+        for glob in (torch.tensor([0, 1, c - 1, 2 * c + 1]), torch.tensor([c * T + 5, c, 1, 3 * c]),
+                     torch.tensor([2 * c + 3])):
+            local = ((glob.clamp(min=0) + c - 1 - r) // c).expand(B)
+            ro, rl = ref64(q_lat, q_rope, kv, pe, vd, scale, kv_lens=local.contiguous())
+            out, lse = m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, scale, None, glob, "e", None,
+                                              path=path, lens_stripe=(c, r))
+            check_close(out, lse, ro, rl, TOL[torch.float32])
+            po, pl = m.mla_attention_reference(q_lat, q_rope, kv, pe, vd, scale, None, glob, "e",
+                                               lens_stripe=(c, r))
+            check_close(po, pl, ro, rl, TOL[torch.float32])
+
+
+def check_striped_global_lens_split_kernel_fp32():
+    _striped_lens_case("split")
+
+
+def check_striped_global_lens_wide_kernel_fp32():
+    _striped_lens_case("wide")
+
+
 def check_additive_mask_fp32():
     B, S, H, T = 2, 2, 4, 33
     g = _gen()

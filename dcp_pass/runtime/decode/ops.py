@@ -1,6 +1,6 @@
-"""torch.library custom ops emitted by the compile pass.
+"""The torch.library op emitted by the compile pass.
 
-A custom op (not a plain Python call) because the inner compilers must treat the
+An op (not a plain Python call) because the inner compilers must treat the
 shard-local attention as an opaque kernel: it has a fake implementation for
 tracing, and its real implementation chooses its attention backend (the Triton
 kernel or the torch reference, runtime/decode/backends.py) at run time. (Striped cache
@@ -9,15 +9,27 @@ rewrites/cache.py.)
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
+from dcp_pass.runtime.decode import replay
+
 
 LIB = "dcp"
 
+# Defined with torch.library.Library rather than the torch.library.custom_op decorator: the
+# decorator's Python layers (autograd wrapper, redispatch, alias checks) cost ~30 us of
+# host time per call on the H200 machines, more than a replayed launch (replay.py). The
+# op has no autograd formula (the pass refuses graphs that need gradients) and no aliasing.
+_LIBRARY = torch.library.Library(LIB, "FRAGMENT")
+_LIBRARY.define(
+    "mla_local_attention(Tensor q_lat, Tensor? q_rope, Tensor kv, Tensor? pe, SymInt kv_len, int c, int rank, "
+    "int v_dim, float scale, Tensor? mask, str lse_base, str backend, Tensor? kv_lens=None) -> (Tensor, Tensor)"
+)
 
-@torch.library.custom_op(f"{LIB}::mla_local_attention", mutates_args=())
+
 def mla_local_attention(
     q_lat: torch.Tensor,
     q_rope: Optional[torch.Tensor],
@@ -52,6 +64,18 @@ def mla_local_attention(
     count is device data (static-shape decode, see rewrites/positions.py): the shards
     are passed whole and the kernel's work follows the counts, with no host sync.
     """
+    if kv_lens is not None and q_lat.is_cuda:
+        # The decode path: one signature per layer shape for the whole run, so after its
+        # first call the launches replay without this Python (runtime/decode/replay.py).
+        inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
+        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, os.environ.get("DCP_MLA_WIDE"),
+                               tensors=inputs)
+        return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
+                                                                lse_base, backend))
+    return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend)
+
+
+def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend):
     from dcp_pass.runtime.decode.backends import resolve_attention_backend
     from dcp_pass.runtime.decode.layout import local_length
 
@@ -59,20 +83,22 @@ def mla_local_attention(
     # checking mode) and off CUDA; a named backend that cannot run here (refused at
     # compile) falls back to the reference, as it always did
     fn = resolve_attention_backend(backend, q_lat.device, kv.dtype, strict=False).run
-    local_lens = None
-    if kv_lens is not None:
-        local_lens = local_length(kv_lens, c, rank).expand(q_lat.shape[0]).contiguous()
-    else:
+    if kv_lens is None:
         n_local = local_length(kv_len, c, rank)
         kv = kv[:, :n_local]
         pe = pe[:, :n_local] if pe is not None else None
     if mask is not None and mask.shape[-1] != 1:
         mask = mask[..., rank::c]
-    out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, local_lens, lse_base, None)
+    # with device counts the shards are whole and the kernels take this rank's share of
+    # the global counts themselves (lens_stripe): no torch ops on the counts per call
+    out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, None, lens_stripe=(c, rank))
     return out.contiguous(), lse.contiguous()
 
 
-@mla_local_attention.register_fake
+_LIBRARY.impl("mla_local_attention", mla_local_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{LIB}::mla_local_attention")
 def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend, kv_lens=None):
     B, S, H, _ = q_lat.shape
     out = q_lat.new_empty((B, S, H, v_dim))

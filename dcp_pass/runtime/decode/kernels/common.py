@@ -7,8 +7,10 @@ and from ``splits`` (split count, stage-2 merge), neither from the other.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -38,6 +40,10 @@ __all__ = [
     "check_launchable",
     "lse_scale",
     "triton_supported",
+    "lens_operand",
+    "local_lens",
+    "launch",
+    "recording_launches",
 ]
 
 LOG2E = 1.4426950408889634
@@ -104,6 +110,9 @@ class MlaArgs:
     causal: Optional[Causal] = None
     page_table: Optional[torch.Tensor] = None
     page_size: int = 1
+    # (c, r): kv_lens are GLOBAL key counts and the cache is rank r's stripe of c; the
+    # kernels take r's share, (n + c - 1 - r) // c, themselves (no extra launches)
+    lens_stripe: Tuple[int, int] = (1, 0)
 
     def __post_init__(self):
         object.__setattr__(self, "causal", as_causal(self.causal))
@@ -215,6 +224,58 @@ def check_launchable(device, kv_lens, who):
         raise RuntimeError(f"{who} on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
     if kv_lens is not None and kv_lens.device != device:
         raise ValueError("kv_lens must be on the query's device")
+
+
+def lens_operand(kv_lens: Optional[torch.Tensor], stripe: Tuple[int, int], B: int, dummy: torch.Tensor):
+    """(pointer, batch stride, c, r) of the key counts: one count for every row or one per row."""
+    if kv_lens is None:
+        return dummy, 0, 1, 0
+    if kv_lens.dim() != 1 or kv_lens.shape[0] not in (1, B):
+        raise ValueError(f"kv_lens must be [1] or [B={B}], got shape {tuple(kv_lens.shape)}")
+    c, r = stripe
+    if not 0 <= r < c:
+        raise ValueError(f"lens_stripe must be (c, r) with 0 <= r < c, got {stripe}")
+    return kv_lens, (0 if kv_lens.shape[0] == 1 else kv_lens.stride(0)), c, r
+
+
+def local_lens(kv_lens: torch.Tensor, stripe: Tuple[int, int], B: int) -> torch.Tensor:
+    """The counts `lens_operand` describes, as [B] local counts (for the torch reference)."""
+    c, r = stripe
+    lens = kv_lens.to(torch.long).clamp(min=0)
+    return ((lens + (c - 1 - r)) // c).expand(B) if c > 1 else lens.expand(B)
+
+
+class _LaunchLog(threading.local):
+    entries: Optional[list] = None
+
+
+_LAUNCH_LOG = _LaunchLog()
+
+
+def launch(kernel, grid, args, consts: dict, num_warps: int, num_stages: Optional[int] = None):
+    """``kernel[grid](*args, **consts, num_warps=, num_stages=)``, recorded while `recording_launches` is on.
+
+    Every Triton launch of the attention kernels goes through here, so that the op's
+    replay (runtime/decode/kernels/replay.py) sees each compiled kernel with its grid
+    and arguments once and can launch it again without Triton's per-call binding.
+    """
+    options = dict(consts, num_warps=num_warps)
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    compiled = kernel[grid](*args, **options)
+    if _LAUNCH_LOG.entries is not None:
+        _LAUNCH_LOG.entries.append((kernel, compiled, tuple(grid), tuple(args), options))
+    return compiled
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Collect (jit function, compiled kernel, grid, args, options) of every `launch` inside."""
+    saved, _LAUNCH_LOG.entries = _LAUNCH_LOG.entries, []
+    try:
+        yield _LAUNCH_LOG.entries
+    finally:
+        _LAUNCH_LOG.entries = saved
 
 
 def lse_scale(base):

@@ -15,7 +15,9 @@ Shapes (canonical layout, any strides):
 * values are ``kv[..., :v_dim]``
 
 ``scores = (q_lat . kv[..., :Dl] + q_rope . pe) * scale (+ mask)``; keys past
-``kv_lens[b]`` and (with ``causal=(q_pos, c, r)``) keys whose global position
+``kv_lens[b]`` (``kv_lens`` [B] or [1]; with ``lens_stripe=(c, r)`` they are global counts
+and the cache is rank r's stripe of c, so rank r's share ``(n + c - 1 - r) // c`` is
+taken inside the kernels) and (with ``causal=(q_pos, c, r)``) keys whose global position
 ``k * c + r`` is after the query's global position are invisible. A row with no
 visible key returns output 0 and LSE -inf (never NaN). The LSE is returned in base
 e (``lse_base="e"``) or base 2 (``"2"``); the merge must use the same base.
@@ -52,7 +54,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 from . import mla_wide
 from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
-                     check_launchable, mask_operand, outputs, pow2, split_parts, triton_supported)
+                     check_launchable, launch, lens_operand, local_lens, mask_operand, outputs, pow2, split_parts,
+                     triton_supported)
 from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
@@ -70,7 +73,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 # reference (torch, fp32 or fp64)
 # --------------------------------------------------------------------------------------
-def _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc_dtype):
+def _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc_dtype, lens_stripe=(1, 0)):
     """Returns (out [B,S,H,v_dim], lse_e [B,S,H]) in ``acc_dtype``."""
     parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
     B, S, H, _ = q_lat.shape
@@ -89,7 +92,7 @@ def _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, 
     visible = torch.ones(B, S, 1, T, dtype=torch.bool, device=dev)
     t_idx = torch.arange(T, device=dev)
     if kv_lens is not None:
-        lens = kv_lens.to(device=dev, dtype=torch.long).clamp(min=0)
+        lens = local_lens(kv_lens.to(dev), lens_stripe, B)
         visible = visible & (t_idx.view(1, 1, 1, T) < lens.view(B, 1, 1, 1))
     if causal is not None:
         q_pos, c, r = causal
@@ -120,6 +123,7 @@ def mla_attention_reference(
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
+    lens_stripe: Tuple[int, int] = (1, 0),
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plain torch MLA attention in fp32 (fp64 when the query is fp64).
 
@@ -129,7 +133,7 @@ def mla_attention_reference(
     base = check_base(lse_base)
     causal = as_causal(causal)
     acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
-    o, lse = _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc)
+    o, lse = _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc, lens_stripe)
     if base == "2":
         lse = lse * LOG2E
     return _finish(o, lse, q_lat.dtype, out, lse_out, lse_dtype=acc)
@@ -186,7 +190,7 @@ def mla_attention_reference_paged(
 # --------------------------------------------------------------------------------------
 def _stage1_kernel_src(
     Q, QT, KV, KT, PT, LENS, MASK, QPOS, O, L,
-    T, H, SH, cp_world, cp_rank, sm_scale_log2, lse_scale,
+    T, H, SH, cp_world, cp_rank, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
     sq_b, sq_s, sq_h, sq_d,
     sqt_b, sqt_s, sqt_h, sqt_d,
     skv_b, skv_t, skv_d,
@@ -242,7 +246,7 @@ def _stage1_kernel_src(
         qt = tl.load(qt_ptrs, mask=row_ok[:, None] & dt_ok[None, :], other=0.0)
 
     if HAS_LENS:
-        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), T)
+        kv_len = tl.minimum((tl.maximum(tl.load(LENS + b * lens_sb).to(tl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
     else:
         kv_len = T
     split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -481,7 +485,7 @@ def _launch(a: MlaArgs, out, lse_out, num_splits, config):
     qts = parts.q_tail.stride() if has_tail else (0, 0, 0, 0)
     kts = parts.k_tail.stride() if has_tail else (0, 0, 0)
     pt, pts = (page_table, page_table.stride()) if paged else (dummy, (0, 0))
-    lens = kv_lens if kv_lens is not None else dummy
+    lens, lens_sb, lens_c, lens_r = lens_operand(kv_lens, a.lens_stripe, B, dummy)
     q_pos, qps, cp_world, cp_rank = causal_operand(causal, B, S, dummy)
 
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
@@ -489,22 +493,22 @@ def _launch(a: MlaArgs, out, lse_out, num_splits, config):
 
     v_split = cfg.v_split if (pow2(d_main) == d_main and d_main >= 32) else 1
     grid = (triton.cdiv(SH, cfg.block_h) * v_split, ns, B)
-    _stage1_jit[grid](
+    launch(_stage1_jit, grid, (
         parts.q_main, qt, parts.k_main, kt, pt, lens, mask_b if mask_b is not None else dummy, q_pos,
         o_part, l_part,
-        T, H, SH, cp_world, cp_rank, float(scale) * LOG2E, l_scale,
+        T, H, SH, cp_world, cp_rank, float(scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
         *parts.q_main.stride(), *qts, *parts.k_main.stride(), *kts, *pts, *ms, *qps, *ops, *lps,
+    ), dict(
         D_MAIN=d_main, D_TAIL=d_tail, D_V=v_dim,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         BLOCK_DM=pow2(d_main), BLOCK_DT=pow2(max(d_tail, 1)), V_SPLIT=v_split,
         NUM_SPLITS=ns, PAGE=page_size if paged else 1,
         PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ), cfg.num_warps, cfg.num_stages)
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
-        kernel[grid](*args, **consts, num_warps=warps)
+        launch(kernel, grid, args, consts, warps)
     return out, lse_out
 
 
@@ -525,6 +529,7 @@ def mla_attention_triton(
     num_splits: Optional[int] = None,
     config=None,
     path: Optional[str] = None,
+    lens_stripe: Tuple[int, int] = (1, 0),
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton split-KV MLA attention; same contract as :func:`mla_attention_reference`.
 
@@ -538,7 +543,7 @@ def mla_attention_triton(
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
-    a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal)
+    a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, lens_stripe=lens_stripe)
     if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim):
         return mla_wide.launch_wide(a, out, lse_out, num_splits, config)
     return _launch(a, out, lse_out, num_splits, config)
@@ -591,13 +596,14 @@ def mla_attention(
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
+    lens_stripe: Tuple[int, int] = (1, 0),
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton on CUDA when supported, the torch reference otherwise."""
     if q_lat.is_cuda and triton_supported(q_lat, q_rope, kv, pe, v_dim):
         return mla_attention_triton(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
-                                    out=out, lse_out=lse_out)
+                                    out=out, lse_out=lse_out, lens_stripe=lens_stripe)
     return mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
-                                   out=out, lse_out=lse_out)
+                                   out=out, lse_out=lse_out, lens_stripe=lens_stripe)
 
 
 def mla_attention_paged(

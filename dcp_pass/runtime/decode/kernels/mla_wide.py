@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from .common import (HAS_TRITON, LOG2E, MlaArgs, causal_operand, check_base, check_launchable, mask_operand,
-                     outputs, pow2, triton_supported)
+from .common import (HAS_TRITON, LOG2E, MlaArgs, causal_operand, check_base, check_launchable, launch, lens_operand,
+                     mask_operand, outputs, pow2, triton_supported)
 from .splits import partial_outputs, reduce_launch, split_count
 
 if HAS_TRITON:
@@ -50,7 +50,7 @@ __all__ = ["WideConfig", "pick_wide_config", "wide_supported", "wide_preferred",
 # --------------------------------------------------------------------------------------
 def _scores_kernel_src(
     Q, QT, K, KT, LENS, MASK, QPOS, P, MT, LT,
-    T, H, SH, S, cp_world, cp_rank, sm_scale_log2,
+    T, H, SH, S, cp_world, cp_rank, sm_scale_log2, lens_sb, lens_c, lens_r,
     sq_b, sq_s, sq_h, sq_d,
     sqt_b, sqt_s, sqt_h, sqt_d,
     sk_b, sk_t, sk_d,
@@ -77,7 +77,7 @@ def _scores_kernel_src(
 
     # visible keys [0, end): the same formula as the values kernel (row-block independent)
     if HAS_LENS:
-        end = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), T)
+        end = tl.minimum((tl.maximum(tl.load(LENS + b * lens_sb).to(tl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
     else:
         end = T
     if CAUSAL:
@@ -158,7 +158,7 @@ def _scores_kernel_src(
 
 def _values_kernel_src(
     P, MT, LT, V, LENS, QPOS, O, L,
-    T, H, SH, S, cp_world, cp_rank, lse_scale,
+    T, H, SH, S, cp_world, cp_rank, lse_scale, lens_sb, lens_c, lens_r,
     sp_b, sp_t, sp_r,
     sml_b, sml_t,
     sv_b, sv_t, sv_d,
@@ -178,7 +178,7 @@ def _values_kernel_src(
     b = tl.program_id(1).to(tl.int64)
 
     if HAS_LENS:
-        end = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), T)
+        end = tl.minimum((tl.maximum(tl.load(LENS + b * lens_sb).to(tl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
     else:
         end = T
     if CAUSAL:
@@ -370,7 +370,7 @@ class _Launch:
     num_stages: int
 
     def __call__(self):
-        self.kernel[self.grid](*self.args, **self.consts, num_warps=self.num_warps, num_stages=self.num_stages)
+        launch(self.kernel, self.grid, self.args, self.consts, self.num_warps, self.num_stages)
 
 
 def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg: WideConfig):
@@ -412,7 +412,7 @@ def plan(a: MlaArgs, out, lse_out, cfg: WideConfig):
 
     mask_b, ms, mask_shared = mask_operand(mask, B, S, H, T, device)
     q_pos, qps, cp_world, cp_rank = causal_operand(causal, B, S, dummy)
-    lens = kv_lens if kv_lens is not None else dummy
+    lens, lens_sb, lens_c, lens_r = lens_operand(kv_lens, a.lens_stripe, B, dummy)
     is_f32 = kv.dtype == torch.float32
     block_s = pow2(S, 2)
 
@@ -420,7 +420,7 @@ def plan(a: MlaArgs, out, lse_out, cfg: WideConfig):
         _scores_jit, (n_rb * NT, B),
         [q_a, qt if has_tail else dummy, k_a, kt if has_tail else dummy, lens,
          mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf,
-         T, H, SH, S, cp_world, cp_rank, float(scale) * LOG2E,
+         T, H, SH, S, cp_world, cp_rank, float(scale) * LOG2E, lens_sb, lens_c, lens_r,
          *q_a.stride(), *qts, *k_a.stride(), *kts, *ms, *qps,
          p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
          m_buf.stride(0), m_buf.stride(1)],
@@ -436,7 +436,7 @@ def plan(a: MlaArgs, out, lse_out, cfg: WideConfig):
     launches.append(_Launch(
         _values_jit, (n_rb * n_vc * ns, B),
         [p_buf, m_buf, l_buf, v, lens, q_pos, o_part, l_part,
-         T, H, SH, S, cp_world, cp_rank, l_scale,
+         T, H, SH, S, cp_world, cp_rank, l_scale, lens_sb, lens_c, lens_r,
          p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
          m_buf.stride(0), m_buf.stride(1),
          *v.stride(), *qps, *ops, *lps],
@@ -484,6 +484,6 @@ def launch_wide(a: MlaArgs, out, lse_out, num_splits, config: Optional[WideConfi
     else:
         cfg = pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device, num_splits,
                                elem_bytes=kv.element_size(), base=config)
-    for launch in plan(a, out, lse_out, cfg):
-        launch()
+    for step in plan(a, out, lse_out, cfg):
+        step()
     return out, lse_out

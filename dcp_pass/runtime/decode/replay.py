@@ -1,0 +1,182 @@
+"""Run an attention call again without its Python: record once per signature, replay after.
+
+Without CUDA graphs every decode step pays the op's host time, and on the H200 machines
+that was 0.3-0.6 ms per attention call (benchmarks/probe_launch.py): backend choice,
+operand checks, config, strides, Triton's per-launch argument binding, and three small
+torch ops for the local key counts, around some tens of microseconds of GPU work.
+
+For one input signature (shapes, strides, dtypes, device, pointer alignment, scalars) that
+Python always does the same thing: it allocates the same buffers and launches the same
+compiled kernels on the same grids with the same integers, every tensor argument a fixed
+byte offset into an input or into one of the new buffers. So the first call of a
+signature runs the Python path while watching it (aten ops through a dispatch mode,
+launches through `kernels.common.launch`) and keeps, when that is all it did, a
+`Replay`: later calls allocate the buffers and call each compiled kernel's launcher
+directly, with the pointers filled in.
+
+Any other torch op in the watched call (a copy, arithmetic, a read of a device value)
+means the call depends on data, and the signature is marked not replayable: it runs the
+Python path every time, exactly as before. So does any call while Triton launch hooks
+are set (a profiler), and every call with DCP_REPLAY=0.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+_ALLOCATING = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+               aten.new_empty_strided.default}
+_MAX_SIGNATURES = 512  # a decode run has a handful; this only bounds a pathological caller
+_NOT_REPLAYABLE = object()
+
+
+class _Watch(TorchDispatchMode):
+    """Keeps the tensors that allocating ops return and the name of any op that is not a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.buffers: list[torch.Tensor] = []
+        self.other: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATING:
+            self.buffers.append(out)
+        elif not func.is_view:
+            self.other.append(str(func))
+        return out
+
+
+@dataclass(frozen=True)
+class _Launch:
+    run: Callable  # the compiled kernel's launcher
+    function: Any
+    packed_metadata: Any
+    grid: tuple
+    template: tuple  # every kernel parameter in order, pointers as 0
+    pointers: tuple  # (position, from an input?, index, byte offset)
+
+
+@dataclass(frozen=True)
+class Replay:
+    buffers: tuple  # (shape, stride, dtype) of each allocation, in order
+    launches: tuple
+    outputs: tuple  # index into buffers of each returned tensor
+    device: torch.device
+
+    def __call__(self, inputs: Sequence[Optional[torch.Tensor]]):
+        device = self.device
+        bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.buffers]
+        in_ptrs = [0 if t is None else t.data_ptr() for t in inputs]
+        buf_ptrs = [b.data_ptr() for b in bufs]
+        stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+        for k in self.launches:
+            args = list(k.template)
+            for pos, from_input, index, offset in k.pointers:
+                args[pos] = (in_ptrs if from_input else buf_ptrs)[index] + offset
+            k.run(k.grid[0], k.grid[1], k.grid[2], stream, k.function, k.packed_metadata, None, None, None, *args)
+        return tuple(bufs[i] for i in self.outputs)
+
+
+def _hooks_set() -> bool:
+    """Whether Triton launch hooks are on (a profiler): then only Triton's own launch path calls them."""
+    try:
+        from triton import knobs
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    except (ImportError, AttributeError):
+        from triton.compiler.compiler import CompiledKernel
+        hooks = (getattr(CompiledKernel, "launch_enter_hook", None), getattr(CompiledKernel, "launch_exit_hook", None))
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _all_parameters(jit_fn, args: tuple, options: dict) -> Optional[list]:
+    """Every parameter of the kernel in order, as Triton's binder hands them to the launcher."""
+    import inspect
+
+    sig = getattr(jit_fn, "signature", None) or inspect.signature(jit_fn.fn)
+    bound = sig.bind(*args, **{k: v for k, v in options.items() if k in sig.parameters})
+    bound.apply_defaults()
+    return list(bound.arguments.values())
+
+
+def _source(t: torch.Tensor, inputs, buffers) -> Optional[tuple]:
+    """(from an input?, index, byte offset) of a kernel's tensor argument, or None if it comes from elsewhere."""
+    storage = t.untyped_storage().data_ptr()
+    for from_input, pool in ((True, inputs), (False, buffers)):
+        for i, src in enumerate(pool):
+            if src is not None and src.untyped_storage().data_ptr() == storage:
+                return from_input, i, t.data_ptr() - src.data_ptr()
+    return None
+
+
+def build_replay(inputs: Sequence[Optional[torch.Tensor]], buffers: list, launches: list, result) -> Optional[Replay]:
+    """A `Replay` of a watched call, or None when it cannot be replayed exactly."""
+    if not buffers or not launches or not isinstance(result, tuple):
+        return None
+    present = [t for t in inputs if t is not None]
+    storages = [t.untyped_storage().data_ptr() for t in present]
+    if len(set(storages)) != len(storages):  # inputs sharing memory: an argument's source would be ambiguous
+        return None
+    made = []
+    for jit_fn, compiled, grid, args, options in launches:
+        if compiled is None or not hasattr(compiled, "run"):
+            return None  # interpreter, or an unexpected Triton: run the Python path
+        params = _all_parameters(jit_fn, args, options)
+        template, pointers = [], []
+        for pos, value in enumerate(params):
+            if isinstance(value, torch.Tensor):
+                src = _source(value, inputs, buffers)
+                if src is None:
+                    return None
+                pointers.append((pos, *src))
+                template.append(0)
+            else:
+                template.append(value)
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        made.append(_Launch(compiled.run, compiled.function, compiled.packed_metadata, grid, tuple(template),
+                            tuple(pointers)))
+    outputs = []
+    for out in result:  # each result must be one whole buffer (the mode hands back other Python objects)
+        index = next((i for i, b in enumerate(buffers) if b.data_ptr() == out.data_ptr() and b.shape == out.shape
+                      and b.stride() == out.stride() and b.dtype == out.dtype), None)
+        if index is None:
+            return None
+        outputs.append(index)
+    device = present[0].device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return Replay(tuple((tuple(b.shape), tuple(b.stride()), b.dtype) for b in buffers), tuple(made), tuple(outputs),
+                  device)
+
+
+_REPLAYS: dict = {}
+
+
+def signature(*parts: Any, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """A cache key: the scalars as given, and each tensor's metadata and pointer alignment."""
+    return parts + tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
+                         for t in tensors)
+
+
+def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[], tuple]) -> tuple:
+    """`call()` (the op's Python path over `inputs`), or its replay for this `key`."""
+    replay = _REPLAYS.get(key)
+    if replay is not None and replay is not _NOT_REPLAYABLE and not _hooks_set():
+        return replay(inputs)
+    if replay is _NOT_REPLAYABLE or os.environ.get("DCP_REPLAY", "1") == "0" or _hooks_set():
+        return call()
+    from dcp_pass.runtime.decode.kernels.common import recording_launches  # imports Triton: not at module import
+
+    watch = _Watch()
+    with recording_launches() as launches, watch:
+        result = call()
+    made = None if watch.other else build_replay(inputs, watch.buffers, launches, result)
+    if len(_REPLAYS) >= _MAX_SIGNATURES:
+        _REPLAYS.clear()
+    _REPLAYS[key] = made if made is not None else _NOT_REPLAYABLE
+    return result

@@ -1,0 +1,201 @@
+"""The attention op's replay (dcp_pass/runtime/decode/replay.py).
+
+CPU: the recording logic with a stand-in Triton kernel (an object with the compiled
+kernel's launcher interface that records what it is given): every pointer of a replay is
+the same byte offset into the new call's inputs and fresh buffers as in the recorded
+call, constants stay, and a call that did anything but allocate and take views is never
+replayed. GPU (skipped without CUDA): the real op, replayed vs its Python path, equal
+bit for bit on the split and the wide kernel, and captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from dcp_pass.runtime.decode import replay
+from dcp_pass.runtime.decode.kernels.common import launch
+
+
+def _kernel_params(Q, O, n, scale, BLOCK=16, FLAG=False):  # a kernel's parameters, constexprs last
+    pass
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: its launcher records each call."""
+
+    def __init__(self):
+        self.calls, self.function, self.packed_metadata = [], object(), object()
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, metadata, enter, exit_, *args):
+        assert function is self.function and packed_metadata is self.packed_metadata
+        self.calls.append(((g0, g1, g2), args))
+
+
+class _Jit:
+    """Stands in for a JITFunction: `fn[grid](...)` launches (records) and returns the compiled kernel."""
+
+    signature = inspect.signature(_kernel_params)
+
+    def __init__(self):
+        self.compiled = _Compiled()
+        self.python_launches = 0
+
+    def __getitem__(self, grid):
+        def call(*args, **options):
+            self.python_launches += 1
+            self.compiled.calls.append((tuple(grid) + (1,) * (3 - len(grid)),
+                                        tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in
+                                              _bind(args, options))))
+            return self.compiled
+        return call
+
+
+def _bind(args, options):
+    bound = _Jit.signature.bind(*args, **{k: v for k, v in options.items() if k in _Jit.signature.parameters})
+    bound.apply_defaults()
+    return list(bound.arguments.values())
+
+
+def _python_path(kernel, q, kv, counter, extra_op=False):
+    def call():
+        counter.append(1)
+        out = torch.empty(q.shape[0], 3, dtype=q.dtype)  # an output
+        scratch = q.new_empty(2, 5)  # a buffer only the kernel sees
+        view = kv[:, 1:]  # a view of an input, at an offset
+        if extra_op:
+            view = view.clone()  # data-dependent: not replayable
+        launch(kernel, (2, 3), (view, out, q.shape[0], 0.5), dict(BLOCK=32), 4)
+        launch(kernel, (1,), (scratch, out, 7, 1.5), dict(FLAG=True), 8, 2)
+        lse = torch.empty(q.shape[0])
+        return out, lse
+    return call
+
+
+def test_replay_points_into_the_new_inputs_and_fresh_buffers():
+    kernel, counter = _Jit(), []
+    q, kv = torch.randn(4, 8), torch.randn(4, 6)
+    key = replay.signature("case", tensors=(q, kv))
+    out0, lse0 = replay.run(key, (q, kv), _python_path(kernel, q, kv, counter))
+    recorded = list(kernel.compiled.calls)
+    assert len(recorded) == 2 and len(counter) == 1
+
+    q2, kv2 = torch.randn(4, 8), torch.randn(4, 6)  # same signature, new memory
+    out1, lse1 = replay.run(key, (q2, kv2), _python_path(kernel, q2, kv2, counter))
+    assert len(counter) == 1 and kernel.python_launches == 2  # no Python path, no Triton binding
+    (g_a, args_a), (g_b, args_b) = kernel.compiled.calls[2:]
+    assert g_a == (2, 3, 1) and g_b == (1, 1, 1)
+    row = kv2.stride(0) * kv2.element_size()
+    assert args_a == (kv2.data_ptr() + kv2.element_size(), out1.data_ptr(), 4, 0.5, 32, False)
+    assert args_b[1:] == (out1.data_ptr(), 7, 1.5, 16, True) and args_b[0] not in (out1.data_ptr(), lse1.data_ptr())
+    assert row > 0 and out1.shape == out0.shape and lse1.shape == lse0.shape
+    assert out1.data_ptr() != out0.data_ptr()  # fresh outputs every call
+    # the recorded call's own pointers were of its own inputs
+    assert recorded[0][1][0] == kv.data_ptr() + kv.element_size()
+
+
+def test_a_call_that_computes_is_never_replayed():
+    kernel, counter = _Jit(), []
+    q, kv = torch.randn(2, 8), torch.randn(2, 6)
+    key = replay.signature("computes", tensors=(q, kv))
+    for _ in range(3):
+        replay.run(key, (q, kv), _python_path(kernel, q, kv, counter, extra_op=True))
+    assert len(counter) == 3 and kernel.python_launches == 6
+
+
+def test_inputs_sharing_memory_are_not_replayed_and_replay_can_be_turned_off(monkeypatch):
+    kernel, counter = _Jit(), []
+    base = torch.randn(2, 14)
+    q, kv = base[:, :8], base[:, 8:]  # one storage: which input a pointer came from is ambiguous
+    key = replay.signature("aliased", tensors=(q, kv))
+    for _ in range(2):
+        replay.run(key, (q, kv), _python_path(kernel, q, kv, counter))
+    assert len(counter) == 2
+    monkeypatch.setenv("DCP_REPLAY", "0")
+    q, kv = torch.randn(2, 8), torch.randn(2, 6)
+    key = replay.signature("off", tensors=(q, kv))
+    for _ in range(2):
+        replay.run(key, (q, kv), _python_path(kernel, q, kv, counter))
+    assert len(counter) == 4
+
+
+def test_signature_tells_apart_what_the_python_path_depends_on():
+    a = torch.randn(4, 8)
+    base = replay.signature("x", 1, tensors=(a, None))
+    assert base == replay.signature("x", 1, tensors=(torch.randn(4, 8), None))
+    assert base != replay.signature("x", 2, tensors=(a, None))
+    assert base != replay.signature("x", 1, tensors=(a.t().contiguous().t(), None))  # strides
+    assert base != replay.signature("x", 1, tensors=(a.double(), None))
+    assert base != replay.signature("x", 1, tensors=(torch.randn(64)[1:33].view(4, 8), None))  # misaligned pointer
+    assert base != replay.signature("x", 1, tensors=(a, a))
+
+
+# ---------------------------------------------------------------- GPU: the real op
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _op_inputs(B, H, T, mask):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, 1, H, 512, dtype=torch.bfloat16, device="cuda", generator=g)
+    qr = torch.randn(B, 1, H, 64, dtype=torch.bfloat16, device="cuda", generator=g)
+    kv = torch.randn(B, T + 1, 512, dtype=torch.bfloat16, device="cuda", generator=g)
+    pe = torch.randn(B, T + 1, 64, dtype=torch.bfloat16, device="cuda", generator=g)
+    m = None
+    if mask:
+        m = torch.zeros(B, 1, 1, 2 * T, device="cuda")
+        m[..., 3::7] = float("-inf")
+    return q, qr, kv, pe, m
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 128])  # the split kernel and the wide kernel
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("mask", [False, True])
+def test_gpu_replay_equals_the_python_path(monkeypatch, H, per_row, mask):
+    import dcp_pass.runtime.decode.ops  # noqa: F401
+
+    B, T, c, rank = 4, 2048, 2, 1
+    q, qr, kv, pe, m = _op_inputs(B, H, T, mask)
+    lens = torch.tensor([2 * T - 3, 5, 0, T + 1] if per_row else [2 * T - 1], device="cuda")
+    call = lambda: torch.ops.dcp.mla_local_attention(q, qr, kv, pe, 2 * T, c, rank, 512, 1 / math.sqrt(576), m,  # noqa: E731
+                                                     "e", "auto", lens)
+    monkeypatch.setenv("DCP_REPLAY", "0")
+    want = call()
+    monkeypatch.setenv("DCP_REPLAY", "1")
+    first, again = call(), call()  # recorded, then replayed
+    for got in (first, again):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    q.normal_()
+    lens.fill_(T)  # the replay reads the new data and counts
+    monkeypatch.setenv("DCP_REPLAY", "0")
+    want = call()
+    monkeypatch.setenv("DCP_REPLAY", "1")
+    got = call()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_replay_captures_in_a_cuda_graph():
+    import dcp_pass.runtime.decode.ops  # noqa: F401
+
+    B, T = 2, 1024
+    q, qr, kv, pe, _ = _op_inputs(B, 16, T, False)
+    lens = torch.tensor([T], device="cuda")
+    call = lambda: torch.ops.dcp.mla_local_attention(q, qr, kv, pe, T, 2, 0, 512, 0.05, None, "e", "auto", lens)  # noqa: E731
+    call(), call()  # recorded and replayed outside the graph first
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph):
+        out, lse = call()
+    torch.cuda.current_stream().wait_stream(s)
+    for n in (T // 2, T, 3):
+        lens.fill_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = call()
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
