@@ -31,7 +31,12 @@ from common import NO_MULTICAST_ENV, ROOT, env_info, fmt_table, write_json  # no
 
 
 def _profile_steps(step, nxt, pos, dev, steps=3):
-    """Top host and device ops of a few decode steps (where the step time goes)."""
+    """Top host and device ops of a few decode steps (where the step time goes), then the
+    Python functions by own time over as many more steps (where the host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -39,8 +44,16 @@ def _profile_steps(step, nxt, pos, dev, steps=3):
             nxt = step(nxt, pos + i)
         torch.cuda.synchronize(dev)
     table = prof.key_averages()
+    py = cProfile.Profile()
+    py.enable()
+    for i in range(steps):
+        nxt = step(nxt, pos + steps + i)
+    torch.cuda.synchronize(dev)
+    py.disable()
+    text = io.StringIO()
+    pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(30)
     return (table.table(sort_by="self_cuda_time_total", row_limit=12) + "\n"
-            + table.table(sort_by="self_cpu_time_total", row_limit=12))
+            + table.table(sort_by="self_cpu_time_total", row_limit=25) + "\n" + text.getvalue())
 
 
 def random_model(args, rank, dev, seed):

@@ -8,8 +8,10 @@ decode shapes small enough that the GPU never holds the host back:
 * ``triton_entry``      the kernels' entry point (checks, config, outputs, launches)
 * ``jit_launch``        only the Triton launches with their arguments prepared (JITFunction.run)
 * ``inductor_custom_op`` a torch.compile'd function around the custom op (what a decode step pays)
-* ``inductor_triton_op`` the same function with the launch as a torch.library.triton_op whose
-  body inductor traces: wrap_triton launches in inductor's generated code, outputs in its plan
+
+A torch.library.triton_op variant (wrap_triton launches in inductor's generated code) was
+measured on 2026-11-30 and did not compile with torch 2.11: inductor's copy of the split
+kernel failed Triton's tl.dot accumulator check (results/probe_launch_before_h200.json).
 
     python benchmarks/probe_launch.py --out benchmarks/results/probe_launch_h200.json
 """
@@ -58,44 +60,13 @@ def _python_path(fn):
         os.environ.pop("DCP_REPLAY")
 
 
-class _Recorder:
-    """Stands in for a JITFunction: records each `[grid](...)` call, then forwards it."""
-
-    def __init__(self, real, log):
-        self.real, self.log = real, log
-
-    def __getitem__(self, grid):
-        def call(*args, **kwargs):
-            self.log.append((self.real, grid, args, kwargs))
-            return self.real[grid](*args, **kwargs)
-        return call
-
-
 def recorded_launches(M, fn):
-    log = []
-    saved = M._stage1_jit, M._reduce_jit
-    M._stage1_jit, M._reduce_jit = _Recorder(saved[0], log), _Recorder(saved[1], log)
-    try:
+    """(jit function, grid, args, options) of each launch `fn` makes."""
+    from dcp_pass.runtime.decode.kernels.common import recording_launches
+
+    with recording_launches() as log:
         fn()
-    finally:
-        M._stage1_jit, M._reduce_jit = saved
-    return log
-
-
-def triton_op_variant(M):
-    """A triton_op around the entry point, with the module's kernels wrapped for tracing."""
-    from torch.library import triton_op, wrap_triton
-
-    @triton_op("dcpprobe::attn", mutates_args=())
-    def attn(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        saved = M._stage1_jit, M._reduce_jit
-        M._stage1_jit, M._reduce_jit = wrap_triton(saved[0]), wrap_triton(saved[1])
-        try:
-            return M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, None, lens, "e", path="split")
-        finally:
-            M._stage1_jit, M._reduce_jit = saved
-
-    return attn
+    return [(jit, grid, args, options) for jit, _compiled, grid, args, options in log]
 
 
 def main():
@@ -107,12 +78,6 @@ def main():
     M = _kernels()
     dev, dtype = "cuda", torch.bfloat16
     rows, errors = [], {}
-    attn_op = None
-    if not a.no_inductor:
-        try:
-            attn_op = triton_op_variant(M)
-        except Exception:
-            errors["triton_op_define"] = traceback.format_exc()[-3000:]
     for shape in a.shapes.split(","):
         B, H, T = (int(x) for x in shape.split("x"))
         q = torch.randn(B, 1, H, KV_LORA + ROPE, dtype=dtype, device=dev)
@@ -129,7 +94,7 @@ def main():
             "triton_entry": lambda: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, None, lens, "e"),
         }
         log = recorded_launches(M, cases["triton_entry"])
-        cases["jit_launch"] = lambda: [k[g](*ar, **kw) for k, g, ar, kw in log]
+        cases["jit_launch"] = lambda: [k[g](*ar, **kw) for k, g, ar, kw in log]  # Triton's own launch path
         n_launches = len(log)
 
         def plain(q, kv, glens):
@@ -142,17 +107,6 @@ def main():
                 cases["inductor_custom_op"] = lambda: comp(q, kv, glens)
         except Exception:
             errors[f"inductor_custom_op {shape}"] = traceback.format_exc()[-3000:]
-        if attn_op is not None:
-            def viaop(q, kv, lens):
-                return attn_op(q, kv, lens)
-            try:
-                comp2 = torch.compile(viaop, backend="inductor", fullgraph=True)
-                o2, l2 = comp2(q, kv, lens)
-                o1, l1 = M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, None, lens, "e")
-                errors[f"triton_op_maxdiff {shape}"] = float((o2.float() - o1.float()).abs().max())
-                cases["inductor_triton_op"] = lambda: comp2(q, kv, lens)
-            except Exception:
-                errors[f"inductor_triton_op {shape}"] = traceback.format_exc()[-3000:]
         for name, fn in cases.items():
             try:
                 rows.append(dict(B=B, H=H, T=T, entry=name, launches=n_launches, us_per_call=per_call_us(fn)))

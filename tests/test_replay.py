@@ -144,7 +144,7 @@ def _op_inputs(B, H, T, mask):
     pe = torch.randn(B, T + 1, 64, dtype=torch.bfloat16, device="cuda", generator=g)
     m = None
     if mask:
-        m = torch.zeros(B, 1, 1, 2 * T, device="cuda")
+        m = torch.zeros(B, 1, 1, 2 * (T + 1), device="cuda")  # global width: c x the shard's rows
         m[..., 3::7] = float("-inf")
     return q, qr, kv, pe, m
 

@@ -155,6 +155,7 @@ def build_replay(inputs: Sequence[Optional[torch.Tensor]], buffers: list, launch
 
 
 _REPLAYS: dict = {}
+_OFF = os.environ  # read per call: DCP_REPLAY=0 turns replay off at any time (tests, benchmarks)
 
 
 def signature(*parts: Any, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
@@ -165,10 +166,12 @@ def signature(*parts: Any, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
 
 def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[], tuple]) -> tuple:
     """`call()` (the op's Python path over `inputs`), or its replay for this `key`."""
+    if _OFF.get("DCP_REPLAY") == "0":
+        return call()
     replay = _REPLAYS.get(key)
     if replay is not None and replay is not _NOT_REPLAYABLE and not _hooks_set():
         return replay(inputs)
-    if replay is _NOT_REPLAYABLE or os.environ.get("DCP_REPLAY", "1") == "0" or _hooks_set():
+    if replay is _NOT_REPLAYABLE or _hooks_set():
         return call()
     from dcp_pass.runtime.decode.kernels.common import recording_launches  # imports Triton: not at module import
 
