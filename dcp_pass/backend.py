@@ -19,6 +19,7 @@ from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.report import DcpReport, GraphReport, log
 from dcp_pass.rewrites.apply import PassConfig, apply_dcp
+from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
 
@@ -230,20 +231,6 @@ def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str
                                            f"graph {index} (dcp)", lineterm="", n=0))
 
 
-def _static_examples(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The shards as static-shape fake tensors of Dynamo's fake mode.
-
-    Dynamo never saw these inputs, so they have no source; fakified by the inner
-    compiler they would get symbolic sizes that Dynamo cannot turn into guards.
-    """
-    from torch._guards import detect_fake_mode
-
-    fake_mode = detect_fake_mode()
-    if fake_mode is None:
-        return list(tensors)
-    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
-
-
 def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
                       position=None) -> Callable:
     """Compile `gm` (which takes the local shards and replicated weights as trailing
@@ -255,8 +242,10 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     """
     from dcp_pass.rewrites.cache import local_for
 
-    trailing = _static_examples([entry.local for _, entry in caches] + [w.example for w in weights]
-                                + ([position.buffer] if position is not None else []))
+    # static-shape fakes: Dynamo never saw the shards, inner fakification would give them
+    # symbolic sizes that Dynamo cannot turn into guards
+    held = [entry.local for _, entry in caches] + [w.example for w in weights]
+    trailing = [fx_util.static_fake(t) for t in held + ([position.buffer] if position is not None else [])]
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
     compiled = compile_inner(gm, examples + trailing, opts, mode)
     specs = [(index, entry.c, entry.rank, entry.name) for index, entry in caches]
@@ -352,12 +341,9 @@ def _compile_call_owner() -> Optional[object]:
     frame is being compiled (the output graph's `compiler_fn`: one per call, reused by
     every recompile of that compiled model, freed with it); None outside Dynamo."""
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-    except Exception:  # noqa: BLE001 - Dynamo internals moved: fall back to one backend per call
+        return fx_util.tracing_compiler_fn()
+    except Exception:  # noqa: BLE001 - not tracing, or Dynamo internals moved: one backend per call
         return None
-    return getattr(getattr(tx, "output", None), "compiler_fn", None)
 
 
 def dcp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[Mapping[str, Any]] = None,
