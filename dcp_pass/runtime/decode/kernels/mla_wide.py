@@ -33,6 +33,7 @@ import torch
 
 from .common import (HAS_TRITON, LOG2E, MlaArgs, causal_operand, check_base, check_launchable, launch, lens_operand,
                      mask_operand, outputs, pow2, triton_supported)
+from .path_table import fastest
 from .splits import partial_outputs, reduce_launch, split_count
 
 if HAS_TRITON:
@@ -312,14 +313,19 @@ def wide_supported(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool
 
 
 def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
-    """The routing rule of the dispatcher: compute-bound shapes on CUDA, 16-bit caches."""
+    """The routing of the dispatcher: on CUDA with 16-bit caches, where the wide path measured faster."""
     if not (q_lat.is_cuda and kv.dtype in (torch.float16, torch.bfloat16)):
         return False
     if not wide_supported(q_lat, q_rope, kv, pe, v_dim, paged=paged):
         return False
     d_main = v_dim if pe is None else q_lat.shape[-1]
+    if not (pow2(d_main) == d_main and d_main >= 256):
+        return False
     rows = q_lat.shape[1] * q_lat.shape[2]
-    return rows >= WIDE_MIN_ROWS and pow2(d_main) == d_main and d_main >= 256
+    # the faster of the two Triton paths at the nearest measured shape (path_table.py,
+    # from the H200 benchmarks); the row threshold where nothing near was measured
+    measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide"))
+    return measured == "wide" if measured is not None else rows >= WIDE_MIN_ROWS
 
 
 def route_wide(path, config, q_lat, q_rope, kv, pe, v_dim) -> bool:
