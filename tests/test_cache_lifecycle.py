@@ -187,3 +187,25 @@ def test_deleted_models_free_their_shards(fake_world, inner):
     alive = [r() for r in refs if r() is not None]
     assert not alive, [type(x).__name__ + str(tuple(getattr(x, "shape", ()))) for x in alive]
     assert len(cache._LOCAL_CACHES) == 0
+
+
+class _Runner:
+    """A user's driver object (not a module) whose method compiles and runs the model."""
+
+    def first_call_then_free(self, compiled):
+        scratch = torch.zeros(1 << 16)  # e.g. a loaded checkpoint, dropped after the first step
+        ref = weakref.ref(scratch)
+        compiled(*tiny_inputs(1, 0))  # the first call installs the shards and learns their owners
+        del scratch
+        gc.collect()
+        return ref() is None
+
+
+@torch.no_grad()
+def test_learning_owners_keeps_no_caller_locals_alive(fake_world):
+    """Owners are learnt from the modules on the call stack. Reading a frame's locals on
+    Python < 3.13 leaves a snapshot of them on the frame until it returns, so only the
+    frames of nn.Module methods may be read: a driver's method must get its memory back."""
+    compiled = torch.compile(Outer(), backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))
+    assert _Runner().first_call_then_free(compiled)
+    assert cache.lookup_local_cache(compiled._orig_mod.attn.kv_cache) is not None

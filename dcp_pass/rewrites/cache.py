@@ -332,10 +332,24 @@ def _owners_of(buffer: torch.Tensor) -> list:
     return [m for m in (ref() for ref in _KNOWN_OWNERS[buffer]) if m is not None]
 
 
+def _is_module_method(frame) -> bool:
+    """Whether `frame` runs a method of an nn.Module class, known without reading its locals.
+
+    Before Python 3.13 `frame.f_locals` leaves a snapshot of every local on the frame until
+    it returns: read on a user's driver method it would keep what the driver later deletes
+    (a loaded checkpoint, say) alive. A module method's frame is part of the call in progress.
+    """
+    code = frame.f_code
+    if code.co_argcount == 0 or code.co_varnames[0] != "self":
+        return False
+    owner = frame.f_globals.get(getattr(code, "co_qualname", "").split(".")[0])
+    return isinstance(owner, type) and issubclass(owner, torch.nn.Module)
+
+
 def _learn_owners_from_stack() -> None:
     roots, frame = {}, sys._getframe(1)
     while frame is not None:
-        owner = frame.f_locals.get("self")
+        owner = frame.f_locals.get("self") if _is_module_method(frame) else None
         if isinstance(owner, torch.nn.Module):
             roots[id(owner)] = owner
         frame = frame.f_back
