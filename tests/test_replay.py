@@ -105,6 +105,20 @@ def test_a_call_that_computes_is_never_replayed():
     assert len(counter) == 3 and kernel.python_launches == 6
 
 
+def test_a_backend_that_may_launch_unseen_work_is_never_replayed():
+    """Only backends marked replayable in the table are: a library kernel launched outside
+    kernels.common.launch would be invisible to the recording and skipped by a replay."""
+    from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS
+
+    kernel, counter = _Jit(), []
+    q, kv = torch.randn(2, 8), torch.randn(2, 6)
+    key = replay.signature("library backend", tensors=(q, kv))
+    for _ in range(3):
+        replay.run(key, (q, kv), _python_path(kernel, q, kv, counter), replayable=lambda: False)
+    assert len(counter) == 3
+    assert {n for n, e in ATTENTION_BACKENDS.items() if e.replayable} == {"triton"}
+
+
 def test_inputs_sharing_memory_are_not_replayed_and_replay_can_be_turned_off(monkeypatch):
     kernel, counter = _Jit(), []
     base = torch.randn(2, 14)
@@ -165,7 +179,9 @@ def test_gpu_replay_equals_the_python_path(monkeypatch, H, per_row, mask):
     monkeypatch.setenv("DCP_REPLAY", "0")
     want = call()
     monkeypatch.setenv("DCP_REPLAY", "1")
+    replay._REPLAYS.clear()
     first, again = call(), call()  # recorded, then replayed
+    assert [type(v) for v in replay._REPLAYS.values()] == [replay.Replay]  # the Triton backend replays
     for got in (first, again):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     q.normal_()

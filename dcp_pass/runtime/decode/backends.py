@@ -126,6 +126,11 @@ class AttentionBackend:
     capturable: bool = True
     # False: it refuses an additive score mask (the pass refuses masked layers at compile)
     takes_mask: bool = True
+    # True: its calls only allocate, take views and launch Triton kernels through
+    # kernels.common.launch, so the op may replay them (runtime/decode/replay.py). A backend
+    # that launches anything else (a C++ extension, a library call) must stay False: a
+    # replay would silently skip what the recording cannot see.
+    replayable: bool = False
 
 
 def _triton_available(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
@@ -188,6 +193,7 @@ ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
     "triton": AttentionBackend(
         "triton", _triton_available, _triton_run, _triton_run_paged, "e",
         "split-KV flash-decoding Triton kernel (runtime/decode/kernels/mla_attention.py)",
+        replayable=True,
     ),
     "flashinfer": AttentionBackend(
         "flashinfer", _flashinfer_available, _flashinfer_run, _flashinfer_run_paged, "2",

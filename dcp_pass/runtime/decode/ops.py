@@ -70,19 +70,26 @@ def mla_local_attention(
         inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
         key = replay.signature(backend, c, rank, v_dim, scale, lse_base, os.environ.get("DCP_MLA_WIDE"),
                                tensors=inputs)
-        return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
-                                                                lse_base, backend))
+        ran: list = []  # the backend the recorded call used: only a replayable one is replayed
+        return replay.run(key, inputs,
+                          lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale, lse_base,
+                                                   backend, ran),
+                          replayable=lambda: bool(ran) and all(entry.replayable for entry in ran))
     return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend)
 
 
-def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend):
+def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
+                     ran: Optional[list] = None):
     from dcp_pass.runtime.decode.backends import resolve_attention_backend
     from dcp_pass.runtime.decode.layout import local_length
 
     # "auto": Triton on CUDA for 16-bit caches, the torch reference for fp32 caches (a
     # checking mode) and off CUDA; a named backend that cannot run here (refused at
     # compile) falls back to the reference, as it always did
-    fn = resolve_attention_backend(backend, q_lat.device, kv.dtype, strict=False).run
+    entry = resolve_attention_backend(backend, q_lat.device, kv.dtype, strict=False)
+    if ran is not None:
+        ran.append(entry)
+    fn = entry.run
     if kv_lens is None:
         n_local = local_length(kv_len, c, rank)
         kv = kv[:, :n_local]

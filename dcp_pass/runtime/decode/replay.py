@@ -164,8 +164,14 @@ def signature(*parts: Any, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
                          for t in tensors)
 
 
-def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[], tuple]) -> tuple:
-    """`call()` (the op's Python path over `inputs`), or its replay for this `key`."""
+def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[], tuple],
+        replayable: Callable[[], bool] = lambda: True) -> tuple:
+    """`call()` (the op's Python path over `inputs`), or its replay for this `key`.
+
+    `replayable()`, asked after the recorded call, says whether what ran may be replayed
+    at all (the attention backend table's `replayable`): launches the recording cannot see
+    would be skipped by a replay.
+    """
     if _OFF.get("DCP_REPLAY") == "0":
         return call()
     replay = _REPLAYS.get(key)
@@ -178,7 +184,7 @@ def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[],
     watch = _Watch()
     with recording_launches() as launches, watch:
         result = call()
-    made = None if watch.other else build_replay(inputs, watch.buffers, launches, result)
+    made = None if watch.other or not replayable() else build_replay(inputs, watch.buffers, launches, result)
     if len(_REPLAYS) >= _MAX_SIGNATURES:
         _REPLAYS.clear()
     _REPLAYS[key] = made if made is not None else _NOT_REPLAYABLE
