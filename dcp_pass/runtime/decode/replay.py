@@ -62,35 +62,48 @@ class _Launch:
     pointers: tuple  # (position, from an input?, index, byte offset)
 
 
+_ARENA_ALIGN = 256  # bytes; Triton specialises pointers on 16-byte alignment
+
+
 @dataclass(frozen=True)
 class Replay:
-    buffers: tuple  # (shape, stride, dtype) of each allocation, in order
+    outputs: tuple  # (shape, stride, dtype) of each returned tensor: allocated one by one
+    arena_nbytes: int  # every other buffer of the call (scratch) lives in one allocation
+    layout: tuple  # per recorded buffer: (True, output index) or (False, byte offset in the arena)
     launches: tuple
-    outputs: tuple  # index into buffers of each returned tensor
     device: torch.device
 
     def __call__(self, inputs: Sequence[Optional[torch.Tensor]]):
         device = self.device
-        bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.buffers]
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.outputs]
+        # freed when this returns, like the Python path's scratch: stream-ordered reuse only
+        arena = torch.empty(self.arena_nbytes, dtype=torch.uint8, device=device) if self.arena_nbytes else None
+        base = arena.data_ptr() if arena is not None else 0
         in_ptrs = [0 if t is None else t.data_ptr() for t in inputs]
-        buf_ptrs = [b.data_ptr() for b in bufs]
+        buf_ptrs = [outs[x].data_ptr() if is_out else base + x for is_out, x in self.layout]
         stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
         for k in self.launches:
             args = list(k.template)
             for pos, from_input, index, offset in k.pointers:
                 args[pos] = (in_ptrs if from_input else buf_ptrs)[index] + offset
             k.run(k.grid[0], k.grid[1], k.grid[2], stream, k.function, k.packed_metadata, None, None, None, *args)
-        return tuple(bufs[i] for i in self.outputs)
+        return tuple(outs)
+
+
+_HOOK_HOLDER: list = []  # the object Triton keeps its launch hooks on (found once)
 
 
 def _hooks_set() -> bool:
     """Whether Triton launch hooks are on (a profiler): then only Triton's own launch path calls them."""
-    try:
-        from triton import knobs
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    except (ImportError, AttributeError):
-        from triton.compiler.compiler import CompiledKernel
-        hooks = (getattr(CompiledKernel, "launch_enter_hook", None), getattr(CompiledKernel, "launch_exit_hook", None))
+    if not _HOOK_HOLDER:
+        try:
+            from triton import knobs
+            _HOOK_HOLDER.append(knobs.runtime)
+        except (ImportError, AttributeError):
+            from triton.compiler.compiler import CompiledKernel
+            _HOOK_HOLDER.append(CompiledKernel)
+    holder = _HOOK_HOLDER[0]
+    hooks = (getattr(holder, "launch_enter_hook", None), getattr(holder, "launch_exit_hook", None))
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
@@ -144,14 +157,21 @@ def build_replay(inputs: Sequence[Optional[torch.Tensor]], buffers: list, launch
     for out in result:  # each result must be one whole buffer (the mode hands back other Python objects)
         index = next((i for i, b in enumerate(buffers) if b.data_ptr() == out.data_ptr() and b.shape == out.shape
                       and b.stride() == out.stride() and b.dtype == out.dtype), None)
-        if index is None:
+        if index is None or index in outputs:
             return None
         outputs.append(index)
+    layout, arena = [], 0
+    for i, b in enumerate(buffers):
+        if i in outputs:
+            layout.append((True, outputs.index(i)))
+        else:
+            layout.append((False, arena))
+            arena += -(-b.untyped_storage().nbytes() // _ARENA_ALIGN) * _ARENA_ALIGN
     device = present[0].device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return Replay(tuple((tuple(b.shape), tuple(b.stride()), b.dtype) for b in buffers), tuple(made), tuple(outputs),
-                  device)
+    return Replay(tuple((tuple(buffers[i].shape), tuple(buffers[i].stride()), buffers[i].dtype) for i in outputs),
+                  arena, tuple(layout), tuple(made), device)
 
 
 _REPLAYS: dict = {}
