@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import KV_LORA, ROPE, SCALE, env_info, fmt_table, write_json  # noqa: E402
+from common import KV_LORA, ROPE, SCALE, env_info, fmt_table, without_replay, write_json  # noqa: E402
 
 import dcp_pass.runtime.decode.ops  # noqa: E402,F401  (registers torch.ops.dcp)
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
@@ -41,14 +41,6 @@ def per_call_us(fn, n=200, dev="cuda"):
     if dev == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e6
-
-
-def _no_replay(fn):
-    os.environ["DCP_REPLAY"] = "0"
-    try:
-        return fn()
-    finally:
-        os.environ.pop("DCP_REPLAY")
 
 
 def main():
@@ -72,7 +64,7 @@ def main():
                                                                           "e", "auto")),
             ("op_lens", lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None,
                                                                   "e", "auto", glens)),
-            ("op_lens_python", lambda: _no_replay(lambda: torch.ops.dcp.mla_local_attention(
+            ("op_lens_python", lambda: without_replay(lambda: torch.ops.dcp.mla_local_attention(
                 q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None, "e", "auto", glens))),
             ("dispatcher", lambda: M.mla_attention(q, None, kv[:, :T], None, KV_LORA, SCALE)),
             ("empty_x2", lambda: (torch.empty(B, 1, H, KV_LORA, device=dev), torch.empty(B, 1, H, device=dev))),

@@ -67,6 +67,15 @@ def floor_ms(nbytes, flops, ceil):
     return max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3
 
 
+def without_replay(fn):
+    """`fn()` with the attention op's replay off (DCP_REPLAY=0): its Python path every call."""
+    os.environ["DCP_REPLAY"] = "0"
+    try:
+        return fn()
+    finally:
+        os.environ.pop("DCP_REPLAY")
+
+
 def env_info():
     info = {
         "torch": torch.__version__,

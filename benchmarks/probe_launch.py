@@ -26,7 +26,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import KV_LORA, ROPE, SCALE, env_info, fmt_table, write_json  # noqa: E402
+from common import KV_LORA, ROPE, SCALE, env_info, fmt_table, without_replay, write_json  # noqa: E402
 
 
 
@@ -50,14 +50,6 @@ def per_call_us(fn, n=300):
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e6
-
-
-def _python_path(fn):
-    os.environ["DCP_REPLAY"] = "0"
-    try:
-        return fn()
-    finally:
-        os.environ.pop("DCP_REPLAY")
 
 
 def recorded_launches(M, fn):
@@ -89,7 +81,7 @@ def main():
                                                                    "e", "auto"),
             "custom_op_lens": lambda: torch.ops.dcp.mla_local_attention(q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE,
                                                                         None, "e", "auto", glens),
-            "custom_op_lens_python": lambda: _python_path(lambda: torch.ops.dcp.mla_local_attention(
+            "custom_op_lens_python": lambda: without_replay(lambda: torch.ops.dcp.mla_local_attention(
                 q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None, "e", "auto", glens)),
             "triton_entry": lambda: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, None, lens, "e"),
         }

@@ -17,7 +17,7 @@ A deferred cache whose module runs eagerly, or that is pickled, saved or compile
 another backend, raises `DcpCacheError` naming it (rewrites/cache.py, `guard`); one that
 a DCP graph reads outside an attention the pass rewrites is refused by the pass. Moving
 or deep-copying the model keeps it deferred (there is nothing to copy). Code that reads
-the tensor object itself (`buf.sum()`) is not intercepted: it reads a 0-byte storage.
+the tensor object itself (`buf.sum()`) is not intercepted: it reads a null storage.
 """
 from __future__ import annotations
 
@@ -84,12 +84,17 @@ class _DeferMode(TorchFunctionMode):
                                       f"under dcp_pass.deferred_caches(); it has no memory until DCP stripes it")
         if (self.pending or self.backed) and t.layout == torch.strided and t.device.type != "meta" \
                 and not cache.has_memory(t):
-            key = t.untyped_storage()._cdata
-            if key in self.pending:
-                shell, fill = self.pending.pop(key)
-                self.backed[key] = (shell, cache.new_backing(shell, fill))
-            if key in self.backed:  # every alias that reaches a torch call moves onto the same memory
-                cache.move_onto(t, self.backed[key][1])
+            memory = self._memory_for(t.untyped_storage()._cdata)
+            if memory is not None:  # every alias that reaches a torch call moves onto the same memory
+                cache.move_onto(t, memory)
+
+    def _memory_for(self, key: int) -> Optional[torch.UntypedStorage]:
+        """The memory of our shell `key` (allocated on first need), or None if it is not ours."""
+        if key in self.pending:
+            shell, fill = self.pending.pop(key)
+            self.backed[key] = (shell, cache.new_backing(shell, fill))
+        held = self.backed.get(key)
+        return None if held is None else held[1]
 
     def claim(self, t: torch.Tensor) -> tuple[bool, Optional[float]]:
         """Whether `t` is one of ours, still without memory (it stops being pending), and its fill."""
@@ -105,11 +110,7 @@ class _DeferMode(TorchFunctionMode):
             for alias in cache.aliases_of(live):
                 if cache.is_deferred(alias):
                     continue
-                key = alias.untyped_storage()._cdata
-                if key in self.pending:
-                    shell, fill = self.pending.pop(key)
-                    self.backed[key] = (shell, cache.new_backing(shell, fill))
-                cache.move_onto(alias, self.backed[key][1])
+                cache.move_onto(alias, self._memory_for(alias.untyped_storage()._cdata))
         self.pending.clear()
         self.backed.clear()
 

@@ -240,9 +240,9 @@ def lens_operand(kv_lens: Optional[torch.Tensor], stripe: Tuple[int, int], B: in
 
 def local_lens(kv_lens: torch.Tensor, stripe: Tuple[int, int], B: int) -> torch.Tensor:
     """The counts `lens_operand` describes, as [B] local counts (for the torch reference)."""
-    c, r = stripe
-    lens = kv_lens.to(torch.long).clamp(min=0)
-    return ((lens + (c - 1 - r)) // c).expand(B) if c > 1 else lens.expand(B)
+    from dcp_pass.runtime.decode.layout import local_length
+
+    return local_length(kv_lens.to(torch.long).clamp(min=0), *stripe).expand(B)
 
 
 class _LaunchLog(threading.local):
@@ -256,7 +256,7 @@ def launch(kernel, grid, args, consts: dict, num_warps: int, num_stages: Optiona
     """``kernel[grid](*args, **consts, num_warps=, num_stages=)``, recorded while `recording_launches` is on.
 
     Every Triton launch of the attention kernels goes through here, so that the op's
-    replay (runtime/decode/kernels/replay.py) sees each compiled kernel with its grid
+    replay (runtime/decode/replay.py) sees each compiled kernel with its grid
     and arguments once and can launch it again without Triton's per-call binding.
     """
     options = dict(consts, num_warps=num_warps)

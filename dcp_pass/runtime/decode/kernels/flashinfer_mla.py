@@ -342,6 +342,8 @@ def _host_counts(kv_lens, causal, B, S, T, lens_stripe=(1, 0)) -> torch.Tensor:
     ``lens_stripe=(c, r)``: ``kv_lens`` are global counts of which rank r of c holds
     ``(n + c - 1 - r) // c`` (the op's calling convention for device counts).
     """
+    from dcp_pass.runtime.decode.layout import local_length
+
     from .common import as_causal
 
     causal = as_causal(causal)
@@ -357,9 +359,7 @@ def _host_counts(kv_lens, causal, B, S, T, lens_stripe=(1, 0)) -> torch.Tensor:
     lens = torch.broadcast_to(torch.as_tensor(lens).reshape(-1), (B,))
     c, r = (int(x) for x in lens_stripe)
     if kv_lens is not None and c > 1:
-        if not 0 <= r < c:
-            raise ValueError(f"lens_stripe must be (c, r) with 0 <= r < c, got {tuple(lens_stripe)}")
-        lens = torch.div(lens.to(torch.int64).clamp(min=0) + (c - 1 - r), c, rounding_mode="floor")
+        lens = local_length(lens.to(torch.int64).clamp(min=0), c, r)
     if causal is None:
         return visible_counts(lens, S, T)
     return visible_counts(lens, S, T, q_pos, causal.cp_world, causal.cp_rank)
