@@ -59,7 +59,7 @@ def _bind(args, options):
     return list(bound.arguments.values())
 
 
-def _python_path(kernel, q, kv, counter, extra_op=False):
+def _python_path(kernel, q, kv, counter, extra_op=False, replayable=True):
     def call():
         counter.append(1)
         out = torch.empty(q.shape[0], 3, dtype=q.dtype)  # an output
@@ -70,7 +70,7 @@ def _python_path(kernel, q, kv, counter, extra_op=False):
         launch(kernel, (2, 3), (view, out, q.shape[0], 0.5), dict(BLOCK=32), 4)
         launch(kernel, (1,), (scratch, out, 7, 1.5), dict(FLAG=True), 8, 2)
         lse = torch.empty(q.shape[0])
-        return out, lse
+        return (out, lse), replayable  # as the op's Python path: result, and may it be replayed
     return call
 
 
@@ -114,7 +114,7 @@ def test_a_backend_that_may_launch_unseen_work_is_never_replayed():
     q, kv = torch.randn(2, 8), torch.randn(2, 6)
     key = replay.signature("library backend", tensors=(q, kv))
     for _ in range(3):
-        replay.run(key, (q, kv), _python_path(kernel, q, kv, counter), replayable=lambda: False)
+        replay.run(key, (q, kv), _python_path(kernel, q, kv, counter, replayable=False))
     assert len(counter) == 3
     assert {n for n, e in ATTENTION_BACKENDS.items() if e.replayable} == {"triton"}
 

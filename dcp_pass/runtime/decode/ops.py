@@ -70,16 +70,13 @@ def mla_local_attention(
         inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
         key = replay.signature(backend, c, rank, v_dim, scale, lse_base, os.environ.get("DCP_MLA_WIDE"),
                                tensors=inputs)
-        ran: list = []  # the backend the recorded call used: only a replayable one is replayed
-        return replay.run(key, inputs,
-                          lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale, lse_base,
-                                                   backend, ran),
-                          replayable=lambda: bool(ran) and all(entry.replayable for entry in ran))
-    return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend)
+        return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
+                                                                lse_base, backend))
+    return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend)[0]
 
 
-def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                     ran: Optional[list] = None):
+def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend):
+    """((partial output, lse), whether the backend that ran may be replayed)."""
     from dcp_pass.runtime.decode.backends import resolve_attention_backend
     from dcp_pass.runtime.decode.layout import local_length
 
@@ -87,8 +84,6 @@ def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_di
     # checking mode) and off CUDA; a named backend that cannot run here (refused at
     # compile) falls back to the reference, as it always did
     entry = resolve_attention_backend(backend, q_lat.device, kv.dtype, strict=False)
-    if ran is not None:
-        ran.append(entry)
     fn = entry.run
     if kv_lens is None:
         n_local = local_length(kv_len, c, rank)
@@ -99,7 +94,7 @@ def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_di
     # with device counts the shards are whole and the kernels take this rank's share of
     # the global counts themselves (lens_stripe): no torch ops on the counts per call
     out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, None, lens_stripe=(c, rank))
-    return out.contiguous(), lse.contiguous()
+    return (out.contiguous(), lse.contiguous()), entry.replayable
 
 
 _LIBRARY.impl("mla_local_attention", mla_local_attention, "CompositeExplicitAutograd")

@@ -175,7 +175,6 @@ def build_replay(inputs: Sequence[Optional[torch.Tensor]], buffers: list, launch
 
 
 _REPLAYS: dict = {}
-_OFF = os.environ  # read per call: DCP_REPLAY=0 turns replay off at any time (tests, benchmarks)
 
 
 def signature(*parts: Any, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
@@ -184,27 +183,26 @@ def signature(*parts: Any, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
                          for t in tensors)
 
 
-def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[], tuple],
-        replayable: Callable[[], bool] = lambda: True) -> tuple:
-    """`call()` (the op's Python path over `inputs`), or its replay for this `key`.
+def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[], tuple]) -> tuple:
+    """The op's result over `inputs`: `call()`'s, or its replay for this `key`.
 
-    `replayable()`, asked after the recorded call, says whether what ran may be replayed
-    at all (the attention backend table's `replayable`): launches the recording cannot see
-    would be skipped by a replay.
+    `call()` runs the op's Python path and returns (result, replayable): whether what ran
+    may be replayed at all (the attention backend table's `replayable`; launches the
+    recording cannot see would be skipped by a replay).
     """
-    if _OFF.get("DCP_REPLAY") == "0":
-        return call()
+    if os.environ.get("DCP_REPLAY") == "0":  # read per call: tests and benchmarks flip it
+        return call()[0]
     replay = _REPLAYS.get(key)
     if replay is not None and replay is not _NOT_REPLAYABLE and not _hooks_set():
         return replay(inputs)
     if replay is _NOT_REPLAYABLE or _hooks_set():
-        return call()
+        return call()[0]
     from dcp_pass.runtime.decode.kernels.common import recording_launches  # imports Triton: not at module import
 
     watch = _Watch()
     with recording_launches() as launches, watch:
-        result = call()
-    made = None if watch.other or not replayable() else build_replay(inputs, watch.buffers, launches, result)
+        result, replayable = call()
+    made = None if watch.other or not replayable else build_replay(inputs, watch.buffers, launches, result)
     if len(_REPLAYS) >= _MAX_SIGNATURES:
         _REPLAYS.clear()
     _REPLAYS[key] = made if made is not None else _NOT_REPLAYABLE
