@@ -49,6 +49,27 @@ __all__ = ["WideConfig", "pick_wide_config", "wide_supported", "wide_preferred",
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
+def _visible_end_src(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, lens_r, sqp_b, sqp_s,
+                     BLOCK_S: tl.constexpr, HAS_LENS: tl.constexpr, CAUSAL: tl.constexpr):
+    """Batch row b's visible local keys [0, end), the same for both kernels (row-block independent).
+
+    ``LENS[b]``: the global key count, of which rank ``lens_r`` of ``lens_c`` holds
+    ``(n + c - 1 - r) // c`` (capped at T); CAUSAL: only keys at or before the row's last
+    query position (local key k stands at global ``k * cp_world + cp_rank``).
+    """
+    if HAS_LENS:
+        end = tl.minimum((tl.maximum(tl.load(LENS + b * lens_sb).to(tl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
+    else:
+        end = T
+    if CAUSAL:
+        offs_s = tl.arange(0, BLOCK_S)
+        qp_all = tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1)
+        qmax = tl.max(qp_all, axis=0)
+        kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
+        end = tl.minimum(end, kcap.to(tl.int32))
+    return end
+
+
 def _scores_kernel_src(
     Q, QT, K, KT, LENS, MASK, QPOS, P, MT, LT,
     T, H, SH, S, cp_world, cp_rank, sm_scale_log2, lens_sb, lens_c, lens_r,
@@ -76,17 +97,8 @@ def _scores_kernel_src(
     tile = pid // N_RB
     b = tl.program_id(1).to(tl.int64)
 
-    # visible keys [0, end): the same formula as the values kernel (row-block independent)
-    if HAS_LENS:
-        end = tl.minimum((tl.maximum(tl.load(LENS + b * lens_sb).to(tl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
-    else:
-        end = T
-    if CAUSAL:
-        offs_s = tl.arange(0, BLOCK_S)
-        qp_all = tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1)
-        qmax = tl.max(qp_all, axis=0)
-        kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
-        end = tl.minimum(end, kcap.to(tl.int32))
+    end = _visible_end(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, lens_r, sqp_b, sqp_s,
+                       BLOCK_S, HAS_LENS, CAUSAL)
     n0 = tile * BLOCK_N
     if n0 >= end:  # never read by the values kernel
         return
@@ -178,16 +190,8 @@ def _values_kernel_src(
     sp = pid // (N_RB * N_VC)
     b = tl.program_id(1).to(tl.int64)
 
-    if HAS_LENS:
-        end = tl.minimum((tl.maximum(tl.load(LENS + b * lens_sb).to(tl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
-    else:
-        end = T
-    if CAUSAL:
-        offs_s = tl.arange(0, BLOCK_S)
-        qp_all = tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1)
-        qmax = tl.max(qp_all, axis=0)
-        kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
-        end = tl.minimum(end, kcap.to(tl.int32))
+    end = _visible_end(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, lens_r, sqp_b, sqp_s,
+                       BLOCK_S, HAS_LENS, CAUSAL)
     n_tiles = tl.cdiv(end, BLOCK_N)
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     t_lo = sp * per_split
@@ -243,6 +247,7 @@ def _values_kernel_src(
 
 
 if HAS_TRITON:
+    _visible_end = triton.jit(_visible_end_src)  # called by both kernels (a global looked up when they compile)
     _scores_jit = triton.jit(_scores_kernel_src)
     _values_jit = triton.jit(_values_kernel_src)
 
