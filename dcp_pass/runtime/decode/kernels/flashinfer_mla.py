@@ -311,6 +311,29 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
+def _prepare(q_lat, q_rope, kv, pe, v_dim, mask, lse_base, page_table=None):
+    """The entry points' checks, in this order: the LSE base, no mask (nor CUDA-graph
+    capture), with a ``page_table`` the pool's and the table's shapes, then the operands
+    (:func:`_operands`). Returns ``(base, parts)``."""
+    from .common import check_base
+
+    base = check_base(lse_base)
+    _refuse(mask)
+    if page_table is not None:
+        if kv.dim() != 3:
+            raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(kv.shape)}")
+        if page_table.dim() != 2 or page_table.shape[0] != q_lat.shape[0]:
+            raise ValueError(f"page_table must be [B, max_pages], got {tuple(page_table.shape)}")
+    return base, _operands(q_lat, q_rope, kv, pe, v_dim)
+
+
+def _kernel_operands(parts, N: int, H: int):
+    """``(q_nope [N, H, 512], q_pe [N, H, 64], ckv, kpe)`` as the kernel takes them
+    (:func:`_kernel_ready`); after the empty-call checks, so an empty call copies nothing."""
+    return (_kernel_ready(parts.q_main.reshape(N, H, CKV_DIM)), _kernel_ready(parts.q_tail.reshape(N, H, KPE_DIM)),
+            _kernel_ready(parts.k_main), _kernel_ready(parts.k_tail))
+
+
 def _operands(q_lat, q_rope, kv, pe, v_dim):
     from .common import split_parts
 
@@ -427,11 +450,7 @@ def mla_attention_flashinfer(
 
     ``lens_stripe=(c, r)``: ``kv_lens`` are global key counts, rank r of c holds its share.
     """
-    from .common import check_base
-
-    base = check_base(lse_base)
-    _refuse(mask)
-    parts = _operands(q_lat, q_rope, kv, pe, v_dim)
+    base, parts = _prepare(q_lat, q_rope, kv, pe, v_dim, mask, lse_base)
     B, S, H, _ = q_lat.shape
     T = kv.shape[1]
     if B == 0 or S * H == 0 or T == 0:
@@ -440,10 +459,7 @@ def mla_attention_flashinfer(
     if not bool((counts > 0).any()):
         return _empty_result(q_lat, v_dim, out, lse_out)
 
-    q_nope = _kernel_ready(parts.q_main.reshape(B * S, H, CKV_DIM))
-    q_pe = _kernel_ready(parts.q_tail.reshape(B * S, H, KPE_DIM))
-    ckv = _kernel_ready(parts.k_main)
-    kpe = _kernel_ready(parts.k_tail)
+    q_nope, q_pe, ckv, kpe = _kernel_operands(parts, B * S, H)
     rows_fit = _rows_within_span((ckv, kpe))
     chunks = row_chunks([S] * B, [S * T] * B, _work_per_request(H), max_rows=rows_fit)
 
@@ -487,15 +503,7 @@ def mla_attention_flashinfer_paged(
     lens_stripe: Tuple[int, int] = (1, 0),
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer MLA over page pools ``[num_pages, P, Dk]`` and ``page_table [B, max_pages]``."""
-    from .common import check_base
-
-    base = check_base(lse_base)
-    _refuse(mask)
-    if kv_pool.dim() != 3:
-        raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(kv_pool.shape)}")
-    if page_table.dim() != 2 or page_table.shape[0] != q_lat.shape[0]:
-        raise ValueError(f"page_table must be [B, max_pages], got {tuple(page_table.shape)}")
-    parts = _operands(q_lat, q_rope, kv_pool, pe_pool, v_dim)
+    base, parts = _prepare(q_lat, q_rope, kv_pool, pe_pool, v_dim, mask, lse_base, page_table)
     B, S, H, _ = q_lat.shape
     P, max_pages = kv_pool.shape[1], page_table.shape[1]
     if B == 0 or S * H == 0 or kv_pool.shape[0] == 0 or max_pages == 0:
@@ -504,10 +512,7 @@ def mla_attention_flashinfer_paged(
     if not bool((counts > 0).any()):
         return _empty_result(q_lat, v_dim, out, lse_out)
 
-    q_nope = _kernel_ready(parts.q_main.reshape(B * S, H, CKV_DIM))
-    q_pe = _kernel_ready(parts.q_tail.reshape(B * S, H, KPE_DIM))
-    ckv = _kernel_ready(parts.k_main)
-    kpe = _kernel_ready(parts.k_tail)
+    q_nope, q_pe, ckv, kpe = _kernel_operands(parts, B * S, H)
     for pool in (ckv, kpe):
         if _span(pool, (0, 1)) > SPAN_CAP:
             raise ValueError(f"attention backend 'flashinfer': a page pool of {pool.numel()} elements spans more "
