@@ -52,7 +52,7 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-from . import mla_wide
+from . import mla_gluon, mla_oneread, mla_wide
 from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
                      check_launchable, launch, lens_operand, local_lens, mask_operand, outputs, pow2, split_parts,
                      triton_supported)
@@ -534,16 +534,32 @@ def mla_attention_triton(
     """Triton split-KV MLA attention; same contract as :func:`mla_attention_reference`.
 
     CUDA tensors use the compiled kernel, CPU tensors Triton's interpreter.
-    ``path``: None / "auto" routes compute-bound shapes (>= 128 rows, 16-bit CUDA tensors,
-    see ``mla_wide.wide_preferred``) to the two-GEMM kernel of ``mla_wide`` and the rest
-    to the fused split-KV kernel; "wide" or "split" forces one. The environment variable
-    ``DCP_MLA_WIDE=0`` turns the automatic wide routing off, ``=1`` routes every supported
-    call to it (also in the interpreter). ``config`` is an ``MLAKernelConfig`` (split path)
-    or an ``mla_wide.WideConfig`` (wide path).
+    ``path``: None / "auto" takes the fastest path measured nearest the shape
+    (``path_table.py``): on Hopper, for >= 64 rows of the fused 512 + 64 bf16 cache without a
+    mask or causal cap, the Gluon one-read kernel of ``mla_gluon``; otherwise the two-GEMM
+    kernel of ``mla_wide`` for compute-bound shapes (see ``mla_wide.wide_preferred``) and the
+    fused split-KV kernel for the rest. "gluon", "wide" or "split" forces one. The
+    environment variable ``DCP_MLA_GLUON=0`` turns the automatic Gluon routing off;
+    ``DCP_MLA_WIDE=0`` the automatic wide routing, ``=1`` routes every supported call to it
+    (also in the interpreter). ``config`` is an ``MLAKernelConfig`` (split path), an
+    ``mla_wide.WideConfig`` (wide path) or an ``mla_gluon.GluonConfig`` (Gluon path).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
     a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, lens_stripe=lens_stripe)
+    if path == "oneread":  # measured only (docs/kernel_notes.md, v5); never chosen automatically
+        if not mla_oneread.oneread_supported(q_lat, q_rope, kv, pe, v_dim):
+            raise ValueError("path='oneread' needs a contiguous 16-bit cache whose values are the whole latent "
+                             "part (a power of two >= 64)")
+        return mla_oneread.launch_oneread(a, out, lse_out, num_splits, config)
+    if path == "gluon" or isinstance(config, mla_gluon.GluonConfig):
+        if not mla_gluon.gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
+            raise ValueError("path='gluon' needs a Hopper GPU, Triton with Gluon, and the fused 512 + 64 bf16 cache "
+                             "without mask or causal cap")
+        return mla_gluon.launch_gluon(a, out, lse_out, num_splits, config)
+    if path in (None, "auto") and config is None and mla_gluon.gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask,
+                                                                                causal):
+        return mla_gluon.launch_gluon(a, out, lse_out, num_splits)
     if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim):
         return mla_wide.launch_wide(a, out, lse_out, num_splits, config)
     return _launch(a, out, lse_out, num_splits, config)

@@ -1,0 +1,99 @@
+"""Offline sm_90 compile of the Gluon one-read kernel (``kernels/mla_gluon.py``), no GPU needed.
+
+Registers, spill stack, shared memory, wgmma shapes and copy kinds per tile config,
+DeepSeek-V3 shapes (fused 512 + 64 cache, bf16, kv_lens on). Compile with the Triton the
+GPU machine runs (3.6 there): e.g. ``PYTHONPATH=/path/to/triton-3.6 python
+benchmarks/offline_gluon.py``; Gluon's API moves between Triton releases.
+
+    python benchmarks/offline_gluon.py [--configs "64,64,2;64,32,3"] [--ttgir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_config(cfg: "G.GluonConfig", num_splits: int = 2):
+    fn = G._mla_gluon_jit
+    names = list(inspect.signature(G._mla_gluon_kernel_src).parameters)
+    ptrs = {"Q": "*bf16", "KV": "*bf16", "LENS": "*i64", "O": "*fp32", "L": "*fp32"}
+    floats = {"sm_scale_log2", "lse_scale"}
+    consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
+                  SCHEDULE=cfg.schedule)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in ptrs:
+            sig[n] = ptrs[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in floats:
+            sig[n] = "fp32"
+        elif n in consts:
+            sig[n] = "constexpr"
+        else:
+            sig[n] = "i32"
+            if n not in ("H", "SH", "lens_c", "lens_r", "lens_sb"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    opts = backend.parse_options(dict(num_warps=8, num_stages=1))
+    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=opts.__dict__)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", path], capture_output=True,
+                              text=True).stdout
+    hg = re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass)
+    return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
+                smem_kib=round(k.metadata.shared / 1024, 1), hgmma=sorted(set(hg)), n_hgmma=len(hg),
+                ldl=sass.count("LDL"), stl=sass.count("STL"), cp_async=sass.count("LDGSTS"),
+                bar=sass.count("BAR.SYNC"), ttgir=k.asm["ttgir"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="64,64,2,1;64,64,2,2;64,32,3,2;64,32,4,2")
+    ap.add_argument("--ttgir", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = []
+    for c in a.configs.split(";"):
+        cfg = G.GluonConfig(*(int(x) for x in c.split(",")))
+        bh, bn, st = cfg.block_h, cfg.block_n, cfg.stages
+        rec = dict(config=cfg.tag(), triton=triton.__version__)
+        try:
+            r = compile_config(cfg)
+            ttgir = r.pop("ttgir")
+            if a.ttgir:
+                os.makedirs(a.ttgir, exist_ok=True)
+                with open(os.path.join(a.ttgir, f"gluon_{bh}_{bn}_{st}.ttgir"), "w") as f:
+                    f.write(ttgir)
+        except Exception as e:  # noqa: BLE001
+            r = dict(error=f"{type(e).__name__}: {e}"[-1500:])
+        rec.update(r)
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

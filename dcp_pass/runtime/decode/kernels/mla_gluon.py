@@ -1,0 +1,289 @@
+"""One-read MLA decode kernel in Gluon (Triton's explicit-layout dialect), for Hopper.
+
+Each latent KV tile is loaded into shared memory once and serves both GEMMs: as the keys
+of ``q . k`` (read transposed) and as the values of ``p @ v``. One program holds a block
+of 64 rows (query token x head) and all 512 value columns over two warpgroups:
+
+* both GEMMs use the wgmma layout ``warps_per_cta = [4, 2]``: the warpgroups split the
+  columns, so each computes half of a score tile and holds [64, 256] of the fp32
+  accumulator (the whole [64, 512] would not fit one warpgroup's registers);
+* the probabilities go to shared memory (``p_smem``), which both warpgroups read as the
+  value GEMM's left operand; the softmax's row max and sum cross the two warpgroups;
+* tiles arrive by ``cp.async`` ``STAGES - 1`` tiles ahead of use (a ring of ``STAGES``
+  buffers), so loading overlaps the GEMMs of the tile before.
+
+Plain Triton cannot express this (docs/kernel_notes.md, v5): it gives a dot whose
+result reaches another dot all warps along the rows (both warpgroups compute the same
+scores), and a hand-off through memory needs a barrier that turns off its pipelining.
+
+Scope: the fused DeepSeek cache (``kv [B, T, 512 + 64]``, values = the latent part), 16-bit,
+kv_lens with ``lens_stripe``, no additive mask, no causal cap (decode: one query token per
+request, or several that see the same keys). Other calls take the Triton paths. Partial
+outputs use the split kernel's format and its stage-2 merge (``splits.reduce_launch``);
+split counts come from shapes only, so the call is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .common import LOG2E, MlaArgs, check_base, lens_operand, launch, outputs
+from .splits import partial_outputs, reduce_launch, split_count
+
+try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - depends on the Triton build
+    HAS_GLUON = False
+
+__all__ = ["GluonConfig", "HAS_GLUON", "gluon_supported", "gluon_preferred", "launch_gluon"]
+
+D_LAT = 512
+D_ROPE = 64
+
+
+def _mla_gluon_kernel_src(
+    Q, KV, LENS, O, L,
+    T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
+    sq_b, sq_s, sq_h,
+    skv_b, skv_t,
+    so_b, so_sp, so_s, so_h,
+    sl_b, sl_sp, sl_s, sl_h,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, SCHEDULE: gl.constexpr,
+):
+    DL: gl.constexpr = 512
+    DR: gl.constexpr = 64
+    # register layouts: 16-byte vectors along the feature axis for the copies
+    ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    ld_rope: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                    instr_shape=[16, BLOCK_N // 2, 16])
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                    instr_shape=[16, DL // 2, 16])
+    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16)
+    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    dt: gl.constexpr = KV.dtype.element_ty
+
+    pid_h = gl.program_id(0)
+    pid_sp = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+
+    # ---- queries: loaded once into shared memory (latent and rope parts)
+    rows_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
+    q_lat = gl.load(Q + b * sq_b + (rows_l // H)[:, None] * sq_s + (rows_l % H)[:, None] * sq_h
+                    + gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))[None, :],
+                    mask=(rows_l < SH)[:, None], other=0.0)
+    rows_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_rope))
+    q_rope = gl.load(Q + b * sq_b + (rows_r // H)[:, None] * sq_s + (rows_r % H)[:, None] * sq_h
+                     + DL + gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))[None, :],
+                     mask=(rows_r < SH)[:, None], other=0.0)
+    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16), q_lat)
+    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16), q_rope)
+    k_lat_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], lat_sl)
+    k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], rope_sl)
+    p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], p_sl)
+
+    # ---- this split's keys (rank r's share of a global count under lens_stripe)
+    if HAS_LENS:
+        kv_len = gl.minimum((gl.maximum(gl.load(LENS + b * lens_sb).to(gl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
+    else:
+        kv_len = T
+    split_len = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_sp * split_len
+    end = gl.minimum(start + split_len, kv_len)
+    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+
+    kv_row = KV + b * skv_b
+    n_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat))
+    c_lat = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))
+    n_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
+    c_rope = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
+
+    # prologue: the first STAGES - 1 tiles in flight (a copy past the split's end is masked
+    # off: zero-filled, so no value from past the end reaches p @ v)
+    for i in gl.static_range(STAGES - 1):
+        t0 = start + i * BLOCK_N
+        cp.async_copy_global_to_shared(k_lat_s.index(i), kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                                       mask=((t0 + n_lat) < end)[:, None])
+        cp.async_copy_global_to_shared(k_rope_s.index(i), kv_row + (t0 + n_rope).to(gl.int64)[:, None] * skv_t + DL + c_rope[None, :],
+                                       mask=((t0 + n_rope) < end)[:, None])
+        cp.commit_group()
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_mma))
+    l_2d = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma)
+    acc = gl.zeros([BLOCK_H, DL], gl.float32, layout=o_mma)
+    cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
+
+    for it in range(n_tiles):
+        nxt = it + STAGES - 1
+        tn = start + nxt * BLOCK_N
+        slot = nxt % STAGES
+        if SCHEDULE == 1:
+            # issue tile it + STAGES - 1 into the buffer tile it - 1 used (its GEMMs are done:
+            # every warp passed the barrier at the end of the previous iteration)
+            cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                                           mask=((tn + n_lat) < end)[:, None])
+            cp.async_copy_global_to_shared(k_rope_s.index(slot), kv_row + (tn + n_rope).to(gl.int64)[:, None] * skv_t + DL + c_rope[None, :],
+                                           mask=((tn + n_rope) < end)[:, None])
+            cp.commit_group()
+            cp.wait_group(STAGES - 1)  # this thread's copies of tile `it` landed,
+        else:
+            cp.wait_group(STAGES - 2)
+        fence_async_shared()  # ordered before the tensor cores' (async proxy) reads,
+        gl.thread_barrier()  # and every thread's are
+        if SCHEDULE == 2:
+            # after that barrier every warp is past the previous tile's value GEMM, so its
+            # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
+            cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                                           mask=((tn + n_lat) < end)[:, None])
+            cp.async_copy_global_to_shared(k_rope_s.index(slot), kv_row + (tn + n_rope).to(gl.int64)[:, None] * skv_t + DL + c_rope[None, :],
+                                           mask=((tn + n_rope) < end)[:, None])
+            cp.commit_group()
+
+        cur = it % STAGES
+        k_lat = k_lat_s.index(cur)
+        s = warpgroup_mma(q_rope_s, k_rope_s.index(cur).permute((1, 0)),
+                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+        s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
+        if SCHEDULE == 3:
+            # as 2, but the next tile's copies are issued while the tensor cores compute these
+            # scores (the slot they fill is not this tile's)
+            cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                                           mask=((tn + n_lat) < end)[:, None])
+            cp.async_copy_global_to_shared(k_rope_s.index(slot), kv_row + (tn + n_rope).to(gl.int64)[:, None] * skv_t + DL + c_rope[None, :],
+                                           mask=((tn + n_rope) < end)[:, None])
+            cp.commit_group()
+        s = warpgroup_mma_wait(0, deps=[s])
+        t0 = start + it * BLOCK_N
+        s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
+        alpha = gl.exp2(m_i - m_use)
+        if SCHEDULE == 1:
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+        else:  # row sums kept per thread and reduced once after the loop: no cross-warpgroup sum per tile
+            l_2d = l_2d * alpha[:, None] + p
+        m_i = m_new
+
+        p_s.store(p.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()  # p complete (both warpgroups' halves) before either reads it
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
+        acc = warpgroup_mma(p_s, k_lat, acc)
+        if SCHEDULE == 1:
+            gl.thread_barrier()  # p_s and this tile's buffer are free for the next iteration's writes
+
+    if SCHEDULE != 1:
+        l_i = gl.sum(l_2d, axis=1)
+    cp.wait_group(0)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))
+    empty = l_o == 0.0
+    o = acc / gl.where(empty, 1.0, l_o)[:, None]
+    rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_mma))
+    cols_o = gl.arange(0, DL, layout=gl.SliceLayout(0, o_mma))
+    gl.store(O + b * so_b + pid_sp * so_sp + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
+             o.to(O.dtype.element_ty), mask=(rows_o < SH)[:, None])
+    rows_m = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_mma))
+    lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * lse_scale
+    gl.store(L + b * sl_b + pid_sp * sl_sp + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
+
+
+if HAS_GLUON:
+    _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    block_h: int = 64
+    block_n: int = 64
+    stages: int = 2
+    schedule: int = 3
+    num_splits: Optional[int] = None
+    waves: float = 1.0
+
+    def tag(self) -> str:
+        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{self.schedule}"
+
+
+GLUON_DEFAULT = GluonConfig()
+
+
+def gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None, paged=False) -> bool:
+    """The fused 512 + 64 bf16 CUDA cache, unit feature strides, no mask or causal cap, Hopper."""
+    if not HAS_GLUON or paged or mask is not None or causal is not None or pe is not None or q_rope is not None:
+        return False
+    if not kv.is_cuda or kv.dtype != torch.bfloat16 or q_lat.dtype != kv.dtype:
+        return False
+    if v_dim != D_LAT or q_lat.shape[-1] != D_LAT + D_ROPE or kv.shape[-1] < D_LAT + D_ROPE:
+        return False
+    if kv.stride(-1) != 1 or q_lat.stride(-1) != 1 or kv.stride(1) % 8 or q_lat.data_ptr() % 16 or kv.data_ptr() % 16:
+        return False
+    return _is_hopper(kv.device)
+
+
+_HOPPER: dict = {}
+
+
+def _is_hopper(device: torch.device) -> bool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _HOPPER:
+        _HOPPER[idx] = torch.cuda.get_device_capability(idx)[0] == 9
+    return _HOPPER[idx]
+
+
+def gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None) -> bool:
+    """The dispatcher's automatic choice: supported, >= 64 rows, and the fastest path measured
+    nearest this shape (path_table.py). ``DCP_MLA_GLUON=0`` turns it off; ``DCP_MLA_WIDE=1``
+    (every supported call to the two-GEMM kernel) wins over it."""
+    import os
+
+    if os.environ.get("DCP_MLA_GLUON") == "0" or os.environ.get("DCP_MLA_WIDE") == "1":
+        return False
+    rows = q_lat.shape[1] * q_lat.shape[2]
+    if rows < 64 or not gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
+        return False
+    from .path_table import fastest
+
+    measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide", "gluon"))
+    return measured in (None, "gluon")
+
+
+def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[GluonConfig] = None):
+    """Run the Gluon kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
+    base = check_base(a.lse_base)
+    q, kv = a.q_lat, a.kv
+    B, S, H, _ = q.shape
+    T = kv.shape[1]
+    out, lse_out, done = outputs(q, a.v_dim, out, lse_out, T == 0)
+    if done:
+        return out, lse_out
+    SH = S * H
+    cfg = config or GLUON_DEFAULT
+    n_hb = triton.cdiv(SH, cfg.block_h)
+    ns = num_splits or cfg.num_splits or split_count(B, n_hb, T, kv.device, cfg.waves)
+    lens, lens_sb, lens_c, lens_r = lens_operand(a.kv_lens, a.lens_stripe, B, kv)
+    o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
+    if ops[4] != 1:
+        raise ValueError("the Gluon MLA kernel writes outputs whose feature stride is 1")
+    launch(_mla_gluon_jit, (n_hb, ns, B), (
+        q, kv, lens, o_part, l_part,
+        T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+        ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
+    ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
+            HAS_LENS=a.kv_lens is not None, SCHEDULE=cfg.schedule), 8)
+    if ns > 1:
+        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
+        launch(kernel, grid2, args, consts, warps)
+    return out, lse_out
