@@ -253,29 +253,6 @@ def flex_token(results):
     print("flex", rec, flush=True)
 
 
-# one-read kernel tiles (block_h, block_n, warps, stages): see benchmarks/offline_oneread.py
-ONEREAD_CONFIGS = ["64,64,8,2", "64,32,8,2", "64,32,8,3"]
-
-
-def oneread_rows(rec, sets, ceil, t_split, floor, flops):
-    """Time the one-read kernel's tiles on one case; keep the fastest beside the split/wide figures."""
-    from dcp_pass.runtime.decode.kernels import mla_oneread as R
-
-    for tag in ONEREAD_CONFIGS:
-        ocfg = R.OneReadConfig(*(int(x) for x in tag.split(",")))
-        try:
-            oerr, olerr = check(sets, "oneread", ocfg)
-            to = time_triton(sets, ocfg, path="oneread")
-        except Exception as e:  # a tile that does not fit is a row entry, not the end of the run
-            rec.setdefault("oneread_errors", []).append(f"{tag}: {e!r}"[:300])
-            traceback.print_exc()
-            continue
-        if "oneread_ms" not in rec or to < rec["oneread_ms"]:
-            rec.update(oneread_cfg=ocfg.tag(), oneread_rel_err=oerr, oneread_lse_err=olerr, oneread_ms=to,
-                       oneread_mm_frac=flops / (to * 1e-3) / ceil["mm_rate"], oneread_of_floor=floor / to,
-                       oneread_vs_split=t_split / to)
-
-
 GLUON_CONFIGS = ["64,64,2,3", "64,64,2,2", "64,64,2,1"]  # block_h, block_n, stages, schedule
 
 
@@ -300,7 +277,7 @@ def gluon_rows(rec, sets, ceil, t_split, floor, flops):
                        gluon_vs_split=t_split / tg)
 
 
-def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, oneread=False, gluon=False):
+def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, gluon=False):
     rows = []
     for H, B, T in itertools.product(heads, batches, ctxs):
         rec = dict(H=H, B=B, T=T)
@@ -329,8 +306,6 @@ def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, on
                 except Exception as e:
                     rec["wide_error"] = repr(e)[:300]
                     traceback.print_exc()
-            if oneread and H >= wide_min_rows:
-                oneread_rows(rec, sets, ceil, t, floor, flops)
             if gluon and H >= 64:
                 gluon_rows(rec, sets, ceil, t, floor, flops)
             rec.update(ms=t, floor_ms=floor, of_floor=floor / t,
@@ -359,8 +334,6 @@ def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, on
             ("wide ms", lambda r: r.get("wide_ms") or ""), ("wide floor/ms", lambda r: r.get("wide_of_floor") or ""),
             ("wide % mm rate", lambda r: f"{100 * r['wide_mm_frac']:.0f}" if "wide_mm_frac" in r else ""),
             ("wide vs split", lambda r: f"{r['wide_speedup']:.2f}x" if "wide_speedup" in r else ""),
-            ("one-read ms", lambda r: r.get("oneread_ms") or ""),
-            ("one-read % mm rate", lambda r: f"{100 * r['oneread_mm_frac']:.0f}" if "oneread_mm_frac" in r else ""),
             ("gluon ms", lambda r: r.get("gluon_ms") or ""),
             ("gluon % mm rate", lambda r: f"{100 * r['gluon_mm_frac']:.0f}" if "gluon_mm_frac" in r else ""),
             ("auto", "auto")]
@@ -377,7 +350,6 @@ def main():
     ap.add_argument("--wide-sweep", action="store_true", help="tile configs of the two-GEMM wide kernels")
     ap.add_argument("--wide-min-rows", type=int, default=64, help="time the wide path from this many heads up")
     ap.add_argument("--no-table", action="store_true")
-    ap.add_argument("--oneread", action="store_true", help="also time the one-read kernel (kernels/mla_oneread.py)")
     ap.add_argument("--gluon", action="store_true", help="also time the Gluon one-read kernel (kernels/mla_gluon.py)")
     ap.add_argument("--flex", action="store_true")
     ap.add_argument("--no-einsum", action="store_true")
@@ -400,8 +372,7 @@ def main():
         write_json(a.out, results)
     if not a.no_table:
         table(results, ceil, [int(x) for x in a.heads.split(",")], [int(x) for x in a.batches.split(",")],
-              [int(x) for x in a.ctx.split(",")], einsum=not a.no_einsum, wide_min_rows=a.wide_min_rows, oneread=a.oneread,
-              gluon=a.gluon)
+              [int(x) for x in a.ctx.split(",")], einsum=not a.no_einsum, wide_min_rows=a.wide_min_rows, gluon=a.gluon)
         write_json(a.out, results)
     if a.flex:
         flex_token(results)

@@ -52,7 +52,7 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-from . import mla_gluon, mla_oneread, mla_wide
+from . import mla_gluon, mla_wide
 from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
                      check_launchable, launch, lens_operand, local_lens, mask_operand, outputs, pow2, split_parts,
                      triton_supported)
@@ -547,11 +547,6 @@ def mla_attention_triton(
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
     a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, lens_stripe=lens_stripe)
-    if path == "oneread":  # measured only (docs/kernel_notes.md, v5); never chosen automatically
-        if not mla_oneread.oneread_supported(q_lat, q_rope, kv, pe, v_dim):
-            raise ValueError("path='oneread' needs a contiguous 16-bit cache whose values are the whole latent "
-                             "part (a power of two >= 64)")
-        return mla_oneread.launch_oneread(a, out, lse_out, num_splits, config)
     if path == "gluon" or isinstance(config, mla_gluon.GluonConfig):
         if not mla_gluon.gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
             raise ValueError("path='gluon' needs a Hopper GPU, Triton with Gluon, and the fused 512 + 64 bf16 cache "
