@@ -253,7 +253,7 @@ def flex_token(results):
     print("flex", rec, flush=True)
 
 
-GLUON_CONFIGS = ["64,64,2,3", "64,64,2,2", "64,64,2,1"]  # block_h, block_n, stages, schedule
+GLUON_CONFIGS = ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,3,256", "64,64,2,2,0"]  # block_h, block_n, stages, schedule, q_reg
 
 
 def gluon_rows(rec, sets, ceil, t_split, floor, flops):

@@ -2,7 +2,7 @@
 
 Sources (H200, committed under benchmarks/results/):
 * kernel_v4_wide_h200.json   split vs wide Triton kernels, 64/128 heads, B 8/32, 64K/128K keys
-* kernel_v8_gluon_h200.json   split vs wide vs the Gluon one-read kernel, 64/128 heads, B 8/32, 32K/128K keys
+* kernel_v9_gluon_h200.json   split vs wide vs the Gluon one-read kernel, 64/128 heads, B 8/32, 4K-128K keys
 * flashinfer_probe_h200x2.json  FlashInfer's fa3 MLA kernel vs the Triton dispatcher, 16/128 heads
 
     python benchmarks/make_path_table.py   # rewrites the module; commit it with the JSONs
@@ -15,7 +15,7 @@ import os
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(ROOT, "dcp_pass", "runtime", "decode", "kernels", "path_table.py")
-GLUON_RUN = "kernel_v8_gluon_h200.json"
+GLUON_RUN = "kernel_v9_gluon_h200.json"
 GLUON_TAG = "gluon 64x64/8w/2s/v3"
 
 
@@ -47,7 +47,7 @@ def main():
     text = f'''"""Measured attention paths per shape: which kernel is fastest where (generated; do not edit).
 
 Written by benchmarks/make_path_table.py from benchmarks/results/kernel_v4_wide_h200.json,
-kernel_v8_gluon_h200.json and flashinfer_probe_h200x2.json (one H200, bf16, 512 + 64
+kernel_v9_gluon_h200.json and flashinfer_probe_h200x2.json (one H200, bf16, 512 + 64
 latent, one query token per row). Each row: (query rows per rank, batch, keys per rank,
 {{path: milliseconds}}).
 """

@@ -28,13 +28,14 @@ from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_config(cfg: "G.GluonConfig", num_splits: int = 2):
+def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False, causal: bool = False):
     fn = G._mla_gluon_jit
     names = list(inspect.signature(G._mla_gluon_kernel_src).parameters)
-    ptrs = {"Q": "*bf16", "KV": "*bf16", "LENS": "*i64", "O": "*fp32", "L": "*fp32"}
+    ptrs = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "MASK": "*fp32", "QPOS": "*i64", "O": "*fp32", "L": "*fp32"}
     floats = {"sm_scale_log2", "lse_scale"}
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
-                  SCHEDULE=cfg.schedule)
+                  SCHEDULE=cfg.schedule, HAS_MASK=mask, CAUSAL=causal,
+                  Q_REG=cfg.q_reg)
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in ptrs:
@@ -46,7 +47,8 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2):
             sig[n] = "constexpr"
         else:
             sig[n] = "i32"
-            if n not in ("H", "SH", "lens_c", "lens_r", "lens_sb"):
+            if n not in ("H", "SH", "lens_c", "lens_r", "lens_sb", "cp_world", "cp_rank", "sm_t", "sqp_s",
+                         "sqt_s", "sqt_h"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     target = GPUTarget("cuda", 90, 32)
     backend = triton.compiler.make_backend(target)
@@ -71,6 +73,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="64,64,2,1;64,64,2,2;64,32,3,2;64,32,4,2")
     ap.add_argument("--ttgir", default=None)
+    ap.add_argument("--mask", action="store_true")
+    ap.add_argument("--causal", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rows = []
@@ -79,7 +83,7 @@ def main():
         bh, bn, st = cfg.block_h, cfg.block_n, cfg.stages
         rec = dict(config=cfg.tag(), triton=triton.__version__)
         try:
-            r = compile_config(cfg)
+            r = compile_config(cfg, mask=a.mask, causal=a.causal)
             ttgir = r.pop("ttgir")
             if a.ttgir:
                 os.makedirs(a.ttgir, exist_ok=True)

@@ -29,6 +29,13 @@ def test_not_offered_off_its_scope():
     assert not G.gluon_supported(q, None, kv, None, 512)  # CPU tensors
     assert not G.gluon_supported(q, None, kv, None, 512, mask=torch.zeros(1, 1, 1, 16))
     assert not G.gluon_supported(q.float(), None, kv.float(), None, 512)
+    # a mask row per request is taken as [B, T]; one that differs by head or token is not
+    B, S, H, T = 2, 3, 4, 16
+    assert G._shared_mask(torch.zeros(B, 1, 1, T), B, S, H, T).shape == (B, T)
+    assert G._shared_mask(torch.zeros(B, 1, 1, T), B, 1, H, T).shape == (B, T)
+    assert G._shared_mask(torch.zeros(B, 1, H, T), B, S, H, T) is None
+    assert G._shared_mask(torch.zeros(B, S, 1, T), B, S, H, T) is None
+    assert G._shared_mask(torch.zeros(B, 1, 1, T), B, 1, H, T) is not None
 
 
 gpu = pytest.mark.gpu
@@ -71,6 +78,7 @@ def test_gpu_gluon_striped_lengths_and_tiles():
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
+                G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256),
                 G.GluonConfig()):
         _case(3, 4100, [8199, 77, 2], stripe=(2, 1), config=cfg)
 
@@ -95,3 +103,64 @@ def test_gpu_gluon_cuda_graph_capture():
     torch.cuda.synchronize()
     ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
     check_close(o, lse, ro, rl, 2e-2)
+
+
+@gpu
+@needs_hopper
+def test_gpu_gluon_shared_mask_and_causal_stripes():
+    """A decode mask row per request (-inf and finite entries, one request fully masked), and
+    the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference."""
+    from dcp_pass.runtime.decode.kernels import mla_attention as m
+    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, T = 3, 3000
+    q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = torch.zeros(B, 1, 1, T, device="cuda")
+    mask[0, ..., 2000:] = float("-inf")
+    mask[1, ..., ::7] = -3.0
+    mask[2] = float("-inf")  # no visible key: output 0, LSE -inf
+    lens = torch.tensor([T, 2500, T], device="cuda")
+    assert G.gluon_preferred(q, None, kv, None, 512, mask, None) or os.environ.get("DCP_MLA_GLUON") == "0"
+    out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
+    m.mla_attention_triton(q, None, kv, None, 512, SCALE, mask, lens, out=out, lse_out=lse, path="gluon",
+                           num_splits=3)
+    ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, mask, lens, None, torch.float32)
+    check_close(out, lse, ro, rl, 2e-2)
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+
+    S, c, r = 2, 2, 1
+    q2 = torch.randn(B, S, 64, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    glens = torch.tensor([5001, 1, 4000], device="cuda")  # global counts; rank 1 holds odd positions
+    q_pos = glens.view(B, 1) - S + torch.arange(S, device="cuda").view(1, S)
+    out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
+    m.mla_attention_triton(q2, None, kv, None, 512, SCALE, None, glens, "e", (q_pos, c, r), out=out, lse_out=lse,
+                           path="gluon", lens_stripe=(c, r))
+    local = torch.div(glens + c - 1 - r, c, rounding_mode="floor").clamp(max=T)
+    ro, rl = m._reference_impl(q2, None, kv, None, 512, SCALE, None, local, (q_pos, c, r), torch.float32)
+    check_close(out, lse, ro, rl, 2e-2)
+
+
+@gpu
+@needs_hopper
+def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
+    """kv [B, T, 512] and pe [B, T, 64] in two buffers, q_lat / q_rope separate: the layout
+    DeepSeek's reference model (and so the int-position decode graph) hands the op."""
+    from dcp_pass.runtime.decode.kernels import mla_attention as m
+    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    B, T = 4, 5000
+    q_lat = torch.randn(B, 1, 128, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    q_rope = torch.randn(B, 1, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(B, T, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    pe = torch.randn(B, T, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.tensor([T, 3, 0, 4097], device="cuda")
+    assert G.gluon_supported(q_lat, q_rope, kv, pe, 512)
+    if os.environ.get("DCP_MLA_GLUON") != "0":
+        assert G.gluon_preferred(q_lat, q_rope, kv, pe, 512)
+    out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
+    m.mla_attention(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse)
+    ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, None, torch.float32)
+    check_close(out, lse, ro, rl, 2e-2)

@@ -535,8 +535,8 @@ def mla_attention_triton(
 
     CUDA tensors use the compiled kernel, CPU tensors Triton's interpreter.
     ``path``: None / "auto" takes the fastest path measured nearest the shape
-    (``path_table.py``): on Hopper, for >= 64 rows of the fused 512 + 64 bf16 cache without a
-    mask or causal cap, the Gluon one-read kernel of ``mla_gluon``; otherwise the two-GEMM
+    (``path_table.py``): on Hopper, for >= 64 rows of the fused 512 + 64 bf16 cache (a mask
+    only if shared by every head and token), the Gluon one-read kernel of ``mla_gluon``; otherwise the two-GEMM
     kernel of ``mla_wide`` for compute-bound shapes (see ``mla_wide.wide_preferred``) and the
     fused split-KV kernel for the rest. "gluon", "wide" or "split" forces one. The
     environment variable ``DCP_MLA_GLUON=0`` turns the automatic Gluon routing off;
@@ -549,8 +549,8 @@ def mla_attention_triton(
     a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, lens_stripe=lens_stripe)
     if path == "gluon" or isinstance(config, mla_gluon.GluonConfig):
         if not mla_gluon.gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
-            raise ValueError("path='gluon' needs a Hopper GPU, Triton with Gluon, and the fused 512 + 64 bf16 cache "
-                             "without mask or causal cap")
+            raise ValueError("path='gluon' needs a Hopper GPU, Triton with Gluon, the fused 512 + 64 bf16 cache, and "
+                             "a mask (if any) with one row per request shared by every head and query token")
         return mla_gluon.launch_gluon(a, out, lse_out, num_splits, config)
     if path in (None, "auto") and config is None and mla_gluon.gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask,
                                                                                 causal):

@@ -16,9 +16,11 @@ Plain Triton cannot express this (docs/kernel_notes.md, v5): it gives a dot whos
 result reaches another dot all warps along the rows (both warpgroups compute the same
 scores), and a hand-off through memory needs a barrier that turns off its pipelining.
 
-Scope: the fused DeepSeek cache (``kv [B, T, 512 + 64]``, values = the latent part), 16-bit,
-kv_lens with ``lens_stripe``, no additive mask, no causal cap (decode: one query token per
-request, or several that see the same keys). Other calls take the Triton paths. Partial
+Scope: DeepSeek's 512 latent (= values) + 64 rope columns, in one fused cache
+(``kv [B, T, 576]``) or two (``kv [B, T, 512]``, ``pe [B, T, 64]``, as the reference model keeps them), bf16,
+kv_lens with ``lens_stripe``, an additive mask only when one row per request serves every
+head and query token (a decode step's causal mask), any causal cap ``(q_pos, c, r)``.
+Other calls take the Triton paths. Partial
 outputs use the split kernel's format and its stage-2 merge (``splits.reduce_launch``);
 split counts come from shapes only, so the call is CUDA-graph capturable.
 """
@@ -29,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .common import LOG2E, MlaArgs, check_base, lens_operand, launch, outputs
+from .common import LOG2E, MlaArgs, causal_operand, check_base, lens_operand, launch, outputs, split_parts
 from .splits import partial_outputs, reduce_launch, split_count
 
 try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
@@ -50,15 +52,23 @@ D_ROPE = 64
 
 
 def _mla_gluon_kernel_src(
-    Q, KV, LENS, O, L,
-    T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
+    Q, QT, KV, KT, LENS, MASK, QPOS, O, L,
+    T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
     sq_b, sq_s, sq_h,
+    sqt_b, sqt_s, sqt_h,
     skv_b, skv_t,
+    skt_b, skt_t,
+    sm_b, sm_t, sqp_b, sqp_s,
     so_b, so_sp, so_s, so_h,
     sl_b, sl_sp, sl_s, sl_h,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, SCHEDULE: gl.constexpr,
+    HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr, Q_REG: gl.constexpr,
 ):
+    """One (64-row block, split, batch row). MASK: one additive row per request, shared by
+    every head and query token ([B, T] with strides (sm_b, sm_t)); CAUSAL: local key k
+    (global position k * cp_world + cp_rank) is visible to a row whose query position
+    QPOS[b, s] is not before it."""
     DL: gl.constexpr = 512
     DR: gl.constexpr = 64
     # register layouts: 16-byte vectors along the feature axis for the copies
@@ -83,10 +93,14 @@ def _mla_gluon_kernel_src(
                     + gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))[None, :],
                     mask=(rows_l < SH)[:, None], other=0.0)
     rows_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_rope))
-    q_rope = gl.load(Q + b * sq_b + (rows_r // H)[:, None] * sq_s + (rows_r % H)[:, None] * sq_h
-                     + DL + gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))[None, :],
+    q_rope = gl.load(QT + b * sqt_b + (rows_r // H)[:, None] * sqt_s + (rows_r % H)[:, None] * sqt_h
+                     + gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))[None, :],
                      mask=(rows_r < SH)[:, None], other=0.0)
     q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16), q_lat)
+    if Q_REG > 0:
+        # the first Q_REG latent columns of q held in registers as the score GEMM's left
+        # operand: each warpgroup would otherwise re-read them from shared memory per tile
+        q_reg = q_lat_s.slice(0, Q_REG, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2))
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16), q_rope)
     k_lat_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], lat_sl)
     k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], rope_sl)
@@ -100,9 +114,16 @@ def _mla_gluon_kernel_src(
     split_len = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = pid_sp * split_len
     end = gl.minimum(start + split_len, kv_len)
+    rows_m = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_mma))
+    if CAUSAL:
+        qpos = gl.load(QPOS + b * sqp_b + (rows_m // H) * sqp_s, mask=rows_m < SH, other=-1)
+        qmax = gl.max(qpos, axis=0)
+        # keys k with k * c + r <= qmax are the only ones any row of the block can see
+        end = gl.minimum(end, gl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(gl.int32))
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
 
     kv_row = KV + b * skv_b
+    kt_row = KT + b * skt_b
     n_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat))
     c_lat = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))
     n_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
@@ -114,7 +135,7 @@ def _mla_gluon_kernel_src(
         t0 = start + i * BLOCK_N
         cp.async_copy_global_to_shared(k_lat_s.index(i), kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                        mask=((t0 + n_lat) < end)[:, None])
-        cp.async_copy_global_to_shared(k_rope_s.index(i), kv_row + (t0 + n_rope).to(gl.int64)[:, None] * skv_t + DL + c_rope[None, :],
+        cp.async_copy_global_to_shared(k_rope_s.index(i), kt_row + (t0 + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                        mask=((t0 + n_rope) < end)[:, None])
         cp.commit_group()
 
@@ -133,7 +154,7 @@ def _mla_gluon_kernel_src(
             # every warp passed the barrier at the end of the previous iteration)
             cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                            mask=((tn + n_lat) < end)[:, None])
-            cp.async_copy_global_to_shared(k_rope_s.index(slot), kv_row + (tn + n_rope).to(gl.int64)[:, None] * skv_t + DL + c_rope[None, :],
+            cp.async_copy_global_to_shared(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                            mask=((tn + n_rope) < end)[:, None])
             cp.commit_group()
             cp.wait_group(STAGES - 1)  # this thread's copies of tile `it` landed,
@@ -146,7 +167,7 @@ def _mla_gluon_kernel_src(
             # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
             cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                            mask=((tn + n_lat) < end)[:, None])
-            cp.async_copy_global_to_shared(k_rope_s.index(slot), kv_row + (tn + n_rope).to(gl.int64)[:, None] * skv_t + DL + c_rope[None, :],
+            cp.async_copy_global_to_shared(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                            mask=((tn + n_rope) < end)[:, None])
             cp.commit_group()
 
@@ -154,21 +175,42 @@ def _mla_gluon_kernel_src(
         k_lat = k_lat_s.index(cur)
         s = warpgroup_mma(q_rope_s, k_rope_s.index(cur).permute((1, 0)),
                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
-        s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
+        if Q_REG > 0:
+            s = warpgroup_mma(q_reg, k_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+            if Q_REG < DL // 2:  # shared-memory slices must be powers of two wide
+                s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
+                                  k_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
+                              k_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
+        else:
+            s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
         if SCHEDULE == 3:
             # as 2, but the next tile's copies are issued while the tensor cores compute these
             # scores (the slot they fill is not this tile's)
             cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                            mask=((tn + n_lat) < end)[:, None])
-            cp.async_copy_global_to_shared(k_rope_s.index(slot), kv_row + (tn + n_rope).to(gl.int64)[:, None] * skv_t + DL + c_rope[None, :],
+            cp.async_copy_global_to_shared(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                            mask=((tn + n_rope) < end)[:, None])
             cp.commit_group()
         s = warpgroup_mma_wait(0, deps=[s])
         t0 = start + it * BLOCK_N
-        s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
+        if HAS_MASK or CAUSAL:
+            s = s * sm_scale_log2
+            valid = ((t0 + cols_s) < end)[None, :]
+            if HAS_MASK:
+                mk = gl.load(MASK + b * sm_b + (t0 + cols_s) * sm_t, mask=(t0 + cols_s) < end, other=0.0)
+                s = s + mk[None, :] * 1.4426950408889634
+            if CAUSAL:
+                valid = valid & (((t0 + cols_s) * cp_world + cp_rank)[None, :] <= qpos[:, None])
+            s = gl.where(valid, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - m_use[:, None])
+        else:
+            s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
         alpha = gl.exp2(m_i - m_use)
         if SCHEDULE == 1:
             l_i = l_i * alpha + gl.sum(p, axis=1)
@@ -194,7 +236,6 @@ def _mla_gluon_kernel_src(
     cols_o = gl.arange(0, DL, layout=gl.SliceLayout(0, o_mma))
     gl.store(O + b * so_b + pid_sp * so_sp + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
              o.to(O.dtype.element_ty), mask=(rows_o < SH)[:, None])
-    rows_m = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_mma))
     lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * lse_scale
     gl.store(L + b * sl_b + pid_sp * sl_sp + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
 
@@ -209,26 +250,48 @@ class GluonConfig:
     block_n: int = 64
     stages: int = 2
     schedule: int = 3
+    q_reg: int = 128  # latent columns of q kept in registers (0, 128 or 256; kernel_notes.md v6)
     num_splits: Optional[int] = None
     waves: float = 1.0
 
     def tag(self) -> str:
-        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{self.schedule}"
+        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{self.schedule}" + (
+            f"/qreg{self.q_reg}" if self.q_reg else "")
 
 
 GLUON_DEFAULT = GluonConfig()
 
 
+def _shared_mask(mask, B, S, H, T):
+    """The mask as one [B, T] row per request (strides), or None when rows differ by head or token."""
+    m = torch.broadcast_to(mask, (B, S, H, T))
+    if m.stride(2) != 0 or (S > 1 and m.stride(1) != 0):
+        return None
+    return m[:, 0, 0, :]
+
+
 def gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None, paged=False) -> bool:
-    """The fused 512 + 64 bf16 CUDA cache, unit feature strides, no mask or causal cap, Hopper."""
-    if not HAS_GLUON or paged or mask is not None or causal is not None or pe is not None or q_rope is not None:
+    """Hopper, bf16, 512 latent (= values) + 64 rope columns, fused in one cache or in two
+    (``pe``), unit feature strides and 16-byte aligned rows; a mask only if one row per
+    request serves every head and token (a decode step's), any causal cap."""
+    if not HAS_GLUON or paged or not kv.is_cuda or kv.dtype != torch.bfloat16 or v_dim != D_LAT:
         return False
-    if not kv.is_cuda or kv.dtype != torch.bfloat16 or q_lat.dtype != kv.dtype:
+    if mask is not None:
+        B, S, H, _ = q_lat.shape
+        try:
+            if mask.device != kv.device or _shared_mask(mask, B, S, H, kv.shape[1]) is None:
+                return False
+        except RuntimeError:  # not broadcastable: the caller's own check reports it
+            return False
+    try:
+        parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
+    except ValueError:
         return False
-    if v_dim != D_LAT or q_lat.shape[-1] != D_LAT + D_ROPE or kv.shape[-1] < D_LAT + D_ROPE:
+    if parts.q_tail is None or parts.q_main.shape[-1] != D_LAT or parts.q_tail.shape[-1] != D_ROPE:
         return False
-    if kv.stride(-1) != 1 or q_lat.stride(-1) != 1 or kv.stride(1) % 8 or q_lat.data_ptr() % 16 or kv.data_ptr() % 16:
-        return False
+    for t in (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail):
+        if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.data_ptr() % 16 or any(x % 8 for x in t.stride()[:-1]):
+            return False
     return _is_hopper(kv.device)
 
 
@@ -263,6 +326,7 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
     """Run the Gluon kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
     base = check_base(a.lse_base)
     q, kv = a.q_lat, a.kv
+    parts = a.parts()
     B, S, H, _ = q.shape
     T = kv.shape[1]
     out, lse_out, done = outputs(q, a.v_dim, out, lse_out, T == 0)
@@ -273,16 +337,23 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
     n_hb = triton.cdiv(SH, cfg.block_h)
     ns = num_splits or cfg.num_splits or split_count(B, n_hb, T, kv.device, cfg.waves)
     lens, lens_sb, lens_c, lens_r = lens_operand(a.kv_lens, a.lens_stripe, B, kv)
+    mask = _shared_mask(a.mask.float(), B, S, H, T) if a.mask is not None else None
+    q_pos, qps, cp_world, cp_rank = causal_operand(a.causal, B, S, kv)
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     if ops[4] != 1:
         raise ValueError("the Gluon MLA kernel writes outputs whose feature stride is 1")
     launch(_mla_gluon_jit, (n_hb, ns, B), (
-        q, kv, lens, o_part, l_part,
-        T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask if mask is not None else kv, q_pos,
+        o_part, l_part,
+        T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
+        *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], *parts.k_main.stride()[:2], *parts.k_tail.stride()[:2],
+        *(mask.stride() if mask is not None else (0, 0)), *qps,
         ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
     ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
-            HAS_LENS=a.kv_lens is not None, SCHEDULE=cfg.schedule), 8)
+            HAS_LENS=a.kv_lens is not None, SCHEDULE=cfg.schedule,
+            # the mask / causal variants would spill with q columns in registers
+            Q_REG=cfg.q_reg if (mask is None and a.causal is None) else 0, HAS_MASK=mask is not None,
+            CAUSAL=a.causal is not None), 8)
     if ns > 1:
         kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
         launch(kernel, grid2, args, consts, warps)

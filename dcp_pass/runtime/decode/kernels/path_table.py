@@ -1,7 +1,7 @@
 """Measured attention paths per shape: which kernel is fastest where (generated; do not edit).
 
 Written by benchmarks/make_path_table.py from benchmarks/results/kernel_v4_wide_h200.json,
-kernel_v8_gluon_h200.json and flashinfer_probe_h200x2.json (one H200, bf16, 512 + 64
+kernel_v9_gluon_h200.json and flashinfer_probe_h200x2.json (one H200, bf16, 512 + 64
 latent, one query token per row). Each row: (query rows per rank, batch, keys per rank,
 {path: milliseconds}).
 """
@@ -14,19 +14,22 @@ from typing import Optional
 MEASURED = (
     (16, 8, 32768, {"split": 0.1997, "flashinfer": 0.238}),
     (16, 8, 131072, {"split": 0.4022, "flashinfer": 0.4662}),
-    (64, 8, 32768, {"split": 0.179, "wide": 0.193, "gluon": 0.1075}),
-    (64, 8, 65536, {"split": 0.3333, "wide": 0.3525}),
-    (64, 8, 131072, {"split": 0.6396, "wide": 0.6946, "gluon": 0.3851}),
-    (64, 32, 32768, {"split": 0.6377, "wide": 0.6901, "gluon": 0.3818}),
-    (64, 32, 65536, {"split": 1.264, "wide": 1.3211}),
-    (64, 32, 131072, {"split": 2.5012, "wide": 2.7209, "gluon": 1.5313}),
-    (128, 8, 4096, {"wide": 0.2563, "flashinfer": 0.2127}),
-    (128, 8, 32768, {"split": 0.3051, "wide": 0.2346, "gluon": 0.1784, "flashinfer": 0.2865}),
-    (128, 8, 65536, {"split": 0.583, "wide": 0.4395}),
-    (128, 8, 131072, {"split": 1.13, "wide": 0.894, "gluon": 0.6828, "flashinfer": 0.7257}),
-    (128, 32, 32768, {"split": 1.1447, "wide": 0.8795, "gluon": 0.6702}),
-    (128, 32, 65536, {"split": 2.285, "wide": 1.7062}),
-    (128, 32, 131072, {"split": 4.5382, "wide": 3.5289, "gluon": 2.7296}),
+    (64, 8, 4096, {"split": 0.0351, "wide": 0.0361, "gluon": 0.0287}),
+    (64, 8, 32768, {"split": 0.1793, "wide": 0.1924, "gluon": 0.108}),
+    (64, 8, 65536, {"split": 0.332, "wide": 0.3608, "gluon": 0.1966}),
+    (64, 8, 131072, {"split": 0.652, "wide": 0.719, "gluon": 0.3954}),
+    (64, 32, 4096, {"split": 0.102, "wide": 0.1101, "gluon": 0.0651}),
+    (64, 32, 32768, {"split": 0.6406, "wide": 0.6978, "gluon": 0.3882}),
+    (64, 32, 65536, {"split": 1.3679, "wide": 1.4143, "gluon": 0.7584}),
+    (64, 32, 131072, {"split": 2.5158, "wide": 2.9638, "gluon": 1.6265}),
+    (128, 8, 4096, {"split": 0.0507, "wide": 0.046, "gluon": 0.0359, "flashinfer": 0.2127}),
+    (128, 8, 32768, {"split": 0.3055, "wide": 0.2375, "gluon": 0.1796, "flashinfer": 0.2865}),
+    (128, 8, 65536, {"split": 0.5776, "wide": 0.47, "gluon": 0.3472}),
+    (128, 8, 131072, {"split": 1.1398, "wide": 0.9632, "gluon": 0.698, "flashinfer": 0.7257}),
+    (128, 32, 4096, {"split": 0.1665, "wide": 0.1349, "gluon": 0.1018}),
+    (128, 32, 32768, {"split": 1.1471, "wide": 0.895, "gluon": 0.687}),
+    (128, 32, 65536, {"split": 2.3797, "wide": 1.8884, "gluon": 1.3868}),
+    (128, 32, 131072, {"split": 4.5787, "wide": 3.8111, "gluon": 2.8076}),
 )
 
 
