@@ -13,20 +13,17 @@ import argparse
 import inspect
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from offline_wide import cubin_report  # noqa: E402
+
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
 
 def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False, causal: bool = False):
     fn = G._mla_gluon_jit
@@ -54,24 +51,12 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
     backend = triton.compiler.make_backend(target)
     opts = backend.parse_options(dict(num_warps=8, num_stages=1))
     k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=opts.__dict__)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
-                             text=True).stdout
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", path], capture_output=True,
-                              text=True).stdout
-    hg = re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass)
-    return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
-                smem_kib=round(k.metadata.shared / 1024, 1), hgmma=sorted(set(hg)), n_hgmma=len(hg),
-                ldl=sass.count("LDL"), stl=sass.count("STL"), cp_async=sass.count("LDGSTS"),
-                bar=sass.count("BAR.SYNC"), ttgir=k.asm["ttgir"])
+    return cubin_report(k)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="64,64,2,1;64,64,2,2;64,32,3,2;64,32,4,2")
+    ap.add_argument("--configs", default="64,64,2,3,128;64,64,2,3,0;64,64,2,2,0;64,64,2,1,0")
     ap.add_argument("--ttgir", default=None)
     ap.add_argument("--mask", action="store_true")
     ap.add_argument("--causal", action="store_true")

@@ -60,6 +60,14 @@ def compile_launch(launch, src_fn):
     backend = triton.compiler.make_backend(target)
     opts = backend.parse_options(dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
     k = triton.compile(ASTSource(launch.kernel, sig, consts, attrs), target=target, options=opts.__dict__)
+    return cubin_report(k)
+
+
+def cubin_report(k) -> dict:
+    """Resources and instruction mix of a compiled kernel, read from its cubin with cuobjdump
+    (shipped in Triton's wheel); ``sass_sha1`` tells two builds of the same code apart."""
+    import hashlib
+
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
@@ -68,13 +76,13 @@ def compile_launch(launch, src_fn):
                              text=True).stdout
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", path], capture_output=True,
                               text=True).stdout
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
-    stack = int(re.search(r"STACK:(\d+)", res).group(1))
     hg = re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass)
-    return dict(regs=regs, stack=stack, smem_kib=round(k.metadata.shared / 1024, 1),
-                hgmma=sorted(set(hg)), n_hgmma=len(hg), n_hmma=sass.count(" HMMA"),
-                ldl=sass.count("LDL"), stl=sass.count("STL"), cp_async=sass.count("LDGSTS"),
-                tma=sass.count("UTMALDG"), ttgir=k.asm["ttgir"])
+    code = "\n".join(line for line in sass.splitlines() if line.strip().startswith("/*"))
+    return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
+                smem_kib=round(k.metadata.shared / 1024, 1), hgmma=sorted(set(hg)), n_hgmma=len(hg),
+                n_hmma=sass.count(" HMMA"), ldl=sass.count("LDL"), stl=sass.count("STL"),
+                cp_async=sass.count("LDGSTS"), tma=sass.count("UTMALDG"), bar=sass.count("BAR.SYNC"),
+                sass_sha1=hashlib.sha1(code.encode()).hexdigest()[:12], ttgir=k.asm["ttgir"])
 
 
 CONFIGS = [  # (block_m, block_n, block_k, warps_a, stages_a, block_v, warps_b, stages_b)
