@@ -27,7 +27,8 @@ def test_committed_table_is_the_benchmarks_results():
 @pytest.mark.parametrize("row", path_table.MEASURED, ids=lambda r: f"{r[0]}x{r[1]}x{r[2]}")
 def test_every_measured_shape_gets_its_fastest_path(row):
     h, b, t, ms = row
-    for candidates in (("split", "wide"), ("split", "wide", "flashinfer"), ("wide", "flashinfer")):
+    for candidates in (("split", "wide"), ("split", "wide", "flashinfer"), ("wide", "flashinfer"),
+                       ("split", "wide", "gluon")):
         timed = {p: v for p, v in ms.items() if p in candidates}
         if len(timed) >= 2:
             assert path_table.fastest(h, b, t, candidates) == min(timed, key=timed.get)
@@ -40,3 +41,8 @@ def test_nearest_shape_and_what_the_dispatcher_gets():
     assert path_table.fastest(128, 1, 16384, triton) == "wide"
     assert path_table.fastest(512, 64, 1 << 20, triton) == "wide"
     assert path_table.fastest(128, 8, 32768, ("torch", "split")) is None  # nothing timed both
+    # the Gluon one-read kernel measured fastest from 64 rows at every timed shape (under 64
+    # rows mla_gluon.gluon_preferred never offers it: its tile is 64 rows)
+    three = ("split", "wide", "gluon")
+    assert path_table.fastest(64, 8, 32768, three) == "gluon"
+    assert path_table.fastest(128, 32, 1 << 20, three) == "gluon"
