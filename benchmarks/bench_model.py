@@ -131,8 +131,12 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     fill_caches(model, ctx, seed=7)
     # CUDA graphs exactly when the mode asks for them (the option's "auto" would turn them on
     # for every CUDA run, the "default" rows included)
+    replicate = cfg.get("replicate_q")  # None: the option's default (replicate where the layer allows it)
+    if replicate is not None and c > 1:
+        rec["replicate_q_proj"] = replicate
     backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"],
-                         cudagraphs="auto" if mode not in (None, "default") else False)
+                         cudagraphs="auto" if mode not in (None, "default") else False,
+                         **({"replicate_q_proj": replicate} if replicate is not None and c > 1 else {}))
     m = torch.compile(model, backend=backend, mode=mode)
     g = torch.Generator(device="cpu")
     g.manual_seed(5)
@@ -209,9 +213,10 @@ def worker(rank, world, cfg):
     rows = []
     for ctx in cfg["ctx"]:
         for mode in cfg["modes"]:
-            for c in cfg["dcp"]:
+            for c, replicate in [(c, r) for c in cfg["dcp"] for r in (cfg["replicate"] if c > 1 else [None])]:
                 try:
-                    rec = run_variant(rank, world, cfg, c, None if mode == "default" else mode, ctx, dev, dtype)
+                    rec = run_variant(rank, world, dict(cfg, replicate_q=replicate), c,
+                                      None if mode == "default" else mode, ctx, dev, dtype)
                 except Exception as e:  # noqa: BLE001
                     rec = dict(c=c, world=world, mode=mode, ctx=ctx, batch=cfg["batch"],
                                error=f"{type(e).__name__}: {e}"[:400], trace=traceback.format_exc()[-2000:])
@@ -252,6 +257,9 @@ def main():
     ap.add_argument("--positions", default="tensor", choices=["int", "tensor"],
                     help="tensor: static-shape model (positions as a device tensor; one decode graph, CUDA graphs "
                          "replay); int: the DeepSeek reference's int start_pos")
+    ap.add_argument("--replicate-q", default="default",
+                    help="comma list for DCP > 1 variants: default (the option's choice), 1 (replicated q "
+                         "projection), 0 (one all-gather of the query heads)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args()
@@ -269,6 +277,7 @@ def main():
     cfg = dict(dcp=[int(x) for x in a.dcp.split(",")], ctx=[int(x) for x in a.ctx.split(",")], steps=a.steps,
                warmup=a.warmup, batch=a.batch, inner=a.inner, device=a.device, model=model, model_name=a.model,
                dtype=a.dtype, modes=a.modes.split(","), profile=a.profile, positions=a.positions,
+               replicate=[{"default": None, "1": True, "0": False}[x] for x in a.replicate_q.split(",")],
                partial=(a.out + ".partial.jsonl") if a.out else None)
     if cfg["partial"] and os.path.exists(cfg["partial"]):
         os.remove(cfg["partial"])
@@ -318,7 +327,8 @@ def main():
     out = dict(env=env_info(), cfg=cfg,
                rows=[{k: v for k, v in r.items() if k != "tokens" and not k.startswith("_")} for r in rows])
     md = fmt_table(rows, [
-        ("ctx", "ctx"), ("B", "batch"), ("mode", "mode"), ("dcp", "c"), ("step ms", lambda r: r.get("step_ms_median", "")),
+        ("ctx", "ctx"), ("B", "batch"), ("mode", "mode"), ("dcp", "c"),
+        ("replicate q", lambda r: {True: "1", False: "0"}.get(r.get("replicate_q_proj"), "")), ("step ms", lambda r: r.get("step_ms_median", "")),
         ("tokens/s", lambda r: r.get("tokens_per_s", "")), ("speedup vs DCP=1", lambda r: r.get("speedup_vs_dcp1", "")),
         ("even ms", lambda r: r.get("step_ms_even") or ""), ("odd ms", lambda r: r.get("step_ms_odd") or ""),
         ("speedup vs plain best", lambda r: r.get("speedup_vs_plain", "")),
