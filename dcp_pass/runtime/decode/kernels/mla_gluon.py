@@ -7,8 +7,9 @@ of 64 rows (query token x head) and all 512 value columns over two warpgroups:
 * both GEMMs use the wgmma layout ``warps_per_cta = [4, 2]``: the warpgroups split the
   columns, so each computes half of a score tile and holds [64, 256] of the fp32
   accumulator (the whole [64, 512] would not fit one warpgroup's registers);
-* the probabilities go to shared memory (``p_smem``), which both warpgroups read as the
-  value GEMM's left operand; the softmax's row max and sum cross the two warpgroups;
+* the probabilities go to shared memory (``p_s``), which both warpgroups read as the
+  value GEMM's left operand; each tile's row max crosses the two warpgroups (the row sums
+  are kept per thread and reduced once after the loop);
 * tiles arrive by ``cp.async`` ``STAGES - 1`` tiles ahead of use (a ring of ``STAGES``
   buffers), so loading overlaps the GEMMs of the tile before.
 
@@ -16,13 +17,13 @@ Plain Triton cannot express this (docs/kernel_notes.md, v5): it gives a dot whos
 result reaches another dot all warps along the rows (both warpgroups compute the same
 scores), and a hand-off through memory needs a barrier that turns off its pipelining.
 
-Scope: DeepSeek's 512 latent (= values) + 64 rope columns, in one fused cache
-(``kv [B, T, 576]``) or two (``kv [B, T, 512]``, ``pe [B, T, 64]``, as the reference model keeps them), bf16,
-kv_lens with ``lens_stripe``, an additive mask only when one row per request serves every
-head and query token (a decode step's causal mask), any causal cap ``(q_pos, c, r)``.
-Other calls take the Triton paths. Partial
-outputs use the split kernel's format and its stage-2 merge (``splits.reduce_launch``);
-split counts come from shapes only, so the call is CUDA-graph capturable.
+Scope: DeepSeek's 512 latent (= values) + 64 rope columns, bf16, in one fused cache
+(``kv [B, T, 576]``) or two (``kv [B, T, 512]`` and ``pe [B, T, 64]``, as the reference
+model keeps them); kv_lens with ``lens_stripe``; an additive mask only when one row per
+request serves every head and query token (a decode step's causal mask); any causal cap
+``(q_pos, c, r)``. Other calls take the Triton paths. Partial outputs use the split
+kernel's format and its stage-2 merge (``splits.reduce_launch``); split counts come from
+shapes only, so the call is CUDA-graph capturable.
 """
 from __future__ import annotations
 
