@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from offline_wide import cubin_report  # noqa: E402
+from offline_wide import cubin_report, finish, save_ttgir  # noqa: E402
 
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 
@@ -69,19 +69,13 @@ def main():
         rec = dict(config=cfg.tag(), triton=triton.__version__)
         try:
             r = compile_config(cfg, mask=a.mask, causal=a.causal)
-            ttgir = r.pop("ttgir")
-            if a.ttgir:
-                os.makedirs(a.ttgir, exist_ok=True)
-                with open(os.path.join(a.ttgir, f"gluon_{bh}_{bn}_{st}.ttgir"), "w") as f:
-                    f.write(ttgir)
+            save_ttgir(a.ttgir, f"gluon_{bh}_{bn}_{st}_v{cfg.schedule}_q{cfg.q_reg}", r.pop("ttgir"))
         except Exception as e:  # noqa: BLE001
             r = dict(error=f"{type(e).__name__}: {e}"[-1500:])
         rec.update(r)
         rows.append(rec)
         print(json.dumps(rec), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    finish(rows, a.json)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,21 @@ def cubin_report(k) -> dict:
                 sass_sha1=hashlib.sha1(code.encode()).hexdigest()[:12], ttgir=k.asm["ttgir"])
 
 
+def save_ttgir(directory, name: str, text: str) -> None:
+    """Keep a kernel's TTGIR (the layouts Triton chose) as DIR/NAME.ttgir when a directory is given."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f"{name}.ttgir"), "w") as f:
+            f.write(text)
+
+
+def finish(rows: list, path) -> None:
+    """Write the rows as JSON when a path is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 CONFIGS = [  # (block_m, block_n, block_k, warps_a, stages_a, block_v, warps_b, stages_b)
     (128, 64, 64, 8, 3, 256, 8, 2),
     (128, 64, 64, 8, 4, 256, 8, 3),
@@ -130,19 +145,13 @@ def main():
         for name, launch, src in (("A", launches[0], W._scores_kernel_src), ("B", launches[1], W._values_kernel_src)):
             try:
                 r = compile_launch(launch, src)
-                if a.ttgir:
-                    os.makedirs(a.ttgir, exist_ok=True)
-                    with open(os.path.join(a.ttgir, f"{name}_{'_'.join(map(str, c))}.ttgir"), "w") as f:
-                        f.write(r["ttgir"])
-                r.pop("ttgir")
+                save_ttgir(a.ttgir, f"{name}_{'_'.join(map(str, c))}", r.pop("ttgir"))
             except Exception as e:  # noqa: BLE001
                 r = dict(error=repr(e)[:400])
             rec[name] = r
         rows.append(rec)
         print(json.dumps(rec), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    finish(rows, a.json)
 
 
 if __name__ == "__main__":
