@@ -32,7 +32,7 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
     floats = {"sm_scale_log2", "lse_scale"}
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
                   SCHEDULE=cfg.schedule, HAS_MASK=mask, CAUSAL=causal,
-                  Q_REG=cfg.q_reg)
+                  Q_REG=G.default_q_reg() if cfg.q_reg is None else cfg.q_reg)
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in ptrs:

@@ -38,6 +38,57 @@ def test_not_offered_off_its_scope():
     assert G._shared_mask(torch.zeros(B, 1, 1, T), B, 1, H, T) is not None
 
 
+def _offline():
+    """benchmarks/offline_gluon.py (compiles for sm_90 without a GPU), or skip where it cannot run."""
+    import importlib.util
+
+    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+
+    if not G.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this Triton ships no ptxas / cuobjdump")
+    root = os.path.dirname(HERE)
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("offline_gluon", os.path.join(root, "benchmarks", "offline_gluon.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return G, mod
+
+
+def test_compiles_for_hopper_with_this_triton():
+    """The kernel is valid Gluon for the installed Triton (its API moves between releases:
+    3.6 -> 3.9 renamed the async copy and the barrier), fits shared memory, and the default
+    tile does not spill; the mask + causal variant compiles too."""
+    G, off = _offline()
+    plain = off.compile_config(G.GluonConfig())
+    assert plain["stack"] == 0, plain
+    assert plain["smem_kib"] <= 227 and {"64x256x16", "64x32x16"} <= set(plain["hgmma"]), plain
+    masked = off.compile_config(G.GluonConfig(), mask=True, causal=True)
+    assert masked["smem_kib"] <= 227 and masked["n_hgmma"] == plain["n_hgmma"], masked
+
+
+def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
+    """The automatic route falls back (once, for the process) when the kernel does not compile."""
+    from triton.compiler.errors import CompilationError
+
+    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+
+    def broken(*args, **kwargs):
+        raise CompilationError("kernel.py", None, "async_copy_global_to_shared has been removed")
+
+    monkeypatch.setattr(G, "launch_gluon", broken)
+    monkeypatch.setattr(G, "_UNUSABLE", [])
+    with pytest.warns(RuntimeWarning, match="not usable"):
+        assert G.try_launch_gluon(None, None, None) is None
+    assert G._UNUSABLE and "CompilationError" in G._UNUSABLE[0]
+    q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
+    assert not G.gluon_preferred(q, None, torch.zeros(1, 8, 576, dtype=torch.bfloat16), None, 512)
+
+
 gpu = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                   reason="needs a Hopper GPU")

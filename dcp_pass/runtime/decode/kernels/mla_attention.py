@@ -554,7 +554,9 @@ def mla_attention_triton(
         return mla_gluon.launch_gluon(a, out, lse_out, num_splits, config)
     if path in (None, "auto") and config is None and mla_gluon.gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask,
                                                                                 causal):
-        return mla_gluon.launch_gluon(a, out, lse_out, num_splits)
+        res = mla_gluon.try_launch_gluon(a, out, lse_out, num_splits)
+        if res is not None:
+            return res
     if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim):
         return mla_wide.launch_wide(a, out, lse_out, num_splits, config)
     return _launch(a, out, lse_out, num_splits, config)

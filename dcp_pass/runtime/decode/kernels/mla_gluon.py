@@ -42,11 +42,17 @@ try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+    # names that moved between Triton releases (3.6: async_copy_global_to_shared,
+    # thread_barrier; later: async_load, barrier); the kernel calls these aliases
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
     HAS_GLUON = True
 except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
-__all__ = ["GluonConfig", "HAS_GLUON", "gluon_supported", "gluon_preferred", "launch_gluon"]
+__all__ = ["GluonConfig", "HAS_GLUON", "default_q_reg", "gluon_supported", "gluon_preferred", "launch_gluon",
+           "try_launch_gluon"]
 
 D_LAT = 512
 D_ROPE = 64
@@ -134,9 +140,9 @@ def _mla_gluon_kernel_src(
     # off: zero-filled, so no value from past the end reaches p @ v)
     for i in gl.static_range(STAGES - 1):
         t0 = start + i * BLOCK_N
-        cp.async_copy_global_to_shared(k_lat_s.index(i), kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+        _async_load(k_lat_s.index(i), kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                        mask=((t0 + n_lat) < end)[:, None])
-        cp.async_copy_global_to_shared(k_rope_s.index(i), kt_row + (t0 + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+        _async_load(k_rope_s.index(i), kt_row + (t0 + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                        mask=((t0 + n_rope) < end)[:, None])
         cp.commit_group()
 
@@ -153,22 +159,22 @@ def _mla_gluon_kernel_src(
         if SCHEDULE == 1:
             # issue tile it + STAGES - 1 into the buffer tile it - 1 used (its GEMMs are done:
             # every warp passed the barrier at the end of the previous iteration)
-            cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+            _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                            mask=((tn + n_lat) < end)[:, None])
-            cp.async_copy_global_to_shared(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+            _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                            mask=((tn + n_rope) < end)[:, None])
             cp.commit_group()
             cp.wait_group(STAGES - 1)  # this thread's copies of tile `it` landed,
         else:
             cp.wait_group(STAGES - 2)
         fence_async_shared()  # ordered before the tensor cores' (async proxy) reads,
-        gl.thread_barrier()  # and every thread's are
+        _barrier()  # and every thread's are
         if SCHEDULE == 2:
             # after that barrier every warp is past the previous tile's value GEMM, so its
             # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
-            cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+            _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                            mask=((tn + n_lat) < end)[:, None])
-            cp.async_copy_global_to_shared(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+            _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                            mask=((tn + n_rope) < end)[:, None])
             cp.commit_group()
 
@@ -188,9 +194,9 @@ def _mla_gluon_kernel_src(
         if SCHEDULE == 3:
             # as 2, but the next tile's copies are issued while the tensor cores compute these
             # scores (the slot they fill is not this tile's)
-            cp.async_copy_global_to_shared(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+            _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                            mask=((tn + n_lat) < end)[:, None])
-            cp.async_copy_global_to_shared(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+            _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                            mask=((tn + n_rope) < end)[:, None])
             cp.commit_group()
         s = warpgroup_mma_wait(0, deps=[s])
@@ -221,11 +227,11 @@ def _mla_gluon_kernel_src(
 
         p_s.store(p.to(dt))
         fence_async_shared()
-        gl.thread_barrier()  # p complete (both warpgroups' halves) before either reads it
+        _barrier()  # p complete (both warpgroups' halves) before either reads it
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
         acc = warpgroup_mma(p_s, k_lat, acc)
         if SCHEDULE == 1:
-            gl.thread_barrier()  # p_s and this tile's buffer are free for the next iteration's writes
+            _barrier()  # p_s and this tile's buffer are free for the next iteration's writes
 
     if SCHEDULE != 1:
         l_i = gl.sum(l_2d, axis=1)
@@ -251,7 +257,7 @@ class GluonConfig:
     block_n: int = 64
     stages: int = 2
     schedule: int = 3
-    q_reg: int = 128  # latent columns of q kept in registers (0, 128 or 256; kernel_notes.md v6)
+    q_reg: Optional[int] = None  # latent columns of q kept in registers (0, 128, 256); None: default_q_reg()
     num_splits: Optional[int] = None
     waves: float = 1.0
 
@@ -306,13 +312,24 @@ def _is_hopper(device: torch.device) -> bool:
     return _HOPPER[idx]
 
 
+def default_q_reg() -> int:
+    """128 on Triton 3.6 (measured on the H200: +0.4 to +2.3 points, no spills); 0 elsewhere,
+    where it was not measured (Triton 3.9's compiler spills 96 B with it, offline)."""
+    return 128 if triton.__version__.startswith("3.6") else 0
+
+
+# why the automatic route no longer offers the kernel (it failed to compile or to launch in
+# this process); the same Triton on every rank makes the same decision
+_UNUSABLE: list = []
+
+
 def gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None) -> bool:
     """The dispatcher's automatic choice: supported, >= 64 rows, and the fastest path measured
     nearest this shape (path_table.py). ``DCP_MLA_GLUON=0`` turns it off; ``DCP_MLA_WIDE=1``
     (every supported call to the two-GEMM kernel) wins over it."""
     import os
 
-    if os.environ.get("DCP_MLA_GLUON") == "0" or os.environ.get("DCP_MLA_WIDE") == "1":
+    if _UNUSABLE or os.environ.get("DCP_MLA_GLUON") == "0" or os.environ.get("DCP_MLA_WIDE") == "1":
         return False
     rows = q_lat.shape[1] * q_lat.shape[2]
     if rows < 64 or not gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
@@ -321,6 +338,24 @@ def gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None) -> boo
 
     measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide", "gluon"))
     return measured in (None, "gluon")
+
+
+def try_launch_gluon(a: MlaArgs, out, lse_out, num_splits=None):
+    """The automatic route's launch: None, and the kernel no longer offered in this process,
+    when this Triton cannot compile it or the device cannot launch it (Gluon's API moves
+    between releases); the caller then takes the Triton paths. Other errors propagate."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return launch_gluon(a, out, lse_out, num_splits)
+    except (CompilationError, OutOfResources) as e:
+        import warnings
+
+        _UNUSABLE.append(f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
+        warnings.warn(f"dcp_pass: the Gluon MLA kernel is not usable with Triton {triton.__version__} "
+                      f"({_UNUSABLE[-1]}); using the Triton kernels instead", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[GluonConfig] = None):
@@ -353,7 +388,8 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
     ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
             HAS_LENS=a.kv_lens is not None, SCHEDULE=cfg.schedule,
             # the mask / causal variants would spill with q columns in registers
-            Q_REG=cfg.q_reg if (mask is None and a.causal is None) else 0, HAS_MASK=mask is not None,
+            Q_REG=(default_q_reg() if cfg.q_reg is None else cfg.q_reg) if (mask is None and a.causal is None) else 0,
+            HAS_MASK=mask is not None,
             CAUSAL=a.causal is not None), 8)
     if ns > 1:
         kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
