@@ -29,13 +29,20 @@ def test_not_offered_off_its_scope():
     assert not G.gluon_supported(q, None, kv, None, 512)  # CPU tensors
     assert not G.gluon_supported(q, None, kv, None, 512, mask=torch.zeros(1, 1, 1, 16))
     assert not G.gluon_supported(q.float(), None, kv.float(), None, 512)
-    # a mask row per request is taken as [B, T]; one that differs by head or token is not
+    # a mask row per request is taken (the kernel reads [B, T] of it); one that differs by
+    # head, or by query token when there are several, is not
+    from dcp_pass.runtime.decode.kernels.common import mask_rows_shared
+
     B, S, H, T = 2, 3, 4, 16
-    assert G._shared_mask(torch.zeros(B, 1, 1, T), B, S, H, T).shape == (B, T)
-    assert G._shared_mask(torch.zeros(B, 1, 1, T), B, 1, H, T).shape == (B, T)
-    assert G._shared_mask(torch.zeros(B, 1, H, T), B, S, H, T) is None
-    assert G._shared_mask(torch.zeros(B, S, 1, T), B, S, H, T) is None
-    assert G._shared_mask(torch.zeros(B, 1, 1, T), B, 1, H, T) is not None
+
+    def shared(shape, s):
+        return mask_rows_shared(torch.broadcast_to(torch.zeros(shape), (B, s, H, T)).stride(), s)
+
+    assert shared((B, 1, 1, T), S)
+    assert shared((B, 1, 1, T), 1)
+    assert not shared((B, 1, H, T), S)
+    assert not shared((B, S, 1, T), S)
+    assert shared((B, 1, 1, T), 1)
 
 
 def _offline():

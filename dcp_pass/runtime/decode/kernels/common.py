@@ -8,6 +8,7 @@ and from ``splits`` (split count, stage-2 merge), neither from the other.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
@@ -35,6 +36,8 @@ __all__ = [
     "split_parts",
     "pow2",
     "mask_operand",
+    "mask_rows_shared",
+    "cuda_properties",
     "causal_operand",
     "outputs",
     "check_launchable",
@@ -188,7 +191,24 @@ def mask_operand(mask, B, S, H, T, device):
     """
     mask_b = _bcast_mask(mask, B, S, H, T, device)
     ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
-    return mask_b, ms, mask_b is not None and ms[2] == 0 and (S == 1 or ms[1] == 0)
+    return mask_b, ms, mask_b is not None and mask_rows_shared(ms, S)
+
+
+def mask_rows_shared(strides, S: int) -> bool:
+    """Whether a [B, S, H, T] mask with these strides is one row per request: the same for
+    every head, and for every query token too unless there is one."""
+    return strides[2] == 0 and (S == 1 or strides[1] == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def cuda_properties(device: torch.device):
+    """The device's properties (SM count, shared memory, compute capability), looked up once:
+    launch paths read them on every call."""
+    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def causal_operand(causal, B, S, dummy):

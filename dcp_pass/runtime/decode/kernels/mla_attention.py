@@ -30,10 +30,11 @@ sizes are derived on the device from ``kv_lens``, the number of splits from shap
 (``splits.split_count``): no host syncs, CUDA-graph capturable. Nothing is registered
 with ``torch.library`` here: the compile pass wraps these functions in its own custom op.
 
-Module layering: ``common`` and ``splits`` hold what both kernels share; ``mla_wide``
-imports only those; this module, above it, holds the dispatchers, and
-:func:`mla_attention_triton` is the one place that routes between the split-KV kernel
-and ``mla_wide``'s two-GEMM kernel.
+Module layering: ``common`` and ``splits`` hold what the kernels share; ``mla_wide`` and
+``mla_gluon`` import only those (and the measured ``path_table``); this module, above
+them, holds the dispatchers, and :func:`mla_attention_triton` is the one place that routes
+between the split-KV kernel, ``mla_wide``'s two-GEMM kernel and ``mla_gluon``'s one-read
+kernel.
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 from . import mla_gluon, mla_wide
 from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
-                     check_launchable, launch, lens_operand, local_lens, mask_operand, outputs, pow2, split_parts,
-                     triton_supported)
+                     check_launchable, cuda_properties, launch, lens_operand, local_lens, mask_operand, outputs,
+                     pow2, split_parts, triton_supported)
 from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
@@ -392,16 +393,9 @@ def _load_tuning_override() -> None:
 _load_tuning_override()
 
 
-_SMEM_LIMIT: dict = {}
-
-
 def _smem_limit(device: torch.device) -> int:
     """Opt-in shared memory per block (227 KiB on H100/H200), less a margin for Triton's scratch."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMEM_LIMIT:
-        props = torch.cuda.get_device_properties(idx)
-        _SMEM_LIMIT[idx] = int(getattr(props, "shared_memory_per_block_optin", 232448))
-    return _SMEM_LIMIT[idx] - 8192
+    return int(getattr(cuda_properties(device), "shared_memory_per_block_optin", 232448)) - 8192
 
 
 def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, elem: int,
@@ -535,8 +529,9 @@ def mla_attention_triton(
 
     CUDA tensors use the compiled kernel, CPU tensors Triton's interpreter.
     ``path``: None / "auto" takes the fastest path measured nearest the shape
-    (``path_table.py``): on Hopper, for >= 64 rows of the fused 512 + 64 bf16 cache (a mask
-    only if shared by every head and token), the Gluon one-read kernel of ``mla_gluon``; otherwise the two-GEMM
+    (``path_table.py``): on Hopper, for >= 64 rows of a bf16 512 + 64 cache (fused or two
+    buffers; a mask only if shared by every head and token), the Gluon one-read kernel of
+    ``mla_gluon`` (``mla_gluon.gluon_preferred``); otherwise the two-GEMM
     kernel of ``mla_wide`` for compute-bound shapes (see ``mla_wide.wide_preferred``) and the
     fused split-KV kernel for the rest. "gluon", "wide" or "split" forces one. The
     environment variable ``DCP_MLA_GLUON=0`` turns the automatic Gluon routing off;
@@ -549,8 +544,9 @@ def mla_attention_triton(
     a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, lens_stripe=lens_stripe)
     if path == "gluon" or isinstance(config, mla_gluon.GluonConfig):
         if not mla_gluon.gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
-            raise ValueError("path='gluon' needs a Hopper GPU, Triton with Gluon, the fused 512 + 64 bf16 cache, and "
-                             "a mask (if any) with one row per request shared by every head and query token")
+            raise ValueError("path='gluon' needs a Hopper GPU, Triton with Gluon, a bf16 cache of 512 latent + 64 "
+                             "rope columns (fused or two buffers), and a mask (if any) with one row per request "
+                             "shared by every head and query token")
         return mla_gluon.launch_gluon(a, out, lse_out, num_splits, config)
     if path in (None, "auto") and config is None and mla_gluon.gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask,
                                                                                 causal):

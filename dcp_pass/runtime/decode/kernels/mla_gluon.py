@@ -27,12 +27,16 @@ shapes only, so the call is CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .common import LOG2E, MlaArgs, causal_operand, check_base, lens_operand, launch, outputs, split_parts
+from .common import (LOG2E, MlaArgs, causal_operand, check_base, cuda_properties, lens_operand, launch, mask_operand,
+                     mask_rows_shared, outputs, split_parts)
+from .path_table import fastest
 from .splits import partial_outputs, reduce_launch, split_count
 
 try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
@@ -41,6 +45,8 @@ try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
 
     # names that moved between Triton releases (3.6: async_copy_global_to_shared,
     # thread_barrier; later: async_load, barrier); the kernel calls these aliases
@@ -269,14 +275,6 @@ class GluonConfig:
 GLUON_DEFAULT = GluonConfig()
 
 
-def _shared_mask(mask, B, S, H, T):
-    """The mask as one [B, T] row per request (strides), or None when rows differ by head or token."""
-    m = torch.broadcast_to(mask, (B, S, H, T))
-    if m.stride(2) != 0 or (S > 1 and m.stride(1) != 0):
-        return None
-    return m[:, 0, 0, :]
-
-
 def gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None, paged=False) -> bool:
     """Hopper, bf16, 512 latent (= values) + 64 rope columns, fused in one cache or in two
     (``pe``), unit feature strides and 16-byte aligned rows; a mask only if one row per
@@ -286,7 +284,8 @@ def gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None, paged=
     if mask is not None:
         B, S, H, _ = q_lat.shape
         try:
-            if mask.device != kv.device or _shared_mask(mask, B, S, H, kv.shape[1]) is None:
+            strides = torch.broadcast_to(mask, (B, S, H, kv.shape[1])).stride()
+            if mask.device != kv.device or not mask_rows_shared(strides, S):
                 return False
         except RuntimeError:  # not broadcastable: the caller's own check reports it
             return False
@@ -299,17 +298,7 @@ def gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None, paged=
     for t in (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail):
         if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.data_ptr() % 16 or any(x % 8 for x in t.stride()[:-1]):
             return False
-    return _is_hopper(kv.device)
-
-
-_HOPPER: dict = {}
-
-
-def _is_hopper(device: torch.device) -> bool:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _HOPPER:
-        _HOPPER[idx] = torch.cuda.get_device_capability(idx)[0] == 9
-    return _HOPPER[idx]
+    return cuda_properties(kv.device).major == 9
 
 
 def default_q_reg() -> int:
@@ -327,15 +316,11 @@ def gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None) -> boo
     """The dispatcher's automatic choice: supported, >= 64 rows, and the fastest path measured
     nearest this shape (path_table.py). ``DCP_MLA_GLUON=0`` turns it off; ``DCP_MLA_WIDE=1``
     (every supported call to the two-GEMM kernel) wins over it."""
-    import os
-
     if _UNUSABLE or os.environ.get("DCP_MLA_GLUON") == "0" or os.environ.get("DCP_MLA_WIDE") == "1":
         return False
     rows = q_lat.shape[1] * q_lat.shape[2]
     if rows < 64 or not gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
         return False
-    from .path_table import fastest
-
     measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide", "gluon"))
     return measured in (None, "gluon")
 
@@ -344,14 +329,9 @@ def try_launch_gluon(a: MlaArgs, out, lse_out, num_splits=None):
     """The automatic route's launch: None, and the kernel no longer offered in this process,
     when this Triton cannot compile it or the device cannot launch it (Gluon's API moves
     between releases); the caller then takes the Triton paths. Other errors propagate."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
     try:
         return launch_gluon(a, out, lse_out, num_splits)
     except (CompilationError, OutOfResources) as e:
-        import warnings
-
         _UNUSABLE.append(f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
         warnings.warn(f"dcp_pass: the Gluon MLA kernel is not usable with Triton {triton.__version__} "
                       f"({_UNUSABLE[-1]}); using the Triton kernels instead", RuntimeWarning, stacklevel=2)
@@ -373,23 +353,23 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
     n_hb = triton.cdiv(SH, cfg.block_h)
     ns = num_splits or cfg.num_splits or split_count(B, n_hb, T, kv.device, cfg.waves)
     lens, lens_sb, lens_c, lens_r = lens_operand(a.kv_lens, a.lens_stripe, B, kv)
-    mask = _shared_mask(a.mask.float(), B, S, H, T) if a.mask is not None else None
+    mask_b, ms, _ = mask_operand(a.mask, B, S, H, T, kv.device)  # one row per request (gluon_supported)
     q_pos, qps, cp_world, cp_rank = causal_operand(a.causal, B, S, kv)
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     if ops[4] != 1:
         raise ValueError("the Gluon MLA kernel writes outputs whose feature stride is 1")
     launch(_mla_gluon_jit, (n_hb, ns, B), (
-        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask if mask is not None else kv, q_pos,
+        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else kv, q_pos,
         o_part, l_part,
         T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
         *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], *parts.k_main.stride()[:2], *parts.k_tail.stride()[:2],
-        *(mask.stride() if mask is not None else (0, 0)), *qps,
+        ms[0], ms[3], *qps,
         ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
     ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
             HAS_LENS=a.kv_lens is not None, SCHEDULE=cfg.schedule,
             # the mask / causal variants would spill with q columns in registers
-            Q_REG=(default_q_reg() if cfg.q_reg is None else cfg.q_reg) if (mask is None and a.causal is None) else 0,
-            HAS_MASK=mask is not None,
+            Q_REG=(default_q_reg() if cfg.q_reg is None else cfg.q_reg) if (mask_b is None and a.causal is None) else 0,
+            HAS_MASK=mask_b is not None,
             CAUSAL=a.causal is not None), 8)
     if ns > 1:
         kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)

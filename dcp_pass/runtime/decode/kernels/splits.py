@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import HAS_TRITON, lse_scale, pow2
+from .common import HAS_TRITON, cuda_properties, lse_scale, pow2
 
 if HAS_TRITON:
     import triton
@@ -27,16 +27,8 @@ __all__ = ["split_count", "partial_outputs", "reduce_launch"]
 # --------------------------------------------------------------------------------------
 # split count (shape-derived only)
 # --------------------------------------------------------------------------------------
-_SM_COUNT: dict = {}
-
-
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def split_count(batch: int, n_programs: int, t_cap: int, device: torch.device, waves: float = 1.0,
