@@ -5,7 +5,7 @@ Sources (H200, committed under benchmarks/results/):
 * kernel_v9_gluon_h200.json   split vs wide vs the Gluon one-read kernel, 64/128 heads, B 8/32, 4K-128K keys
 * flashinfer_probe_h200x2.json  FlashInfer's fa3 MLA kernel vs the Triton dispatcher, 16/128 heads
 
-    python benchmarks/make_path_table.py   # rewrites the module; commit it with the JSONs
+    python benchmarks/make_path_table.py   # rewrites the MEASURED block; commit it with the JSONs
 """
 from __future__ import annotations
 
@@ -43,46 +43,16 @@ def rows() -> list[tuple]:
 
 
 def main():
-    body = "\n".join(f"    ({h}, {b}, {t}, {json.dumps(ms)})," for h, b, t, ms in rows())
-    text = f'''"""Measured attention paths per shape: which kernel is fastest where (generated; do not edit).
-
-Written by benchmarks/make_path_table.py from benchmarks/results/kernel_v4_wide_h200.json,
-kernel_v9_gluon_h200.json and flashinfer_probe_h200x2.json (one H200, bf16, 512 + 64
-latent, one query token per row). Each row: (query rows per rank, batch, keys per rank,
-{{path: milliseconds}}).
-"""
-from __future__ import annotations
-
-import functools
-import math
-from typing import Optional
-
-MEASURED = (
-{body}
-)
-
-
-@functools.lru_cache(maxsize=1024)
-def fastest(rows: int, batch: int, keys: int, candidates: tuple) -> Optional[str]:
-    """The fastest of `candidates` at the measured shape nearest to (rows, batch, keys).
-
-    Nearest in log2 space, rows weighted most (they decide compute- vs memory-bound), among
-    measured shapes that timed at least two of the candidates; None when there is none.
-    """
-    best, best_d = None, math.inf
-    for h, b, t, ms in MEASURED:
-        timed = {{p: v for p, v in ms.items() if p in candidates}}
-        if len(timed) < 2:
-            continue
-        d = (4 * abs(math.log2(max(rows, 1) / h)) + abs(math.log2(max(batch, 1) / b))
-             + abs(math.log2(max(keys, 1) / t)))
-        if d < best_d:
-            best, best_d = min(timed, key=timed.get), d
-    return best
-'''
+    """Rewrite only the MEASURED block of path_table.py; its docstring and `fastest` are hand-written."""
+    table = rows()
+    body = "\n".join(f"    ({h}, {b}, {t}, {json.dumps(ms)})," for h, b, t, ms in table)
+    with open(OUT) as f:
+        text = f.read()
+    head, rest = text.split("MEASURED = (\n", 1)
+    tail = rest.split("\n)\n", 1)[1]
     with open(OUT, "w") as f:
-        f.write(text)
-    print(f"wrote {OUT}: {len(rows())} shapes")
+        f.write(f"{head}MEASURED = (\n{body}\n)\n{tail}")
+    print(f"wrote {OUT}: {len(table)} shapes")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
-"""Measured attention paths per shape: which kernel is fastest where (generated; do not edit).
+"""Measured attention paths per shape: which kernel is fastest where.
 
-Written by benchmarks/make_path_table.py from benchmarks/results/kernel_v4_wide_h200.json,
-kernel_v9_gluon_h200.json and flashinfer_probe_h200x2.json (one H200, bf16, 512 + 64
-latent, one query token per row). Each row: (query rows per rank, batch, keys per rank,
-{path: milliseconds}).
+``MEASURED`` is generated: benchmarks/make_path_table.py rewrites it from the committed H200
+timings it lists (one H200, bf16, 512 + 64 latent, one query token per row); do not edit
+it by hand. Each row: (query rows per rank, batch, keys per rank, {path: milliseconds}).
 """
 from __future__ import annotations
 
