@@ -28,6 +28,7 @@ from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor
                     matmul_rate, write_json)
 
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
+from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
 from dcp_pass.runtime.decode.kernels.splits import split_count  # noqa: E402
 
@@ -258,8 +259,6 @@ GLUON_CONFIGS = ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,3,256", "64,64,2,2,0"]
 
 def gluon_rows(rec, sets, ceil, t_split, floor, flops):
     """Time the Gluon one-read kernel (kernels/mla_gluon.py) on one case."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
-
     for tag in GLUON_CONFIGS:
         gcfg = G.GluonConfig(*(int(x) for x in tag.split(",")))
         try:
@@ -269,12 +268,11 @@ def gluon_rows(rec, sets, ceil, t_split, floor, flops):
             rec.setdefault("gluon_errors", []).append(f"{tag}: {e!r}"[:300])
             traceback.print_exc()
             continue
-        rec.setdefault("gluon_all", {})[gcfg.tag()] = dict(ms=tg, mm_frac=flops / (tg * 1e-3) / ceil["mm_rate"],
-                                                         rel_err=gerr)
+        mm_frac = flops / (tg * 1e-3) / ceil["mm_rate"]
+        rec.setdefault("gluon_all", {})[gcfg.tag()] = dict(ms=tg, mm_frac=mm_frac, rel_err=gerr)
         if "gluon_ms" not in rec or tg < rec["gluon_ms"]:
             rec.update(gluon_cfg=gcfg.tag(), gluon_rel_err=gerr, gluon_lse_err=glerr, gluon_ms=tg,
-                       gluon_mm_frac=flops / (tg * 1e-3) / ceil["mm_rate"], gluon_of_floor=floor / tg,
-                       gluon_vs_split=t_split / tg)
+                       gluon_mm_frac=mm_frac, gluon_of_floor=floor / tg, gluon_vs_split=t_split / tg)
 
 
 def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, gluon=False):
@@ -294,7 +292,9 @@ def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, gl
             rec["eager_ms"] = time_triton(sets, graph=False)
             floor = floor_ms(nbytes, flops, ceil)
             q0, kv0 = sets[0]
-            rec["auto"] = "wide" if W.route_wide(None, None, q0, None, kv0, None, KV_LORA) else "split"
+            # what the dispatcher picks for this call (the "ms" column times the split kernel)
+            rec["auto"] = ("gluon" if G.gluon_preferred(q0, None, kv0, None, KV_LORA) else
+                           "wide" if W.route_wide(None, None, q0, None, kv0, None, KV_LORA) else "split")
             if H >= wide_min_rows:
                 try:
                     wcfg = W.pick_wide_config(H, KV_LORA + ROPE, 0, KV_LORA, B, T, torch.device(DEV))
