@@ -257,9 +257,9 @@ def flex_token(results):
 GLUON_CONFIGS = ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,3,256", "64,64,2,2,0"]  # block_h, block_n, stages, schedule, q_reg
 
 
-def gluon_rows(rec, sets, ceil, t_split, floor, flops):
+def gluon_rows(rec, sets, ceil, t_split, floor, flops, configs=None):
     """Time the Gluon one-read kernel (kernels/mla_gluon.py) on one case."""
-    for tag in GLUON_CONFIGS:
+    for tag in configs or GLUON_CONFIGS:
         gcfg = G.GluonConfig(*(int(x) for x in tag.split(",")))
         try:
             gerr, glerr = check(sets, "gluon", gcfg)
@@ -275,7 +275,61 @@ def gluon_rows(rec, sets, ceil, t_split, floor, flops):
                        gluon_mm_frac=mm_frac, gluon_of_floor=floor / tg, gluon_vs_split=t_split / tg)
 
 
-def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, gluon=False):
+def reduce_only_ms(B, H, ns):
+    """Time the stage-2 merge alone over ``ns`` fp32 partials (what a split launch adds)."""
+    from dcp_pass.runtime.decode.kernels.splits import reduce_launch
+
+    o_part = torch.randn(B, ns, H, KV_LORA, device=DEV)
+    l_part = torch.randn(B, ns, H, device=DEV)
+    out = torch.empty(B, 1, H, KV_LORA, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(B, 1, H, device=DEV)
+    kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse, H, "e", KV_LORA, ns)
+    return time_fn(lambda q, kv: kernel[grid](*args, **consts, num_warps=warps), [(None, None)])
+
+
+def time_without_merge(sets, cfg):
+    """The Gluon launch with the stage-2 merge kernel skipped (its output is then garbage)."""
+    from dcp_pass.runtime.decode.kernels import splits as SP
+
+    real = G.launch
+    G.launch = lambda kernel, *a, **k: None if kernel is SP._reduce_jit else real(kernel, *a, **k)
+    try:
+        return time_triton(sets, cfg, path="gluon")
+    finally:
+        G.launch = real
+
+
+def gluon_split_sweep(results, ceil, shapes, splits):
+    """The Gluon kernel's time against its split count at a few shapes, and the merge's share."""
+    rows = []
+    for H, B, T in shapes:
+        sets = make_case(B, 1, H, T)
+        nbytes, flops = counts(B, 1, H, T)
+        floor = floor_ms(nbytes, flops, ceil)
+        auto = split_count(B, math.ceil(H / G.GLUON_DEFAULT.block_h), T, torch.device(DEV))
+        for ns in sorted(set(splits) | {auto}):
+            rec = dict(H=H, B=B, T=T, splits=ns, auto=ns == auto)
+            try:
+                cfg = G.GluonConfig(num_splits=ns)
+                rec["rel_err"] = check(sets, "gluon", cfg)[0]
+                t = time_triton(sets, cfg, path="gluon")
+                rec.update(ms=t, of_floor=floor / t, mm_frac=flops / (t * 1e-3) / ceil["mm_rate"],
+                           reduce_ms=reduce_only_ms(B, H, ns) if ns > 1 else 0.0)
+                if ns > 1:  # the same launch without its stage-2 merge: what the merge costs in-stream
+                    rec["no_merge_ms"] = time_without_merge(sets, cfg)
+            except Exception as e:
+                rec["error"] = repr(e)[:300]
+                traceback.print_exc()
+            rows.append(rec)
+            print("gluon-splits", rec, flush=True)
+        del sets
+        results["gluon_split_sweep"] = rows
+    print(fmt_table(rows, [("H", "H"), ("B", "B"), ("T", "T"), ("splits", "splits"), ("auto", "auto"), ("ms", "ms"),
+                           ("of floor", "of_floor"), ("mm frac", "mm_frac"), ("merge alone ms", "reduce_ms"),
+                           ("ms without merge", lambda r: r.get("no_merge_ms", ""))]), flush=True)
+
+
+def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, gluon=False, gluon_configs=None):
     rows = []
     for H, B, T in itertools.product(heads, batches, ctxs):
         rec = dict(H=H, B=B, T=T)
@@ -307,7 +361,7 @@ def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, gl
                     rec["wide_error"] = repr(e)[:300]
                     traceback.print_exc()
             if gluon and H >= 64:
-                gluon_rows(rec, sets, ceil, t, floor, flops)
+                gluon_rows(rec, sets, ceil, t, floor, flops, gluon_configs)
             rec.update(ms=t, floor_ms=floor, of_floor=floor / t,
                        tb_s=nbytes / (t * 1e-3) / 1e12, bw_frac=nbytes / (t * 1e-3) / ceil["copy_bw"],
                        tflops=flops / (t * 1e-3) / 1e12, mm_frac=flops / (t * 1e-3) / ceil["mm_rate"],
@@ -351,6 +405,11 @@ def main():
     ap.add_argument("--wide-min-rows", type=int, default=64, help="time the wide path from this many heads up")
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--gluon", action="store_true", help="also time the Gluon one-read kernel (kernels/mla_gluon.py)")
+    ap.add_argument("--gluon-configs", default=None,
+                    help="';'-separated Gluon configs block_h,block_n,stages,schedule,q_reg (default: GLUON_CONFIGS)")
+    ap.add_argument("--gluon-splits", default=None,
+                    help="comma list of split counts: time the Gluon kernel with each at --split-shapes")
+    ap.add_argument("--split-shapes", default="64x8x32768,64x8x131072,128x8x32768", help="HxBxT,...")
     ap.add_argument("--flex", action="store_true")
     ap.add_argument("--no-einsum", action="store_true")
     ap.add_argument("--heads", default="16,128")
@@ -370,9 +429,14 @@ def main():
     if a.wide_sweep:
         wide_sweep(results, ceil)
         write_json(a.out, results)
+    if a.gluon_splits:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in a.split_shapes.split(",")]
+        gluon_split_sweep(results, ceil, shapes, [int(x) for x in a.gluon_splits.split(",")])
+        write_json(a.out, results)
     if not a.no_table:
         table(results, ceil, [int(x) for x in a.heads.split(",")], [int(x) for x in a.batches.split(",")],
-              [int(x) for x in a.ctx.split(",")], einsum=not a.no_einsum, wide_min_rows=a.wide_min_rows, gluon=a.gluon)
+              [int(x) for x in a.ctx.split(",")], einsum=not a.no_einsum, wide_min_rows=a.wide_min_rows, gluon=a.gluon,
+              gluon_configs=a.gluon_configs.split(";") if a.gluon_configs else None)
         write_json(a.out, results)
     if a.flex:
         flex_token(results)

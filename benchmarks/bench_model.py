@@ -134,7 +134,10 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     replicate = cfg.get("replicate_q")  # None: the option's default (replicate where the layer allows it)
     if replicate is not None and c > 1:
         rec["replicate_q_proj"] = replicate
-    backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"],
+    inner_options = cfg.get("inner_options") or {}
+    if inner_options:
+        rec["inner_options"] = inner_options
+    backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"], inner_options=inner_options,
                          cudagraphs="auto" if mode not in (None, "default") else False,
                          **({"replicate_q_proj": replicate} if replicate is not None and c > 1 else {}))
     m = torch.compile(model, backend=backend, mode=mode)
@@ -162,16 +165,20 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     rec["_logits0"] = logits0.cpu()
     out_tokens = [nxt[:, 0].tolist()]
     pos = ctx + 1
-    times, ends = [], []
+    times, host, ends = [], [], []
     for i in range(cfg["warmup"] + cfg["steps"]):
         sync(dev)
         ts = time.perf_counter()
         nxt = step(nxt, pos)
+        th = time.perf_counter()  # every launch of the step is issued: host time
         out_tokens.append(nxt[:, 0].tolist())  # host sync: the step is over
         if i >= cfg["warmup"]:
             times.append((time.perf_counter() - ts) * 1e3)
+            host.append((th - ts) * 1e3)
             ends.append(pos + 1)  # the cache length this step attended over
         pos += 1
+    # host-bound when the launches take about as long as the step
+    rec["host_ms_median"] = statistics.median(host)
     # cuBLAS bmm over cache[:, :end] is parity-dependent: report both parities of end_pos
     for name, parity in (("even", 0), ("odd", 1)):
         sel = [t for t, e in zip(times, ends) if e % 2 == parity]
@@ -213,13 +220,14 @@ def worker(rank, world, cfg):
     rows = []
     for ctx in cfg["ctx"]:
         for mode in cfg["modes"]:
-            for c, replicate in [(c, r) for c in cfg["dcp"] for r in (cfg["replicate"] if c > 1 else [None])]:
+            for c, replicate, inner_options in [(c, r, io) for c in cfg["dcp"] for io in cfg["inner_options"]
+                                                for r in (cfg["replicate"] if c > 1 else [None])]:
                 try:
-                    rec = run_variant(rank, world, dict(cfg, replicate_q=replicate), c,
+                    rec = run_variant(rank, world, dict(cfg, replicate_q=replicate, inner_options=inner_options), c,
                                       None if mode == "default" else mode, ctx, dev, dtype)
                 except Exception as e:  # noqa: BLE001
                     rec = dict(c=c, world=world, mode=mode, ctx=ctx, batch=cfg["batch"],
-                               error=f"{type(e).__name__}: {e}"[:400], trace=traceback.format_exc()[-2000:])
+                               **({"inner_options": inner_options} if inner_options else {}), error=f"{type(e).__name__}: {e}"[:400], trace=traceback.format_exc()[-2000:])
                 rec["t_end"] = time.strftime("%H:%M:%S")
                 rows.append(rec)
                 # a step ends when its slowest rank ends; rank 0 keeps the row on disk at once,
@@ -260,6 +268,9 @@ def main():
     ap.add_argument("--replicate-q", default="default",
                     help="comma list for DCP > 1 variants: default (the option's choice), 1 (replicated q "
                          "projection), 0 (one all-gather of the query heads)")
+    ap.add_argument("--inner-options", default="{}",
+                    help="';'-separated JSON dicts of inner-compiler options, each a variant of every row "
+                         "(DCP=1 included), e.g. '{};{\"cpp_wrapper\": true}'")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args()
@@ -278,6 +289,7 @@ def main():
                warmup=a.warmup, batch=a.batch, inner=a.inner, device=a.device, model=model, model_name=a.model,
                dtype=a.dtype, modes=a.modes.split(","), profile=a.profile, positions=a.positions,
                replicate=[{"default": None, "1": True, "0": False}[x] for x in a.replicate_q.split(",")],
+               inner_options=[json.loads(x) for x in a.inner_options.split(";")],
                partial=(a.out + ".partial.jsonl") if a.out else None)
     if cfg["partial"] and os.path.exists(cfg["partial"]):
         os.remove(cfg["partial"])
@@ -328,9 +340,11 @@ def main():
                rows=[{k: v for k, v in r.items() if k != "tokens" and not k.startswith("_")} for r in rows])
     md = fmt_table(rows, [
         ("ctx", "ctx"), ("B", "batch"), ("mode", "mode"), ("dcp", "c"),
-        ("replicate q", lambda r: {True: "1", False: "0"}.get(r.get("replicate_q_proj"), "")), ("step ms", lambda r: r.get("step_ms_median", "")),
+        ("replicate q", lambda r: {True: "1", False: "0"}.get(r.get("replicate_q_proj"), "")),
+        ("inner options", lambda r: json.dumps(r["inner_options"]) if r.get("inner_options") else ""), ("step ms", lambda r: r.get("step_ms_median", "")),
         ("tokens/s", lambda r: r.get("tokens_per_s", "")), ("speedup vs DCP=1", lambda r: r.get("speedup_vs_dcp1", "")),
         ("even ms", lambda r: r.get("step_ms_even") or ""), ("odd ms", lambda r: r.get("step_ms_odd") or ""),
+        ("host ms", lambda r: r.get("host_ms_median") or ""),
         ("speedup vs plain best", lambda r: r.get("speedup_vs_plain", "")),
         ("KV MiB/rank", lambda r: r["kv_bytes_rank"] / 2 ** 20 if "kv_bytes_rank" in r else ""),
         ("max cache tokens/rank group", lambda r: r.get("max_cache_tokens", "")),

@@ -158,6 +158,20 @@ def check_single_split_and_many_splits_fp32():
     _run_and_compare(torch.float32, num_splits=7, T=45)  # more splits than tiles: empty splits
 
 
+def check_nan_key_in_one_split_reaches_the_merged_row_fp32():
+    """A NaN key inside one request's length poisons that request's rows through the
+    stage-2 merge (its split's LSE is NaN), and only that request's: NaN in, NaN out."""
+    m = _mod()
+    g = _gen()
+    B, S, H, T = 2, 1, 4, 48
+    q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, 16, 8, T, torch.float32, gen=g)
+    kv[0, 30, 3] = float("nan")  # request 0, in the third of five splits
+    out, lse = m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, 0.2, num_splits=5)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all(), "the NaN key was dropped by the merge"
+    ro, rl = ref64(q_lat[1:], q_rope[1:], kv[1:], pe[1:], vd, 0.2)
+    check_close(out[1:], lse[1:], ro, rl, TOL[torch.float32])
+
+
 def check_value_split_programs_fp32():
     """v_split=2: two programs per row block, each accumulating half of the value columns."""
     m = _mod()

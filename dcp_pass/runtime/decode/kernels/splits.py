@@ -50,32 +50,37 @@ def _reduce_kernel_src(
     slp_b, slp_sp, slp_r,
     so_b, so_s, so_h, so_d,
     sl_b, sl_s, sl_h,
-    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
-    """Merge NUM_SPLITS base-2 partials of one (row, batch) into the final output."""
+    """Merge NUM_SPLITS base-2 partials of one (row, batch, BLOCK_DV columns) into the output.
+
+    All splits are loaded as one [SPLITS_P2, BLOCK_DV] tile: the loads are independent and
+    in flight together (a loop over splits issued them one after another, which left the
+    merge latency-bound at ~1.3 TB/s on H200, 12 % of a 32K-token Gluon step)."""
     r = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    dc = tl.program_id(2)
     s_idx = r // H
     h_idx = r % H
-    offs_d = tl.arange(0, BLOCK_DV)
+    offs_sp = tl.arange(0, SPLITS_P2)
+    sp_ok = offs_sp < NUM_SPLITS
+    offs_d = dc * BLOCK_DV + tl.arange(0, BLOCK_DV)
     d_ok = offs_d < D_V
-    lp = LP + b * slp_b + r * slp_r
-    op = OP + b * sop_b + r * sop_r + offs_d * sop_d
-    m = tl.load(lp)
-    for sp in range(1, NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lp + sp * slp_sp))
+    lse = tl.load(LP + b * slp_b + r * slp_r + offs_sp * slp_sp, mask=sp_ok, other=float("-inf"))
+    o = tl.load(OP + b * sop_b + r * sop_r + offs_sp[:, None] * sop_sp + offs_d[None, :] * sop_d,
+                mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    m = tl.max(lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.exp2(tl.load(lp) - m_use)
-    acc = den * tl.load(op, mask=d_ok, other=0.0)
-    for sp in range(1, NUM_SPLITS):
-        w = tl.exp2(tl.load(lp + sp * slp_sp) - m_use)
-        acc += w * tl.load(op + sp * sop_sp, mask=d_ok, other=0.0)
-        den += w
+    # a NaN LSE gives a NaN weight, and a NaN partial a NaN product even at weight 0: NaN in, NaN out
+    w = tl.exp2(lse - m_use)
+    den = tl.sum(w, 0)
+    acc = tl.sum(w[:, None] * o, 0)
     empty = den == 0.0
     out = acc / tl.where(empty, 1.0, den)
-    lse = tl.where(empty, float("-inf"), m_use + tl.log2(tl.where(empty, 1.0, den))) * lse_scale
+    lse_out = tl.where(empty, float("-inf"), m_use + tl.log2(tl.where(empty, 1.0, den))) * lse_scale
     tl.store(O + b * so_b + s_idx * so_s + h_idx * so_h + offs_d * so_d, out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(L + b * sl_b + s_idx * sl_s + h_idx * sl_h, lse)
+    if dc == 0:
+        tl.store(L + b * sl_b + s_idx * sl_s + h_idx * sl_h, lse_out)
 
 
 if HAS_TRITON:
@@ -86,7 +91,8 @@ def partial_outputs(out, lse_out, ns, H, base):
     """Where a split kernel writes its per-split results, with strides as (b, split, s, h[, d]).
 
     One split writes the final output and LSE directly (LSE in ``base``); more splits
-    write fp32 partials with base-2 LSEs into scratch, merged by :func:`reduce_launch`'s kernel.
+    write fp32 partials with base-2 LSEs into scratch, merged by :func:`reduce_launch`'s kernel
+    (partials in bf16 were measured slower on the H200, not faster: docs/kernel_notes.md).
     Returns (o_part, l_part, o_strides, l_strides, lse_scale).
     """
     if ns == 1:
@@ -105,10 +111,13 @@ def reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns):
     """Stage 2, the merge of ``ns`` split partials into ``out`` / ``lse_out`` (LSE in ``base``).
 
     Returns ``(kernel, grid, args, constexprs, num_warps)``, launched as
-    ``kernel[grid](*args, **constexprs, num_warps=num_warps)``; grid (S * H, B).
+    ``kernel[grid](*args, **constexprs, num_warps=num_warps)``; grid (S * H, B, column blocks).
     """
     B, S = out.shape[0], out.shape[1]
     args = (o_part, l_part, out, lse_out, H, lse_scale(base),
             *o_part.stride(), *l_part.stride(), *out.stride(), *lse_out.stride())
-    consts = dict(D_V=v_dim, BLOCK_DV=pow2(v_dim), NUM_SPLITS=ns)
-    return _reduce_jit, (S * H, B), args, consts, 4 if v_dim >= 256 else 1
+    splits_p2 = pow2(ns, 2)
+    # one program holds a [splits, columns] tile of at most 4096 fp32 values (32 per thread)
+    block_dv = max(16, min(pow2(v_dim), 4096 // splits_p2))
+    consts = dict(D_V=v_dim, BLOCK_DV=block_dv, NUM_SPLITS=ns, SPLITS_P2=splits_p2)
+    return _reduce_jit, (S * H, B, triton.cdiv(v_dim, block_dv)), args, consts, 4
