@@ -64,26 +64,6 @@ D_LAT = 512
 D_ROPE = 64
 
 
-def _score_gemms_src(q_rope_s, q_reg, q_lat_s, k_lat, k_rope, s0, Q_REG: gl.constexpr, DL: gl.constexpr):
-    """Issue (async) the score GEMMs of one tile: rope columns, then the latent columns, the
-    first Q_REG of them from registers (``q_reg``; unused when Q_REG is 0)."""
-    s = warpgroup_mma(q_rope_s, k_rope.permute((1, 0)), s0, use_acc=False, is_async=True)
-    if Q_REG > 0:
-        s = warpgroup_mma(q_reg, k_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
-        if Q_REG < DL // 2:  # shared-memory slices must be powers of two wide
-            s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
-                              k_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
-                          k_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
-    else:
-        s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
-    return s
-
-
-if HAS_GLUON:
-    _score_gemms = gluon.jit(_score_gemms_src)
-
-
 def _mla_gluon_kernel_src(
     Q, QT, KV, KT, LENS, MASK, QPOS, O, L,
     T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
@@ -177,34 +157,12 @@ def _mla_gluon_kernel_src(
     l_2d = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma)
     acc = gl.zeros([BLOCK_H, DL], gl.float32, layout=o_mma)
     cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma)
-    if Q_REG == 0:
-        q_reg = q_lat_s  # a placeholder: _score_gemms reads no register operand then
-    if SCHEDULE == 4:
-        # the first tile's scores before the loop (each iteration issues the next tile's)
-        gl.static_assert(STAGES >= 3, "schedule 4 keeps two tiles resident while one more loads")
-        cp.wait_group(STAGES - 2)
-        fence_async_shared()
-        _barrier()
-        s_pre = _score_gemms(q_rope_s, q_reg, q_lat_s, k_lat_s.index(0), k_rope_s.index(0), s_zero, Q_REG, DL)
-        s_pre = warpgroup_mma_wait(0, deps=[s_pre])
 
     for it in range(n_tiles):
         nxt = it + STAGES - 1
         tn = start + nxt * BLOCK_N
         slot = nxt % STAGES
-        if SCHEDULE == 4:
-            # tile it + 1 must have landed (its scores are issued below); STAGES >= 3, so the
-            # buffer refilled here (tile it - 1's) is neither tile it's nor tile it + 1's
-            cp.wait_group(STAGES - 3)
-            fence_async_shared()
-            _barrier()  # every thread's copies landed, and every warp is past tile it - 1's GEMMs
-            _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                                           mask=((tn + n_lat) < end)[:, None])
-            _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                                           mask=((tn + n_rope) < end)[:, None])
-            cp.commit_group()
-        elif SCHEDULE == 1:
+        if SCHEDULE == 1:
             # issue tile it + STAGES - 1 into the buffer tile it - 1 used (its GEMMs are done:
             # every warp passed the barrier at the end of the previous iteration)
             _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
@@ -215,9 +173,8 @@ def _mla_gluon_kernel_src(
             cp.wait_group(STAGES - 1)  # this thread's copies of tile `it` landed,
         else:
             cp.wait_group(STAGES - 2)
-        if SCHEDULE != 4:
-            fence_async_shared()  # ordered before the tensor cores' (async proxy) reads,
-            _barrier()  # and every thread's are
+        fence_async_shared()  # ordered before the tensor cores' (async proxy) reads,
+        _barrier()  # and every thread's are
         if SCHEDULE == 2:
             # after that barrier every warp is past the previous tile's value GEMM, so its
             # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
@@ -229,14 +186,17 @@ def _mla_gluon_kernel_src(
 
         cur = it % STAGES
         k_lat = k_lat_s.index(cur)
-        if SCHEDULE == 4:
-            # this tile's scores came from the previous iteration; the next tile's are issued
-            # now and run on the tensor cores while this tile's softmax runs
-            s = s_pre
-            nb = (it + 1) % STAGES
-            s_nxt = _score_gemms(q_rope_s, q_reg, q_lat_s, k_lat_s.index(nb), k_rope_s.index(nb), s_zero, Q_REG, DL)
+        s = warpgroup_mma(q_rope_s, k_rope_s.index(cur).permute((1, 0)),
+                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+        if Q_REG > 0:
+            s = warpgroup_mma(q_reg, k_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+            if Q_REG < DL // 2:  # shared-memory slices must be powers of two wide
+                s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
+                                  k_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
+                              k_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
         else:
-            s = _score_gemms(q_rope_s, q_reg, q_lat_s, k_lat, k_rope_s.index(cur), s_zero, Q_REG, DL)
+            s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
         if SCHEDULE == 3:
             # as 2, but the next tile's copies are issued while the tensor cores compute these
             # scores (the slot they fill is not this tile's)
@@ -245,8 +205,7 @@ def _mla_gluon_kernel_src(
             _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                            mask=((tn + n_rope) < end)[:, None])
             cp.commit_group()
-        if SCHEDULE != 4:
-            s = warpgroup_mma_wait(0, deps=[s])
+        s = warpgroup_mma_wait(0, deps=[s])
         t0 = start + it * BLOCK_N
         if HAS_MASK or CAUSAL:
             s = s * sm_scale_log2
@@ -276,11 +235,7 @@ def _mla_gluon_kernel_src(
         fence_async_shared()
         _barrier()  # p complete (both warpgroups' halves) before either reads it
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
-        if SCHEDULE == 4:
-            acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
-            s_pre, acc = warpgroup_mma_wait(0, deps=[s_nxt, acc])
-        else:
-            acc = warpgroup_mma(p_s, k_lat, acc)
+        acc = warpgroup_mma(p_s, k_lat, acc)
         if SCHEDULE == 1:
             _barrier()  # p_s and this tile's buffer are free for the next iteration's writes
 
