@@ -31,7 +31,7 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
     ptrs = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "MASK": "*fp32", "QPOS": "*i64", "O": "*fp32", "L": "*fp32"}
     floats = {"sm_scale_log2", "lse_scale"}
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
-                  SCHEDULE=cfg.schedule, HAS_MASK=mask, CAUSAL=causal, PREFETCH=cfg.prefetch,
+                  SCHEDULE=cfg.schedule, HAS_MASK=mask, CAUSAL=causal,
                   Q_REG=G.default_q_reg() if cfg.q_reg is None else cfg.q_reg)
     sig, attrs = {}, {}
     for i, n in enumerate(names):

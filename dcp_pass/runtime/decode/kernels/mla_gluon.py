@@ -64,20 +64,6 @@ D_LAT = 512
 D_ROPE = 64
 
 
-def _l2_prefetch_src(kv_row, kt_row, rows, end, skv_t, skt_t, cols):
-    """Hint rows `rows` (clamped to the last visible key, so every address is inside the
-    cache) of both caches into L2; no value is read."""
-    r = gl.minimum(rows, end - 1).to(gl.int64)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                              [kv_row + r[:, None] * skv_t + cols[None, :]], dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                              [kt_row + r * skt_t], dtype=gl.int32, is_pure=False, pack=1)
-
-
-if HAS_GLUON:
-    _l2_prefetch = gluon.jit(_l2_prefetch_src)
-
-
 def _mla_gluon_kernel_src(
     Q, QT, KV, KT, LENS, MASK, QPOS, O, L,
     T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
@@ -90,7 +76,7 @@ def _mla_gluon_kernel_src(
     sl_b, sl_sp, sl_s, sl_h,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, SCHEDULE: gl.constexpr,
-    HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr, Q_REG: gl.constexpr, PREFETCH: gl.constexpr,
+    HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr, Q_REG: gl.constexpr,
 ):
     """One (64-row block, split, batch row). MASK: one additive row per request, shared by
     every head and query token ([B, T] with strides (sm_b, sm_t)); CAUSAL: local key k
@@ -156,16 +142,6 @@ def _mla_gluon_kernel_src(
     n_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
     c_rope = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
 
-    if PREFETCH > 0:
-        # L2 prefetch of the tile PREFETCH beyond the newest copy: shared memory holds only
-        # STAGES tiles, so more bytes in flight per SM have to wait in L2 (one 128-byte line
-        # per 64 latent columns, one for the rope part of a row; rows clamped to the split)
-        pf_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [8, 1], [1, 0])
-        pf_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pf_l))
-        pf_cols = gl.arange(0, DL // 64, layout=gl.SliceLayout(0, pf_l)) * 64
-        for j in gl.static_range(PREFETCH):
-            _l2_prefetch(kv_row, kt_row, start + (STAGES - 1 + j) * BLOCK_N + pf_rows, end, skv_t, skt_t, pf_cols)
-
     # prologue: the first STAGES - 1 tiles in flight (a copy past the split's end is masked
     # off: zero-filled, so no value from past the end reaches p @ v)
     for i in gl.static_range(STAGES - 1):
@@ -229,8 +205,6 @@ def _mla_gluon_kernel_src(
             _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                                            mask=((tn + n_rope) < end)[:, None])
             cp.commit_group()
-            if PREFETCH > 0:
-                _l2_prefetch(kv_row, kt_row, tn + PREFETCH * BLOCK_N + pf_rows, end, skv_t, skt_t, pf_cols)
         s = warpgroup_mma_wait(0, deps=[s])
         t0 = start + it * BLOCK_N
         if HAS_MASK or CAUSAL:
@@ -290,13 +264,12 @@ class GluonConfig:
     stages: int = 2
     schedule: int = 3
     q_reg: Optional[int] = None  # latent columns of q kept in registers (0, 128, 256); None: default_q_reg()
-    prefetch: int = 0  # tiles beyond the newest copy hinted into L2 (schedule 3; 0: none)
     num_splits: Optional[int] = None
     waves: float = 1.0
 
     def tag(self) -> str:
         return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{self.schedule}" + (
-            f"/qreg{self.q_reg}" if self.q_reg else "") + (f"/l2pf{self.prefetch}" if self.prefetch else "")
+            f"/qreg{self.q_reg}" if self.q_reg else "")
 
 
 GLUON_DEFAULT = GluonConfig()
@@ -396,7 +369,7 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
             HAS_LENS=a.kv_lens is not None, SCHEDULE=cfg.schedule,
             # the mask / causal variants would spill with q columns in registers
             Q_REG=(default_q_reg() if cfg.q_reg is None else cfg.q_reg) if (mask_b is None and a.causal is None) else 0,
-            HAS_MASK=mask_b is not None, PREFETCH=cfg.prefetch if cfg.schedule == 3 else 0,
+            HAS_MASK=mask_b is not None,
             CAUSAL=a.causal is not None), 8)
     if ns > 1:
         kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
