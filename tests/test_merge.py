@@ -350,16 +350,76 @@ def test_pack_accepts_strided_inputs():
     assert torch.equal(_bits(o2), _bits(o.contiguous())) and torch.equal(_bits(lse2), _bits(lse.contiguous()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_tail_is_the_lse_bytes(dtype):
+    """The wire format: the tail columns hold the LSE's own bytes (what a reinterpreting
+    view gives), which the eager Triton unpack-merge kernel reads directly."""
+    o, lse = _special_inputs(dtype, 5, torch.Generator().manual_seed(11))
+    tail = pack_output_lse(o, lse)[..., 5:]
+    assert torch.equal(_bits(tail), _bits(lse.contiguous().unsqueeze(-1).view(dtype)))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pack_round_trip_under_torch_compile(dtype):
+def test_pack_round_trip_under_torch_compile(dtype, backend):
     o, lse = _special_inputs(dtype, 9, torch.Generator().manual_seed(3))
 
     def round_trip(o, lse):
         return unpack_output_lse(pack_output_lse(o, lse), o.shape[-1])
 
     torch._dynamo.reset()
-    o2, lse2 = torch.compile(round_trip, backend="aot_eager", fullgraph=True)(o, lse)
+    o2, lse2 = torch.compile(round_trip, backend=backend, fullgraph=True)(o, lse)
     assert torch.equal(_bits(o2), _bits(o)) and torch.equal(_bits(lse2), _bits(lse))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_lse_survives_inductor_pack_and_merge(dtype, device):
+    """Compiled pack, a copy (the collective), compiled merge: every LSE arrives bit-exact,
+    including those whose low 16 bits read as a NaN or denormal of the 2-byte dtype (~0.4 %
+    of random LSEs), which a float conversion on the way would canonicalise or flush."""
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    bits = (torch.full((n,), 0x40A00000, dtype=torch.int64) | torch.randint(0, 1 << 16, (n,), generator=g)).to(torch.int32)
+    lse = bits.view(torch.float32).reshape(2, n // 2).to(device)  # [c, rows], values near 5
+    o = torch.randn(2, n // 2, 16, generator=g).to(dtype).to(device)
+    ref_o, ref_l = merge_partials(o.float(), lse, "e", torch.float32, return_lse=True)
+
+    def merge(p):
+        o_, l_ = unpack_output_lse(p, 16)
+        return merge_partials(o_, l_, "e", torch.float32, return_lse=True)
+
+    torch._dynamo.reset()
+    packed = torch.compile(pack_output_lse)(o, lse)
+    assert torch.equal(packed[..., 16:].contiguous().view(torch.int32).squeeze(-1), lse.view(torch.int32))
+    recv = packed.clone()
+    # the unpacked LSE itself (x 1.0: computed in a kernel, exact for finite fp32 values)
+    lse2 = torch.compile(lambda p: unpack_output_lse(p, 16)[1] * 1.0)(recv)
+    assert torch.equal(lse2.view(torch.int32), lse.view(torch.int32))
+    # and the fused merge agrees with the eager one to fp32 rounding
+    mo, ml = torch.compile(merge)(recv)
+    torch.testing.assert_close(ml, ref_l, rtol=0, atol=2e-6)
+    torch.testing.assert_close(mo, ref_o, rtol=1e-6, atol=1e-6)
+
+
+def test_packed_lse_needs_no_fallback_op_under_inductor():
+    """bf16 pack and unpack lower to fused kernels: an element-size-changing dtype view
+    would be a fallback op (a host call of its own per layer without CUDA graphs)."""
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(5)
+    o, lse = torch.randn(3, 5, 9, generator=g).to(torch.bfloat16), torch.randn(3, 5, generator=g)
+
+    def round_trip(o, lse):
+        p = pack_output_lse(o, lse)
+        return unpack_output_lse(p.clone(), 9)
+
+    torch._dynamo.reset()
+    (o2, lse2), code = run_and_get_code(torch.compile(round_trip, fullgraph=True), o, lse)
+    assert torch.equal(_bits(lse2), _bits(lse))
+    call = code[0][code[0].index("def call("):]
+    assert "torch.ops.aten" not in call, call[:4000]
 
 
 def test_merge_packed_equals_merge_partials():

@@ -59,6 +59,33 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     return (o_1,)""")
         self.assertIn("int step position moved to the device", be.report.summary())
 
+    def test_layers_share_one_device_key_count(self):
+        """Every layer's attention takes the same device key count (`dcp_start_pos + s`, one
+        node), not a count of its own per layer."""
+
+        class TwoLayers(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = TinyMLA(), TinyMLA()
+
+            def forward(self, q_lat, q_pe, latent, k_pe, start_pos: int):
+                out = self.a(q_lat, q_pe, latent, k_pe, start_pos)
+                return out + self.b(q_lat, q_pe, latent, k_pe, start_pos)
+
+        be = DcpBackend(dcp_size=2, inner="eager", comm_backend="a2a", static_positions=True)
+        compiled = torch.compile(TwoLayers(), backend=be)
+        with torch.no_grad():
+            for args in (tiny_inputs(1, 5), tiny_inputs(1, 6)):
+                compiled(*args)
+        gm = be.graphs[1]
+        attention = [n for n in gm.graph.nodes if n.target is torch.ops.dcp.mla_local_attention.default]
+        self.assertEqual(len(attention), 2)
+        counts = {n.kwargs["kv_lens"] for n in attention}
+        self.assertEqual(len(counts), 1)
+        (count,) = counts
+        self.assertEqual((count.target, count.args[1]), (torch.add, 1))
+        self.assertEqual(count.args[0].name, "dcp_start_pos")
+
     def test_masked_multi_token_call_keeps_its_int_and_says_why(self):
         # a causal mask [s, start + s] has a position-dependent shape: no static graph
         be = self.compile(tiny_inputs(2, 4, mask="additive"), tiny_inputs(2, 6, mask="additive"))

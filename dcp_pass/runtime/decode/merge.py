@@ -146,7 +146,8 @@ def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:
 
     The LSE's 4 bytes are reinterpreted (not converted) into k = 4 // o.element_size()
     tail columns so a single collective moves both, and the round trip is bit-exact
-    (NaN payloads and -0.0 included). Uses dtype views only, so it traces.
+    (NaN payloads and -0.0 included). Traceable: dtype views and, for 2-byte outputs,
+    integer arithmetic (_lse_halves), so it fuses under inductor.
     fp64 outputs take the LSE as one fp64 column, converted (exact for fp32 and fp64
     LSEs); unpacking returns it as fp64.
     """
@@ -155,10 +156,32 @@ def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:
     k = packed_lse_columns(o.dtype)
     if o.dtype == torch.float64:
         return torch.cat([o, lse.to(torch.float64).unsqueeze(-1)], dim=-1)
-    # contiguous() first: a dtype view needs a unit-stride last dimension.
-    tail = lse.to(torch.float32).contiguous().unsqueeze(-1).view(o.dtype)
+    if k == 2:
+        tail = _lse_halves(lse.to(torch.float32)).view(o.dtype)
+    else:
+        # contiguous() first: a dtype view needs a unit-stride last dimension.
+        tail = lse.to(torch.float32).contiguous().unsqueeze(-1).view(o.dtype)
     assert tail.shape[-1] == k
     return torch.cat([o, tail], dim=-1)
+
+
+# The fp32 LSE in two 16-bit columns, low half first (the bytes of `lse.view(bf16)` on a
+# little-endian machine), made with integer arithmetic and same-size bitcasts only:
+# inductor fuses those into the pack and merge kernels, where a bitcast that changes the
+# element size (fp32 -> 2 x bf16) is a fallback op of its own, two host calls per layer
+# and a copy kernel without CUDA graphs. Bit-exact, NaN payloads and -0.0 included.
+def _lse_halves(lse32: Tensor) -> Tensor:
+    """fp32 [...] -> int16 [..., 2] (low half, high half of the bits)."""
+    bits = lse32.view(torch.int32)
+    low = bits & 0xFFFF
+    low = torch.where(low >= 0x8000, low - 0x10000, low)  # as a signed 16-bit value
+    return torch.stack([low, bits >> 16], dim=-1).to(torch.int16)
+
+
+def _lse_from_halves(halves: Tensor) -> Tensor:
+    """Inverse of _lse_halves: any 2-byte [..., 2] -> fp32 [...]."""
+    h = halves.view(torch.int16).to(torch.int32)
+    return (h[..., 1] * 0x10000 + (h[..., 0] & 0xFFFF)).view(torch.float32)
 
 
 def unpack_output_lse(packed: Tensor, D: int) -> Tuple[Tensor, Tensor]:
@@ -167,6 +190,8 @@ def unpack_output_lse(packed: Tensor, D: int) -> Tuple[Tensor, Tensor]:
     o = packed[..., :D]
     if packed.dtype == torch.float64:
         return o, packed[..., D]
+    if packed.element_size() == 2:
+        return o, _lse_from_halves(packed[..., D:])
     # The tail slice is not aligned for a wider dtype view in general (row stride D+k
     # may be odd); a small contiguous copy makes the reinterpretation legal.
     lse = packed[..., D:].contiguous().view(torch.float32).squeeze(-1)
