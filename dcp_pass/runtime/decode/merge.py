@@ -166,10 +166,10 @@ def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:
 
 
 # The fp32 LSE in two 16-bit columns, low half first (the bytes of `lse.view(bf16)` on a
-# little-endian machine), made with integer arithmetic and same-size bitcasts only:
-# inductor fuses those into the pack and merge kernels, where a bitcast that changes the
-# element size (fp32 -> 2 x bf16) is a fallback op of its own, two host calls per layer
-# and a copy kernel without CUDA graphs. Bit-exact, NaN payloads and -0.0 included.
+# little-endian machine), made with integer arithmetic and same-size bitcasts only, which
+# inductor fuses into the neighbouring kernels; a bitcast that changes the element size
+# (fp32 -> 2 x bf16) is a fallback op of its own on each side, a host call per layer
+# without CUDA graphs. Bit-exact, NaN payloads and -0.0 included.
 def _lse_halves(lse32: Tensor) -> Tensor:
     """fp32 [...] -> int16 [..., 2] (low half, high half of the bits)."""
     bits = lse32.view(torch.int32)
