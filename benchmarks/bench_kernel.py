@@ -30,6 +30,7 @@ from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
+from dcp_pass.runtime.decode.kernels import splits as SP  # noqa: E402
 from dcp_pass.runtime.decode.kernels.splits import split_count  # noqa: E402
 
 D = KV_LORA + ROPE
@@ -277,20 +278,16 @@ def gluon_rows(rec, sets, ceil, t_split, floor, flops, configs=None):
 
 def reduce_only_ms(B, H, ns):
     """Time the stage-2 merge alone over ``ns`` fp32 partials (what a split launch adds)."""
-    from dcp_pass.runtime.decode.kernels.splits import reduce_launch
-
     o_part = torch.randn(B, ns, H, KV_LORA, device=DEV)
     l_part = torch.randn(B, ns, H, device=DEV)
     out = torch.empty(B, 1, H, KV_LORA, dtype=torch.bfloat16, device=DEV)
     lse = torch.empty(B, 1, H, device=DEV)
-    kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse, H, "e", KV_LORA, ns)
+    kernel, grid, args, consts, warps = SP.reduce_launch(o_part, l_part, out, lse, H, "e", KV_LORA, ns)
     return time_fn(lambda q, kv: kernel[grid](*args, **consts, num_warps=warps), [(None, None)])
 
 
 def time_without_merge(sets, cfg):
     """The Gluon launch with the stage-2 merge kernel skipped (its output is then garbage)."""
-    from dcp_pass.runtime.decode.kernels import splits as SP
-
     real = G.launch
     G.launch = lambda kernel, *a, **k: None if kernel is SP._reduce_jit else real(kernel, *a, **k)
     try:
