@@ -172,10 +172,11 @@ def pack_output_lse(o: Tensor, lse: Tensor) -> Tensor:
 # without CUDA graphs. Bit-exact, NaN payloads and -0.0 included.
 def _lse_halves(lse32: Tensor) -> Tensor:
     """fp32 [...] -> int16 [..., 2] (low half, high half of the bits)."""
-    bits = lse32.view(torch.int32)
-    low = bits & 0xFFFF
-    low = torch.where(low >= 0x8000, low - 0x10000, low)  # as a signed 16-bit value
-    return torch.stack([low, bits >> 16], dim=-1).to(torch.int16)
+    # one broadcast shift over the two columns rather than a stack of two: a stack is a
+    # concatenation, which inductor would not fuse into the pack's own concatenation
+    shifts = torch.arange(0, 32, 16, dtype=torch.int32, device=lse32.device)
+    half = (lse32.view(torch.int32).unsqueeze(-1) >> shifts) & 0xFFFF
+    return torch.where(half >= 0x8000, half - 0x10000, half).to(torch.int16)  # as signed 16-bit values
 
 
 def _lse_from_halves(halves: Tensor) -> Tensor:
