@@ -309,7 +309,8 @@ class DcpBackend:
             out, caches, weights = gm, [], []
         else:
             plan = resolve_plan(opts, self.topology, example_inputs)
-            config = PassConfig(plan, opts.replicate_q_proj, opts.strict)
+            complex_as_real = opts.complex_as_real if opts.complex_as_real is not None else opts.inner == "inductor"
+            config = PassConfig(plan, opts.replicate_q_proj, opts.strict, complex_as_real)
             result = apply_dcp(gm, example_inputs, config, graph_report)
             out, caches, weights = result.graph_module, result.caches, result.weights
             check_inference_only(out, example_inputs, graph_report)

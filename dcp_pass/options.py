@@ -51,6 +51,11 @@ class DcpOptions:
     # graphs); None: on for CUDA models, off on CPU
     static_positions: Optional[bool] = None
     inner_options: Mapping[str, Any] = field(default_factory=dict)
+    # rewritten graphs compute `view_as_real(view_as_complex(x) * freqs)` (the reference
+    # rotary) in real arithmetic: inductor runs complex ops as unfused fallback ops, one host
+    # call each. None: with inner='inductor' only (the other inner compilers run the complex
+    # ops as eager does, rounding included)
+    complex_as_real: Optional[bool] = None
     # CUDA graphs for the inner compile (inductor's triton.cudagraphs, what mode="reduce-overhead"
     # sets; torch.compile refuses mode= together with options=). "auto": on for CUDA models
     # compiled by inductor, off otherwise; True needs both (checked at compile)
@@ -87,6 +92,9 @@ class DcpOptions:
                 f"option 'static_positions' must be True, False or None, got {self.static_positions!r}")
         if not isinstance(self.strict, bool):
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
+        if self.complex_as_real is not None and not isinstance(self.complex_as_real, bool):
+            raise DcpOptionError(
+                f"option 'complex_as_real' must be True, False or None, got {self.complex_as_real!r}")
         if not isinstance(self.inner_options, Mapping):
             raise DcpOptionError("option 'inner_options' must be a dict of inner-compiler options")
         if not (isinstance(self.cudagraphs, bool) or self.cudagraphs == "auto"):

@@ -83,6 +83,7 @@ def _rank_fn(rank, world, configs):
             "inference_outputs": [g.is_inference() for g in got],
             "requires_grad_outputs": [g.requires_grad for g in got],
             "rewritten": backend.report.layers_rewritten,
+            "complex_notes": sum("complex product" in n for g in backend.report.graphs for n in g.notes),
             "params_inference": any(p.is_inference() for p in model.parameters()),
             "buffers_inference": any(b.is_inference() for b in model.buffers()),
         })
@@ -132,6 +133,8 @@ def test_inference_mode_decorated_single_graph_forward():
             assert r["error"] is None, (cfg, r["error"])
             assert r["err"] < 1e-5, (cfg, r)
             assert r["rewritten"] >= (2 if cfg["dcp"] == 2 else 0), (cfg, r)
+            # the rotary's real arithmetic stays inside the inference-mode block (inductor only)
+            assert (r["complex_notes"] > 0) == (cfg["dcp"] == 2 and cfg["inner"] == "inductor"), (cfg, r)
             # outputs are inference tensors as in eager; the model's own tensors are not
             assert all(r["inference_outputs"]) and not any(r["requires_grad_outputs"]), (cfg, r)
             assert not r["params_inference"] and not r["buffers_inference"], (cfg, r)

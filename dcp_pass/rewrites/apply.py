@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from dcp_pass.report import GraphReport, LayerReport, log
 from dcp_pass.rewrites import cache as cache_rw
+from dcp_pass.rewrites import complex_product
 from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites import q_replicate
 from dcp_pass.rewrites.attention import AttentionPlan
@@ -29,6 +30,7 @@ class PassConfig:
     plan: AttentionPlan
     replicate_q_proj: Optional[bool]
     strict: bool
+    complex_as_real: bool = True
 
 
 def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.Node]:
@@ -116,6 +118,10 @@ def apply_dcp(
         return DcpPassResult(gm)
 
     _refuse_released(graph, values)  # e.g. a deferred buffer read next to a matched attention
+    if config.complex_as_real:  # after the query replication, so its rotaries are rewritten too
+        count = complex_product.complex_products_as_real(graph)
+        if count:
+            report.notes.append(f"{count} complex product(s) (rotary) computed in real arithmetic")
     for buf, entry in entries.items():
         cache_rw.install(values[buf.name], entry)
     placeholders = fx_util.placeholders(graph)

@@ -39,6 +39,25 @@ def replace_node(graph: fx.Graph, old: fx.Node, target, args: tuple, name: Optio
     return new
 
 
+def set_example_value(node: fx.Node) -> None:
+    """Give a new node its `example_value` by running its target on its inputs' example
+    values (fake tensors and SymInts of the trace), as Dynamo would have recorded it."""
+    def value(arg):
+        v = node_value(arg)
+        if v is None:
+            raise ValueError(f"{arg.name} has no example value")
+        return v
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+    if node.op == "call_method":
+        result = getattr(args[0], node.target)(*args[1:], **kwargs)
+    elif node.op == "call_function":
+        result = node.target(*args, **kwargs)
+    else:
+        raise ValueError(f"cannot trace a {node.op} node")
+    node.meta["example_value"] = result
+
+
 def placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
