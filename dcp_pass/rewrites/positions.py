@@ -8,12 +8,19 @@ their recordings on int inputs and re-record every step (none is ever replayed).
 
 This rewrite runs after the DCP rewrite (which already turned cache reads into the
 attention op and writes into `write_owned_tokens_`). It replaces the int input by a
-one-element int64 tensor `dcp_start_pos` that the backend fills before each call, and
-every use of the position by device arithmetic on it:
+one-element int64 tensor that the backend fills before each call, and every use of the
+position by device arithmetic on it:
 
   write_owned_tokens_(shard, v, start, ...)  ->  write_tokens_at_(shard, v, start_t + arange(s), ...)
-  mla_local_attention(kv_len=start + s)       ->  kv_lens=start_t + s (kv_len unused)
+  mla_local_attention(kv_len=start + s)       ->  kv_lens=dcp_end_pos (kv_len unused)
   x[..., start:start + k, ...]                ->  x.index_select(dim, start_t + arange(k))
+
+When every attention op reads the same key count `start + s`, the buffer holds that
+count (`dcp_end_pos`, filled with start + s) and the ops take it as it is: a count
+computed on the device would be one more kernel per layer (inductor recomputes it for
+each op), a host call each without CUDA graphs. `start_t` is then `dcp_end_pos - s`,
+which fuses into the kernels that use it. Otherwise the buffer holds the position itself
+(`dcp_start_pos`).
 
 It applies only when the graph's one symbolic input is such a position and every use
 is one of these (no tensor shape depends on it): otherwise the graph stays as it is
@@ -45,7 +52,8 @@ class DevicePosition:
     """What the backend does per call for a graph whose position moved to the device.
 
     `index`: the int position among the graph's original inputs, written into
-    `buffer` (int64 [1], the rewritten graph's last input). `dropped`: other int inputs
+    `buffer` (int64 [1], the rewritten graph's last input) plus `offset` (the key count's
+    distance from the position; 0 when the buffer holds the position). `dropped`: other int inputs
     that only described an input tensor's strides or offset (e.g. `tokens[:, p:p+1]` of
     a longer buffer has offset p); they are removed, and each such tensor input is
     copied into a fixed contiguous buffer (`restaged`: original index -> buffer), so
@@ -56,13 +64,14 @@ class DevicePosition:
     buffer: torch.Tensor
     dropped: tuple[int, ...] = ()
     restaged: dict[int, torch.Tensor] = field(default_factory=dict)
+    offset: int = 0
 
     def _kept(self, n: int) -> list[int]:
         return [i for i in range(n) if i != self.index and i not in self.dropped]
 
     def call_args(self, args: tuple) -> list:
         """The rewritten graph's leading inputs for the original graph's `args`."""
-        self.buffer.fill_(args[self.index])
+        self.buffer.fill_(args[self.index] + self.offset)
         staged = self.restaged
         return [staged[i].copy_(args[i]) if i in staged else args[i] for i in self._kept(len(args))]
 
@@ -141,10 +150,13 @@ def find_position_input(graph: fx.Graph) -> tuple[fx.Node, list[fx.Node], list[f
 
 
 class _Rewriter:
-    def __init__(self, graph: fx.Graph, start: fx.Node, start_t: fx.Node, device: torch.device):
+    def __init__(self, graph: fx.Graph, start: fx.Node, start_t: fx.Node, device: torch.device,
+                 end_t: Optional[fx.Node] = None, count_offset: int = 0):
         self.graph, self.start, self.device = graph, start, device
         self.tensor_of: dict[fx.Node, fx.Node] = {start: start_t}  # SymInt node -> int64 [1] node
         self.offset_of: dict[fx.Node, int] = {start: 0}  # SymInt node == start + offset (when known)
+        # the buffer when it holds the key count start + count_offset (see the module doc)
+        self.end_t, self.count_offset = end_t, count_offset
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         return self.graph.create_node("call_function", target, args, kwargs)
@@ -193,8 +205,12 @@ class _Rewriter:
             self.graph.erase_node(user)
         elif target is torch.ops.dcp.mla_local_attention.default:
             kv_len = user.kwargs["kv_len"]
+            if self.end_t is not None and self.offset_of.get(kv_len) == self.count_offset:
+                counts = self.end_t
+            else:
+                counts = self.as_tensor(kv_len)
             # the int count is not read when the device counts are given
-            user.kwargs = dict(user.kwargs, kv_len=0, kv_lens=self.as_tensor(kv_len))
+            user.kwargs = dict(user.kwargs, kv_len=0, kv_lens=counts)
         elif target is operator.getitem and isinstance(user.args[0], fx.Node) and _is_tensor(user.args[0]):
             self.rewrite_slice(user)
         elif target in (torch._check, torch._check_is_size) or getattr(target, "__name__", "") in (
@@ -262,9 +278,19 @@ def positions_to_device(gm: fx.GraphModule) -> tuple[fx.GraphModule, DevicePosit
     device = _device_of(graph)
     placeholders = list(graph.find_nodes(op="placeholder"))
     buffer = torch.zeros(1, dtype=torch.long, device=device)
-    start_t = fx_util.static_placeholder(graph, "dcp_start_pos", buffer)
-    _Rewriter(graph, start, start_t, device).visit(start)
+    offset = shared_count_offset(graph, start)
+    if offset:
+        end_t = fx_util.static_placeholder(graph, "dcp_end_pos", buffer)
+        with graph.inserting_after(end_t):
+            start_t = graph.call_function(torch.sub, (end_t, offset))
+        rewriter = _Rewriter(graph, start, start_t, device, end_t, offset)
+    else:
+        start_t = fx_util.static_placeholder(graph, "dcp_start_pos", buffer)
+        rewriter = _Rewriter(graph, start, start_t, device)
+    rewriter.visit(start)
     _erase_dead_symbolic(graph)
+    # device arithmetic made for uses that took the count buffer instead
+    fx_util.erase_dead_region(graph, [n for n in rewriter.tensor_of.values() if n.op == "call_function"])
     if start.users:
         raise NotStatic(f"the position is still used by {', '.join(u.name for u in start.users)}")
     restaged = {}
@@ -279,7 +305,22 @@ def positions_to_device(gm: fx.GraphModule) -> tuple[fx.GraphModule, DevicePosit
     graph.lint()
     work.recompile()
     return work, DevicePosition(placeholders.index(start), buffer,
-                                tuple(placeholders.index(n) for n in unused), restaged)
+                                tuple(placeholders.index(n) for n in unused), restaged, offset)
+
+
+def shared_count_offset(graph: fx.Graph, start: fx.Node) -> int:
+    """s when every attention op of `graph` reads the key count `start + s` (s > 0), else 0."""
+    offsets = set()
+    for node in graph.find_nodes(op="call_function", target=torch.ops.dcp.mla_local_attention.default):
+        count = node.kwargs.get("kv_len")
+        if not (isinstance(count, fx.Node) and count.target is operator.add and start in count.args):
+            return 0
+        other = count.args[1] if count.args[0] is start else count.args[0]
+        k = _static_int(other)
+        if k is None:
+            return 0
+        offsets.add(k)
+    return offsets.pop() if len(offsets) == 1 and min(offsets) > 0 else 0
 
 
 def _erase_dead_symbolic(graph: fx.Graph) -> None:
