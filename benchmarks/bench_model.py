@@ -137,9 +137,13 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     inner_options = cfg.get("inner_options") or {}
     if inner_options:
         rec["inner_options"] = inner_options
+    extra = dict(cfg.get("dcp_options") or {}) if c > 1 else {}
+    if extra:
+        rec["dcp_options"] = extra
+    if replicate is not None and c > 1:
+        extra["replicate_q_proj"] = replicate
     backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"], inner_options=inner_options,
-                         cudagraphs="auto" if mode not in (None, "default") else False,
-                         **({"replicate_q_proj": replicate} if replicate is not None and c > 1 else {}))
+                         cudagraphs="auto" if mode not in (None, "default") else False, **extra)
     m = torch.compile(model, backend=backend, mode=mode)
     g = torch.Generator(device="cpu")
     g.manual_seed(5)
@@ -271,6 +275,9 @@ def main():
     ap.add_argument("--inner-options", default="{}",
                     help="';'-separated JSON dicts of inner-compiler options, each a variant of every row "
                          "(DCP=1 included), e.g. '{};{\"cpp_wrapper\": true}'")
+    ap.add_argument("--dcp-options", default="{}",
+                    help="JSON dict of more `dcp` options for the DCP > 1 variants, e.g. '{\"static_positions\": true}' "
+                         "(a CPU run of the device-position graph)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args()
@@ -290,6 +297,7 @@ def main():
                dtype=a.dtype, modes=a.modes.split(","), profile=a.profile, positions=a.positions,
                replicate=[{"default": None, "1": True, "0": False}[x] for x in a.replicate_q.split(",")],
                inner_options=[json.loads(x) for x in a.inner_options.split(";")],
+               dcp_options=json.loads(a.dcp_options),
                partial=(a.out + ".partial.jsonl") if a.out else None)
     if cfg["partial"] and os.path.exists(cfg["partial"]):
         os.remove(cfg["partial"])

@@ -76,6 +76,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/host_calls.json")
     ap.add_argument("--log", default=None, help="parse this TORCH_LOGS=output_code log instead of running")
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--save-log", default=None, help="also write the run's output-code log here")
     ap.add_argument("bench_model_args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     extra = [x for x in a.bench_model_args if x != "--"]
@@ -88,6 +89,9 @@ def main():
         env = dict(os.environ, TORCH_LOGS="output_code")
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         lines = (run.stdout + run.stderr).splitlines()
+        if a.save_log:
+            with open(a.save_log, "w") as f:
+                f.write("\n".join(lines) + "\n")
         if run.returncode != 0:
             print("\n".join(lines[-40:]), file=sys.stderr)
             raise SystemExit(run.returncode)
