@@ -30,7 +30,7 @@ class PassConfig:
     plan: AttentionPlan
     replicate_q_proj: Optional[bool]
     strict: bool
-    complex_as_real: bool = True
+    complex_as_real: bool  # resolved from the option's "auto" by the backend
 
 
 def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.Node]:

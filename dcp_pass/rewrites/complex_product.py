@@ -95,8 +95,7 @@ class _RealViews:
 
     def __init__(self, graph: fx.Graph):
         self.graph = graph
-        self.made: dict[fx.Node, fx.Node] = {}
-        self.created: list[fx.Node] = []
+        self.made: dict[fx.Node, fx.Node] = {}  # complex node -> its real view (every one made)
 
     def of(self, node: fx.Node, site: fx.Node) -> fx.Node:
         """The real view of `node`, placed right after it, or for a graph input (which must
@@ -110,19 +109,18 @@ class _RealViews:
         with self.graph.inserting_after(after):
             new = self.graph.create_node(op, target, args, {}, name=f"{name}_real")
         fx_util.set_example_value(new)
-        self.created.append(new)
         return new
 
     def _build(self, node: fx.Node, site: fx.Node) -> fx.Node:
         args, base = node.args, node.args[0] if node.args else None
-        if node.op in ("placeholder", "get_attr"):
+        if _is_input(node):
             return self._new(site, "call_function", torch.view_as_real, (node,), node.name)
         if node.kwargs or not isinstance(base, fx.Node):
             return self._new(node, "call_function", torch.view_as_real, (node,), node.name)
 
         def derived(target_op: str, target: Any, *rest: Any) -> fx.Node:
             base_real = self.of(base, node)
-            after = base_real if base.op in ("placeholder", "get_attr") else node
+            after = base_real if _is_input(base) else node
             return self._new(after, target_op, target, (base_real, *rest), node.name)
 
         if is_method(node, "view", "reshape") and len(args) >= 2:
@@ -138,6 +136,10 @@ class _RealViews:
                 args[1], int):
             return derived(node.op, node.target, _shift(args[1]))
         return self._new(node, "call_function", torch.view_as_real, (node,), node.name)
+
+
+def _is_input(node: fx.Node) -> bool:
+    return node.op in ("placeholder", "get_attr")
 
 
 def _shift(dim: int) -> int:
@@ -182,5 +184,5 @@ def complex_products_as_real(graph: fx.Graph) -> int:
         graph.erase_node(node)
         fx_util.erase_dead_region(graph, [product])
         done += 1
-    fx_util.erase_dead_region(graph, [n for n in views.created if not n.users])
+    fx_util.erase_dead_region(graph, [n for n in views.made.values() if not n.users])
     return done
