@@ -255,13 +255,13 @@ def flex_token(results):
     print("flex", rec, flush=True)
 
 
-GLUON_CONFIGS = ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,3,256", "64,64,2,2,0"]  # block_h, block_n, stages, schedule, q_reg
+GLUON_CONFIGS = ["64,64,2,6,128", "64,64,2,3,128", "64,64,2,6,0", "64,64,2,3,0"]  # block_h, block_n, stages, schedule, q_reg
 
 
 def gluon_rows(rec, sets, ceil, t_split, floor, flops, configs=None):
     """Time the Gluon one-read kernel (kernels/mla_gluon.py) on one case."""
     for tag in configs or GLUON_CONFIGS:
-        gcfg = G.GluonConfig(*(int(x) for x in tag.split(",")))
+        gcfg = G.GluonConfig.parse(tag)
         try:
             gerr, glerr = check(sets, "gluon", gcfg)
             tg = time_triton(sets, gcfg, path="gluon")

@@ -78,6 +78,22 @@ def test_compiles_for_hopper_with_this_triton():
     assert masked["smem_kib"] <= 227 and masked["n_hgmma"] == plain["n_hgmma"], masked
 
 
+def test_schedule_6_compiles_and_masked_calls_keep_schedule_3():
+    """Schedule 6 (two ring buffers as two allocations, two tiles per iteration) is valid Gluon
+    here and fits shared memory; it has no masked form, so a mask or causal cap takes 3; the
+    default is 6 only on the Triton it was measured with."""
+    G, off = _offline()
+    six = off.compile_config(G.GluonConfig(schedule=6, q_reg=0))
+    three = off.compile_config(G.GluonConfig(schedule=3, q_reg=0))
+    assert six["smem_kib"] <= 227 and six["n_hgmma"] == 2 * three["n_hgmma"]  # two tiles' GEMMs per iteration
+    assert G._schedule_for(G.GluonConfig(schedule=6), masked=True) == 3
+    assert G._schedule_for(G.GluonConfig(schedule=6), masked=False) == 6
+    assert G._schedule_for(G.GluonConfig(schedule=2), masked=True) == 2
+    import triton
+
+    assert G._schedule_for(G.GluonConfig(), masked=False) == (6 if triton.__version__.startswith("3.6") else 3)
+
+
 def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
     """The automatic route falls back (once, for the process) when the kernel does not compile."""
     from triton.compiler.errors import CompilationError
@@ -136,9 +152,43 @@ def test_gpu_gluon_striped_lengths_and_tiles():
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
-                G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256),
-                G.GluonConfig()):
+                G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256), G.GluonConfig(schedule=6, q_reg=0),
+                G.GluonConfig(schedule=6, q_reg=128), G.GluonConfig()):
         _case(3, 4100, [8199, 77, 2], stripe=(2, 1), config=cfg)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("tag", ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,2,0", "64,64,2,6,0", "64,64,2,6,128"])
+def test_gpu_gluon_drifting_and_wide_scores(tag):
+    """Scores whose running max keeps rising along the cache (keys grow in norm), jumps once
+    (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
+    must follow each. Against the fp32 reference, with several splits, and one NaN key
+    (its request's rows NaN, the others untouched)."""
+    from dcp_pass.runtime.decode.kernels import mla_attention as m
+    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+
+    cfg = G.GluonConfig.parse(tag)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    B, T = 4, 6000
+    q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    q[2] *= 8
+    kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv[0] *= torch.linspace(0.2, 3.0, T, device="cuda").to(torch.bfloat16)[:, None]  # max rises tile after tile
+    kv[1, 5] *= 40  # one early key dominates every later tile
+    lens = torch.tensor([T, T, 4321, 3000], device="cuda")
+    for ns in (None, 3):
+        out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
+        m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, out=out, lse_out=lse, num_splits=ns,
+                               path="gluon", config=cfg)
+        ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
+        check_close(out, lse, ro, rl, 2e-2)
+    bad = kv.clone()
+    bad[3, 1234, 7] = float("nan")
+    out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
+    m.mla_attention_triton(q, None, bad, None, 512, SCALE, None, lens, out=out, lse_out=lse, path="gluon", config=cfg)
+    assert torch.isnan(out[3]).all()
+    check_close(out[:3], lse[:3], ro[:3], rl[:3], 2e-2)
 
 
 @gpu

@@ -57,11 +57,54 @@ try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing
 except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
-__all__ = ["GluonConfig", "HAS_GLUON", "default_q_reg", "gluon_supported", "gluon_preferred", "launch_gluon",
-           "try_launch_gluon"]
+__all__ = ["GluonConfig", "HAS_GLUON", "default_q_reg", "default_schedule", "gluon_supported", "gluon_preferred",
+           "launch_gluon", "try_launch_gluon"]
 
 D_LAT = 512
 D_ROPE = 64
+
+
+def _pair_tile_src(it, cur_lat, cur_rope, nxt_lat, nxt_rope, q_lat_s, q_rope_s, q_reg, p_s, acc, m_i, l_2d,
+                   start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope, cols_s, sm_scale_log2,
+                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, Q_REG: gl.constexpr, DL: gl.constexpr,
+                   s_mma: gl.constexpr, o_mma: gl.constexpr):
+    """SCHEDULE 6: one tile of schedule 3 with the two ring buffers as separate allocations
+    (the caller alternates them), so the compiler sees that the next tile's copies write a
+    buffer no GEMM of this tile reads and needs no barrier before them."""
+    cp.wait_group(0)
+    fence_async_shared()
+    _barrier()
+    s = warpgroup_mma(q_rope_s, cur_rope.permute((1, 0)),
+                      gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+    if Q_REG > 0:
+        s = warpgroup_mma(q_reg, cur_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+        if Q_REG < DL // 2:
+            s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
+                              cur_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
+                          cur_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
+    else:
+        s = warpgroup_mma(q_lat_s, cur_lat.permute((1, 0)), s, is_async=True)
+    tn = start + (it + 1) * BLOCK_N
+    _async_load(nxt_lat, kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                mask=((tn + n_lat) < end)[:, None])
+    _async_load(nxt_rope, kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+                mask=((tn + n_rope) < end)[:, None])
+    cp.commit_group()
+    s = warpgroup_mma_wait(0, deps=[s])
+    t0 = start + it * BLOCK_N
+    s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * sm_scale_log2 - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_2d = l_2d * alpha[:, None] + p
+    p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    _barrier()
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
+    acc = warpgroup_mma(p_s, cur_lat, acc)
+    return acc, m_new, l_2d
 
 
 def _mla_gluon_kernel_src(
@@ -115,8 +158,14 @@ def _mla_gluon_kernel_src(
         # operand: each warpgroup would otherwise re-read them from shared memory per tile
         q_reg = q_lat_s.slice(0, Q_REG, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2))
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16), q_rope)
-    k_lat_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], lat_sl)
-    k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], rope_sl)
+    if SCHEDULE == 6:
+        k_lat_a = gl.allocate_shared_memory(dt, [BLOCK_N, DL], lat_sl)
+        k_rope_a = gl.allocate_shared_memory(dt, [BLOCK_N, DR], rope_sl)
+        k_lat_b = gl.allocate_shared_memory(dt, [BLOCK_N, DL], lat_sl)
+        k_rope_b = gl.allocate_shared_memory(dt, [BLOCK_N, DR], rope_sl)
+    else:
+        k_lat_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], lat_sl)
+        k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], rope_sl)
     p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], p_sl)
 
     # ---- this split's keys (rank r's share of a global count under lens_stripe)
@@ -144,7 +193,13 @@ def _mla_gluon_kernel_src(
 
     # prologue: the first STAGES - 1 tiles in flight (a copy past the split's end is masked
     # off: zero-filled, so no value from past the end reaches p @ v)
-    for i in gl.static_range(STAGES - 1):
+    if SCHEDULE == 6:
+        _async_load(k_lat_a, kv_row + (start + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                    mask=((start + n_lat) < end)[:, None])
+        _async_load(k_rope_a, kt_row + (start + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+                    mask=((start + n_rope) < end)[:, None])
+        cp.commit_group()
+    for i in gl.static_range(STAGES - 1 if SCHEDULE != 6 else 0):
         t0 = start + i * BLOCK_N
         _async_load(k_lat_s.index(i), kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                                        mask=((t0 + n_lat) < end)[:, None])
@@ -158,86 +213,100 @@ def _mla_gluon_kernel_src(
     acc = gl.zeros([BLOCK_H, DL], gl.float32, layout=o_mma)
     cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
 
-    for it in range(n_tiles):
-        nxt = it + STAGES - 1
-        tn = start + nxt * BLOCK_N
-        slot = nxt % STAGES
-        if SCHEDULE == 1:
-            # issue tile it + STAGES - 1 into the buffer tile it - 1 used (its GEMMs are done:
-            # every warp passed the barrier at the end of the previous iteration)
-            _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                                           mask=((tn + n_lat) < end)[:, None])
-            _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                                           mask=((tn + n_rope) < end)[:, None])
-            cp.commit_group()
-            cp.wait_group(STAGES - 1)  # this thread's copies of tile `it` landed,
-        else:
-            cp.wait_group(STAGES - 2)
-        fence_async_shared()  # ordered before the tensor cores' (async proxy) reads,
-        _barrier()  # and every thread's are
-        if SCHEDULE == 2:
-            # after that barrier every warp is past the previous tile's value GEMM, so its
-            # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
-            _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                                           mask=((tn + n_lat) < end)[:, None])
-            _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                                           mask=((tn + n_rope) < end)[:, None])
-            cp.commit_group()
+    if SCHEDULE == 6:
+        if Q_REG == 0:
+            q_reg = 0
+        # two tiles per iteration, one per buffer; an odd count runs one masked tile more
+        # (zero-filled copies, p = 0)
+        for it in range(0, n_tiles, 2):
+            acc, m_i, l_2d = _pair_tile(it, k_lat_a, k_rope_a, k_lat_b, k_rope_b, q_lat_s, q_rope_s, q_reg, p_s, acc,
+                                        m_i, l_2d, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope,
+                                        c_rope, cols_s, sm_scale_log2, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma, o_mma)
+            acc, m_i, l_2d = _pair_tile(it + 1, k_lat_b, k_rope_b, k_lat_a, k_rope_a, q_lat_s, q_rope_s, q_reg, p_s,
+                                        acc, m_i, l_2d, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
+                                        n_rope, c_rope, cols_s, sm_scale_log2, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma,
+                                        o_mma)
+    else:
+        for it in range(n_tiles):
+            nxt = it + STAGES - 1
+            tn = start + nxt * BLOCK_N
+            slot = nxt % STAGES
+            if SCHEDULE == 1:
+                # issue tile it + STAGES - 1 into the buffer tile it - 1 used (its GEMMs are done:
+                # every warp passed the barrier at the end of the previous iteration)
+                _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                                               mask=((tn + n_lat) < end)[:, None])
+                _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+                                               mask=((tn + n_rope) < end)[:, None])
+                cp.commit_group()
+                cp.wait_group(STAGES - 1)  # this thread's copies of tile `it` landed,
+            else:
+                cp.wait_group(STAGES - 2)
+            fence_async_shared()  # ordered before the tensor cores' (async proxy) reads,
+            _barrier()  # and every thread's are
+            if SCHEDULE == 2:
+                # after that barrier every warp is past the previous tile's value GEMM, so its
+                # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
+                _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                                               mask=((tn + n_lat) < end)[:, None])
+                _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+                                               mask=((tn + n_rope) < end)[:, None])
+                cp.commit_group()
 
-        cur = it % STAGES
-        k_lat = k_lat_s.index(cur)
-        s = warpgroup_mma(q_rope_s, k_rope_s.index(cur).permute((1, 0)),
-                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
-        if Q_REG > 0:
-            s = warpgroup_mma(q_reg, k_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
-            if Q_REG < DL // 2:  # shared-memory slices must be powers of two wide
-                s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
-                                  k_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
-                              k_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
-        else:
-            s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
-        if SCHEDULE == 3:
-            # as 2, but the next tile's copies are issued while the tensor cores compute these
-            # scores (the slot they fill is not this tile's)
-            _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                                           mask=((tn + n_lat) < end)[:, None])
-            _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                                           mask=((tn + n_rope) < end)[:, None])
-            cp.commit_group()
-        s = warpgroup_mma_wait(0, deps=[s])
-        t0 = start + it * BLOCK_N
-        if HAS_MASK or CAUSAL:
-            s = s * sm_scale_log2
-            valid = ((t0 + cols_s) < end)[None, :]
-            if HAS_MASK:
-                mk = gl.load(MASK + b * sm_b + (t0 + cols_s) * sm_t, mask=(t0 + cols_s) < end, other=0.0)
-                s = s + mk[None, :] * 1.4426950408889634
-            if CAUSAL:
-                valid = valid & (((t0 + cols_s) * cp_world + cp_rank)[None, :] <= qpos[:, None])
-            s = gl.where(valid, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - m_use[:, None])
-        else:
-            s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
-        alpha = gl.exp2(m_i - m_use)
-        if SCHEDULE == 1:
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-        else:  # row sums kept per thread and reduced once after the loop: no cross-warpgroup sum per tile
-            l_2d = l_2d * alpha[:, None] + p
-        m_i = m_new
+            cur = it % STAGES
+            k_lat = k_lat_s.index(cur)
+            s = warpgroup_mma(q_rope_s, k_rope_s.index(cur).permute((1, 0)),
+                              gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+            if Q_REG > 0:
+                s = warpgroup_mma(q_reg, k_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+                if Q_REG < DL // 2:  # shared-memory slices must be powers of two wide
+                    s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
+                                      k_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
+                                  k_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
+            else:
+                s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
+            if SCHEDULE == 3:
+                # as 2, but the next tile's copies are issued while the tensor cores compute these
+                # scores (the slot they fill is not this tile's)
+                _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                                               mask=((tn + n_lat) < end)[:, None])
+                _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+                                               mask=((tn + n_rope) < end)[:, None])
+                cp.commit_group()
+            s = warpgroup_mma_wait(0, deps=[s])
+            t0 = start + it * BLOCK_N
+            if HAS_MASK or CAUSAL:
+                s = s * sm_scale_log2
+                valid = ((t0 + cols_s) < end)[None, :]
+                if HAS_MASK:
+                    mk = gl.load(MASK + b * sm_b + (t0 + cols_s) * sm_t, mask=(t0 + cols_s) < end, other=0.0)
+                    s = s + mk[None, :] * 1.4426950408889634
+                if CAUSAL:
+                    valid = valid & (((t0 + cols_s) * cp_world + cp_rank)[None, :] <= qpos[:, None])
+                s = gl.where(valid, s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(s - m_use[:, None])
+            else:
+                s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
+            alpha = gl.exp2(m_i - m_use)
+            if SCHEDULE == 1:
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+            else:  # row sums kept per thread and reduced once after the loop: no cross-warpgroup sum per tile
+                l_2d = l_2d * alpha[:, None] + p
+            m_i = m_new
 
-        p_s.store(p.to(dt))
-        fence_async_shared()
-        _barrier()  # p complete (both warpgroups' halves) before either reads it
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
-        acc = warpgroup_mma(p_s, k_lat, acc)
-        if SCHEDULE == 1:
-            _barrier()  # p_s and this tile's buffer are free for the next iteration's writes
+            p_s.store(p.to(dt))
+            fence_async_shared()
+            _barrier()  # p complete (both warpgroups' halves) before either reads it
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
+            acc = warpgroup_mma(p_s, k_lat, acc)
+            if SCHEDULE == 1:
+                _barrier()  # p_s and this tile's buffer are free for the next iteration's writes
 
     if SCHEDULE != 1:
         l_i = gl.sum(l_2d, axis=1)
@@ -254,6 +323,7 @@ def _mla_gluon_kernel_src(
 
 
 if HAS_GLUON:
+    _pair_tile = gluon.jit(_pair_tile_src)
     _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
 
 
@@ -262,13 +332,20 @@ class GluonConfig:
     block_h: int = 64
     block_n: int = 64
     stages: int = 2
-    schedule: int = 3
+    # None: default_schedule(); a call with a mask or a causal cap takes 3 in place of 6
+    # (6 has no masked form)
+    schedule: Optional[int] = None
     q_reg: Optional[int] = None  # latent columns of q kept in registers (0, 128, 256); None: default_q_reg()
     num_splits: Optional[int] = None
     waves: float = 1.0
 
+    @classmethod
+    def parse(cls, text: str) -> "GluonConfig":
+        """``"block_h,block_n,stages,schedule,q_reg"`` (the benchmarks' spelling)."""
+        return cls(*(int(x) for x in text.split(",")))
+
     def tag(self) -> str:
-        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{self.schedule}" + (
+        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{self.schedule or default_schedule()}" + (
             f"/qreg{self.q_reg}" if self.q_reg else "")
 
 
@@ -307,6 +384,12 @@ def default_q_reg() -> int:
     return 128 if triton.__version__.startswith("3.6") else 0
 
 
+def default_schedule() -> int:
+    """6 on Triton 3.6 (measured on the H200: 2-4 % faster than 3 at 64 and 128 heads,
+    kernel_notes v8); 3 elsewhere: Triton 3.9's compiler spills 232 B with 6, offline."""
+    return 6 if triton.__version__.startswith("3.6") else 3
+
+
 # why the automatic route no longer offers the kernel (it failed to compile or to launch in
 # this process); the same Triton on every rank makes the same decision
 _UNUSABLE: list = []
@@ -338,6 +421,11 @@ def try_launch_gluon(a: MlaArgs, out, lse_out, num_splits=None):
         return None
 
 
+def _schedule_for(cfg: GluonConfig, masked: bool) -> int:
+    sched = cfg.schedule or default_schedule()
+    return 3 if sched == 6 and masked else sched
+
+
 def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[GluonConfig] = None):
     """Run the Gluon kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
     base = check_base(a.lse_base)
@@ -366,7 +454,8 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
         ms[0], ms[3], *qps,
         ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
     ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
-            HAS_LENS=a.kv_lens is not None, SCHEDULE=cfg.schedule,
+            HAS_LENS=a.kv_lens is not None,
+            SCHEDULE=_schedule_for(cfg, mask_b is not None or a.causal is not None),
             # the mask / causal variants would spill with q columns in registers
             Q_REG=(default_q_reg() if cfg.q_reg is None else cfg.q_reg) if (mask_b is None and a.causal is None) else 0,
             HAS_MASK=mask_b is not None,
