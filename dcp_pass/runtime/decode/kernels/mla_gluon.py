@@ -64,6 +64,45 @@ D_LAT = 512
 D_ROPE = 64
 
 
+def _issue_copies_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope):
+    """The cp.async copies of the tile at key t0 into one ring buffer, as one commit group (a
+    copy past the split's end is masked off: zero-filled, so no value from past the end
+    reaches p @ v)."""
+    _async_load(lat_buf, kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+                mask=((t0 + n_lat) < end)[:, None])
+    _async_load(rope_buf, kt_row + (t0 + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+                mask=((t0 + n_rope) < end)[:, None])
+    cp.commit_group()
+
+
+def _score_tile_src(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                    Q_REG: gl.constexpr, DL: gl.constexpr, s_mma: gl.constexpr):
+    """q . k of one tile, issued async (rope part, then the latent part: its first Q_REG
+    columns from registers, the rest from shared memory)."""
+    s = warpgroup_mma(q_rope_s, cur_rope.permute((1, 0)),
+                      gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+    if Q_REG > 0:
+        s = warpgroup_mma(q_reg, cur_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+        if Q_REG < DL // 2:  # shared-memory slices must be powers of two wide
+            s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
+                              cur_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
+                          cur_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
+    else:
+        s = warpgroup_mma(q_lat_s, cur_lat.permute((1, 0)), s, is_async=True)
+    return s
+
+
+def _probs_src(s, m_i, t0, end, cols_s, sm_scale_log2):
+    """Online softmax of one unmasked score tile (keys from t0, those past `end` off):
+    p = 2^(s * scale - m) with the running row max m, alpha = the old sums' rescale."""
+    s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
+    return p, gl.exp2(m_i - m_use), m_new
+
+
 def _pair_tile_src(it, cur_lat, cur_rope, nxt_lat, nxt_rope, q_lat_s, q_rope_s, q_reg, p_s, acc, m_i, l_2d,
                    start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope, cols_s, sm_scale_log2,
                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, Q_REG: gl.constexpr, DL: gl.constexpr,
@@ -74,30 +113,11 @@ def _pair_tile_src(it, cur_lat, cur_rope, nxt_lat, nxt_rope, q_lat_s, q_rope_s, 
     cp.wait_group(0)
     fence_async_shared()
     _barrier()
-    s = warpgroup_mma(q_rope_s, cur_rope.permute((1, 0)),
-                      gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
-    if Q_REG > 0:
-        s = warpgroup_mma(q_reg, cur_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
-        if Q_REG < DL // 2:
-            s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
-                              cur_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
-                          cur_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
-    else:
-        s = warpgroup_mma(q_lat_s, cur_lat.permute((1, 0)), s, is_async=True)
-    tn = start + (it + 1) * BLOCK_N
-    _async_load(nxt_lat, kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                mask=((tn + n_lat) < end)[:, None])
-    _async_load(nxt_rope, kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                mask=((tn + n_rope) < end)[:, None])
-    cp.commit_group()
+    s = _score_tile(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma)
+    _issue_copies(nxt_lat, nxt_rope, start + (it + 1) * BLOCK_N, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
+                  n_rope, c_rope)
     s = warpgroup_mma_wait(0, deps=[s])
-    t0 = start + it * BLOCK_N
-    s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * sm_scale_log2 - m_use[:, None])
-    alpha = gl.exp2(m_i - m_use)
+    p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2)
     l_2d = l_2d * alpha[:, None] + p
     p_s.store(p.to(p_s.dtype))
     fence_async_shared()
@@ -157,6 +177,8 @@ def _mla_gluon_kernel_src(
         # the first Q_REG latent columns of q held in registers as the score GEMM's left
         # operand: each warpgroup would otherwise re-read them from shared memory per tile
         q_reg = q_lat_s.slice(0, Q_REG, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2))
+    else:
+        q_reg = 0  # unused
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16), q_rope)
     if SCHEDULE == 6:
         k_lat_a = gl.allocate_shared_memory(dt, [BLOCK_N, DL], lat_sl)
@@ -191,21 +213,13 @@ def _mla_gluon_kernel_src(
     n_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
     c_rope = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
 
-    # prologue: the first STAGES - 1 tiles in flight (a copy past the split's end is masked
-    # off: zero-filled, so no value from past the end reaches p @ v)
+    # prologue: the first STAGES - 1 tiles in flight
     if SCHEDULE == 6:
-        _async_load(k_lat_a, kv_row + (start + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                    mask=((start + n_lat) < end)[:, None])
-        _async_load(k_rope_a, kt_row + (start + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                    mask=((start + n_rope) < end)[:, None])
-        cp.commit_group()
-    for i in gl.static_range(STAGES - 1 if SCHEDULE != 6 else 0):
-        t0 = start + i * BLOCK_N
-        _async_load(k_lat_s.index(i), kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                                       mask=((t0 + n_lat) < end)[:, None])
-        _async_load(k_rope_s.index(i), kt_row + (t0 + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                                       mask=((t0 + n_rope) < end)[:, None])
-        cp.commit_group()
+        _issue_copies(k_lat_a, k_rope_a, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope)
+    else:
+        for i in gl.static_range(STAGES - 1):
+            _issue_copies(k_lat_s.index(i), k_rope_s.index(i), start + i * BLOCK_N, end, kv_row, kt_row, skv_t, skt_t,
+                          n_lat, c_lat, n_rope, c_rope)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_mma))
@@ -214,8 +228,6 @@ def _mla_gluon_kernel_src(
     cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
 
     if SCHEDULE == 6:
-        if Q_REG == 0:
-            q_reg = 0
         # two tiles per iteration, one per buffer; an odd count runs one masked tile more
         # (zero-filled copies, p = 0)
         for it in range(0, n_tiles, 2):
@@ -234,11 +246,8 @@ def _mla_gluon_kernel_src(
             if SCHEDULE == 1:
                 # issue tile it + STAGES - 1 into the buffer tile it - 1 used (its GEMMs are done:
                 # every warp passed the barrier at the end of the previous iteration)
-                _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                                               mask=((tn + n_lat) < end)[:, None])
-                _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                                               mask=((tn + n_rope) < end)[:, None])
-                cp.commit_group()
+                _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), tn, end, kv_row, kt_row, skv_t, skt_t, n_lat,
+                              c_lat, n_rope, c_rope)
                 cp.wait_group(STAGES - 1)  # this thread's copies of tile `it` landed,
             else:
                 cp.wait_group(STAGES - 2)
@@ -247,33 +256,17 @@ def _mla_gluon_kernel_src(
             if SCHEDULE == 2:
                 # after that barrier every warp is past the previous tile's value GEMM, so its
                 # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
-                _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                                               mask=((tn + n_lat) < end)[:, None])
-                _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                                               mask=((tn + n_rope) < end)[:, None])
-                cp.commit_group()
+                _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), tn, end, kv_row, kt_row, skv_t, skt_t, n_lat,
+                              c_lat, n_rope, c_rope)
 
             cur = it % STAGES
             k_lat = k_lat_s.index(cur)
-            s = warpgroup_mma(q_rope_s, k_rope_s.index(cur).permute((1, 0)),
-                              gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
-            if Q_REG > 0:
-                s = warpgroup_mma(q_reg, k_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
-                if Q_REG < DL // 2:  # shared-memory slices must be powers of two wide
-                    s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
-                                      k_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
-                                  k_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
-            else:
-                s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
+            s = _score_tile(k_lat, k_rope_s.index(cur), q_lat_s, q_rope_s, q_reg, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma)
             if SCHEDULE == 3:
                 # as 2, but the next tile's copies are issued while the tensor cores compute these
                 # scores (the slot they fill is not this tile's)
-                _async_load(k_lat_s.index(slot), kv_row + (tn + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
-                                               mask=((tn + n_lat) < end)[:, None])
-                _async_load(k_rope_s.index(slot), kt_row + (tn + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
-                                               mask=((tn + n_rope) < end)[:, None])
-                cp.commit_group()
+                _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), tn, end, kv_row, kt_row, skv_t, skt_t, n_lat,
+                              c_lat, n_rope, c_rope)
             s = warpgroup_mma_wait(0, deps=[s])
             t0 = start + it * BLOCK_N
             if HAS_MASK or CAUSAL:
@@ -288,12 +281,9 @@ def _mla_gluon_kernel_src(
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 p = gl.exp2(s - m_use[:, None])
+                alpha = gl.exp2(m_i - m_use)
             else:
-                s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
-            alpha = gl.exp2(m_i - m_use)
+                p, alpha, m_new = _probs(s, m_i, t0, end, cols_s, sm_scale_log2)
             if SCHEDULE == 1:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             else:  # row sums kept per thread and reduced once after the loop: no cross-warpgroup sum per tile
@@ -323,6 +313,9 @@ def _mla_gluon_kernel_src(
 
 
 if HAS_GLUON:
+    _issue_copies = gluon.jit(_issue_copies_src)
+    _score_tile = gluon.jit(_score_tile_src)
+    _probs = gluon.jit(_probs_src)
     _pair_tile = gluon.jit(_pair_tile_src)
     _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
 
@@ -385,7 +378,7 @@ def default_q_reg() -> int:
 
 
 def default_schedule() -> int:
-    """6 on Triton 3.6 (measured on the H200: 2-4 % faster than 3 at 64 and 128 heads,
+    """6 on Triton 3.6 (measured on the H200: 2-5 % faster than 3 at 64 and 128 heads,
     kernel_notes v8); 3 elsewhere: Triton 3.9's compiler spills 232 B with 6, offline."""
     return 6 if triton.__version__.startswith("3.6") else 3
 
