@@ -36,6 +36,8 @@ from dcp_pass.runtime.decode.kernels.splits import split_count  # noqa: E402
 D = KV_LORA + ROPE
 L2_BYTES = 60 << 20
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script under TRITON_INTERPRET=1
+# the interpreter's bf16 tl.dot is wrong (kernels refuse it), so a CPU dry run takes fp16
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 
 
 def counts(B, S, H, T):
@@ -62,8 +64,8 @@ def make_case(B, S, H, T, device=DEV):
     n = max(1, min(16, math.ceil(4 * L2_BYTES / max(one, 1)))) if one < 2 * L2_BYTES else 1
     sets = []
     for _ in range(n):
-        q = torch.randn(B, S, H, D, dtype=torch.bfloat16, device=device)
-        kv = torch.randn(B, T, D, dtype=torch.bfloat16, device=device)
+        q = torch.randn(B, S, H, D, dtype=DTYPE, device=device)
+        kv = torch.randn(B, T, D, dtype=DTYPE, device=device)
         sets.append((q, kv))
     return sets
 

@@ -413,6 +413,21 @@ def check_bad_arguments():
             raise AssertionError("bad lse_base must raise")
 
 
+def check_bf16_in_interpreter_raises():
+    """bf16 on CPU must fail loudly: the interpreter's bf16 tl.dot gives values ~1e9."""
+    m = _mod()
+    from dcp_pass.runtime.decode.kernels import mla_wide
+
+    q_lat, q_rope, kv, pe, vd = make_inputs(1, 1, 16, 32, 16, 9, torch.bfloat16, gen=_gen())
+    for fn in (m.mla_attention_triton, mla_wide.mla_attention_wide):
+        try:
+            fn(q_lat, q_rope, kv, pe, vd, 0.2)
+        except ValueError as e:
+            assert "interpreter" in str(e) and "float32 or float16" in str(e), str(e)
+        else:
+            raise AssertionError(f"{fn.__name__}: bf16 under the interpreter must raise")
+
+
 CPU_CHECKS = interpreter.check_names(globals())
 
 

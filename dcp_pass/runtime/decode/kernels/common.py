@@ -239,9 +239,14 @@ def outputs(q_lat, v_dim, out, lse_out, empty_shard):
     return out, lse_out, False
 
 
-def check_launchable(device, kv_lens, who):
+def check_launchable(device, kv_lens, who, dtype=None):
     if device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(f"{who} on CPU tensors needs TRITON_INTERPRET=1 set before triton's import")
+    if device.type != "cuda" and dtype == torch.bfloat16:
+        # the interpreter keeps bfloat16 as raw 16-bit integers and tl.dot multiplies those
+        # (triton-lang/triton#11584, Triton 3.6 and 3.9 alike): values ~1e9, no error of its own
+        raise ValueError(f"{who}: Triton's interpreter computes tl.dot on bfloat16 wrongly; "
+                         "on CPU pass float32 or float16 tensors (the GPU path takes bfloat16)")
     if kv_lens is not None and kv_lens.device != device:
         raise ValueError("kv_lens must be on the query's device")
 

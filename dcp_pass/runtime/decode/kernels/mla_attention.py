@@ -470,7 +470,7 @@ def _launch(a: MlaArgs, out, lse_out, num_splits, config):
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    check_launchable(device, kv_lens, "mla_attention_triton")
+    check_launchable(device, kv_lens, "mla_attention_triton", kv.dtype)
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     has_tail = parts.q_tail is not None

@@ -486,7 +486,7 @@ def launch_wide(a: MlaArgs, out, lse_out, num_splits, config: Optional[WideConfi
     if done:
         return out, lse_out
     SH = S * H
-    check_launchable(device, kv_lens, "mla_attention_wide")
+    check_launchable(device, kv_lens, "mla_attention_wide", kv.dtype)
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are

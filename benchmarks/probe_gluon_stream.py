@@ -1,0 +1,131 @@
+"""How fast the Gluon MLA kernel's load pipeline alone streams the latent cache (H200 probe).
+
+The kernel (``kernels/mla_gluon.py``) brings each 64-key tile in by ``cp.async`` into a
+ring of STAGES buffers, one tile ahead at 2 stages (all that fits beside q). This probe
+runs the same copies (the kernel's own ``_issue_copies``), waits and barriers per tile on
+the same grid (one program per split and request, one per SM) with no GEMMs and no softmax:
+the time the kernel could not go below with this pipeline. 3 stages (no q beside them) shows
+what one more tile in flight would give. Timed next to the real kernel in one run.
+
+    python benchmarks/probe_gluon_stream.py --out benchmarks/results/gluon_stream_probe_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernel import counts, make_case, time_fn, time_triton  # noqa: E402
+from common import copy_bandwidth, env_info, floor_ms, fmt_table, matmul_rate, write_json  # noqa: E402
+
+from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
+from dcp_pass.runtime.decode.kernels.splits import split_count  # noqa: E402
+
+if G.HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    def _stream_kernel_src(KV, SINK, T, skv_b, skv_t, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           NUM_SPLITS: gl.constexpr):
+        """One split of one request: every tile copied into the ring, waited for, fenced and
+        barriered as the kernel does (schedule 3's order), then dropped."""
+        DL: gl.constexpr = 512
+        DR: gl.constexpr = 64
+        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        ld_rope: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16)
+        rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
+        pid_sp = gl.program_id(0)
+        b = gl.program_id(1).to(gl.int64)
+        k_lat_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DL], lat_sl)
+        k_rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR], rope_sl)
+        split_len = gl.cdiv(gl.cdiv(T, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = pid_sp * split_len
+        end = gl.minimum(start + split_len, T)
+        n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+        kv_row = KV + b * skv_b
+        kt_row = KV + b * skv_b + DL
+        n_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat))
+        c_lat = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))
+        n_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
+        c_rope = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
+        for i in gl.static_range(STAGES - 1):
+            G._issue_copies(k_lat_s.index(i), k_rope_s.index(i), start + i * BLOCK_N, end, kv_row, kt_row, skv_t,
+                            skv_t, n_lat, c_lat, n_rope, c_rope)
+        for it in range(n_tiles):
+            nxt = it + STAGES - 1
+            G.cp.wait_group(STAGES - 2)
+            G.fence_async_shared()
+            G._barrier()
+            slot = nxt % STAGES
+            G._issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), start + nxt * BLOCK_N, end, kv_row, kt_row,
+                            skv_t, skv_t, n_lat, c_lat, n_rope, c_rope)
+        G.cp.wait_group(0)
+        G._barrier()
+        # one value read back so the copies have a consumer
+        v = k_lat_s.index(0).load(ld_lat)
+        gl.store(SINK + pid_sp + b * NUM_SPLITS, gl.sum(gl.sum(v.to(gl.float32), axis=1), axis=0))
+
+    _stream_jit = gluon.jit(_stream_kernel_src)
+
+
+def stream_ms(kv, stages, ns):
+    B, T, _ = kv.shape
+    sink = torch.empty(B * ns, device=kv.device)
+
+    def run(q, kv_):
+        _stream_jit[(ns, B)](kv_, sink, T, kv_.stride(0), kv_.stride(1), BLOCK_N=64, STAGES=stages, NUM_SPLITS=ns,
+                             num_warps=8)
+
+    return time_fn(run, [(None, kv)])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/gluon_stream_probe.json")
+    ap.add_argument("--shapes", default="64x8x32768,64x8x131072,64x32x32768,128x8x32768")
+    ap.add_argument("--passes", type=int, default=2)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a Hopper GPU (Gluon has no interpreter)")
+    torch.manual_seed(0)
+    results = dict(env=env_info())
+    ceil = dict(copy_bw=copy_bandwidth(), mm_rate=matmul_rate())
+    results["ceilings"] = ceil
+    rows = []
+    for sh in a.shapes.split(","):
+        H, B, T = (int(x) for x in sh.split("x"))
+        sets = make_case(B, 1, H, T)
+        nbytes, flops = counts(B, 1, H, T)
+        floor = floor_ms(nbytes, flops, ceil)
+        ns = split_count(B, math.ceil(H / 64), T, torch.device("cuda"))
+        kv = sets[0][1]
+        kv_bytes = kv.numel() * kv.element_size()
+        t = {"kernel": [], "stream 2 stages": [], "stream 3 stages": []}
+        for _ in range(a.passes):
+            t["kernel"].append(time_triton(sets, path="gluon"))
+            t["stream 2 stages"].append(stream_ms(kv, 2, ns))
+            t["stream 3 stages"].append(stream_ms(kv, 3, ns))
+        for name, ts in t.items():
+            ms = min(ts)
+            rec = dict(H=H, B=B, T=T, splits=ns, what=name, ms=ms, passes=ts, floor_ms=floor, of_floor=floor / ms,
+                       kv_tb_s=kv_bytes / (ms * 1e-3) / 1e12, kv_of_copy_bw=kv_bytes / (ms * 1e-3) / ceil["copy_bw"])
+            rows.append(rec)
+            print("row", rec, flush=True)
+        results["rows"] = rows
+        write_json(a.out, results)
+        del sets, kv
+        torch.cuda.empty_cache()
+    md = fmt_table(rows, [("H", "H"), ("B", "B"), ("T", "T"), ("splits", "splits"), ("what", "what"), ("ms", "ms"),
+                          ("floor/ms", "of_floor"), ("KV TB/s", "kv_tb_s"), ("of copy bw", "kv_of_copy_bw")])
+    results["table_md"] = md
+    write_json(a.out, results)
+    print(md, flush=True)
+
+
+if __name__ == "__main__":
+    main()
