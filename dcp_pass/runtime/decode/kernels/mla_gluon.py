@@ -8,8 +8,9 @@ of 64 rows (query token x head) and all 512 value columns over two warpgroups:
   columns, so each computes half of a score tile and holds [64, 256] of the fp32
   accumulator (the whole [64, 512] would not fit one warpgroup's registers);
 * the probabilities go to shared memory (``p_s``), which both warpgroups read as the
-  value GEMM's left operand; each tile's row max crosses the two warpgroups (the row sums
-  are kept per thread and reduced once after the loop);
+  value GEMM's left operand; each tile's row max crosses the two warpgroups once, through a
+  small shared buffer and one barrier (``_row_max_src``; the row sums are kept per thread
+  and reduced once after the loop);
 * tiles arrive by ``cp.async`` ``STAGES - 1`` tiles ahead of use (a ring of ``STAGES``
   buffers), so loading overlaps the GEMMs of the tile before.
 
@@ -93,17 +94,30 @@ def _score_tile_src(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H: gl.con
     return s
 
 
-def _probs_src(s, m_i, t0, end, cols_s, sm_scale_log2):
+def _row_max_src(s, red_s, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Each row's max over a [BLOCK_H, BLOCK_N] score tile whose columns the two warpgroups
+    split in halves: each warpgroup reduces its half inside its warps, the two halves meet
+    in shared memory across one barrier. (Triton's own cross-warp reduction takes two: the
+    second guards its scratch for reuse. Here the buffer is written again only in the next
+    tile, after the probabilities' barrier that every thread passes after reading it.)"""
+    halves = gl.max(gl.reshape(s, [BLOCK_H, 2, BLOCK_N // 2]), axis=2)  # [rows, warpgroup]: no cross-warp step
+    red_s.store(gl.reshape(gl.permute(halves, (1, 0)), [2 * BLOCK_H]))
+    _barrier()
+    row: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+    return gl.maximum(red_s.slice(0, BLOCK_H).load(row), red_s.slice(BLOCK_H, BLOCK_H).load(row))
+
+
+def _probs_src(s, m_i, t0, end, cols_s, sm_scale_log2, red_s, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
     """Online softmax of one unmasked score tile (keys from t0, those past `end` off):
     p = 2^(s * scale - m) with the running row max m, alpha = the old sums' rescale."""
     s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
+    m_new = gl.maximum(m_i, _row_max(s, red_s, BLOCK_H, BLOCK_N) * sm_scale_log2)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
     return p, gl.exp2(m_i - m_use), m_new
 
 
-def _pair_tile_src(it, cur_lat, cur_rope, nxt_lat, nxt_rope, q_lat_s, q_rope_s, q_reg, p_s, acc, m_i, l_2d,
+def _pair_tile_src(it, cur_lat, cur_rope, nxt_lat, nxt_rope, q_lat_s, q_rope_s, q_reg, p_s, red_s, acc, m_i, l_2d,
                    start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope, cols_s, sm_scale_log2,
                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, Q_REG: gl.constexpr, DL: gl.constexpr,
                    s_mma: gl.constexpr, o_mma: gl.constexpr):
@@ -117,7 +131,7 @@ def _pair_tile_src(it, cur_lat, cur_rope, nxt_lat, nxt_rope, q_lat_s, q_rope_s, 
     _issue_copies(nxt_lat, nxt_rope, start + (it + 1) * BLOCK_N, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
                   n_rope, c_rope)
     s = warpgroup_mma_wait(0, deps=[s])
-    p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2)
+    p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s, BLOCK_H, BLOCK_N)
     l_2d = l_2d * alpha[:, None] + p
     p_s.store(p.to(p_s.dtype))
     fence_async_shared()
@@ -189,6 +203,8 @@ def _mla_gluon_kernel_src(
         k_lat_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], lat_sl)
         k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], rope_sl)
     p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], p_sl)
+    # the two warpgroups' halves of each row max (_row_max_src)
+    red_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     # ---- this split's keys (rank r's share of a global count under lens_stripe)
     if HAS_LENS:
@@ -231,11 +247,12 @@ def _mla_gluon_kernel_src(
         # two tiles per iteration, one per buffer; an odd count runs one masked tile more
         # (zero-filled copies, p = 0)
         for it in range(0, n_tiles, 2):
-            acc, m_i, l_2d = _pair_tile(it, k_lat_a, k_rope_a, k_lat_b, k_rope_b, q_lat_s, q_rope_s, q_reg, p_s, acc,
-                                        m_i, l_2d, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope,
-                                        c_rope, cols_s, sm_scale_log2, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma, o_mma)
+            acc, m_i, l_2d = _pair_tile(it, k_lat_a, k_rope_a, k_lat_b, k_rope_b, q_lat_s, q_rope_s, q_reg, p_s,
+                                        red_s, acc, m_i, l_2d, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
+                                        n_rope, c_rope, cols_s, sm_scale_log2, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma,
+                                        o_mma)
             acc, m_i, l_2d = _pair_tile(it + 1, k_lat_b, k_rope_b, k_lat_a, k_rope_a, q_lat_s, q_rope_s, q_reg, p_s,
-                                        acc, m_i, l_2d, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
+                                        red_s, acc, m_i, l_2d, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
                                         n_rope, c_rope, cols_s, sm_scale_log2, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma,
                                         o_mma)
     else:
@@ -283,7 +300,7 @@ def _mla_gluon_kernel_src(
                 p = gl.exp2(s - m_use[:, None])
                 alpha = gl.exp2(m_i - m_use)
             else:
-                p, alpha, m_new = _probs(s, m_i, t0, end, cols_s, sm_scale_log2)
+                p, alpha, m_new = _probs(s, m_i, t0, end, cols_s, sm_scale_log2, red_s, BLOCK_H, BLOCK_N)
             if SCHEDULE == 1:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             else:  # row sums kept per thread and reduced once after the loop: no cross-warpgroup sum per tile
@@ -315,6 +332,7 @@ def _mla_gluon_kernel_src(
 if HAS_GLUON:
     _issue_copies = gluon.jit(_issue_copies_src)
     _score_tile = gluon.jit(_score_tile_src)
+    _row_max = gluon.jit(_row_max_src)
     _probs = gluon.jit(_probs_src)
     _pair_tile = gluon.jit(_pair_tile_src)
     _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
