@@ -115,3 +115,28 @@ def fmt_table(rows, cols):
             cells.append(v if isinstance(v, str) else (f"{v:.3g}" if isinstance(v, float) else str(v)))
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def probe_shapes(out, shapes, one_shape, columns):
+    """Driver of the side-by-side probes (CUDA only): the ceilings first, then
+    ``one_shape(H, B, T, ceil)`` -> that shape's rows for every "HxBxT" of ``shapes``, the
+    JSON (env, ceilings, rows, table_md) rewritten after each shape, the table printed last."""
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    torch.manual_seed(0)
+    results = dict(env=env_info())
+    ceil = dict(copy_bw=copy_bandwidth(), mm_rate=matmul_rate())
+    results["ceilings"] = ceil
+    rows = []
+    for sh in shapes.split(","):
+        H, B, T = (int(x) for x in sh.split("x"))
+        for rec in one_shape(H, B, T, ceil):
+            rows.append(rec)
+            print("row", rec, flush=True)
+        results["rows"] = rows
+        write_json(out, results)
+        torch.cuda.empty_cache()
+    results["table_md"] = fmt_table(rows, columns)
+    write_json(out, results)
+    print(results["table_md"], flush=True)
+    return results

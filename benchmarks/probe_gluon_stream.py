@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel import counts, make_case, time_fn, time_triton  # noqa: E402
-from common import copy_bandwidth, env_info, floor_ms, fmt_table, matmul_rate, write_json  # noqa: E402
+from common import floor_ms, probe_shapes  # noqa: E402
 
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels.splits import split_count  # noqa: E402
@@ -90,15 +90,8 @@ def main():
     ap.add_argument("--shapes", default="64x8x32768,64x8x131072,64x32x32768,128x8x32768")
     ap.add_argument("--passes", type=int, default=2)
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a Hopper GPU (Gluon has no interpreter)")
-    torch.manual_seed(0)
-    results = dict(env=env_info())
-    ceil = dict(copy_bw=copy_bandwidth(), mm_rate=matmul_rate())
-    results["ceilings"] = ceil
-    rows = []
-    for sh in a.shapes.split(","):
-        H, B, T = (int(x) for x in sh.split("x"))
+
+    def one_shape(H, B, T, ceil):
         sets = make_case(B, 1, H, T)
         nbytes, flops = counts(B, 1, H, T)
         floor = floor_ms(nbytes, flops, ceil)
@@ -112,19 +105,12 @@ def main():
             t["stream 3 stages"].append(stream_ms(kv, 3, ns))
         for name, ts in t.items():
             ms = min(ts)
-            rec = dict(H=H, B=B, T=T, splits=ns, what=name, ms=ms, passes=ts, floor_ms=floor, of_floor=floor / ms,
+            yield dict(H=H, B=B, T=T, splits=ns, what=name, ms=ms, passes=ts, floor_ms=floor, of_floor=floor / ms,
                        kv_tb_s=kv_bytes / (ms * 1e-3) / 1e12, kv_of_copy_bw=kv_bytes / (ms * 1e-3) / ceil["copy_bw"])
-            rows.append(rec)
-            print("row", rec, flush=True)
-        results["rows"] = rows
-        write_json(a.out, results)
-        del sets, kv
-        torch.cuda.empty_cache()
-    md = fmt_table(rows, [("H", "H"), ("B", "B"), ("T", "T"), ("splits", "splits"), ("what", "what"), ("ms", "ms"),
-                          ("floor/ms", "of_floor"), ("KV TB/s", "kv_tb_s"), ("of copy bw", "kv_of_copy_bw")])
-    results["table_md"] = md
-    write_json(a.out, results)
-    print(md, flush=True)
+
+    probe_shapes(a.out, a.shapes, one_shape, [("H", "H"), ("B", "B"), ("T", "T"), ("splits", "splits"),
+                                              ("what", "what"), ("ms", "ms"), ("floor/ms", "of_floor"),
+                                              ("KV TB/s", "kv_tb_s"), ("of copy bw", "kv_of_copy_bw")])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel import counts, make_case, time_triton  # noqa: E402
-from common import copy_bandwidth, env_info, floor_ms, fmt_table, matmul_rate, write_json  # noqa: E402
+from common import floor_ms, probe_shapes  # noqa: E402
 
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
@@ -59,46 +59,32 @@ def main():
     ap.add_argument("--shapes", default="64x8x32768,128x8x32768,64x32x32768,16x1x131072,16x8x32768")
     ap.add_argument("--passes", type=int, default=3)
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    torch.manual_seed(0)
-    results = dict(env=env_info())
-    ceil = dict(copy_bw=copy_bandwidth(), mm_rate=matmul_rate())
-    results["ceilings"] = ceil
-    rows = []
-    for sh in a.shapes.split(","):
-        H, B, T = (int(x) for x in sh.split("x"))
+
+    def one_shape(H, B, T, ceil):
         path = "gluon" if H >= 64 else "split"
         sets = make_case(B, 1, H, T)
         nbytes, flops = counts(B, 1, H, T)
         floor = floor_ms(nbytes, flops, ceil)
-        call = lambda sets=sets, path=path: M.mla_attention_triton(  # noqa: E731
-            sets[0][0], None, sets[0][1], None, 512, 192 ** -0.5, path=path)
+        call = lambda: M.mla_attention_triton(sets[0][0], None, sets[0][1], None, 512, 192 ** -0.5,  # noqa: E731
+                                              path=path)
         ref = with_merge(VARIANTS[0], call)
-        times = {v[0]: [] for v in VARIANTS}
         same = {}
         for v in VARIANTS:
             o = with_merge(v, call)
             same[v[0]] = bool(torch.equal(o[0], ref[0]) and torch.equal(o[1], ref[1]))
+        times = {v[0]: [] for v in VARIANTS}
         for _ in range(a.passes):
             for v in VARIANTS:
-                times[v[0]].append(with_merge(v, lambda sets=sets, path=path: time_triton(sets, path=path)))
+                times[v[0]].append(with_merge(v, lambda: time_triton(sets, path=path)))
         base = min(times["default"])
         for v in VARIANTS:
             ms = min(times[v[0]])
-            rec = dict(H=H, B=B, T=T, path=path, merge=v[0], ms=ms, passes=times[v[0]], of_floor=floor / ms,
+            yield dict(H=H, B=B, T=T, path=path, merge=v[0], ms=ms, passes=times[v[0]], of_floor=floor / ms,
                        vs_default=base / ms, bitwise_equal=same[v[0]])
-            rows.append(rec)
-            print("row", rec, flush=True)
-        results["rows"] = rows
-        write_json(a.out, results)
-        del sets, call, ref
-        torch.cuda.empty_cache()
-    md = fmt_table(rows, [("H", "H"), ("B", "B"), ("T", "T"), ("path", "path"), ("merge", "merge"), ("ms", "ms"),
-                          ("floor/ms", "of_floor"), ("vs default", "vs_default"), ("bitwise equal", "bitwise_equal")])
-    results["table_md"] = md
-    write_json(a.out, results)
-    print(md, flush=True)
+
+    probe_shapes(a.out, a.shapes, one_shape, [("H", "H"), ("B", "B"), ("T", "T"), ("path", "path"), ("merge", "merge"),
+                                              ("ms", "ms"), ("floor/ms", "of_floor"), ("vs default", "vs_default"),
+                                              ("bitwise equal", "bitwise_equal")])
 
 
 if __name__ == "__main__":

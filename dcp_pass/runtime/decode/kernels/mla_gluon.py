@@ -295,7 +295,7 @@ def _mla_gluon_kernel_src(
                 if CAUSAL:
                     valid = valid & (((t0 + cols_s) * cp_world + cp_rank)[None, :] <= qpos[:, None])
                 s = gl.where(valid, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                m_new = gl.maximum(m_i, _row_max(s, red_s, BLOCK_H, BLOCK_N))
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 p = gl.exp2(s - m_use[:, None])
                 alpha = gl.exp2(m_i - m_use)
