@@ -11,7 +11,6 @@ what one more tile in flight would give. Timed next to the real kernel in one ru
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel import counts, make_case, time_fn, time_triton  # noqa: E402
-from common import floor_ms, probe_shapes  # noqa: E402
+from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
 
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels.splits import split_count  # noqa: E402
@@ -58,9 +57,7 @@ if G.HAS_GLUON:
                             skv_t, n_lat, c_lat, n_rope, c_rope)
         for it in range(n_tiles):
             nxt = it + STAGES - 1
-            G.cp.wait_group(STAGES - 2)
-            G.fence_async_shared()
-            G._barrier()
+            G._tile_landed(STAGES - 2)
             slot = nxt % STAGES
             G._issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), start + nxt * BLOCK_N, end, kv_row, kt_row,
                             skv_t, skv_t, n_lat, c_lat, n_rope, c_rope)
@@ -85,10 +82,7 @@ def stream_ms(kv, stages, ns):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/gluon_stream_probe.json")
-    ap.add_argument("--shapes", default="64x8x32768,64x8x131072,64x32x32768,128x8x32768")
-    ap.add_argument("--passes", type=int, default=2)
+    ap = probe_parser("benchmarks/results/gluon_stream_probe.json", "64x8x32768,64x8x131072,64x32x32768,128x8x32768", 2)
     a = ap.parse_args()
 
     def one_shape(H, B, T, ceil):

@@ -76,6 +76,14 @@ def _issue_copies_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, skv_t, skt_t, 
     cp.commit_group()
 
 
+def _tile_landed_src(OUTSTANDING: gl.constexpr):
+    """Wait until this thread's copies but the newest OUTSTANDING commit groups have landed,
+    order them before the tensor cores' (async proxy) reads, and every thread's too."""
+    cp.wait_group(OUTSTANDING)
+    fence_async_shared()
+    _barrier()
+
+
 def _score_tile_src(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                     Q_REG: gl.constexpr, DL: gl.constexpr, s_mma: gl.constexpr):
     """q . k of one tile, issued async (rope part, then the latent part: its first Q_REG
@@ -94,12 +102,14 @@ def _score_tile_src(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H: gl.con
     return s
 
 
-def _row_max_src(s, red_s, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+def _row_max_src(s, red_s):
     """Each row's max over a [BLOCK_H, BLOCK_N] score tile whose columns the two warpgroups
     split in halves: each warpgroup reduces its half inside its warps, the two halves meet
     in shared memory across one barrier. (Triton's own cross-warp reduction takes two: the
     second guards its scratch for reuse. Here the buffer is written again only in the next
     tile, after the probabilities' barrier that every thread passes after reading it.)"""
+    BLOCK_H: gl.constexpr = s.shape[0]
+    BLOCK_N: gl.constexpr = s.shape[1]
     halves = gl.max(gl.reshape(s, [BLOCK_H, 2, BLOCK_N // 2]), axis=2)  # [rows, warpgroup]: no cross-warp step
     red_s.store(gl.reshape(gl.permute(halves, (1, 0)), [2 * BLOCK_H]))
     _barrier()
@@ -107,11 +117,11 @@ def _row_max_src(s, red_s, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
     return gl.maximum(red_s.slice(0, BLOCK_H).load(row), red_s.slice(BLOCK_H, BLOCK_H).load(row))
 
 
-def _probs_src(s, m_i, t0, end, cols_s, sm_scale_log2, red_s, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+def _probs_src(s, m_i, t0, end, cols_s, sm_scale_log2, red_s):
     """Online softmax of one unmasked score tile (keys from t0, those past `end` off):
     p = 2^(s * scale - m) with the running row max m, alpha = the old sums' rescale."""
     s = gl.where(((t0 + cols_s) < end)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, _row_max(s, red_s, BLOCK_H, BLOCK_N) * sm_scale_log2)
+    m_new = gl.maximum(m_i, _row_max(s, red_s) * sm_scale_log2)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FMA per score
     return p, gl.exp2(m_i - m_use), m_new
@@ -124,14 +134,12 @@ def _pair_tile_src(it, cur_lat, cur_rope, nxt_lat, nxt_rope, q_lat_s, q_rope_s, 
     """SCHEDULE 6: one tile of schedule 3 with the two ring buffers as separate allocations
     (the caller alternates them), so the compiler sees that the next tile's copies write a
     buffer no GEMM of this tile reads and needs no barrier before them."""
-    cp.wait_group(0)
-    fence_async_shared()
-    _barrier()
+    _tile_landed(0)
     s = _score_tile(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma)
     _issue_copies(nxt_lat, nxt_rope, start + (it + 1) * BLOCK_N, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
                   n_rope, c_rope)
     s = warpgroup_mma_wait(0, deps=[s])
-    p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s, BLOCK_H, BLOCK_N)
+    p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s)
     l_2d = l_2d * alpha[:, None] + p
     p_s.store(p.to(p_s.dtype))
     fence_async_shared()
@@ -265,11 +273,9 @@ def _mla_gluon_kernel_src(
                 # every warp passed the barrier at the end of the previous iteration)
                 _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), tn, end, kv_row, kt_row, skv_t, skt_t, n_lat,
                               c_lat, n_rope, c_rope)
-                cp.wait_group(STAGES - 1)  # this thread's copies of tile `it` landed,
+                _tile_landed(STAGES - 1)
             else:
-                cp.wait_group(STAGES - 2)
-            fence_async_shared()  # ordered before the tensor cores' (async proxy) reads,
-            _barrier()  # and every thread's are
+                _tile_landed(STAGES - 2)
             if SCHEDULE == 2:
                 # after that barrier every warp is past the previous tile's value GEMM, so its
                 # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
@@ -295,12 +301,12 @@ def _mla_gluon_kernel_src(
                 if CAUSAL:
                     valid = valid & (((t0 + cols_s) * cp_world + cp_rank)[None, :] <= qpos[:, None])
                 s = gl.where(valid, s, float("-inf"))
-                m_new = gl.maximum(m_i, _row_max(s, red_s, BLOCK_H, BLOCK_N))
+                m_new = gl.maximum(m_i, _row_max(s, red_s))
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 p = gl.exp2(s - m_use[:, None])
                 alpha = gl.exp2(m_i - m_use)
             else:
-                p, alpha, m_new = _probs(s, m_i, t0, end, cols_s, sm_scale_log2, red_s, BLOCK_H, BLOCK_N)
+                p, alpha, m_new = _probs(s, m_i, t0, end, cols_s, sm_scale_log2, red_s)
             if SCHEDULE == 1:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             else:  # row sums kept per thread and reduced once after the loop: no cross-warpgroup sum per tile
@@ -330,6 +336,7 @@ def _mla_gluon_kernel_src(
 
 
 if HAS_GLUON:
+    _tile_landed = gluon.jit(_tile_landed_src)
     _issue_copies = gluon.jit(_issue_copies_src)
     _score_tile = gluon.jit(_score_tile_src)
     _row_max = gluon.jit(_row_max_src)
