@@ -1,6 +1,7 @@
 """Shared helpers for the GPU benchmarks: ceilings, timing, result files."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -115,6 +116,15 @@ def fmt_table(rows, cols):
             cells.append(v if isinstance(v, str) else (f"{v:.3g}" if isinstance(v, float) else str(v)))
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def probe_parser(out, shapes, passes):
+    """The options every side-by-side probe takes (then handed to :func:`probe_shapes`)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--shapes", default=shapes, help="HxBxT,...")
+    ap.add_argument("--passes", type=int, default=passes, help="alternating passes over the variants")
+    return ap
 
 
 def probe_shapes(out, shapes, one_shape, columns):

@@ -9,7 +9,6 @@ each pass (median reported), with the error against the fp32 reference per confi
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -17,17 +16,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel import check, counts, make_case, time_triton  # noqa: E402
-from common import floor_ms, probe_shapes  # noqa: E402
+from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
 
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/gluon_configs.json")
+    ap = probe_parser("benchmarks/results/gluon_configs.json",
+                      "64x8x32768,64x8x131072,64x32x32768,128x8x32768,128x32x131072", 3)
     ap.add_argument("--configs", default="64,64,2,6,128;64,64,2,6,256")
-    ap.add_argument("--shapes", default="64x8x32768,64x8x131072,64x32x32768,128x8x32768,128x32x131072")
-    ap.add_argument("--passes", type=int, default=3)
     a = ap.parse_args()
     configs = [G.GluonConfig.parse(c) for c in a.configs.split(";")]
 

@@ -11,7 +11,6 @@ splits, so a difference there is rounding, not an error.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel import counts, make_case, time_triton  # noqa: E402
-from common import floor_ms, probe_shapes  # noqa: E402
+from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
 
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
@@ -54,10 +53,8 @@ def with_merge(variant, fn):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/merge_configs_probe.json")
-    ap.add_argument("--shapes", default="64x8x32768,128x8x32768,64x32x32768,16x1x131072,16x8x32768")
-    ap.add_argument("--passes", type=int, default=3)
+    ap = probe_parser("benchmarks/results/merge_configs_probe.json",
+                      "64x8x32768,128x8x32768,64x32x32768,16x1x131072,16x8x32768", 3)
     a = ap.parse_args()
 
     def one_shape(H, B, T, ceil):
