@@ -6,42 +6,112 @@ each pass (median reported), with the error against the fp32 reference per confi
 
     python benchmarks/probe_gluon_configs.py --configs "64,64,2,6,128;64,64,2,6,256" \
         --out benchmarks/results/gluon_configs.json
+
+``--baseline FILE`` (an earlier ``mla_gluon.py``, e.g. ``git show HEAD~1:<path> > FILE``)
+adds the ``--baseline-configs`` compiled from that source, tagged ``base``, to the same
+alternating passes: old and new kernel source side by side in one run.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import statistics
 import sys
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernel import check, counts, make_case, time_triton  # noqa: E402
+import torch  # noqa: E402
+from bench_kernel import KV_LORA, SCALE, counts, make_case, time_fn  # noqa: E402
 from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
 
+from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
+from dcp_pass.runtime.decode.kernels.common import Causal  # noqa: E402
+
+
+def call_extras(kind, B, T, device):
+    """The mask / causal operands of a decode step (``--call``): "mask" hides the last 7
+    positions of every request with a [B, 1, 1, T] row (static-position decode), "causal"
+    caps the keys at each request's query position T - 8 (int-position decode); "plain": none."""
+    if kind == "mask":
+        mask = torch.zeros(B, 1, 1, T, device=device)
+        mask[..., T - 7:] = float("-inf")
+        return dict(mask=mask)
+    if kind == "causal":
+        return dict(causal=Causal(torch.full((B, 1), T - 8, device=device, dtype=torch.int64), 1, 0))
+    return {}
+
+
+def run_of(config, extras):
+    return lambda q, kv: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config, path="gluon",
+                                                **extras)
+
+
+def error_of(sets, config, extras):
+    """(relative error, max LSE error) of batch row 0 against the fp32 reference."""
+    q, kv = sets[0]
+    o, lse = run_of(config, extras)(q, kv)
+    first = {k: (v[:1] if k == "mask" else Causal(v.q_pos[:1], v.cp_world, v.cp_rank)) for k, v in extras.items()}
+    ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, first.get("mask"), None, first.get("causal"),
+                               torch.float32)
+    return ((o[:1].float() - ro).norm() / ro.norm()).item(), (lse[:1] - rl).abs().max().item()
+
+
+def load_kernel(path):
+    """The kernel entry point of another copy of mla_gluon.py, loaded as a sibling module (so
+    its relative imports resolve); every other part of the call stays this checkout's."""
+    name = "dcp_pass.runtime.decode.kernels._baseline_mla_gluon"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "dcp_pass.runtime.decode.kernels"
+    sys.modules[name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod._mla_gluon_jit
+
+
+@contextlib.contextmanager
+def kernel_swapped(jit):
+    """Run launch_gluon with `jit` as its kernel (None: this checkout's)."""
+    own = G._mla_gluon_jit
+    G._mla_gluon_jit = jit or own
+    try:
+        yield
+    finally:
+        G._mla_gluon_jit = own
 
 
 def main():
     ap = probe_parser("benchmarks/results/gluon_configs.json",
                       "64x8x32768,64x8x131072,64x32x32768,128x8x32768,128x32x131072", 3)
     ap.add_argument("--configs", default="64,64,2,6,128;64,64,2,6,256")
+    ap.add_argument("--baseline", default=None, help="another mla_gluon.py to time beside this one")
+    ap.add_argument("--baseline-configs", default="64,64,2,6,128")
+    ap.add_argument("--call", choices=("plain", "mask", "causal"), default="plain")
     a = ap.parse_args()
-    configs = [G.GluonConfig.parse(c) for c in a.configs.split(";")]
+    # (tag, config, kernel): kernel None is this checkout's
+    variants = [(c.tag(), c, None) for c in (G.GluonConfig.parse(x) for x in a.configs.split(";"))]
+    if a.baseline:
+        base = load_kernel(a.baseline)
+        variants += [("base " + c.tag(), c, base) for c in (G.GluonConfig.parse(x) for x in a.baseline_configs.split(";"))]
 
     def one_shape(H, B, T, ceil):
         sets = make_case(B, 1, H, T)
         nbytes, flops = counts(B, 1, H, T)
         floor = floor_ms(nbytes, flops, ceil)
-        errs = {c.tag(): check(sets, "gluon", c) for c in configs}
-        times = {c.tag(): [] for c in configs}
+        extras = call_extras(a.call, B, T, sets[0][0].device)
+        errs, times = {}, {tag: [] for tag, _, _ in variants}
+        for tag, c, jit in variants:
+            with kernel_swapped(jit):
+                errs[tag] = error_of(sets, c, extras)
         for _ in range(a.passes):
-            for c in configs:
-                times[c.tag()].append(time_triton(sets, c, path="gluon"))
-        for c in configs:
-            ms = statistics.median(times[c.tag()])
-            yield dict(H=H, B=B, T=T, config=c.tag(), ms=ms, passes=times[c.tag()], of_floor=floor / ms,
-                       mm_frac=flops / (ms * 1e-3) / ceil["mm_rate"], rel_err=errs[c.tag()][0],
-                       lse_err=errs[c.tag()][1])
+            for tag, c, jit in variants:
+                with kernel_swapped(jit):
+                    times[tag].append(time_fn(run_of(c, extras), sets))
+        for tag, _, _ in variants:
+            ms = statistics.median(times[tag])
+            yield dict(H=H, B=B, T=T, call=a.call, config=tag, ms=ms, passes=times[tag], of_floor=floor / ms,
+                       mm_frac=flops / (ms * 1e-3) / ceil["mm_rate"], rel_err=errs[tag][0], lse_err=errs[tag][1])
 
     probe_shapes(a.out, a.shapes, one_shape, [("H", "H"), ("B", "B"), ("T", "T"), ("config", "config"), ("ms", "ms"),
                                               ("floor/ms", "of_floor"), ("mm frac", "mm_frac"),
