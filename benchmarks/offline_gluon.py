@@ -31,8 +31,7 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
     ptrs = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "MASK": "*fp32", "QPOS": "*i64", "O": "*fp32", "L": "*fp32"}
     floats = {"sm_scale_log2", "lse_scale"}
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
-                  SCHEDULE=G._schedule_for(cfg, mask or causal), HAS_MASK=mask, CAUSAL=causal,
-                  Q_REG=G.default_q_reg() if cfg.q_reg is None else cfg.q_reg)
+                  SCHEDULE=G._schedule_for(cfg), HAS_MASK=mask, CAUSAL=causal, Q_REG=G._q_reg_for(cfg, mask or causal))
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in ptrs:
@@ -69,7 +68,7 @@ def main():
         rec = dict(config=cfg.tag(), triton=triton.__version__)
         try:
             r = compile_config(cfg, mask=a.mask, causal=a.causal)
-            save_ttgir(a.ttgir, f"gluon_{bh}_{bn}_{st}_v{G._schedule_for(cfg, a.mask or a.causal)}_q{cfg.q_reg}", r.pop("ttgir"))
+            save_ttgir(a.ttgir, f"gluon_{bh}_{bn}_{st}_v{G._schedule_for(cfg)}_q{cfg.q_reg}", r.pop("ttgir"))
         except Exception as e:  # noqa: BLE001
             r = dict(error=f"{type(e).__name__}: {e}"[-1500:])
         rec.update(r)

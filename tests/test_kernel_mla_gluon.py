@@ -78,20 +78,26 @@ def test_compiles_for_hopper_with_this_triton():
     assert masked["smem_kib"] <= 227 and masked["n_hgmma"] == plain["n_hgmma"], masked
 
 
-def test_schedule_6_compiles_and_masked_calls_keep_schedule_3():
+def test_schedule_6_compiles_plain_and_masked():
     """Schedule 6 (two ring buffers as two allocations, two tiles per iteration) is valid Gluon
-    here and fits shared memory; it has no masked form, so a mask or causal cap takes 3; the
-    default is 6 only on the Triton it was measured with."""
+    here, with and without a mask row and causal cap, and fits shared memory (the mask rows
+    travel in two small buffers beside the tiles); the defaults are 6 and q columns in
+    registers only on the Triton they were measured with, and a masked call keeps q in
+    shared memory unless configured otherwise."""
     G, off = _offline()
     six = off.compile_config(G.GluonConfig(schedule=6, q_reg=0))
     three = off.compile_config(G.GluonConfig(schedule=3, q_reg=0))
     assert six["smem_kib"] <= 227 and six["n_hgmma"] == 2 * three["n_hgmma"]  # two tiles' GEMMs per iteration
-    assert G._schedule_for(G.GluonConfig(schedule=6), masked=True) == 3
-    assert G._schedule_for(G.GluonConfig(schedule=6), masked=False) == 6
-    assert G._schedule_for(G.GluonConfig(schedule=2), masked=True) == 2
+    masked = off.compile_config(G.GluonConfig(schedule=6, q_reg=0), mask=True, causal=True)
+    assert masked["smem_kib"] <= 227 and masked["n_hgmma"] == six["n_hgmma"], masked
     import triton
 
-    assert G._schedule_for(G.GluonConfig(), masked=False) == (6 if triton.__version__.startswith("3.6") else 3)
+    on_36 = triton.__version__.startswith("3.6")
+    assert G._schedule_for(G.GluonConfig()) == (6 if on_36 else 3)
+    assert G._schedule_for(G.GluonConfig(schedule=2)) == 2
+    assert G._q_reg_for(G.GluonConfig(), masked=False) == (256 if on_36 else 0)
+    assert G._q_reg_for(G.GluonConfig(), masked=True) == 0
+    assert G._q_reg_for(G.GluonConfig(q_reg=128), masked=True) == 128
 
 
 def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
@@ -153,13 +159,15 @@ def test_gpu_gluon_striped_lengths_and_tiles():
 
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
                 G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256), G.GluonConfig(schedule=6, q_reg=0),
-                G.GluonConfig(schedule=6, q_reg=128), G.GluonConfig()):
+                G.GluonConfig(schedule=6, q_reg=128), G.GluonConfig(schedule=6, q_reg=256),
+                G.GluonConfig()):
         _case(3, 4100, [8199, 77, 2], stripe=(2, 1), config=cfg)
 
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("tag", ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,2,0", "64,64,2,6,0", "64,64,2,6,128"])
+@pytest.mark.parametrize("tag", ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,2,0", "64,64,2,6,0", "64,64,2,6,128",
+                                 "64,64,2,6,256"])
 def test_gpu_gluon_drifting_and_wide_scores(tag):
     """Scores whose running max keeps rising along the cache (keys grow in norm), jumps once
     (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
@@ -215,11 +223,15 @@ def test_gpu_gluon_cuda_graph_capture():
 
 @gpu
 @needs_hopper
-def test_gpu_gluon_shared_mask_and_causal_stripes():
+@pytest.mark.parametrize("tag", [None, "64,64,2,3,0", "64,64,2,6,128"])
+def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     """A decode mask row per request (-inf and finite entries, one request fully masked), and
-    the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference."""
+    the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference;
+    the default schedule, schedule 3's ring, and q columns in registers."""
     from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
+
+    cfg = G.GluonConfig.parse(tag) if tag else None
 
     g = torch.Generator(device="cuda").manual_seed(5)
     B, T = 3, 3000
@@ -233,10 +245,18 @@ def test_gpu_gluon_shared_mask_and_causal_stripes():
     assert G.gluon_preferred(q, None, kv, None, 512, mask, None) or os.environ.get("DCP_MLA_GLUON") == "0"
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
     m.mla_attention_triton(q, None, kv, None, 512, SCALE, mask, lens, out=out, lse_out=lse, path="gluon",
-                           num_splits=3)
+                           num_splits=3, config=cfg)
     ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, mask, lens, None, torch.float32)
     check_close(out, lse, ro, rl, 2e-2)
     assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    # the same mask as every other column of a wider row (stride 2 along the keys): the
+    # kernel copies the row with its tile, element by element
+    wide = torch.full((B, 1, 1, 2 * T), 7.0, device="cuda")
+    wide[..., ::2] = mask
+    out2, lse2 = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
+    m.mla_attention_triton(q, None, kv, None, 512, SCALE, wide[..., ::2], lens, out=out2, lse_out=lse2, path="gluon",
+                           config=cfg)
+    check_close(out2, lse2, ro, rl, 2e-2)
 
     S, c, r = 2, 2, 1
     q2 = torch.randn(B, S, 64, 576, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -244,7 +264,7 @@ def test_gpu_gluon_shared_mask_and_causal_stripes():
     q_pos = glens.view(B, 1) - S + torch.arange(S, device="cuda").view(1, S)
     out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
     m.mla_attention_triton(q2, None, kv, None, 512, SCALE, None, glens, "e", (q_pos, c, r), out=out, lse_out=lse,
-                           path="gluon", lens_stripe=(c, r))
+                           path="gluon", lens_stripe=(c, r), config=cfg)
     local = torch.div(glens + c - 1 - r, c, rounding_mode="floor").clamp(max=T)
     ro, rl = m._reference_impl(q2, None, kv, None, 512, SCALE, None, local, (q_pos, c, r), torch.float32)
     check_close(out, lse, ro, rl, 2e-2)

@@ -12,7 +12,9 @@ of 64 rows (query token x head) and all 512 value columns over two warpgroups:
   small shared buffer and one barrier (``_row_max_src``; the row sums are kept per thread
   and reduced once after the loop);
 * tiles arrive by ``cp.async`` ``STAGES - 1`` tiles ahead of use (a ring of ``STAGES``
-  buffers), so loading overlaps the GEMMs of the tile before.
+  buffers), so loading overlaps the GEMMs of the tile before; a mask row travels with its
+  tile (copied into a small buffer beside it, in the same commit group): read from global
+  memory after the score GEMM it waited behind the cache stream for about a tile's time.
 
 Plain Triton cannot express this (docs/kernel_notes.md, v5): it gives a dot whose
 result reaches another dot all warps along the rows (both warpgroups compute the same
@@ -76,6 +78,18 @@ def _issue_copies_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, skv_t, skt_t, 
     cp.commit_group()
 
 
+def _issue_ring_copies_src(slot, k_lat_s, k_rope_s, mk_s, t0, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat,
+                           c_lat, n_rope, c_rope, n_mk, HAS_MASK: gl.constexpr):
+    """Schedules 1-3: the tile at key t0 into ring slot `slot`, with its mask row (when there
+    is one) in the same commit group, so it lands with the tile: a mask read straight from
+    global memory after the score GEMM waits in the same queues as the cache stream (about
+    a tile's load time at 64 heads; 20-25 % of the call, kernel_notes v10)."""
+    if HAS_MASK:
+        _async_load(mk_s.index(slot), mk_row + (t0 + n_mk) * sm_t, mask=(t0 + n_mk) < end)
+    _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), t0, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
+                  n_rope, c_rope)
+
+
 def _tile_landed_src(OUTSTANDING: gl.constexpr):
     """Wait until this thread's copies but the newest OUTSTANDING commit groups have landed,
     order them before the tensor cores' (async proxy) reads, and every thread's too."""
@@ -117,6 +131,14 @@ def _row_max_src(s, red_s):
     return gl.maximum(red_s.slice(0, BLOCK_H).load(row), red_s.slice(BLOCK_H, BLOCK_H).load(row))
 
 
+def _row_sum_halves_src(p):
+    """Each row's sum over each warpgroup's half of a score tile's columns, [BLOCK_H, 2]:
+    reduced inside the warps only (the halves are added once, after the loop)."""
+    BLOCK_H: gl.constexpr = p.shape[0]
+    BLOCK_N: gl.constexpr = p.shape[1]
+    return gl.sum(gl.reshape(p, [BLOCK_H, 2, BLOCK_N // 2]), axis=2)
+
+
 def _probs_src(s, m_i, t0, end, cols_s, sm_scale_log2, red_s):
     """Online softmax of one unmasked score tile (keys from t0, those past `end` off):
     p = 2^(s * scale - m) with the running row max m, alpha = the old sums' rescale."""
@@ -127,20 +149,50 @@ def _probs_src(s, m_i, t0, end, cols_s, sm_scale_log2, red_s):
     return p, gl.exp2(m_i - m_use), m_new
 
 
-def _pair_tile_src(it, cur_lat, cur_rope, nxt_lat, nxt_rope, q_lat_s, q_rope_s, q_reg, p_s, red_s, acc, m_i, l_2d,
-                   start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope, cols_s, sm_scale_log2,
-                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, Q_REG: gl.constexpr, DL: gl.constexpr,
-                   s_mma: gl.constexpr, o_mma: gl.constexpr):
+def _probs_masked_src(s, m_i, t0, end, cols_s, sm_scale_log2, red_s, mk, qpos, cp_world, cp_rank,
+                      HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online softmax of one score tile with the mask row `mk` added (HAS_MASK) and/or the
+    causal cap applied (CAUSAL: key k, at global position k * cp_world + cp_rank, visible to
+    a row whose query position qpos is not before it); keys past `end` off."""
+    s = s * sm_scale_log2
+    valid = ((t0 + cols_s) < end)[None, :]
+    if HAS_MASK:
+        s = s + mk[None, :] * 1.4426950408889634
+    if CAUSAL:
+        valid = valid & (((t0 + cols_s) * cp_world + cp_rank)[None, :] <= qpos[:, None])
+    s = gl.where(valid, s, float("-inf"))
+    m_new = gl.maximum(m_i, _row_max(s, red_s))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return gl.exp2(s - m_use[:, None]), gl.exp2(m_i - m_use), m_new
+
+
+def _pair_tile_src(it, cur_lat, cur_rope, cur_mk, nxt_lat, nxt_rope, nxt_mk, q_lat_s, q_rope_s, q_reg, p_s, red_s, acc,
+                   m_i, l_2d, start, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat, c_lat, n_rope, c_rope, n_mk,
+                   cols_s, sm_scale_log2, qpos, cp_world, cp_rank, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                   Q_REG: gl.constexpr, DL: gl.constexpr, s_mma: gl.constexpr, o_mma: gl.constexpr,
+                   HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """SCHEDULE 6: one tile of schedule 3 with the two ring buffers as separate allocations
     (the caller alternates them), so the compiler sees that the next tile's copies write a
-    buffer no GEMM of this tile reads and needs no barrier before them."""
+    buffer no GEMM of this tile reads and needs no barrier before them. A mask row travels
+    with its tile (`cur_mk` / `nxt_mk`, as in _issue_ring_copies_src)."""
     _tile_landed(0)
     s = _score_tile(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma)
-    _issue_copies(nxt_lat, nxt_rope, start + (it + 1) * BLOCK_N, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
-                  n_rope, c_rope)
+    t1 = start + (it + 1) * BLOCK_N
+    if HAS_MASK:
+        _async_load(nxt_mk, mk_row + (t1 + n_mk) * sm_t, mask=(t1 + n_mk) < end)
+    _issue_copies(nxt_lat, nxt_rope, t1, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope)
     s = warpgroup_mma_wait(0, deps=[s])
-    p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s)
-    l_2d = l_2d * alpha[:, None] + p
+    if HAS_MASK or CAUSAL:
+        if HAS_MASK:
+            mk = cur_mk.load(gl.SliceLayout(0, s_mma))
+        else:
+            mk = 0  # unused
+        p, alpha, m_new = _probs_masked(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s, mk, qpos,
+                                        cp_world, cp_rank, HAS_MASK, CAUSAL)
+    else:
+        p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s)
+    part = _row_sum_halves(p)
+    l_2d = l_2d * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout))[:, None] + part
     p_s.store(p.to(p_s.dtype))
     fence_async_shared()
     _barrier()
@@ -207,9 +259,14 @@ def _mla_gluon_kernel_src(
         k_rope_a = gl.allocate_shared_memory(dt, [BLOCK_N, DR], rope_sl)
         k_lat_b = gl.allocate_shared_memory(dt, [BLOCK_N, DL], lat_sl)
         k_rope_b = gl.allocate_shared_memory(dt, [BLOCK_N, DR], rope_sl)
+        # each buffer's mask row (fp32), copied with its tile
+        mk_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        mk_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         k_lat_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], lat_sl)
         k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], rope_sl)
+        # each ring slot's mask row (fp32), copied with its tile (_issue_ring_copies_src)
+        mk_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], p_sl)
     # the two warpgroups' halves of each row max (_row_max_src)
     red_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -223,6 +280,7 @@ def _mla_gluon_kernel_src(
     start = pid_sp * split_len
     end = gl.minimum(start + split_len, kv_len)
     rows_m = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_mma))
+    qpos = 0  # unused unless CAUSAL
     if CAUSAL:
         qpos = gl.load(QPOS + b * sqp_b + (rows_m // H) * sqp_s, mask=rows_m < SH, other=-1)
         qmax = gl.max(qpos, axis=0)
@@ -236,18 +294,22 @@ def _mla_gluon_kernel_src(
     c_lat = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))
     n_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
     c_rope = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
+    n_mk = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [8], [0]))
+    mk_row = MASK + b * sm_b
 
     # prologue: the first STAGES - 1 tiles in flight
     if SCHEDULE == 6:
+        if HAS_MASK:
+            _async_load(mk_a, mk_row + (start + n_mk) * sm_t, mask=(start + n_mk) < end)
         _issue_copies(k_lat_a, k_rope_a, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope)
     else:
         for i in gl.static_range(STAGES - 1):
-            _issue_copies(k_lat_s.index(i), k_rope_s.index(i), start + i * BLOCK_N, end, kv_row, kt_row, skv_t, skt_t,
-                          n_lat, c_lat, n_rope, c_rope)
+            _issue_ring_copies(i, k_lat_s, k_rope_s, mk_s, start + i * BLOCK_N, end, kv_row, kt_row, mk_row, skv_t,
+                               skt_t, sm_t, n_lat, c_lat, n_rope, c_rope, n_mk, HAS_MASK)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_mma))
-    l_2d = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma)
+    l_2d = _row_sum_halves(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma))
     acc = gl.zeros([BLOCK_H, DL], gl.float32, layout=o_mma)
     cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
 
@@ -255,14 +317,14 @@ def _mla_gluon_kernel_src(
         # two tiles per iteration, one per buffer; an odd count runs one masked tile more
         # (zero-filled copies, p = 0)
         for it in range(0, n_tiles, 2):
-            acc, m_i, l_2d = _pair_tile(it, k_lat_a, k_rope_a, k_lat_b, k_rope_b, q_lat_s, q_rope_s, q_reg, p_s,
-                                        red_s, acc, m_i, l_2d, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
-                                        n_rope, c_rope, cols_s, sm_scale_log2, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma,
-                                        o_mma)
-            acc, m_i, l_2d = _pair_tile(it + 1, k_lat_b, k_rope_b, k_lat_a, k_rope_a, q_lat_s, q_rope_s, q_reg, p_s,
-                                        red_s, acc, m_i, l_2d, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
-                                        n_rope, c_rope, cols_s, sm_scale_log2, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma,
-                                        o_mma)
+            acc, m_i, l_2d = _pair_tile(it, k_lat_a, k_rope_a, mk_a, k_lat_b, k_rope_b, mk_b, q_lat_s, q_rope_s, q_reg,
+                                        p_s, red_s, acc, m_i, l_2d, start, end, kv_row, kt_row, mk_row, skv_t, skt_t,
+                                        sm_t, n_lat, c_lat, n_rope, c_rope, n_mk, cols_s, sm_scale_log2, qpos,
+                                        cp_world, cp_rank, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma, o_mma, HAS_MASK, CAUSAL)
+            acc, m_i, l_2d = _pair_tile(it + 1, k_lat_b, k_rope_b, mk_b, k_lat_a, k_rope_a, mk_a, q_lat_s, q_rope_s,
+                                        q_reg, p_s, red_s, acc, m_i, l_2d, start, end, kv_row, kt_row, mk_row, skv_t,
+                                        skt_t, sm_t, n_lat, c_lat, n_rope, c_rope, n_mk, cols_s, sm_scale_log2, qpos,
+                                        cp_world, cp_rank, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma, o_mma, HAS_MASK, CAUSAL)
     else:
         for it in range(n_tiles):
             nxt = it + STAGES - 1
@@ -271,16 +333,16 @@ def _mla_gluon_kernel_src(
             if SCHEDULE == 1:
                 # issue tile it + STAGES - 1 into the buffer tile it - 1 used (its GEMMs are done:
                 # every warp passed the barrier at the end of the previous iteration)
-                _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), tn, end, kv_row, kt_row, skv_t, skt_t, n_lat,
-                              c_lat, n_rope, c_rope)
+                _issue_ring_copies(slot, k_lat_s, k_rope_s, mk_s, tn, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t,
+                                   n_lat, c_lat, n_rope, c_rope, n_mk, HAS_MASK)
                 _tile_landed(STAGES - 1)
             else:
                 _tile_landed(STAGES - 2)
             if SCHEDULE == 2:
                 # after that barrier every warp is past the previous tile's value GEMM, so its
                 # buffer (and p_s) may be rewritten: one barrier fewer per tile than SCHEDULE 1
-                _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), tn, end, kv_row, kt_row, skv_t, skt_t, n_lat,
-                              c_lat, n_rope, c_rope)
+                _issue_ring_copies(slot, k_lat_s, k_rope_s, mk_s, tn, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t,
+                                   n_lat, c_lat, n_rope, c_rope, n_mk, HAS_MASK)
 
             cur = it % STAGES
             k_lat = k_lat_s.index(cur)
@@ -288,29 +350,24 @@ def _mla_gluon_kernel_src(
             if SCHEDULE == 3:
                 # as 2, but the next tile's copies are issued while the tensor cores compute these
                 # scores (the slot they fill is not this tile's)
-                _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), tn, end, kv_row, kt_row, skv_t, skt_t, n_lat,
-                              c_lat, n_rope, c_rope)
+                _issue_ring_copies(slot, k_lat_s, k_rope_s, mk_s, tn, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t,
+                                   n_lat, c_lat, n_rope, c_rope, n_mk, HAS_MASK)
             s = warpgroup_mma_wait(0, deps=[s])
             t0 = start + it * BLOCK_N
             if HAS_MASK or CAUSAL:
-                s = s * sm_scale_log2
-                valid = ((t0 + cols_s) < end)[None, :]
                 if HAS_MASK:
-                    mk = gl.load(MASK + b * sm_b + (t0 + cols_s) * sm_t, mask=(t0 + cols_s) < end, other=0.0)
-                    s = s + mk[None, :] * 1.4426950408889634
-                if CAUSAL:
-                    valid = valid & (((t0 + cols_s) * cp_world + cp_rank)[None, :] <= qpos[:, None])
-                s = gl.where(valid, s, float("-inf"))
-                m_new = gl.maximum(m_i, _row_max(s, red_s))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(s - m_use[:, None])
-                alpha = gl.exp2(m_i - m_use)
+                    mk = mk_s.index(cur).load(gl.SliceLayout(0, s_mma))  # zero past `end` (masked copy)
+                else:
+                    mk = 0  # unused
+                p, alpha, m_new = _probs_masked(s, m_i, t0, end, cols_s, sm_scale_log2, red_s, mk, qpos, cp_world,
+                                                cp_rank, HAS_MASK, CAUSAL)
             else:
                 p, alpha, m_new = _probs(s, m_i, t0, end, cols_s, sm_scale_log2, red_s)
             if SCHEDULE == 1:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             else:  # row sums kept per thread and reduced once after the loop: no cross-warpgroup sum per tile
-                l_2d = l_2d * alpha[:, None] + p
+                part = _row_sum_halves(p)
+                l_2d = l_2d * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout))[:, None] + part
             m_i = m_new
 
             p_s.store(p.to(dt))
@@ -322,7 +379,7 @@ def _mla_gluon_kernel_src(
                 _barrier()  # p_s and this tile's buffer are free for the next iteration's writes
 
     if SCHEDULE != 1:
-        l_i = gl.sum(l_2d, axis=1)
+        l_i = gl.convert_layout(gl.sum(l_2d, axis=1), gl.SliceLayout(1, s_mma))
     cp.wait_group(0)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))
     empty = l_o == 0.0
@@ -338,9 +395,12 @@ def _mla_gluon_kernel_src(
 if HAS_GLUON:
     _tile_landed = gluon.jit(_tile_landed_src)
     _issue_copies = gluon.jit(_issue_copies_src)
+    _issue_ring_copies = gluon.jit(_issue_ring_copies_src)
     _score_tile = gluon.jit(_score_tile_src)
     _row_max = gluon.jit(_row_max_src)
     _probs = gluon.jit(_probs_src)
+    _probs_masked = gluon.jit(_probs_masked_src)
+    _row_sum_halves = gluon.jit(_row_sum_halves_src)
     _pair_tile = gluon.jit(_pair_tile_src)
     _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
 
@@ -350,10 +410,10 @@ class GluonConfig:
     block_h: int = 64
     block_n: int = 64
     stages: int = 2
-    # None: default_schedule(); a call with a mask or a causal cap takes 3 in place of 6
-    # (6 has no masked form)
-    schedule: Optional[int] = None
-    q_reg: Optional[int] = None  # latent columns of q kept in registers (0, 128, 256); None: default_q_reg()
+    schedule: Optional[int] = None  # None: default_schedule()
+    # latent columns of q kept in registers (0, 128, 256); None: _q_reg_for (default_q_reg(),
+    # 0 with a mask or a causal cap)
+    q_reg: Optional[int] = None
     num_splits: Optional[int] = None
     waves: float = 1.0
 
@@ -397,9 +457,11 @@ def gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None, paged=
 
 
 def default_q_reg() -> int:
-    """128 on Triton 3.6 (measured on the H200: +0.4 to +2.3 points, no spills); 0 elsewhere,
-    where it was not measured (Triton 3.9's compiler spills 96 B with it, offline)."""
-    return 128 if triton.__version__.startswith("3.6") else 0
+    """256 on Triton 3.6 (measured on the H200 beside 128 over three leases: +0.6 % on average
+    over 8 shapes, +0.7 to +1.1 % at 64 heads / B=8 / 32K; no spills since the row sums are
+    kept per warpgroup, kernel_notes v10); 0 elsewhere, where it was not measured (Triton
+    3.9's compiler spills with 128 or 256, offline)."""
+    return 256 if triton.__version__.startswith("3.6") else 0
 
 
 def default_schedule() -> int:
@@ -439,9 +501,16 @@ def try_launch_gluon(a: MlaArgs, out, lse_out, num_splits=None):
         return None
 
 
-def _schedule_for(cfg: GluonConfig, masked: bool) -> int:
-    sched = cfg.schedule or default_schedule()
-    return 3 if sched == 6 and masked else sched
+def _schedule_for(cfg: GluonConfig) -> int:
+    return cfg.schedule or default_schedule()
+
+
+def _q_reg_for(cfg: GluonConfig, masked: bool) -> int:
+    """The configured q_reg, else the default: 0 for a call with a mask or a causal cap (128
+    was no faster there on the H200, 256 spills), else default_q_reg()."""
+    if cfg.q_reg is not None:
+        return cfg.q_reg
+    return 0 if masked else default_q_reg()
 
 
 def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[GluonConfig] = None):
@@ -473,9 +542,7 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
         ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
     ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
             HAS_LENS=a.kv_lens is not None,
-            SCHEDULE=_schedule_for(cfg, mask_b is not None or a.causal is not None),
-            # the mask / causal variants would spill with q columns in registers
-            Q_REG=(default_q_reg() if cfg.q_reg is None else cfg.q_reg) if (mask_b is None and a.causal is None) else 0,
+            SCHEDULE=_schedule_for(cfg), Q_REG=_q_reg_for(cfg, mask_b is not None or a.causal is not None),
             HAS_MASK=mask_b is not None,
             CAUSAL=a.causal is not None), 8)
     if ns > 1:
