@@ -423,8 +423,10 @@ class GluonConfig:
         return cls(*(int(x) for x in text.split(",")))
 
     def tag(self) -> str:
-        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{self.schedule or default_schedule()}" + (
-            f"/qreg{self.q_reg}" if self.q_reg else "")
+        """The configuration as run on an unmasked call (defaults resolved)."""
+        q_reg = _q_reg_for(self, masked=False)
+        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{_schedule_for(self)}" + (
+            f"/qreg{q_reg}" if q_reg else "")
 
 
 GLUON_DEFAULT = GluonConfig()
@@ -466,7 +468,8 @@ def default_q_reg() -> int:
 
 def default_schedule() -> int:
     """6 on Triton 3.6 (measured on the H200: 2-5 % faster than 3 at 64 and 128 heads,
-    kernel_notes v8); 3 elsewhere: Triton 3.9's compiler spills 232 B with 6, offline."""
+    kernel_notes v8, and 3-8 % on masked and causal calls, v10); 3 elsewhere: Triton 3.9's
+    compiler spills with 6, offline."""
     return 6 if triton.__version__.startswith("3.6") else 3
 
 
