@@ -100,6 +100,25 @@ def test_schedule_6_compiles_plain_and_masked():
     assert G._q_reg_for(G.GluonConfig(q_reg=128), masked=True) == 128
 
 
+def test_warp_specialized_tile_probe_compiles(capsys):
+    """benchmarks/offline_warp_specialize.py (the feasibility probe for the next kernel step)
+    still compiles with this Triton: two wgmma warpgroups and a loader warp."""
+    import json
+
+    G, off = _offline()
+    import importlib.util
+
+    root = os.path.dirname(HERE)
+    spec = importlib.util.spec_from_file_location("offline_warp_specialize",
+                                                  os.path.join(root, "benchmarks", "offline_warp_specialize.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main()
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "error" not in rep, rep
+    assert {"64x64x16", "64x256x16"} <= {h.split(".")[0] for h in rep["hgmma"]} and rep["setmaxnreg"], rep
+
+
 def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
     """The automatic route falls back (once, for the process) when the kernel does not compile."""
     from triton.compiler.errors import CompilationError
