@@ -43,15 +43,15 @@ def call_extras(kind, B, T, device):
     return {}
 
 
-def run_of(config, extras):
-    return lambda q, kv: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config, path="gluon",
+def run_of(config, extras, path="gluon"):
+    return lambda q, kv: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config, path=path,
                                                 **extras)
 
 
-def error_of(sets, config, extras):
+def error_of(sets, config, extras, path="gluon"):
     """(relative error, max LSE error) of batch row 0 against the fp32 reference."""
     q, kv = sets[0]
-    o, lse = run_of(config, extras)(q, kv)
+    o, lse = run_of(config, extras, path)(q, kv)
     first = {k: (v[:1] if k == "mask" else Causal(v.q_pos[:1], v.cp_world, v.cp_rank)) for k, v in extras.items()}
     ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, first.get("mask"), None, first.get("causal"),
                                torch.float32)

@@ -115,7 +115,8 @@ def _gen():
 
 
 def _run_and_compare(dtype, *, B=2, S=2, H=4, Dl=32, Dr=8, T=40, fused=False, v_dim=None, mask=None,
-                     kv_lens=None, causal=None, lse_base="e", num_splits=None, q_transpose=False, config=None):
+                     kv_lens=None, causal=None, lse_base="e", num_splits=None, q_transpose=False, config=None,
+                     path=None):
     m = _mod()
     g = _gen()
     q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, Dl, Dr, T, dtype, fused=fused, v_dim=v_dim, gen=g)
@@ -124,7 +125,7 @@ def _run_and_compare(dtype, *, B=2, S=2, H=4, Dl=32, Dr=8, T=40, fused=False, v_
     scale = 0.7 / math.sqrt(q_lat.shape[-1])
     out, lse = poisoned(B, S, H, vd, dtype, "cpu")
     m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, lse_base, causal, out=out, lse_out=lse,
-                           num_splits=num_splits, config=config)
+                           num_splits=num_splits, config=config, path=path)
     ro, rl = ref64(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, causal)
     check_close(out, lse, ro, rl, TOL[dtype], lse_base)
     # the public reference (fp32) agrees too
@@ -296,6 +297,12 @@ def check_causal_global_positions_fp32():
     _run_and_compare(torch.float32, B=B, S=S, T=T, causal=(q_pos, c, r))
     q_pos0 = torch.tensor([[0, 0, 1], [0, 5, 6]])  # rank 1 owns pos 1, 4, 7..: query at 0 sees none
     _run_and_compare(torch.float32, B=B, S=S, T=T, causal=(q_pos0, c, r), num_splits=1)
+    # positions outside int32 (the kernels compare in int32): far ahead sees every key,
+    # far behind none, and 2^31 - 1 / 2^31 sit at the clamp
+    far = torch.tensor([[2 ** 40, -2 ** 40, 2 ** 31 - 1], [2 ** 31, -1, 5]])
+    for path in ("split", "wide"):
+        for world, rank in ((c, r), (1, 0)):
+            _run_and_compare(torch.float32, B=B, S=S, T=T, causal=(far, world, rank), path=path)
 
 
 def _striping(dtype, c, L_list, S, fused, tol):

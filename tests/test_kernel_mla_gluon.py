@@ -287,6 +287,13 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     local = torch.div(glens + c - 1 - r, c, rounding_mode="floor").clamp(max=T)
     ro, rl = m._reference_impl(q2, None, kv, None, 512, SCALE, None, local, (q_pos, c, r), torch.float32)
     check_close(out, lse, ro, rl, 2e-2)
+    # positions past int32 (the kernel compares in int32, clamped): every key visible
+    far = torch.full((B, S), 2 ** 40, device="cuda")
+    out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
+    m.mla_attention_triton(q2, None, kv, None, 512, SCALE, None, glens, "e", (far, 1, 0), out=out, lse_out=lse,
+                           path="gluon", config=cfg)
+    ro, rl = m._reference_impl(q2, None, kv, None, 512, SCALE, None, glens.clamp(max=T), (far, 1, 0), torch.float32)
+    check_close(out, lse, ro, rl, 2e-2)
 
 
 @gpu

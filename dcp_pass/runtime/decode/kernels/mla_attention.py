@@ -254,7 +254,11 @@ def _stage1_kernel_src(
     start = pid_sp * split_len
     end = tl.minimum(start + split_len, kv_len)
     if CAUSAL:
-        qpos = tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1)
+        # positions as int32 (clamped: a position past 2^31 - 2 sees every key there can be,
+        # and qmax + 1 stays in range):
+        # int64 positions made each [rows, keys] comparison 64-bit, 1.3x slower at 64 rows
+        qpos = tl.minimum(tl.maximum(tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1), -1),
+                          2147483646).to(tl.int32)
         qmax = tl.max(qpos, axis=0)
         # keys k with k * c + r <= qmax are the only ones any row of the block can see
         kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)

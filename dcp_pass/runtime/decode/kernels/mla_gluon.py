@@ -282,7 +282,8 @@ def _mla_gluon_kernel_src(
     rows_m = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_mma))
     qpos = 0  # unused unless CAUSAL
     if CAUSAL:
-        qpos = gl.load(QPOS + b * sqp_b + (rows_m // H) * sqp_s, mask=rows_m < SH, other=-1)
+        qpos = gl.minimum(gl.maximum(gl.load(QPOS + b * sqp_b + (rows_m // H) * sqp_s, mask=rows_m < SH, other=-1),
+                                     -1), 2147483646).to(gl.int32)  # int32 comparisons (mla_attention.py)
         qmax = gl.max(qpos, axis=0)
         # keys k with k * c + r <= qmax are the only ones any row of the block can see
         end = gl.minimum(end, gl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(gl.int32))

@@ -63,7 +63,8 @@ def _visible_end_src(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, le
         end = T
     if CAUSAL:
         offs_s = tl.arange(0, BLOCK_S)
-        qp_all = tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1)
+        qp_all = tl.minimum(tl.maximum(tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1), -1),
+                            2147483646).to(tl.int32)  # as the rows' own positions: cap + 1 stays in int32
         qmax = tl.max(qp_all, axis=0)
         kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
         end = tl.minimum(end, kcap.to(tl.int32))
@@ -156,7 +157,8 @@ def _scores_kernel_src(
         s = s + mk * 1.4426950408889634
     valid = n_ok[None, :]
     if CAUSAL:
-        qpos = tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1)
+        qpos = tl.minimum(tl.maximum(tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1), -1),
+                          2147483646).to(tl.int32)  # int32 comparisons, as in the split kernel
         valid = valid & ((offs_n[None, :] * cp_world + cp_rank) <= qpos[:, None])
     s = tl.where(valid, s, float("-inf"))
     m = tl.max(s, axis=1)

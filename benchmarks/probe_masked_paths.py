@@ -1,0 +1,62 @@
+"""What a decode step's mask row or causal cap costs on each attention path (H200 probe).
+
+For every shape and path (split, wide, gluon: the three Triton-side kernels the dispatcher
+chooses from), the same inputs are timed plain, with a [B, 1, 1, T] mask row (hiding the
+last 7 keys, as static-position decode does) and with a causal cap (int-position decode),
+in alternating passes; the error of each against the fp32 reference with the same operands.
+A path that cannot take a shape (wide below 64 rows, gluon off Hopper) is left out.
+
+    python benchmarks/probe_masked_paths.py --shapes 16x8x131072,64x8x32768 \
+        --out benchmarks/results/masked_paths.json
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernel import counts, make_case, time_fn  # noqa: E402
+from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
+from probe_gluon_configs import call_extras, error_of, run_of  # noqa: E402
+
+CALLS = ("plain", "mask", "causal")
+
+
+def main():
+    ap = probe_parser("benchmarks/results/masked_paths.json", "16x8x131072,64x8x32768,128x8x32768", 3)
+    ap.add_argument("--paths", default="split,wide,gluon")
+    a = ap.parse_args()
+
+    def one_shape(H, B, T, ceil):
+        sets = make_case(B, 1, H, T)
+        nbytes, flops = counts(B, 1, H, T)
+        floor = floor_ms(nbytes, flops, ceil)
+        device = sets[0][0].device
+        variants = []
+        for path in a.paths.split(","):
+            for call in CALLS:
+                extras = call_extras(call, B, T, device)
+                try:
+                    err = error_of(sets, None, extras, path)
+                except Exception as e:  # a path this shape or machine does not take
+                    print(f"skip {path} {call} {H}x{B}x{T}: {type(e).__name__}: {e}"[:300], flush=True)
+                    continue
+                variants.append((path, call, extras, err))
+        times = {(p, c): [] for p, c, _, _ in variants}
+        for _ in range(a.passes):
+            for path, call, extras, _ in variants:
+                times[(path, call)].append(time_fn(run_of(None, extras, path), sets))
+        plain = {p: statistics.median(times[(p, "plain")]) for p, c, _, _ in variants if c == "plain"}
+        for path, call, _, err in variants:
+            ms = statistics.median(times[(path, call)])
+            yield dict(H=H, B=B, T=T, path=path, call=call, ms=ms, passes=times[(path, call)], of_floor=floor / ms,
+                       vs_plain=(ms / plain[path]) if path in plain else None, rel_err=err[0], lse_err=err[1])
+
+    probe_shapes(a.out, a.shapes, one_shape, [("H", "H"), ("B", "B"), ("T", "T"), ("path", "path"), ("call", "call"),
+                                              ("ms", "ms"), ("floor/ms", "of_floor"), ("x plain", "vs_plain"),
+                                              ("rel err", "rel_err")])
+
+
+if __name__ == "__main__":
+    main()
