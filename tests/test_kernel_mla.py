@@ -210,8 +210,9 @@ def _striped_lens_case(path):
         g = _gen()
         q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, 32, 8, T, torch.float32, gen=g)
         scale = 0.7 / math.sqrt(q_lat.shape[-1])
+        # counts past int32 (int64 tensors) are counts past the shard, negative ones empty
         for glob in (torch.tensor([0, 1, c - 1, 2 * c + 1]), torch.tensor([c * T + 5, c, 1, 3 * c]),
-                     torch.tensor([2 * c + 3])):
+                     torch.tensor([2 * c + 3]), torch.tensor([2 ** 32 + 5, 2 ** 31 - 1, 2 ** 31, -2 ** 40])):
             local = ((glob.clamp(min=0) + c - 1 - r) // c).expand(B)
             ro, rl = ref64(q_lat, q_rope, kv, pe, vd, scale, kv_lens=local.contiguous())
             out, lse = m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, scale, None, glob, "e", None,

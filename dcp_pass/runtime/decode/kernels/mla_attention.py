@@ -247,7 +247,9 @@ def _stage1_kernel_src(
         qt = tl.load(qt_ptrs, mask=row_ok[:, None] & dt_ok[None, :], other=0.0)
 
     if HAS_LENS:
-        kv_len = tl.minimum((tl.maximum(tl.load(LENS + b * lens_sb).to(tl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
+        # clamped to [0, c T] before the int32 arithmetic (a count past 2^31 would wrap)
+        n_glob = tl.minimum(tl.maximum(tl.load(LENS + b * lens_sb), 0), T * lens_c).to(tl.int32)
+        kv_len = tl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
     else:
         kv_len = T
     split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N

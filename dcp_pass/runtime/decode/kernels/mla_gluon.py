@@ -273,7 +273,8 @@ def _mla_gluon_kernel_src(
 
     # ---- this split's keys (rank r's share of a global count under lens_stripe)
     if HAS_LENS:
-        kv_len = gl.minimum((gl.maximum(gl.load(LENS + b * lens_sb).to(gl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
+        n_glob = gl.minimum(gl.maximum(gl.load(LENS + b * lens_sb), 0), T * lens_c).to(gl.int32)  # no int32 wrap
+        kv_len = gl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
     else:
         kv_len = T
     split_len = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N

@@ -58,7 +58,8 @@ def _visible_end_src(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, le
     query position (local key k stands at global ``k * cp_world + cp_rank``).
     """
     if HAS_LENS:
-        end = tl.minimum((tl.maximum(tl.load(LENS + b * lens_sb).to(tl.int32), 0) + (lens_c - 1 - lens_r)) // lens_c, T)
+        n_glob = tl.minimum(tl.maximum(tl.load(LENS + b * lens_sb), 0), T * lens_c).to(tl.int32)  # no int32 wrap
+        end = tl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
     else:
         end = T
     if CAUSAL:
