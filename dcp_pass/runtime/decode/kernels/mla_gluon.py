@@ -78,6 +78,13 @@ def _issue_copies_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, skv_t, skt_t, 
     cp.commit_group()
 
 
+def _issue_mask_copy_src(buf, mk_row, t0, end, sm_t, n_mk):
+    """The mask row's entries for the tile at key t0 into `buf` (fp32 [BLOCK_N]), 4 bytes a
+    copy (any key stride); past `end` zero-filled. Issued before the tile's own copies so
+    that their commit closes the same group."""
+    _async_load(buf, mk_row + (t0 + n_mk) * sm_t, mask=(t0 + n_mk) < end)
+
+
 def _issue_ring_copies_src(slot, k_lat_s, k_rope_s, mk_s, t0, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat,
                            c_lat, n_rope, c_rope, n_mk, HAS_MASK: gl.constexpr):
     """Schedules 1-3: the tile at key t0 into ring slot `slot`, with its mask row (when there
@@ -85,7 +92,7 @@ def _issue_ring_copies_src(slot, k_lat_s, k_rope_s, mk_s, t0, end, kv_row, kt_ro
     global memory after the score GEMM waits in the same queues as the cache stream (about
     a tile's load time at 64 heads; 20-25 % of the call, kernel_notes v10)."""
     if HAS_MASK:
-        _async_load(mk_s.index(slot), mk_row + (t0 + n_mk) * sm_t, mask=(t0 + n_mk) < end)
+        _issue_mask_copy(mk_s.index(slot), mk_row, t0, end, sm_t, n_mk)
     _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), t0, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,
                   n_rope, c_rope)
 
@@ -179,7 +186,7 @@ def _pair_tile_src(it, cur_lat, cur_rope, cur_mk, nxt_lat, nxt_rope, nxt_mk, q_l
     s = _score_tile(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma)
     t1 = start + (it + 1) * BLOCK_N
     if HAS_MASK:
-        _async_load(nxt_mk, mk_row + (t1 + n_mk) * sm_t, mask=(t1 + n_mk) < end)
+        _issue_mask_copy(nxt_mk, mk_row, t1, end, sm_t, n_mk)
     _issue_copies(nxt_lat, nxt_rope, t1, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope)
     s = warpgroup_mma_wait(0, deps=[s])
     if HAS_MASK or CAUSAL:
@@ -302,7 +309,7 @@ def _mla_gluon_kernel_src(
     # prologue: the first STAGES - 1 tiles in flight
     if SCHEDULE == 6:
         if HAS_MASK:
-            _async_load(mk_a, mk_row + (start + n_mk) * sm_t, mask=(start + n_mk) < end)
+            _issue_mask_copy(mk_a, mk_row, start, end, sm_t, n_mk)
         _issue_copies(k_lat_a, k_rope_a, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope)
     else:
         for i in gl.static_range(STAGES - 1):
@@ -397,6 +404,7 @@ def _mla_gluon_kernel_src(
 if HAS_GLUON:
     _tile_landed = gluon.jit(_tile_landed_src)
     _issue_copies = gluon.jit(_issue_copies_src)
+    _issue_mask_copy = gluon.jit(_issue_mask_copy_src)
     _issue_ring_copies = gluon.jit(_issue_ring_copies_src)
     _score_tile = gluon.jit(_score_tile_src)
     _row_max = gluon.jit(_row_max_src)
