@@ -2,8 +2,10 @@
 
 Argument normalisation and checks (including which operands the Triton path takes), the
 operands every launch builds the same way (mask, causal positions, output buffers) and
-small constants. Nothing here launches a kernel; both kernel modules import from here
-and from ``splits`` (split count, stage-2 merge), neither from the other.
+small constants, and three device-side helpers both Triton kernels inline (a shard's key
+count, query positions as int32, the keys a position sees). Nothing here launches a
+kernel; both kernel modules import from here and from ``splits`` (split count, stage-2
+merge), neither from the other.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 try:  # triton is optional at import time (CPU-only installs still get the reference)
     import triton
+    import triton.language as tl
 
     HAS_TRITON = True
 except Exception:  # pragma: no cover - exercised only without triton
@@ -47,6 +50,9 @@ __all__ = [
     "local_lens",
     "launch",
     "recording_launches",
+    "shard_keys",
+    "positions_i32",
+    "keys_up_to",
 ]
 
 LOG2E = 1.4426950408889634
@@ -323,3 +329,37 @@ def triton_supported(q_lat, q_rope, kv, pe, v_dim) -> bool:
         return False  # values wider than the key part: not a decode MLA layout
     d_tail = (q_lat.shape[-1] - v_dim) if pe is None else pe.shape[-1]
     return pow2(d_main) <= 1024 and pow2(d_tail) <= 256
+
+
+# --------------------------------------------------------------------------------------
+# device-side helpers (inlined by the split and wide kernels; the Gluon kernel spells the
+# same three steps in its own dialect)
+# --------------------------------------------------------------------------------------
+def _shard_keys_src(LENS, b, lens_sb, T, lens_c, lens_r):
+    """Request b's keys on rank ``lens_r`` of ``lens_c`` (``(n + c - 1 - r) // c`` of the global
+    count n, capped at T). n is clamped to [0, c T] in its own dtype before the int32
+    arithmetic: a count past 2^31 would wrap (2^32 + 5 read as 5)."""
+    n = tl.minimum(tl.maximum(tl.load(LENS + b * lens_sb), 0), T * lens_c).to(tl.int32)
+    return tl.minimum((n + (lens_c - 1 - lens_r)) // lens_c, T)
+
+
+def _positions_i32_src(qpos):
+    """Query positions as int32, clamped to [-1, 2^31 - 2]: every key an int32 index can
+    address is at or before the upper clamp, and the cap ``+ 1`` of keys_up_to stays in range;
+    comparisons of int64 positions against every [rows, keys] element cost the split kernel
+    1.3x at 64 rows."""
+    return tl.minimum(tl.maximum(qpos, -1), 2147483646).to(tl.int32)
+
+
+def _keys_up_to_src(qmax, cp_world, cp_rank):
+    """How many local keys (local k at global ``k * cp_world + cp_rank``) stand at or before
+    global position qmax (an int32 from positions_i32)."""
+    return tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(tl.int32)
+
+
+if HAS_TRITON:
+    shard_keys = triton.jit(_shard_keys_src)
+    positions_i32 = triton.jit(_positions_i32_src)
+    keys_up_to = triton.jit(_keys_up_to_src)
+else:  # pragma: no cover - the kernels that call them do not exist either
+    shard_keys = positions_i32 = keys_up_to = None

@@ -55,8 +55,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 from . import mla_gluon, mla_wide
 from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
-                     check_launchable, cuda_properties, launch, lens_operand, local_lens, mask_operand, outputs,
-                     pow2, split_parts, triton_supported)
+                     check_launchable, cuda_properties, keys_up_to, launch, lens_operand, local_lens, mask_operand,
+                     outputs, positions_i32, pow2, shard_keys, split_parts, triton_supported)
 from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
@@ -247,24 +247,16 @@ def _stage1_kernel_src(
         qt = tl.load(qt_ptrs, mask=row_ok[:, None] & dt_ok[None, :], other=0.0)
 
     if HAS_LENS:
-        # clamped to [0, c T] before the int32 arithmetic (a count past 2^31 would wrap)
-        n_glob = tl.minimum(tl.maximum(tl.load(LENS + b * lens_sb), 0), T * lens_c).to(tl.int32)
-        kv_len = tl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
+        kv_len = shard_keys(LENS, b, lens_sb, T, lens_c, lens_r)
     else:
         kv_len = T
     split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = pid_sp * split_len
     end = tl.minimum(start + split_len, kv_len)
     if CAUSAL:
-        # positions as int32 (clamped: a position past 2^31 - 2 sees every key there can be,
-        # and qmax + 1 stays in range):
-        # int64 positions made each [rows, keys] comparison 64-bit, 1.3x slower at 64 rows
-        qpos = tl.minimum(tl.maximum(tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1), -1),
-                          2147483646).to(tl.int32)
-        qmax = tl.max(qpos, axis=0)
+        qpos = positions_i32(tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1))
         # keys k with k * c + r <= qmax are the only ones any row of the block can see
-        kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
-        end = tl.minimum(end, kcap.to(tl.int32))
+        end = tl.minimum(end, keys_up_to(tl.max(qpos, axis=0), cp_world, cp_rank))
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)

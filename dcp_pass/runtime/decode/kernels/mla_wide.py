@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from .common import (HAS_TRITON, LOG2E, MlaArgs, causal_operand, check_base, check_launchable, launch, lens_operand,
-                     mask_operand, outputs, pow2, triton_supported)
+from .common import (HAS_TRITON, LOG2E, MlaArgs, causal_operand, check_base, check_launchable, keys_up_to, launch,
+                     lens_operand, mask_operand, outputs, positions_i32, pow2, shard_keys, triton_supported)
 from .path_table import fastest
 from .splits import partial_outputs, reduce_launch, split_count
 
@@ -58,17 +58,13 @@ def _visible_end_src(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, le
     query position (local key k stands at global ``k * cp_world + cp_rank``).
     """
     if HAS_LENS:
-        n_glob = tl.minimum(tl.maximum(tl.load(LENS + b * lens_sb), 0), T * lens_c).to(tl.int32)  # no int32 wrap
-        end = tl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
+        end = shard_keys(LENS, b, lens_sb, T, lens_c, lens_r)
     else:
         end = T
     if CAUSAL:
         offs_s = tl.arange(0, BLOCK_S)
-        qp_all = tl.minimum(tl.maximum(tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1), -1),
-                            2147483646).to(tl.int32)  # as the rows' own positions: cap + 1 stays in int32
-        qmax = tl.max(qp_all, axis=0)
-        kcap = tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0)
-        end = tl.minimum(end, kcap.to(tl.int32))
+        qp_all = positions_i32(tl.load(QPOS + b * sqp_b + offs_s * sqp_s, mask=offs_s < S, other=-1))
+        end = tl.minimum(end, keys_up_to(tl.max(qp_all, axis=0), cp_world, cp_rank))
     return end
 
 
@@ -158,8 +154,7 @@ def _scores_kernel_src(
         s = s + mk * 1.4426950408889634
     valid = n_ok[None, :]
     if CAUSAL:
-        qpos = tl.minimum(tl.maximum(tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1), -1),
-                          2147483646).to(tl.int32)  # int32 comparisons, as in the split kernel
+        qpos = positions_i32(tl.load(QPOS + b * sqp_b + s_idx * sqp_s, mask=row_ok, other=-1))
         valid = valid & ((offs_n[None, :] * cp_world + cp_rank) <= qpos[:, None])
     s = tl.where(valid, s, float("-inf"))
     m = tl.max(s, axis=1)
