@@ -45,8 +45,9 @@ def test_not_offered_off_its_scope():
     assert shared((B, 1, 1, T), 1)
 
 
-def _offline():
-    """benchmarks/offline_gluon.py (compiles for sm_90 without a GPU), or skip where it cannot run."""
+def _offline_module(name):
+    """benchmarks/<name>.py, one of the offline sm_90 compile scripts (no GPU needed), or skip
+    where they cannot run."""
     import importlib.util
 
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
@@ -60,10 +61,17 @@ def _offline():
         pytest.skip("this Triton ships no ptxas / cuobjdump")
     root = os.path.dirname(HERE)
     sys.path.insert(0, os.path.join(root, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("offline_gluon", os.path.join(root, "benchmarks", "offline_gluon.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return G, mod
+    return mod
+
+
+def _offline():
+    """(mla_gluon, benchmarks/offline_gluon.py), or skip where it cannot run."""
+    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+
+    return G, _offline_module("offline_gluon")
 
 
 def test_compiles_for_hopper_with_this_triton():
@@ -105,15 +113,7 @@ def test_warp_specialized_tile_probe_compiles(capsys):
     still compiles with this Triton: two wgmma warpgroups and a loader warp."""
     import json
 
-    G, off = _offline()
-    import importlib.util
-
-    root = os.path.dirname(HERE)
-    spec = importlib.util.spec_from_file_location("offline_warp_specialize",
-                                                  os.path.join(root, "benchmarks", "offline_warp_specialize.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.main()
+    _offline_module("offline_warp_specialize").main()
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "error" not in rep, rep
     assert {"64x64x16", "64x256x16"} <= {h.split(".")[0] for h in rep["hgmma"]} and rep["setmaxnreg"], rep
