@@ -108,17 +108,26 @@ def time_fn(fn, sets, graph=True, **kw):
     return bench(rotating(fn, sets), **kw)
 
 
-def time_triton(sets, config=None, graph=True, path="split"):
-    def run(q, kv):
-        return M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config, path=path)
+def triton_call(config=None, path="split", extras=None):
+    """One call of the Triton dispatcher on (q, kv) with ``extras`` (mask / causal) added."""
+    return lambda q, kv: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config, path=path,
+                                                **(extras or {}))
 
-    return time_fn(run, sets, graph)
+
+def time_triton(sets, config=None, graph=True, path="split", extras=None):
+    return time_fn(triton_call(config, path, extras), sets, graph)
 
 
-def check(sets, path="split", config=None):
+def check(sets, path="split", config=None, extras=None):
+    """(relative error, max LSE error) of batch row 0 against the fp32 reference, with the
+    same mask / causal ``extras``."""
     q, kv = sets[0]
-    o, lse = M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, path=path, config=config)
-    ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, None, None, None, torch.float32)
+    o, lse = triton_call(config, path, extras)(q, kv)
+    extras = extras or {}
+    mask, causal = extras.get("mask"), extras.get("causal")
+    causal = None if causal is None else M.Causal(causal.q_pos[:1], causal.cp_world, causal.cp_rank)
+    ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, None if mask is None else mask[:1], None,
+                               causal, torch.float32)
     err = ((o[:1].float() - ro).norm() / ro.norm()).item()
     lerr = (lse[:1] - rl).abs().max().item()
     return err, lerr

@@ -22,10 +22,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
-from bench_kernel import KV_LORA, SCALE, counts, make_case, time_fn  # noqa: E402
+from bench_kernel import check, counts, make_case, time_triton  # noqa: E402
 from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
 
-from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels.common import Causal  # noqa: E402
 
@@ -41,21 +40,6 @@ def call_extras(kind, B, T, device):
     if kind == "causal":
         return dict(causal=Causal(torch.full((B, 1), T - 8, device=device, dtype=torch.int64), 1, 0))
     return {}
-
-
-def run_of(config, extras, path="gluon"):
-    return lambda q, kv: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config, path=path,
-                                                **extras)
-
-
-def error_of(sets, config, extras, path="gluon"):
-    """(relative error, max LSE error) of batch row 0 against the fp32 reference."""
-    q, kv = sets[0]
-    o, lse = run_of(config, extras, path)(q, kv)
-    first = {k: (v[:1] if k == "mask" else Causal(v.q_pos[:1], v.cp_world, v.cp_rank)) for k, v in extras.items()}
-    ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, first.get("mask"), None, first.get("causal"),
-                               torch.float32)
-    return ((o[:1].float() - ro).norm() / ro.norm()).item(), (lse[:1] - rl).abs().max().item()
 
 
 def load_kernel(path):
@@ -103,11 +87,11 @@ def main():
         errs, times = {}, {tag: [] for tag, _, _ in variants}
         for tag, c, jit in variants:
             with kernel_swapped(jit):
-                errs[tag] = error_of(sets, c, extras)
+                errs[tag] = check(sets, "gluon", c, extras)
         for _ in range(a.passes):
             for tag, c, jit in variants:
                 with kernel_swapped(jit):
-                    times[tag].append(time_fn(run_of(c, extras), sets))
+                    times[tag].append(time_triton(sets, c, path="gluon", extras=extras))
         for tag, _, _ in variants:
             ms = statistics.median(times[tag])
             yield dict(H=H, B=B, T=T, call=a.call, config=tag, ms=ms, passes=times[tag], of_floor=floor / ms,

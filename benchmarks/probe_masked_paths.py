@@ -16,9 +16,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernel import counts, make_case, time_fn  # noqa: E402
+from bench_kernel import check, counts, make_case, time_triton  # noqa: E402
 from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
-from probe_gluon_configs import call_extras, error_of, run_of  # noqa: E402
+from probe_gluon_configs import call_extras  # noqa: E402
 
 CALLS = ("plain", "mask", "causal")
 
@@ -38,7 +38,7 @@ def main():
             for call in CALLS:
                 extras = call_extras(call, B, T, device)
                 try:
-                    err = error_of(sets, None, extras, path)
+                    err = check(sets, path, None, extras)
                 except Exception as e:  # a path this shape or machine does not take
                     print(f"skip {path} {call} {H}x{B}x{T}: {type(e).__name__}: {e}"[:300], flush=True)
                     continue
@@ -46,7 +46,7 @@ def main():
         times = {(p, c): [] for p, c, _, _ in variants}
         for _ in range(a.passes):
             for path, call, extras, _ in variants:
-                times[(path, call)].append(time_fn(run_of(None, extras, path), sets))
+                times[(path, call)].append(time_triton(sets, None, path=path, extras=extras))
         plain = {p: statistics.median(times[(p, "plain")]) for p, c, _, _ in variants if c == "plain"}
         for path, call, _, err in variants:
             ms = statistics.median(times[(path, call)])
