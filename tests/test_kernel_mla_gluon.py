@@ -167,7 +167,7 @@ def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
-@pytest.mark.parametrize("tag", [None, "64,32,4,9,0"])
+@pytest.mark.parametrize("tag", [None, "64,64,2,9,0", "64,32,4,9,0"])
 def test_gpu_gluon_ragged_nan_beyond_lengths(num_splits, tag):
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
@@ -176,7 +176,7 @@ def test_gpu_gluon_ragged_nan_beyond_lengths(num_splits, tag):
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("tag", ["64,32,4,9,0"])
+@pytest.mark.parametrize("tag", ["64,64,2,9,0", "64,32,4,9,0"])
 @pytest.mark.parametrize("S,H", [(1, 64), (3, 16), (2, 128)])
 def test_gpu_gluon_ws_every_tile_count(tag, S, H):
     """The warp-specialised kernel's hand-over protocol at its edges: splits of 0, 1, 2, 3, ...
@@ -213,14 +213,14 @@ def test_gpu_gluon_striped_lengths_and_tiles():
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
                 G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256), G.GluonConfig(schedule=6, q_reg=0),
                 G.GluonConfig(schedule=6, q_reg=128), G.GluonConfig(schedule=6, q_reg=256),
-                G.GluonConfig(64, 32, 4, schedule=9), G.GluonConfig()):
+                G.GluonConfig(64, 64, 2, schedule=9), G.GluonConfig(64, 32, 4, schedule=9), G.GluonConfig()):
         _case(3, 4100, [8199, 77, 2], stripe=(2, 1), config=cfg)
 
 
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("tag", ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,2,0", "64,64,2,6,0", "64,64,2,6,128",
-                                 "64,64,2,6,256", "64,32,4,9,0"])
+                                 "64,64,2,6,256", "64,64,2,9,0", "64,32,4,9,0"])
 def test_gpu_gluon_drifting_and_wide_scores(tag):
     """Scores whose running max keeps rising along the cache (keys grow in norm), jumps once
     (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
@@ -254,7 +254,7 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("tag", [None, "64,32,4,9,0"])
+@pytest.mark.parametrize("tag", [None, "64,64,2,9,0", "64,32,4,9,0"])
 def test_gpu_gluon_cuda_graph_capture(tag):
     from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
@@ -356,7 +356,7 @@ def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     m.mla_attention(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse)
     ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, None, torch.float32)
     check_close(out, lse, ro, rl, 2e-2)
-    for cfg in (G.GluonConfig(64, 32, 4, schedule=9),):
+    for cfg in (G.GluonConfig(64, 64, 2, schedule=9), G.GluonConfig(64, 32, 4, schedule=9)):
         out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
         m.mla_attention_triton(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse, path="gluon",
                                config=cfg)

@@ -547,7 +547,8 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
             *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
             ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
         ), dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                NBUF=cfg.stages, PBUF=4, NUM_SPLITS=ns, HAS_LENS=a.kv_lens is not None, TRACE=bool(WS_TRACE)), 4)
+                NBUF=cfg.stages, PBUF=4, NUM_SPLITS=ns, HAS_LENS=a.kv_lens is not None,
+                P_IN_ROPE=cfg.block_n == 64, TRACE=bool(WS_TRACE)), 4)
     else:  # (a mask or a causal cap with the ws schedule configured: the lock-step default)
         _launch_lock_step(a, GLUON_DEFAULT if _schedule_for(cfg) == WS_SCHEDULE else cfg, parts, n_hb, ns, B, T, H,
                           SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos, qps, cp_world, cp_rank, o_part, l_part,

@@ -105,60 +105,71 @@ def _issue_scores_src(j, salt, full, q_lat_s, q_rope_r, k_lat, k_rope, tr, valid
 
 
 def _add_remote_tile_src(j, salt, acc, p_s, a_s, p_ready, k_lat, W: gl.constexpr, NBUF: gl.constexpr,
-                         PBUF: gl.constexpr, row_s: gl.constexpr, o_mma: gl.constexpr):
-    """The other warpgroup's tile j, once published: acc * alpha_j + P_j @ (value half W)
-    (waited)."""
-    slot = _opaque(j + salt) % PBUF
-    mbarrier.wait(p_ready.index(slot), (j // PBUF) & 1)
-    alpha = a_s.index(slot).load(row_s)
+                         NSLOT: gl.constexpr, PBUF: gl.constexpr, row_s: gl.constexpr, o_mma: gl.constexpr):
+    """The other warpgroup's tile j, once published (P in slot j % NSLOT, its rescale in
+    j % PBUF): acc * alpha_j + P_j @ (value half W), waited."""
+    slot = _opaque(j + salt) % NSLOT
+    mbarrier.wait(p_ready.index(slot), (j // NSLOT) & 1)
+    alpha = a_s.index(_opaque(j + salt) % PBUF).load(row_s)
     acc = warpgroup_mma(p_s.index(slot), k_lat.index(_opaque(j + salt) % NBUF).slice(256 * W, 256, dim=1),
                         acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None], is_async=True)
     return warpgroup_mma_wait(0, deps=[acc])
 
 
-def _ws_consumer_src(W: gl.constexpr, salt, q_lat_s, QT, sqt_b, sqt_s, sqt_h, b, k_lat, k_rope, p_s, m_s, a_s, l_s,
-                     full, hand, p_ready, done, kv_row, kt_row, start, end, n_tiles, sm_scale_log2, lse_scale, o_base,
-                     so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, SKV_T: gl.constexpr, SKT_T: gl.constexpr,
-                     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PBUF: gl.constexpr, TR,
-                     TRACE: gl.constexpr):
+def _ws_consumer_src(W: gl.constexpr, salt, q_lat_s, q_rope_s, QT, sqt_b, sqt_s, sqt_h, b, k_lat, k_rope, p_s, m_s,
+                     a_s, l_s, full, hand, p_ready, done, kv_row, kt_row, start, end, n_tiles, sm_scale_log2,
+                     lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, SKV_T: gl.constexpr,
+                     SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                     PBUF: gl.constexpr, P_IN_ROPE: gl.constexpr, TR, TRACE: gl.constexpr):
     """Warpgroup W: owns tiles W, W + 2, ...; accumulates value columns [256 W, 256 W + 256).
 
     Per own tile j: its scores and their row max; the other's max after tile j - 1 (`hand`),
     this tile's max handed on at once (the only serial chain between the warpgroups is
-    these few instructions); then the probabilities, published with their rescale factor in
-    slot j % PBUF (`p_ready`); then the value GEMMs in tile order: the other's tile j - 1 (P
-    from shared memory), tile j (P from registers). A slot's previous content (tile
-    j - PBUF, PBUF >= 3) was read by a value GEMM that completed before the other warpgroup
-    handed on the max of tile j - 1, so no publication waits for a value GEMM."""
+    these few instructions); then the probabilities, published with their rescale factor
+    (`p_ready`); then the value GEMMs in tile order: the other's tile j - 1 (P from shared
+    memory), tile j (P from registers).
+
+    Where P goes: P_IN_ROPE (64-key tiles, two buffers): into the tile's own rope columns,
+    dead once its scores are done; the other warpgroup, their last reader, refills them
+    (with its value half) after its P @ V. Else (32-key tiles, four buffers, q's rope columns
+    in registers to make room): slot j % PBUF, whose previous content (tile j - PBUF,
+    PBUF >= 3) was read by a value GEMM that completed before the other warpgroup handed on
+    the max of tile j - 1, and each tile's scores are issued one iteration ahead."""
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
     row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
-    q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2)
+    NSLOT: gl.constexpr = NBUF if P_IN_ROPE else PBUF  # probability slots
+    EARLY_S: gl.constexpr = not P_IN_ROPE  # (with two buffers the next own tile is not loaded yet)
 
-    # the first NBUF tiles: this warpgroup's value half of each, the rope part of its own
+    # the first NBUF tiles: this warpgroup's value half of each, and the rope part of its own
+    # (P_IN_ROPE: of the other's)
     for i in gl.static_range(NBUF):
-        _refill(i, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, W, i % 2 == W,
-                BLOCK_N, NBUF)
-    # q's rope columns live in registers (the score GEMM's left operand), which leaves room
-    # in shared memory for PBUF probability slots
-    rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_op))
-    cq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_op))
-    q_rope_r = gl.load(QT + b * sqt_b + (rq // H)[:, None] * sqt_s + (rq % H)[:, None] * sqt_h + cq[None, :],
-                       mask=(rq < SH)[:, None], other=0.0)
+        _refill(i, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, W,
+                (i % 2 == W) != P_IN_ROPE, BLOCK_N, NBUF)
+    if P_IN_ROPE:
+        q_rope = q_rope_s
+    else:  # q's rope columns in registers (the score GEMM's left operand)
+        q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2)
+        rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_op))
+        cq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_op))
+        q_rope = gl.load(QT + b * sqt_b + (rq // H)[:, None] * sqt_s + (rq % H)[:, None] * sqt_h + cq[None, :],
+                         mask=(rq < SH)[:, None], other=0.0)
 
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     m_own = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
     tr = TR + W * 512  # this warpgroup's trace row (TRACE)
-    # each own tile's scores are issued one iteration ahead (they run under this warpgroup's
-    # refills and the other's work); a warpgroup without a tile issues nothing
-    s = _issue_scores(W, salt, full, q_lat_s, q_rope_r, k_lat, k_rope, tr, W < n_tiles, BLOCK_H, BLOCK_N, NBUF, s_mma,
-                      TRACE)
+    if EARLY_S:  # a warpgroup without a tile issues nothing
+        s = _issue_scores(W, salt, full, q_lat_s, q_rope, k_lat, k_rope, tr, W < n_tiles, BLOCK_H, BLOCK_N, NBUF,
+                          s_mma, TRACE)
     for j in range(W, n_tiles, 2):
         _stamp(tr, j, 0, TRACE)
+        if not EARLY_S:
+            s = _issue_scores(j, salt, full, q_lat_s, q_rope, k_lat, k_rope, tr, True, BLOCK_H, BLOCK_N, NBUF, s_mma,
+                              TRACE)
         s = warpgroup_mma_wait(0, deps=[s])
         s = gl.where(((start + j * BLOCK_N + cols) < end)[None, :], s, float("-inf"))  # keys past the split's end
         tile_max = gl.max(s, axis=1) * sm_scale_log2
@@ -179,36 +190,40 @@ def _ws_consumer_src(W: gl.constexpr, salt, q_lat_s, QT, sqt_b, sqt_s, sqt_h, b,
         # this warpgroup's row sums (its own tiles), carried from the max of its previous tile
         l_i = l_i * gl.exp2(m_own - m_use) + gl.sum(p.to(gl.float32), axis=1)
         m_own = m_new
-        slot = _opaque(j + salt) % PBUF
+        slot = _opaque(j + salt) % NSLOT
         p_s.index(slot).store(p)
-        a_s.index(slot).store(alpha)
+        a_s.index(_opaque(j + salt) % PBUF).store(alpha)
         fence_async_shared()  # P's generic-proxy stores before the other's wgmma reads it
         mbarrier.arrive(p_ready.index(slot))
         _stamp(tr, j, 4, TRACE)
 
         if j > 0:  # the other's tile j - 1 (its row sums are the other warpgroup's)
-            acc = _add_remote_tile(j - 1, salt, acc, p_s, a_s, p_ready, k_lat, W, NBUF, PBUF, row_s, o_mma)
+            acc = _add_remote_tile(j - 1, salt, acc, p_s, a_s, p_ready, k_lat, W, NBUF, NSLOT, PBUF, row_s, o_mma)
             _stamp(tr, j, 5, TRACE)
-        # tile j's value half, with the next own tile's scores behind it on the tensor cores
-        # and the refills (which touch no wgmma register) under both
+        # tile j's value half (with the next own tile's scores behind it, EARLY_S), the
+        # refills (which touch no wgmma register) under it
         acc = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, o_mma, 2)),
                             k_lat.index(_opaque(j + salt) % NBUF).slice(256 * W, 256, dim=1),
                             acc * gl.convert_layout(alpha, row_o)[:, None], is_async=True)
-        if j > 0:  # value half W of tile j - 1 was this warpgroup's last read of that buffer
+        if j > 0:  # this warpgroup was the last reader of tile j - 1's value half W (and of P there)
             _refill(j - 1 + NBUF, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, W,
-                    False, BLOCK_N, NBUF)
-        s = _issue_scores(j + 2, salt, full, q_lat_s, q_rope_r, k_lat, k_rope, tr, j + 2 < n_tiles, BLOCK_H, BLOCK_N,
-                          NBUF, s_mma, TRACE)
-        acc = warpgroup_mma_wait(1, deps=[acc])
+                    P_IN_ROPE, BLOCK_N, NBUF)
+        if EARLY_S:
+            s = _issue_scores(j + 2, salt, full, q_lat_s, q_rope, k_lat, k_rope, tr, j + 2 < n_tiles, BLOCK_H,
+                              BLOCK_N, NBUF, s_mma, TRACE)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc])
         _stamp(tr, j, 6, TRACE)
-        _refill(j + NBUF, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, W, True,
-                BLOCK_N, NBUF)
+        _refill(j + NBUF, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, W,
+                not P_IN_ROPE, BLOCK_N, NBUF)
         _stamp(tr, j, 7, TRACE)
-    s = warpgroup_mma_wait(0, deps=[s])  # (nothing was issued past the last tile)
+    if EARLY_S:
+        s = warpgroup_mma_wait(0, deps=[s])  # (nothing was issued past the last tile)
 
     last = n_tiles - 1
     if last >= 0 and last % 2 != W:  # the other warpgroup owns the last tile
-        acc = _add_remote_tile(last, salt, acc, p_s, a_s, p_ready, k_lat, W, NBUF, PBUF, row_s, o_mma)
+        acc = _add_remote_tile(last, salt, acc, p_s, a_s, p_ready, k_lat, W, NBUF, NSLOT, PBUF, row_s, o_mma)
 
     # both halves' row sums in the final max's frame (m_s holds it: every max was handed on
     # before the last tile was published), then this warpgroup's half of the output
@@ -240,7 +255,7 @@ def _mla_gluon_ws_kernel_src(
     sl_b, sl_sp, sl_s, sl_h,
     SKV_T: gl.constexpr, SKT_T: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PBUF: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    HAS_LENS: gl.constexpr, TRACE: gl.constexpr,
+    HAS_LENS: gl.constexpr, P_IN_ROPE: gl.constexpr, TRACE: gl.constexpr,
 ):
     """One (64-row block, split, batch row): the parent region (the default partition's 4
     warps) loads q and finds the split's keys, then both warpgroups run the tiles."""
@@ -260,26 +275,39 @@ def _mla_gluon_ws_kernel_src(
     cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
     _async_load(q_lat_s, Q + b * sq_b + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
                 mask=(rq < SH)[:, None])
+    if P_IN_ROPE:  # (else q's rope columns go to registers, _ws_consumer_src)
+        q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR],
+                                             gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
+        ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
+        cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
+        _async_load(q_rope_s, QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
+                    mask=(rr < SH)[:, None])
+    else:
+        q_rope_s = q_lat_s  # unused
     cp.commit_group()
 
     lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16)
     rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
     k_lat = gl.allocate_shared_memory(dt, [NBUF, BLOCK_N, DL], lat_sl)
     k_rope = gl.allocate_shared_memory(dt, [NBUF, BLOCK_N, DR], rope_sl)
-    p_s = gl.allocate_shared_memory(dt, [PBUF, BLOCK_H, BLOCK_N],
-                                    gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16))
+    if P_IN_ROPE:  # (BLOCK_N = BLOCK_H = 64: P has the rope tile's shape and layout)
+        p_s = k_rope
+    else:
+        p_s = gl.allocate_shared_memory(dt, [PBUF, BLOCK_H, BLOCK_N],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16))
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
     a_s = gl.allocate_shared_memory(gl.float32, [PBUF, BLOCK_H], vec_sl)  # each slot's rescale factor
     l_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_sl)  # each warpgroup's row sums
     full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [PBUF, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [NBUF if P_IN_ROPE else PBUF, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBUF):
         mbarrier.init(full.index(i), count=256)  # every thread of both warpgroups, once per fill
     mbarrier.init(hand, count=1)  # Gluon's arrive: a partition barrier, then one elected thread
-    for i in gl.static_range(PBUF):
+    for i in gl.static_range(NBUF if P_IN_ROPE else PBUF):
         mbarrier.init(p_ready.index(i), count=1)
     mbarrier.init(done, count=2)
     m_s.store(gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ld_q)))  # before tile 0
@@ -305,12 +333,14 @@ def _mla_gluon_ws_kernel_src(
     l_base = L + b * sl_b + pid_sp * sl_sp
     tr_base = TR + ((b * NUM_SPLITS + pid_sp) * gl.num_programs(0) + pid_h) * 1024  # 2 warpgroups x 64 x 8
     gl.warp_specialize([
-        (_ws_consumer, (0, salt, q_lat_s, QT, sqt_b, sqt_s, sqt_h, b, k_lat, k_rope, p_s, m_s, a_s, l_s, full, hand,
+        (_ws_consumer, (0, salt, q_lat_s, q_rope_s, QT, sqt_b, sqt_s, sqt_h, b, k_lat, k_rope, p_s, m_s, a_s, l_s, full, hand,
                         p_ready, done, kv_row, kt_row, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h,
-                        l_base, sl_s, sl_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N, NBUF, PBUF, tr_base, TRACE)),
-        (_ws_consumer, (1, salt, q_lat_s, QT, sqt_b, sqt_s, sqt_h, b, k_lat, k_rope, p_s, m_s, a_s, l_s, full, hand,
+                        l_base, sl_s, sl_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N, NBUF, PBUF, P_IN_ROPE, tr_base,
+                        TRACE)),
+        (_ws_consumer, (1, salt, q_lat_s, q_rope_s, QT, sqt_b, sqt_s, sqt_h, b, k_lat, k_rope, p_s, m_s, a_s, l_s, full, hand,
                         p_ready, done, kv_row, kt_row, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h,
-                        l_base, sl_s, sl_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N, NBUF, PBUF, tr_base, TRACE)),
+                        l_base, sl_s, sl_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N, NBUF, PBUF, P_IN_ROPE, tr_base,
+                        TRACE)),
     ], [4], [256])
 
 
