@@ -167,42 +167,8 @@ def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
-@pytest.mark.parametrize("tag", [None, "64,64,2,9,0", "64,32,4,9,0"])
-def test_gpu_gluon_ragged_nan_beyond_lengths(num_splits, tag):
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
-
-    _case(4, 8192, [8192, 1, 0, 5001], num_splits, config=G.GluonConfig.parse(tag) if tag else None)
-
-
-@gpu
-@needs_hopper
-@pytest.mark.parametrize("tag", ["64,64,2,9,0", "64,32,4,9,0"])
-@pytest.mark.parametrize("S,H", [(1, 64), (3, 16), (2, 128)])
-def test_gpu_gluon_ws_every_tile_count(tag, S, H):
-    """The warp-specialised kernel's hand-over protocol at its edges: splits of 0, 1, 2, 3, ...
-    tiles (the last tile owned by either warpgroup, a warpgroup with no tile of its own),
-    a partial last tile, rows that do not fill the 64-row block (S * H = 48), two row
-    blocks; NaN rows past every length, poisoned outputs, the fp32 reference."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
-
-    cfg = G.GluonConfig.parse(tag)
-    g = torch.Generator(device="cuda").manual_seed(13)
-    B, T = 7, 1100
-    q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16, generator=g)
-    lens = torch.tensor([0, 1, 32, 64, 65, 129, 1100], device="cuda")
-    clean = kv.clone()
-    for b in range(B):
-        kv[b, lens[b]:] = float("nan")
-        clean[b, lens[b]:] = 0
-    ro, rl = m._reference_impl(q, None, clean, None, 512, SCALE, None, lens, None, torch.float32)
-    for ns in (1, 2, 3, 7, 16):
-        out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
-        m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, out=out, lse_out=lse, num_splits=ns,
-                               path="gluon", config=cfg)
-        check_close(out, lse, ro, rl, 2e-2)
-        assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+def test_gpu_gluon_ragged_nan_beyond_lengths(num_splits):
+    _case(4, 8192, [8192, 1, 0, 5001], num_splits)
 
 
 @gpu
@@ -213,14 +179,14 @@ def test_gpu_gluon_striped_lengths_and_tiles():
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
                 G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256), G.GluonConfig(schedule=6, q_reg=0),
                 G.GluonConfig(schedule=6, q_reg=128), G.GluonConfig(schedule=6, q_reg=256),
-                G.GluonConfig(64, 64, 2, schedule=9), G.GluonConfig(64, 32, 4, schedule=9), G.GluonConfig()):
+                G.GluonConfig()):
         _case(3, 4100, [8199, 77, 2], stripe=(2, 1), config=cfg)
 
 
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("tag", ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,2,0", "64,64,2,6,0", "64,64,2,6,128",
-                                 "64,64,2,6,256", "64,64,2,9,0", "64,32,4,9,0"])
+                                 "64,64,2,6,256"])
 def test_gpu_gluon_drifting_and_wide_scores(tag):
     """Scores whose running max keeps rising along the cache (keys grow in norm), jumps once
     (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
@@ -254,18 +220,14 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("tag", [None, "64,64,2,9,0", "64,32,4,9,0"])
-def test_gpu_gluon_cuda_graph_capture(tag):
+def test_gpu_gluon_cuda_graph_capture():
     from dcp_pass.runtime.decode.kernels import mla_attention as m
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
-    cfg = G.GluonConfig.parse(tag) if tag else None
     B, T = 8, 4096
     q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), 100, device="cuda")
-    run = lambda: m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, path="gluon",  # noqa: E731
-                                         config=cfg)
+    run = lambda: m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, path="gluon")  # noqa: E731
     run()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -356,8 +318,3 @@ def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     m.mla_attention(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse)
     ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, None, torch.float32)
     check_close(out, lse, ro, rl, 2e-2)
-    for cfg in (G.GluonConfig(64, 64, 2, schedule=9), G.GluonConfig(64, 32, 4, schedule=9)):
-        out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-        m.mla_attention_triton(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse, path="gluon",
-                               config=cfg)
-        check_close(out, lse, ro, rl, 2e-2)

@@ -42,13 +42,23 @@ from .common import (LOG2E, MlaArgs, causal_operand, check_base, cuda_properties
 from .path_table import fastest
 from .splits import partial_outputs, reduce_launch, split_count
 
-from .gluon_api import HAS_GLUON
+try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
 
-if HAS_GLUON:
-    from .gluon_api import (CompilationError, OutOfResources, barrier as _barrier, async_load as _async_load, cp,
-                            fence_async_shared, gl, gluon, triton, warpgroup_mma, warpgroup_mma_wait)
-    from .mla_gluon_ws import _mla_gluon_ws_jit
-from .mla_gluon_ws import WS_SCHEDULE
+    # names that moved between Triton releases (3.6: async_copy_global_to_shared,
+    # thread_barrier; later: async_load, barrier); the kernel calls these aliases
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - depends on the Triton build
+    HAS_GLUON = False
 
 __all__ = ["GluonConfig", "HAS_GLUON", "default_q_reg", "default_schedule", "gluon_supported", "gluon_preferred",
            "launch_gluon", "try_launch_gluon"]
@@ -473,10 +483,6 @@ def default_schedule() -> int:
     return 6 if triton.__version__.startswith("3.6") else 3
 
 
-# benchmarks/probe_gluon_ws_trace.py: an int64 tensor here makes the ws kernel record cycle
-# stamps into it (TRACE); empty in the product
-WS_TRACE: list = []
-
 # why the automatic route no longer offers the kernel (it failed to compile or to launch in
 # this process); the same Triton on every rank makes the same decision
 _UNUSABLE: list = []
@@ -540,29 +546,8 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     if ops[4] != 1:
         raise ValueError("the Gluon MLA kernel writes outputs whose feature stride is 1")
-    if _schedule_for(cfg) == WS_SCHEDULE and mask_b is None and a.causal is None:
-        launch(_mla_gluon_ws_jit, (n_hb, ns, B), (
-            parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
-            WS_TRACE[0] if WS_TRACE else l_part, T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-            *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
-            ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
-        ), dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                NBUF=cfg.stages, PBUF=4, NUM_SPLITS=ns, HAS_LENS=a.kv_lens is not None,
-                P_IN_ROPE=cfg.block_n == 64, TRACE=bool(WS_TRACE)), 4)
-    else:  # (a mask or a causal cap with the ws schedule configured: the lock-step default)
-        _launch_lock_step(a, GLUON_DEFAULT if _schedule_for(cfg) == WS_SCHEDULE else cfg, parts, n_hb, ns, B, T, H,
-                          SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos, qps, cp_world, cp_rank, o_part, l_part,
-                          ops, lps, l_scale)
-    if ns > 1:
-        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
-        launch(kernel, grid2, args, consts, warps)
-    return out, lse_out
-
-
-def _launch_lock_step(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos, qps,
-                      cp_world, cp_rank, o_part, l_part, ops, lps, l_scale):
     launch(_mla_gluon_jit, (n_hb, ns, B), (
-        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else a.kv, q_pos,
+        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else kv, q_pos,
         o_part, l_part,
         T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
         *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], *parts.k_main.stride()[:2], *parts.k_tail.stride()[:2],
@@ -573,4 +558,7 @@ def _launch_lock_step(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_
             SCHEDULE=_schedule_for(cfg), Q_REG=_q_reg_for(cfg, mask_b is not None or a.causal is not None),
             HAS_MASK=mask_b is not None,
             CAUSAL=a.causal is not None), 8)
-
+    if ns > 1:
+        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
+        launch(kernel, grid2, args, consts, warps)
+    return out, lse_out
