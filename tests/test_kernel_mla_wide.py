@@ -331,6 +331,29 @@ def test_gpu_wide_bf16_b8_auto_route():
 
 @gpu
 @needs_cuda
+def test_gpu_causal_call_at_64_heads_routes_to_wide():
+    """64 heads, B=8, fp16 (no Gluon: it takes bf16 only): plain calls measured faster on the
+    split kernel, causal calls on the two-GEMM kernel (the split kernel's 64-row tile costs
+    1.27x with a causal cap, path_table.CALL_COST); the dispatcher follows the kind of call,
+    and the causal call it routes is right."""
+    m, w = _base(), _wide()
+    B, T, c, r = 8, 32768, 2, 1
+    q = torch.randn(B, 1, 64, 576, device="cuda", dtype=torch.float16)
+    kv = torch.randn(B, T, 576, device="cuda", dtype=torch.float16)
+    glens = torch.randint(T, 2 * T + 1, (B,), device="cuda")
+    q_pos = (glens - 1).view(B, 1)
+    if os.environ.get("DCP_MLA_WIDE") is None:
+        assert not w.route_wide(None, None, q, None, kv, None, 512)
+        assert w.route_wide(None, None, q, None, kv, None, 512, "causal")
+    o, lse = m.mla_attention(q, None, kv, None, 512, SCALE, None, glens, "e", (q_pos, c, r), lens_stripe=(c, r))
+    local = torch.div(glens + c - 1 - r, c, rounding_mode="floor").clamp(max=T)
+    ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, local, (q_pos, c, r), torch.float32)
+    check_close(o, lse, ro, rl, 2e-2)
+    _nontrivial(o, ro, rl)
+
+
+@gpu
+@needs_cuda
 def test_gpu_wide_fp16_base2_mask_causal_multitoken():
     B, S, H, T, c, r = 3, 2, 64, 3000, 2, 1  # 128 rows
     lens = torch.tensor([3000, 1700, 9], device="cuda")

@@ -46,3 +46,28 @@ def test_nearest_shape_and_what_the_dispatcher_gets():
     three = ("split", "wide", "gluon")
     assert path_table.fastest(64, 8, 32768, three) == "gluon"
     assert path_table.fastest(128, 32, 1 << 20, three) == "gluon"
+
+
+def test_committed_call_costs_are_the_benchmarks_results():
+    assert [tuple(c) for c in _generator().call_costs()] == [tuple(c) for c in path_table.CALL_COST]
+
+
+def test_the_kind_of_call_decides_where_it_changes_the_order():
+    """A causal cap costs the split kernel's 64-row tile 1.27x and the two-GEMM kernel 1.00x
+    (benchmarks/results/masked_paths_int32_h200.json), so at 64 rows / B=8 / 32K, where plain
+    calls measured split 0.179 ms vs wide 0.192 ms, a causal call is faster on wide; a mask
+    row costs both about the same, so masked calls stay on split. Gluon stays fastest."""
+    triton = ("split", "wide")
+    assert path_table.call_kind(None, None) == "plain"
+    assert path_table.call_kind(object(), None) == "mask"
+    assert path_table.call_kind(object(), object()) == "causal"
+    assert path_table.fastest(64, 8, 32768, triton) == "split"
+    assert path_table.fastest(64, 8, 32768, triton, "mask") == "split"
+    assert path_table.fastest(64, 8, 32768, triton, "causal") == "wide"
+    assert path_table.fastest(64, 32, 131072, triton, "causal") == "wide"
+    assert path_table.fastest(128, 8, 32768, triton, "causal") == "wide"
+    assert path_table.fastest(64, 8, 32768, ("split", "wide", "gluon"), "causal") == "gluon"
+    assert path_table.call_cost("causal", "split", 16) == 1.022  # memory-bound rows: a few per cent
+    assert path_table.call_cost("causal", "flashinfer", 128) == 1.0  # not measured: its plain time
+    with pytest.raises(ValueError, match="call must be one of"):
+        path_table.fastest(64, 8, 32768, triton, "masked")

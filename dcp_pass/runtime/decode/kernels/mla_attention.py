@@ -57,6 +57,7 @@ from . import mla_gluon, mla_wide
 from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
                      check_launchable, cuda_properties, keys_up_to, launch, lens_operand, local_lens, mask_operand,
                      outputs, positions_i32, pow2, shard_keys, split_parts, triton_supported)
+from .path_table import call_kind
 from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
@@ -530,11 +531,11 @@ def mla_attention_triton(
     (``path_table.py``): on Hopper, for >= 64 rows of a bf16 512 + 64 cache (fused or two
     buffers; a mask only if shared by every head and token), the Gluon one-read kernel of
     ``mla_gluon`` (``mla_gluon.gluon_preferred``); otherwise the two-GEMM
-    kernel of ``mla_wide`` for compute-bound shapes (see ``mla_wide.wide_preferred``) and the
-    fused split-KV kernel for the rest. "gluon", "wide" or "split" forces one. The
-    environment variable ``DCP_MLA_GLUON=0`` turns the automatic Gluon routing off;
-    ``DCP_MLA_WIDE=0`` the automatic wide routing, ``=1`` routes every supported call to it
-    (also in the interpreter). ``config`` is an ``MLAKernelConfig`` (split path), an
+    kernel of ``mla_wide`` where it measured faster for the kind of call (plain, a mask row, a
+    causal cap: ``mla_wide.wide_preferred``) and the fused split-KV kernel for the rest.
+    "gluon", "wide" or "split" forces one. The environment variable ``DCP_MLA_GLUON=0``
+    turns the automatic Gluon routing off; ``DCP_MLA_WIDE=0`` the automatic wide routing,
+    ``=1`` routes every supported call to it (also in the interpreter). ``config`` is an ``MLAKernelConfig`` (split path), an
     ``mla_wide.WideConfig`` (wide path) or an ``mla_gluon.GluonConfig`` (Gluon path).
     """
     if not HAS_TRITON:
@@ -551,7 +552,7 @@ def mla_attention_triton(
         res = mla_gluon.try_launch_gluon(a, out, lse_out, num_splits)
         if res is not None:
             return res
-    if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim):
+    if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim, call_kind(mask, causal)):
         return mla_wide.launch_wide(a, out, lse_out, num_splits, config)
     return _launch(a, out, lse_out, num_splits, config)
 

@@ -39,7 +39,7 @@ import torch
 
 from .common import (LOG2E, MlaArgs, causal_operand, check_base, cuda_properties, lens_operand, launch, mask_operand,
                      mask_rows_shared, outputs, split_parts)
-from .path_table import fastest
+from .path_table import call_kind, fastest
 from .splits import partial_outputs, reduce_launch, split_count
 
 try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
@@ -490,14 +490,14 @@ _UNUSABLE: list = []
 
 def gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None) -> bool:
     """The dispatcher's automatic choice: supported, >= 64 rows, and the fastest path measured
-    nearest this shape (path_table.py). ``DCP_MLA_GLUON=0`` turns it off; ``DCP_MLA_WIDE=1``
-    (every supported call to the two-GEMM kernel) wins over it."""
+    nearest this shape for this kind of call (path_table.py). ``DCP_MLA_GLUON=0`` turns it
+    off; ``DCP_MLA_WIDE=1`` (every supported call to the two-GEMM kernel) wins over it."""
     if _UNUSABLE or os.environ.get("DCP_MLA_GLUON") == "0" or os.environ.get("DCP_MLA_WIDE") == "1":
         return False
     rows = q_lat.shape[1] * q_lat.shape[2]
     if rows < 64 or not gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
         return False
-    measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide", "gluon"))
+    measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide", "gluon"), call_kind(mask, causal))
     return measured in (None, "gluon")
 
 

@@ -315,8 +315,9 @@ def wide_supported(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool
     return not paged and triton_supported(q_lat, q_rope, kv, pe, v_dim)
 
 
-def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
-    """The routing of the dispatcher: on CUDA with 16-bit caches, where the wide path measured faster."""
+def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False, call: str = "plain") -> bool:
+    """The routing of the dispatcher: on CUDA with 16-bit caches, where the wide path measured
+    faster for this kind of call (path_table.call_kind: plain, a mask row, a causal cap)."""
     if not (q_lat.is_cuda and kv.dtype in (torch.float16, torch.bfloat16)):
         return False
     if not wide_supported(q_lat, q_rope, kv, pe, v_dim, paged=paged):
@@ -327,12 +328,13 @@ def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool
     rows = q_lat.shape[1] * q_lat.shape[2]
     # the faster of the two Triton paths at the nearest measured shape (path_table.py,
     # from the H200 benchmarks); the row threshold where nothing near was measured
-    measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide"))
+    measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide"), call)
     return measured == "wide" if measured is not None else rows >= WIDE_MIN_ROWS
 
 
-def route_wide(path, config, q_lat, q_rope, kv, pe, v_dim) -> bool:
-    """Whether ``mla_attention_triton`` takes the two-GEMM path (see its docstring)."""
+def route_wide(path, config, q_lat, q_rope, kv, pe, v_dim, call: str = "plain") -> bool:
+    """Whether ``mla_attention_triton`` takes the two-GEMM path (see its docstring); `call` as
+    in wide_preferred."""
     p = "auto" if path is None else str(path)
     if p not in ("auto", "wide", "split"):
         raise ValueError(f"path must be 'auto', 'wide' or 'split', got {path!r}")
@@ -355,7 +357,7 @@ def route_wide(path, config, q_lat, q_rope, kv, pe, v_dim) -> bool:
         return False
     if env == "1":
         return wide_supported(q_lat, q_rope, kv, pe, v_dim)
-    return wide_preferred(q_lat, q_rope, kv, pe, v_dim)
+    return wide_preferred(q_lat, q_rope, kv, pe, v_dim, call=call)
 
 
 # --------------------------------------------------------------------------------------
