@@ -69,7 +69,8 @@ def main():
     table, costs = rows(), call_costs()
     with open(OUT) as f:
         text = f.read()
-    text = _replace_block(text, "MEASURED", "\n".join(f"    ({h}, {b}, {t}, {json.dumps(ms)})," for h, b, t, ms in table))
+    measured = "\n".join(f"    ({h}, {b}, {t}, {json.dumps(ms)})," for h, b, t, ms in table)
+    text = _replace_block(text, "MEASURED", measured)
     text = _replace_block(text, "CALL_COST", "\n".join(f"    {c!r}," for c in costs))
     with open(OUT, "w") as f:
         f.write(text)

@@ -535,8 +535,9 @@ def mla_attention_triton(
     causal cap: ``mla_wide.wide_preferred``) and the fused split-KV kernel for the rest.
     "gluon", "wide" or "split" forces one. The environment variable ``DCP_MLA_GLUON=0``
     turns the automatic Gluon routing off; ``DCP_MLA_WIDE=0`` the automatic wide routing,
-    ``=1`` routes every supported call to it (also in the interpreter). ``config`` is an ``MLAKernelConfig`` (split path), an
-    ``mla_wide.WideConfig`` (wide path) or an ``mla_gluon.GluonConfig`` (Gluon path).
+    ``=1`` routes every supported call to it (also in the interpreter). ``config`` is an
+    ``MLAKernelConfig`` (split path), an ``mla_wide.WideConfig`` (wide path) or an
+    ``mla_gluon.GluonConfig`` (Gluon path).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
