@@ -78,9 +78,10 @@ def fastest(rows: int, batch: int, keys: int, candidates: tuple, call: str = "pl
     """
     if call not in CALLS:
         raise ValueError(f"call must be one of {CALLS}, got {call!r}")
+    cost = {p: call_cost(call, p, rows) for p in candidates}  # depends on the query's rows only
     best, best_d = None, math.inf
     for h, b, t, ms in MEASURED:
-        timed = {p: v * call_cost(call, p, rows) for p, v in ms.items() if p in candidates}
+        timed = {p: v * cost[p] for p, v in ms.items() if p in candidates}
         if len(timed) < 2:
             continue
         d = (4 * abs(math.log2(max(rows, 1) / h)) + abs(math.log2(max(batch, 1) / b))
