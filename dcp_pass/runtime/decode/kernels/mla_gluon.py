@@ -208,96 +208,6 @@ def _pair_tile_src(it, cur_lat, cur_rope, cur_mk, nxt_lat, nxt_rope, nxt_mk, q_l
     return acc, m_new, l_2d
 
 
-def _refill_tile_src(it, cur_lat, cur_rope, cur_mk, q_lat_s, q_rope_s, q_reg, p_s, red_s, acc, m_i, l_2d, start, end,
-                     kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat, c_lat, n_rope, c_rope, n_mk, cols_s,
-                     sm_scale_log2, qpos, cp_world, cp_rank, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                     Q_REG: gl.constexpr, DL: gl.constexpr, s_mma: gl.constexpr, o_mma: gl.constexpr,
-                     HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """SCHEDULE 7: one tile whose buffer is refilled, with the tile two ahead, as soon as
-    this tile's value GEMM is done with it, instead of the next tile's copies waiting for
-    this tile to land (schedule 6): with two buffers, two tiles are in flight while the
-    GEMMs run. The copies' layouts (`n_lat` ... from _halves_layouts) give each warpgroup
-    the value columns its own P @ V reads (and half the rope rows, read by the scores only,
-    which both warpgroups finished before the probabilities' barrier)."""
-    _tile_landed(1)
-    s = _score_tile(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H, BLOCK_N, Q_REG, DL, s_mma)
-    s = warpgroup_mma_wait(0, deps=[s])
-    if HAS_MASK or CAUSAL:
-        if HAS_MASK:
-            mk = cur_mk.load(gl.SliceLayout(0, s_mma))
-        else:
-            mk = 0  # unused
-        p, alpha, m_new = _probs_masked(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s, mk, qpos,
-                                        cp_world, cp_rank, HAS_MASK, CAUSAL)
-    else:
-        p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s)
-    part = _row_sum_halves(p)
-    l_2d = l_2d * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout))[:, None] + part
-    p_s.store(p.to(p_s.dtype))
-    fence_async_shared()
-    _barrier()
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
-    acc = warpgroup_mma(p_s, cur_lat, acc)
-    t2 = start + (it + 2) * BLOCK_N
-    if HAS_MASK:
-        _issue_mask_copy(cur_mk, mk_row, t2, end, sm_t, n_mk)
-    _issue_copies(cur_lat, cur_rope, t2, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope)
-    return acc, m_new, l_2d
-
-
-def _issue_part_src(buf, row_ptr, t0, end, stride_t, n, c, c0: gl.constexpr):
-    """SCHEDULE 8: cp.async copies of columns c0 + c of the tile's key rows at t0 into `buf`
-    (keys past `end` zero-filled); no commit (the caller groups them)."""
-    _async_load(buf, row_ptr + (t0 + n).to(gl.int64)[:, None] * stride_t + (c0 + c)[None, :],
-                mask=((t0 + n) < end)[:, None])
-
-
-def _ring3_tile_src(it, lo_cur, lo_nn, hi_cur, rope_cur, mk_cur, hi_nxt, rope_nxt, mk_nxt, q_hi_s, q_rope_s, q_reg, p_s,
-                    red_s, acc_lo, acc_hi, m_i, l_2d, start, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_h,
-                    c_h, n_rope, c_rope, n_mk, cols_s, sm_scale_log2, qpos, cp_world, cp_rank, BLOCK_H: gl.constexpr,
-                    BLOCK_N: gl.constexpr, s_mma: gl.constexpr, o_mma: gl.constexpr, HAS_MASK: gl.constexpr,
-                    CAUSAL: gl.constexpr):
-    """SCHEDULE 8: one tile whose latent columns 0-255 (`lo_*`, scored against the q columns
-    held in registers) live in a ring of three buffers and columns 256-511 plus rope in a
-    ring of two: q's first 256 latent columns need no shared memory, and the space they
-    free holds the low half of the tile after next, copied a tile earlier than the rest.
-    Each tile issues two commit groups: the next tile's high half, rope (and mask row),
-    then the low half of the tile after it; the top waits for all but the newest."""
-    _tile_landed(1)
-    s = warpgroup_mma(q_rope_s, rope_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma),
-                      use_acc=False, is_async=True)
-    s = warpgroup_mma(q_reg, lo_cur.permute((1, 0)), s, is_async=True)
-    s = warpgroup_mma(q_hi_s, hi_cur.permute((1, 0)), s, is_async=True)
-    t1 = start + (it + 1) * BLOCK_N
-    if HAS_MASK:
-        _issue_mask_copy(mk_nxt, mk_row, t1, end, sm_t, n_mk)
-    _issue_part(hi_nxt, kv_row, t1, end, skv_t, n_h, c_h, 256)
-    _issue_part(rope_nxt, kt_row, t1, end, skt_t, n_rope, c_rope, 0)
-    cp.commit_group()
-    _issue_part(lo_nn, kv_row, t1 + BLOCK_N, end, skv_t, n_h, c_h, 0)
-    cp.commit_group()
-    s = warpgroup_mma_wait(0, deps=[s])
-    if HAS_MASK or CAUSAL:
-        if HAS_MASK:
-            mk = mk_cur.load(gl.SliceLayout(0, s_mma))
-        else:
-            mk = 0  # unused
-        p, alpha, m_new = _probs_masked(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s, mk, qpos,
-                                        cp_world, cp_rank, HAS_MASK, CAUSAL)
-    else:
-        p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, cols_s, sm_scale_log2, red_s)
-    part = _row_sum_halves(p)
-    l_2d = l_2d * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout))[:, None] + part
-    p_s.store(p.to(p_s.dtype))
-    fence_async_shared()
-    _barrier()
-    a_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
-    acc_lo = warpgroup_mma(p_s, lo_cur, acc_lo * a_o, is_async=True)
-    acc_hi = warpgroup_mma(p_s, hi_cur, acc_hi * a_o, is_async=True)
-    acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[acc_lo, acc_hi])
-    return acc_lo, acc_hi, m_new, l_2d
-
-
 def _mla_gluon_kernel_src(
     Q, QT, KV, KT, LENS, MASK, QPOS, O, L,
     T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
@@ -326,13 +236,6 @@ def _mla_gluon_kernel_src(
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                     instr_shape=[16, DL // 2, 16])
     lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16)
-    # schedule 8: latent halves of 256 columns (copies, buffers and the value GEMMs); the
-    # copies 2 rows x 128 columns per warp (4 distinct rows per thread: 104 B of spill
-    # against 160 with one row of 256 per warp)
-    ld_h: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-    half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL // 2], gl.bfloat16)
-    o_mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                     instr_shape=[16, DL // 4, 16])
     rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     dt: gl.constexpr = KV.dtype.element_ty
@@ -342,43 +245,23 @@ def _mla_gluon_kernel_src(
     b = gl.program_id(2).to(gl.int64)
 
     # ---- queries: loaded once into shared memory (latent and rope parts)
-    if SCHEDULE == 8:
-        # latent columns 0-255 to registers only (their shared copy dies here), 256-511 kept
-        rows_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_h))
-        q_h = (Q + b * sq_b + (rows_h // H)[:, None] * sq_s + (rows_h % H)[:, None] * sq_h
-               + gl.arange(0, DL // 2, layout=gl.SliceLayout(0, ld_h))[None, :])
-        q_lo_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL // 2], half_sl,
-                                           gl.load(q_h, mask=(rows_h < SH)[:, None], other=0.0))
-        q_reg = q_lo_s.load(gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2))
-        q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL // 2], half_sl,
-                                            gl.load(q_h + DL // 2, mask=(rows_h < SH)[:, None], other=0.0))
-    if SCHEDULE != 8:
-        rows_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
-        q_lat = gl.load(Q + b * sq_b + (rows_l // H)[:, None] * sq_s + (rows_l % H)[:, None] * sq_h
-                        + gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))[None, :],
-                        mask=(rows_l < SH)[:, None], other=0.0)
+    rows_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
+    q_lat = gl.load(Q + b * sq_b + (rows_l // H)[:, None] * sq_s + (rows_l % H)[:, None] * sq_h
+                    + gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))[None, :],
+                    mask=(rows_l < SH)[:, None], other=0.0)
     rows_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_rope))
     q_rope = gl.load(QT + b * sqt_b + (rows_r // H)[:, None] * sqt_s + (rows_r % H)[:, None] * sqt_h
                      + gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))[None, :],
                      mask=(rows_r < SH)[:, None], other=0.0)
-    if SCHEDULE != 8:
-        q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16), q_lat)
-        if Q_REG > 0:
-            # the first Q_REG latent columns of q held in registers as the score GEMM's left
-            # operand: each warpgroup would otherwise re-read them from shared memory per tile
-            q_reg = q_lat_s.slice(0, Q_REG, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2))
-        else:
-            q_reg = 0  # unused
+    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16), q_lat)
+    if Q_REG > 0:
+        # the first Q_REG latent columns of q held in registers as the score GEMM's left
+        # operand: each warpgroup would otherwise re-read them from shared memory per tile
+        q_reg = q_lat_s.slice(0, Q_REG, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2))
+    else:
+        q_reg = 0  # unused
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16), q_rope)
-    if SCHEDULE == 8:
-        lo_ring = gl.allocate_shared_memory(dt, [3, BLOCK_N, DL // 2], half_sl)
-        hi_a = gl.allocate_shared_memory(dt, [BLOCK_N, DL // 2], half_sl)
-        hi_b = gl.allocate_shared_memory(dt, [BLOCK_N, DL // 2], half_sl)
-        k_rope_a = gl.allocate_shared_memory(dt, [BLOCK_N, DR], rope_sl)
-        k_rope_b = gl.allocate_shared_memory(dt, [BLOCK_N, DR], rope_sl)
-        mk_a = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        mk_b = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    elif SCHEDULE >= 6:
+    if SCHEDULE == 6:
         k_lat_a = gl.allocate_shared_memory(dt, [BLOCK_N, DL], lat_sl)
         k_rope_a = gl.allocate_shared_memory(dt, [BLOCK_N, DR], rope_sl)
         k_lat_b = gl.allocate_shared_memory(dt, [BLOCK_N, DL], lat_sl)
@@ -420,47 +303,11 @@ def _mla_gluon_kernel_src(
     c_lat = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))
     n_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
     c_rope = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
-    if SCHEDULE == 7:
-        # copy layouts that give warpgroup g latent columns [256 g, 256 g + 256) of every row
-        # and rope rows [32 g, 32 g + 32): 8 columns (16 bytes) per copy, a warp's 32 lanes
-        # along one row's 256 columns (latent) or 8 lanes per row (rope)
-        ld_lat7: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0], [16, 0], [32, 0]],
-            lane_bases=[[0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
-            warp_bases=[[1, 0], [2, 0], [0, 256]], block_bases=[], shape=[BLOCK_N, DL])
-        ld_rope7: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [16, 0]],
-            lane_bases=[[0, 8], [0, 16], [0, 32], [1, 0], [2, 0]],
-            warp_bases=[[4, 0], [8, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, DR])
-        n_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat7))
-        c_lat = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat7))
-        n_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope7))
-        c_rope = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope7))
     n_mk = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [8], [0]))
     mk_row = MASK + b * sm_b
 
-    n_h = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_h))
-    c_h = gl.arange(0, DL // 2, layout=gl.SliceLayout(0, ld_h))
-    # prologue: the first STAGES - 1 tiles in flight (schedule 7: both buffers' tiles;
-    # schedule 8: the first tile and the second's low half)
-    if SCHEDULE == 8:
-        if HAS_MASK:
-            _issue_mask_copy(mk_a, mk_row, start, end, sm_t, n_mk)
-        _issue_part(hi_a, kv_row, start, end, skv_t, n_h, c_h, DL // 2)
-        _issue_part(k_rope_a, kt_row, start, end, skt_t, n_rope, c_rope, 0)
-        _issue_part(lo_ring.index(0), kv_row, start, end, skv_t, n_h, c_h, 0)
-        cp.commit_group()
-        _issue_part(lo_ring.index(1), kv_row, start + BLOCK_N, end, skv_t, n_h, c_h, 0)
-        cp.commit_group()
-    elif SCHEDULE == 7:
-        if HAS_MASK:
-            _issue_mask_copy(mk_a, mk_row, start, end, sm_t, n_mk)
-        _issue_copies(k_lat_a, k_rope_a, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope)
-        if HAS_MASK:
-            _issue_mask_copy(mk_b, mk_row, start + BLOCK_N, end, sm_t, n_mk)
-        _issue_copies(k_lat_b, k_rope_b, start + BLOCK_N, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope,
-                      c_rope)
-    elif SCHEDULE == 6:
+    # prologue: the first STAGES - 1 tiles in flight
+    if SCHEDULE == 6:
         if HAS_MASK:
             _issue_mask_copy(mk_a, mk_row, start, end, sm_t, n_mk)
         _issue_copies(k_lat_a, k_rope_a, start, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope)
@@ -475,31 +322,7 @@ def _mla_gluon_kernel_src(
     acc = gl.zeros([BLOCK_H, DL], gl.float32, layout=o_mma)
     cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
 
-    if SCHEDULE == 8:
-        acc_lo = gl.zeros([BLOCK_H, DL // 2], gl.float32, layout=o_mma8)
-        acc_hi = gl.zeros([BLOCK_H, DL // 2], gl.float32, layout=o_mma8)
-        for it in range(0, n_tiles, 2):  # as schedule 6: the high halves and rope alternate two buffers
-            acc_lo, acc_hi, m_i, l_2d = _ring3_tile(
-                it, lo_ring.index(it % 3), lo_ring.index((it + 2) % 3), hi_a, k_rope_a, mk_a, hi_b, k_rope_b, mk_b,
-                q_lat_s, q_rope_s, q_reg, p_s, red_s, acc_lo, acc_hi, m_i, l_2d, start, end, kv_row, kt_row, mk_row,
-                skv_t, skt_t, sm_t, n_h, c_h, n_rope, c_rope, n_mk, cols_s, sm_scale_log2, qpos, cp_world, cp_rank,
-                BLOCK_H, BLOCK_N, s_mma, o_mma8, HAS_MASK, CAUSAL)
-            acc_lo, acc_hi, m_i, l_2d = _ring3_tile(
-                it + 1, lo_ring.index((it + 1) % 3), lo_ring.index((it + 3) % 3), hi_b, k_rope_b, mk_b, hi_a, k_rope_a,
-                mk_a, q_lat_s, q_rope_s, q_reg, p_s, red_s, acc_lo, acc_hi, m_i, l_2d, start, end, kv_row, kt_row,
-                mk_row, skv_t, skt_t, sm_t, n_h, c_h, n_rope, c_rope, n_mk, cols_s, sm_scale_log2, qpos, cp_world,
-                cp_rank, BLOCK_H, BLOCK_N, s_mma, o_mma8, HAS_MASK, CAUSAL)
-    elif SCHEDULE == 7:
-        for it in range(0, n_tiles, 2):  # as schedule 6: one tile per buffer
-            acc, m_i, l_2d = _refill_tile(it, k_lat_a, k_rope_a, mk_a, q_lat_s, q_rope_s, q_reg, p_s, red_s, acc, m_i,
-                                          l_2d, start, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat, c_lat,
-                                          n_rope, c_rope, n_mk, cols_s, sm_scale_log2, qpos, cp_world, cp_rank, BLOCK_H,
-                                          BLOCK_N, Q_REG, DL, s_mma, o_mma, HAS_MASK, CAUSAL)
-            acc, m_i, l_2d = _refill_tile(it + 1, k_lat_b, k_rope_b, mk_b, q_lat_s, q_rope_s, q_reg, p_s, red_s, acc,
-                                          m_i, l_2d, start, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat,
-                                          c_lat, n_rope, c_rope, n_mk, cols_s, sm_scale_log2, qpos, cp_world, cp_rank,
-                                          BLOCK_H, BLOCK_N, Q_REG, DL, s_mma, o_mma, HAS_MASK, CAUSAL)
-    elif SCHEDULE == 6:
+    if SCHEDULE == 6:
         # two tiles per iteration, one per buffer; an odd count runs one masked tile more
         # (zero-filled copies, p = 0)
         for it in range(0, n_tiles, 2):
@@ -567,23 +390,13 @@ def _mla_gluon_kernel_src(
     if SCHEDULE != 1:
         l_i = gl.convert_layout(gl.sum(l_2d, axis=1), gl.SliceLayout(1, s_mma))
     cp.wait_group(0)
-    if SCHEDULE == 8:
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_mma8))
-        inv = 1.0 / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_mma8))
-        cols_o = gl.arange(0, DL // 2, layout=gl.SliceLayout(0, o_mma8))
-        o_ptr = (O + b * so_b + pid_sp * so_sp + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h
-                 + cols_o[None, :])
-        gl.store(o_ptr, (acc_lo * inv).to(O.dtype.element_ty), mask=(rows_o < SH)[:, None])
-        gl.store(o_ptr + DL // 2, (acc_hi * inv).to(O.dtype.element_ty), mask=(rows_o < SH)[:, None])
-    else:
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))
-        empty = l_o == 0.0
-        o = acc / gl.where(empty, 1.0, l_o)[:, None]
-        rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_mma))
-        cols_o = gl.arange(0, DL, layout=gl.SliceLayout(0, o_mma))
-        gl.store(O + b * so_b + pid_sp * so_sp + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h
-                 + cols_o[None, :], o.to(O.dtype.element_ty), mask=(rows_o < SH)[:, None])
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))
+    empty = l_o == 0.0
+    o = acc / gl.where(empty, 1.0, l_o)[:, None]
+    rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_mma))
+    cols_o = gl.arange(0, DL, layout=gl.SliceLayout(0, o_mma))
+    gl.store(O + b * so_b + pid_sp * so_sp + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
+             o.to(O.dtype.element_ty), mask=(rows_o < SH)[:, None])
     lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * lse_scale
     gl.store(L + b * sl_b + pid_sp * sl_sp + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
 
@@ -599,9 +412,6 @@ if HAS_GLUON:
     _probs_masked = gluon.jit(_probs_masked_src)
     _row_sum_halves = gluon.jit(_row_sum_halves_src)
     _pair_tile = gluon.jit(_pair_tile_src)
-    _refill_tile = gluon.jit(_refill_tile_src)
-    _issue_part = gluon.jit(_issue_part_src)
-    _ring3_tile = gluon.jit(_ring3_tile_src)
     _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
 
 
