@@ -9,7 +9,8 @@ each pass (median reported), with the error against the fp32 reference per confi
 
 ``--baseline FILE`` (an earlier ``mla_gluon.py``, e.g. ``git show HEAD~1:<path> > FILE``)
 adds the ``--baseline-configs`` compiled from that source, tagged ``base``, to the same
-alternating passes: old and new kernel source side by side in one run.
+alternating passes: old and new kernel source side by side in one run. Several files
+(comma-separated, e.g. the variants of ``make_gluon_ablations.py``) are tagged by file name.
 """
 from __future__ import annotations
 
@@ -42,10 +43,10 @@ def call_extras(kind, B, T, device):
     return {}
 
 
-def load_kernel(path):
+def load_kernel(path, suffix="baseline"):
     """The kernel entry point of another copy of mla_gluon.py, loaded as a sibling module (so
     its relative imports resolve); every other part of the call stays this checkout's."""
-    name = "dcp_pass.runtime.decode.kernels._baseline_mla_gluon"
+    name = f"dcp_pass.runtime.decode.kernels._{suffix}_mla_gluon"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "dcp_pass.runtime.decode.kernels"
@@ -56,13 +57,17 @@ def load_kernel(path):
 
 @contextlib.contextmanager
 def kernel_swapped(jit):
-    """Run launch_gluon with `jit` as its kernel (None: this checkout's)."""
-    own = G._mla_gluon_jit
+    """Run launch_gluon with `jit` as its kernel (None: this checkout's); ``(jit, "no merge")``
+    also drops the stage-2 merge launch (an ablation: only the kernel itself runs)."""
+    own, own_launch = G._mla_gluon_jit, G.launch
+    if isinstance(jit, tuple):
+        jit = jit[0]
+        G.launch = lambda kernel, *args: own_launch(kernel, *args) if kernel is G._mla_gluon_jit else None
     G._mla_gluon_jit = jit or own
     try:
         yield
     finally:
-        G._mla_gluon_jit = own
+        G._mla_gluon_jit, G.launch = own, own_launch
 
 
 def main():
@@ -72,12 +77,21 @@ def main():
     ap.add_argument("--baseline", default=None, help="another mla_gluon.py to time beside this one")
     ap.add_argument("--baseline-configs", default="64,64,2,6,128")
     ap.add_argument("--call", choices=("plain", "mask", "causal"), default="plain")
+    ap.add_argument("--skip-merge", action="store_true",
+                    help="ablation: also time every variant without its stage-2 merge (tagged 'no merge'; "
+                         "the output is then the first split's partial, wrong on purpose)")
     a = ap.parse_args()
     # (tag, config, kernel): kernel None is this checkout's
     variants = [(c.tag(), c, None) for c in (G.GluonConfig.parse(x) for x in a.configs.split(";"))]
-    if a.baseline:
-        base = load_kernel(a.baseline)
-        variants += [("base " + c.tag(), c, base) for c in (G.GluonConfig.parse(x) for x in a.baseline_configs.split(";"))]
+    files = a.baseline.split(",") if a.baseline else []
+    for path in files:
+        stem = "base" if len(files) == 1 else os.path.splitext(os.path.basename(path))[0]
+        base = load_kernel(path, "".join(ch if ch.isalnum() else "_" for ch in stem))
+        variants += [(f"{stem} {c.tag()}", c, base)
+                     for c in (G.GluonConfig.parse(x) for x in a.baseline_configs.split(";"))]
+
+    if a.skip_merge:
+        variants += [(tag + " no merge", c, (jit, "no merge")) for tag, c, jit in variants]
 
     def one_shape(H, B, T, ceil):
         sets = make_case(B, 1, H, T)

@@ -8,6 +8,7 @@ ragged lengths with 0 and 1, several splits, striped lengths, and CUDA-graph cap
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -48,8 +49,6 @@ def test_not_offered_off_its_scope():
 def _offline_module(name):
     """benchmarks/<name>.py, one of the offline sm_90 compile scripts (no GPU needed), or skip
     where they cannot run."""
-    import importlib.util
-
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     if not G.HAS_GLUON:
@@ -318,3 +317,23 @@ def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     m.mla_attention(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse)
     ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, None, torch.float32)
     check_close(out, lse, ro, rl, 2e-2)
+
+
+def test_ablation_variants_still_apply_to_the_kernel_source():
+    """benchmarks/make_gluon_ablations.py edits mla_gluon.py by exact text anchors: every
+    variant must still find its anchors in today's source, change it, and stay valid Python
+    (a kernel edit that moves an anchor shows up here, not on the device)."""
+    import ast
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("make_gluon_ablations",
+                                                  os.path.join(root, "benchmarks", "make_gluon_ablations.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with open(mod.SRC) as f:
+        source = f.read()
+    assert len(mod.VARIANTS) >= 20
+    for name, edit in mod.VARIANTS.items():
+        text = edit(source)
+        assert text != source, name
+        ast.parse(text)
