@@ -90,3 +90,23 @@ def test_killed_rank_is_named_with_its_signal():
 
 def test_results_come_back_in_rank_order():
     assert run_ranks(_ok, 2, timeout=TIMEOUT) == [0, 10]
+
+
+def _seen_from_rank(rank, world):
+    import sys
+
+    return os.environ.get("DCP_TEST_PROBE"), os.environ.get("DCP_TEST_GONE"), os.path.dirname(__file__) in sys.path
+
+
+def test_ranks_see_the_parents_environment_and_path_as_of_each_call(monkeypatch):
+    """Ranks may fork from a server started by an earlier group (multiproc._context): they
+    must still see the parent's environment as it is at this call (a variable changed or
+    removed since is changed or removed for them too) and its import path."""
+    monkeypatch.setenv("DCP_TEST_PROBE", "first")
+    monkeypatch.setenv("DCP_TEST_GONE", "here")
+    assert run_ranks(_seen_from_rank, 2, timeout=TIMEOUT) == [("first", "here", True)] * 2
+    monkeypatch.setenv("DCP_TEST_PROBE", "second")
+    monkeypatch.delenv("DCP_TEST_GONE")
+    assert run_ranks(_seen_from_rank, 2, timeout=TIMEOUT) == [("second", None, True)] * 2
+    given = run_ranks(_seen_from_rank, 2, timeout=TIMEOUT, env={"DCP_TEST_PROBE": "given"})
+    assert given == [("given", None, True)] * 2
