@@ -27,6 +27,10 @@ PROBS = "        p, alpha, m_new = _probs(s, m_i, start + it * BLOCK_N, end, col
 RESCALE = "    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]\n    acc = warpgroup_mma("
 PV = "    acc = warpgroup_mma(p_s, cur_lat, acc)\n    return acc, m_new, l_2d\n"
 P_STORE = "    p_s.store(p.to(p_s.dtype))\n    fence_async_shared()\n    _barrier()\n    acc = acc *"
+# the kernel's line after its prologue copies, before the tile loop's state
+LOOP_START = "    m_i = gl.full([BLOCK_H], float(\"-inf\")"
+# the kernel's first line after its layouts: where q starts to load
+QUERIES = "    # ---- queries: loaded once"
 
 HALF_COPIES = '''
 
@@ -125,22 +129,20 @@ def l2_prefetch(text, ahead, fn="_prefetch_l2"):
                  "    _prefetch_l2_warps = gluon.jit(_prefetch_l2_warps_src)\n")
     text = _pair_edit(text, COPIES, COPIES + f"    {fn}(kv_row, kt_row, t1 + {ahead} * BLOCK_N, end, skv_t, skt_t, "
                                             "BLOCK_N)\n")
-    anchor = "    m_i = gl.full([BLOCK_H], float(\"-inf\")"
     pro = "".join(f"    {fn}(kv_row, kt_row, start + {k} * BLOCK_N, end, skv_t, skt_t, BLOCK_N)\n"
                   for k in range(1, ahead + 1))
-    return _once(text, anchor, pro + anchor)
+    return _once(text, LOOP_START, pro + LOOP_START)
 
 
 def stagger(text, groups, ns):
     """Programs of split pid_sp start (pid_sp % groups) * ns nanoseconds late, so that their
     tile loads alternate with the others' instead of all 128 arriving at once (a test of
     whether the lock-step of the programs leaves the memory idle between tiles)."""
-    anchor = "    # ---- queries: loaded once"
     sleep = (f"    _dl: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])\n"
              f"    gl.inline_asm_elementwise(\"nanosleep.u32 $1; mov.u32 $0, 0;\", \"=r,r\", "
              f"[gl.full([256], 0, gl.int32, layout=_dl) + (pid_sp % {groups}) * {ns}], dtype=gl.int32, "
              f"is_pure=False, pack=1)\n")
-    return _once(text, anchor, sleep + anchor)
+    return _once(text, QUERIES, sleep + QUERIES)
 
 
 def _once(text, old, new):
@@ -159,12 +161,11 @@ def _pair_edit(text, old, new):
 
 def q_first(text):
     """The first tile's copies issued before q is loaded (they no longer wait behind it)."""
-    a = text.index("    # ---- queries: loaded once")
+    a = text.index(QUERIES)
     b = text.index("    if SCHEDULE == 6:\n        k_lat_a = gl.allocate_shared_memory")
     queries = text[a:b]
     text = text[:a] + text[b:]
-    anchor = "    m_i = gl.full([BLOCK_H], float(\"-inf\")"
-    return _once(text, anchor, queries + anchor)
+    return _once(text, LOOP_START, queries + LOOP_START)
 
 
 _EVICT_LAT = """                mask=((t0 + n_lat) < end)[:, None])

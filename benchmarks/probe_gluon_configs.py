@@ -56,12 +56,11 @@ def load_kernel(path, suffix="baseline"):
 
 
 @contextlib.contextmanager
-def kernel_swapped(jit):
-    """Run launch_gluon with `jit` as its kernel (None: this checkout's); ``(jit, "no merge")``
-    also drops the stage-2 merge launch (an ablation: only the kernel itself runs)."""
+def kernel_swapped(jit, merge=True):
+    """Run launch_gluon with `jit` as its kernel (None: this checkout's); ``merge=False`` also
+    drops the stage-2 merge launch (an ablation: only the kernel itself runs)."""
     own, own_launch = G._mla_gluon_jit, G.launch
-    if isinstance(jit, tuple):
-        jit = jit[0]
+    if not merge:
         G.launch = lambda kernel, *args: own_launch(kernel, *args) if kernel is G._mla_gluon_jit else None
     G._mla_gluon_jit = jit or own
     try:
@@ -79,34 +78,34 @@ def main():
     ap.add_argument("--call", choices=("plain", "mask", "causal"), default="plain")
     ap.add_argument("--skip-merge", action="store_true",
                     help="ablation: also time every variant without its stage-2 merge (tagged 'no merge'; "
-                         "the output is then the first split's partial, wrong on purpose)")
+                         "the output is then never written, so its 'rel err' is not of that call)")
     a = ap.parse_args()
-    # (tag, config, kernel): kernel None is this checkout's
-    variants = [(c.tag(), c, None) for c in (G.GluonConfig.parse(x) for x in a.configs.split(";"))]
+    # (tag, config, kernel, merge): kernel None is this checkout's; merge False skips stage 2
+    variants = [(c.tag(), c, None, True) for c in (G.GluonConfig.parse(x) for x in a.configs.split(";"))]
     files = a.baseline.split(",") if a.baseline else []
     for path in files:
         stem = "base" if len(files) == 1 else os.path.splitext(os.path.basename(path))[0]
         base = load_kernel(path, "".join(ch if ch.isalnum() else "_" for ch in stem))
-        variants += [(f"{stem} {c.tag()}", c, base)
+        variants += [(f"{stem} {c.tag()}", c, base, True)
                      for c in (G.GluonConfig.parse(x) for x in a.baseline_configs.split(";"))]
 
     if a.skip_merge:
-        variants += [(tag + " no merge", c, (jit, "no merge")) for tag, c, jit in variants]
+        variants += [(tag + " no merge", c, jit, False) for tag, c, jit, _ in variants]
 
     def one_shape(H, B, T, ceil):
         sets = make_case(B, 1, H, T)
         nbytes, flops = counts(B, 1, H, T)
         floor = floor_ms(nbytes, flops, ceil)
         extras = call_extras(a.call, B, T, sets[0][0].device)
-        errs, times = {}, {tag: [] for tag, _, _ in variants}
-        for tag, c, jit in variants:
-            with kernel_swapped(jit):
+        errs, times = {}, {tag: [] for tag, *_ in variants}
+        for tag, c, jit, merge in variants:
+            with kernel_swapped(jit, merge):
                 errs[tag] = check(sets, "gluon", c, extras)
         for _ in range(a.passes):
-            for tag, c, jit in variants:
-                with kernel_swapped(jit):
+            for tag, c, jit, merge in variants:
+                with kernel_swapped(jit, merge):
                     times[tag].append(time_triton(sets, c, path="gluon", extras=extras))
-        for tag, _, _ in variants:
+        for tag, *_ in variants:
             ms = statistics.median(times[tag])
             yield dict(H=H, B=B, T=T, call=a.call, config=tag, ms=ms, passes=times[tag], of_floor=floor / ms,
                        mm_frac=flops / (ms * 1e-3) / ceil["mm_rate"], rel_err=errs[tag][0], lse_err=errs[tag][1])
