@@ -203,6 +203,42 @@ def rescale_lazy(text):
                                      "    acc = warpgroup_mma(")
 
 
+# the score GEMM's latent part as issued by the kernel: the register columns, then the rest
+SCORE_LATENT = """    if Q_REG > 0:
+        s = warpgroup_mma(q_reg, cur_lat.slice(0, Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+        if Q_REG < DL // 2:  # shared-memory slices must be powers of two wide
+            s = warpgroup_mma(q_lat_s.slice(Q_REG, DL // 2 - Q_REG, dim=1),
+                              cur_lat.slice(Q_REG, DL // 2 - Q_REG, dim=1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_lat_s.slice(DL // 2, DL // 2, dim=1),
+                          cur_lat.slice(DL // 2, DL // 2, dim=1).permute((1, 0)), s, is_async=True)
+"""
+Q_REG_LOAD = ("        q_reg = q_lat_s.slice(0, Q_REG, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=s_mma, "
+              "k_width=2))\n")
+
+
+def score_interleave(text, width, smem_first=False):
+    """(candidate score_interleave) with q_reg 256, the score GEMM's register-operand steps
+    alternate with its shared-memory-operand steps in pieces of `width` columns, instead of
+    16 register steps then 16 shared-memory ones. In lock-step both warpgroups issue the same
+    step: a shared-memory step reads q (2 KB) and the keys (1 KB) per warpgroup for 16
+    cycles of tensor work (smem-bound, ~24 cycles), a register step only the keys (tensor
+    bound); alternating lets the two kinds overlap in the tensor pipe."""
+    n = 256 // width
+    loads = "".join(f"q_lat_s.slice({j * width}, {width}, dim=1).load(_q_op), " for j in range(n))
+    text = _once(text, Q_REG_LOAD,
+                 "        _q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2)\n"
+                 f"        q_reg = ({loads})\n")
+    steps = []
+    for j in range(n):
+        reg = (f"        s = warpgroup_mma(q_reg[{j}], cur_lat.slice({j * width}, {width}, dim=1).permute((1, 0)), s, "
+               "is_async=True)\n")
+        hi = 256 + j * width
+        sm = (f"        s = warpgroup_mma(q_lat_s.slice({hi}, {width}, dim=1), cur_lat.slice({hi}, {width}, "
+              "dim=1).permute((1, 0)), s, is_async=True)\n")
+        steps.append(sm + reg if smem_first else reg + sm)
+    return _once(text, SCORE_LATENT, "    if Q_REG > 0:\n" + "".join(steps))
+
+
 VARIANTS = {
     # a stage left out: wrong results on purpose, to place its time
     "no_copies": lambda t: _pair_edit(t, COPIES, ""),
@@ -235,6 +271,10 @@ VARIANTS = {
     "stagger2_1500": lambda t: stagger(t, 2, 1500),
     "stagger4_700": lambda t: stagger(t, 4, 700),
     "stagger8_350": lambda t: stagger(t, 8, 350),
+    "score_interleave_32": lambda t: score_interleave(t, 32),
+    "score_interleave_64": lambda t: score_interleave(t, 64),
+    "score_interleave_128": lambda t: score_interleave(t, 128),
+    "score_interleave_64_smem_first": lambda t: score_interleave(t, 64, smem_first=True),
 }
 
 
