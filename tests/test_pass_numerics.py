@@ -141,15 +141,16 @@ def test_c2_fp32_sharded_unsharded_variants_hybrid():
             assert r["graphs"] == r["plain_graphs"], (r["graphs"], r["plain_graphs"], r["summary"])
 
 
+# the hybrid model (linear-attention layers beside MLA, untouched by the pass) is FP32_C2's:
+# at c=4 it re-ran the same MLA rewrite for 30 s on two cores
 FP32_C4 = [
     dict(model="deepseek", dtype=torch.float32, tp=4, inner="aot_eager"),
     dict(model="deepseek", dtype=torch.float32, tp=1, inner="aot_eager", comm="ag_rs"),
-    dict(model="hybrid", dtype=torch.float32, tp=4, inner="aot_eager"),
 ]
 
 
 @pytest.mark.slow
-def test_c4_fp32_sharded_unsharded_hybrid():
+def test_c4_fp32_sharded_unsharded():
     results = run_ranks(_run_configs, 4, FP32_C4, timeout=900)
     for index, cfg in enumerate(FP32_C4):
         ref = _reference(cfg["model"], cfg["dtype"], {})

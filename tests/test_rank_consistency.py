@@ -79,10 +79,11 @@ def _check(results, configs):
 
 
 # dense: the whole forward is one graph, as in the reported repro (tp=1: gloo aborted
-# with "Received data size doesn't match" once one rank recompiled alone)
+# with "Received data size doesn't match" once one rank recompiled alone). Inductor is left
+# to C3 (80 of this test's 145 s on two cores): the symbolic-start write and the key count
+# reach it through the same rewrite at any c.
 C2 = [dict(dtype=torch.float32, tp=2, inner="aot_eager"),
-      dict(dtype=torch.float32, tp=1, inner="aot_eager", dense=True),
-      dict(dtype=torch.float32, tp=2, inner="inductor", dense=True)]
+      dict(dtype=torch.float32, tp=1, inner="aot_eager", dense=True)]
 
 
 @pytest.mark.slow
@@ -100,9 +101,10 @@ def test_c3_chunked_calls_exact_aot_eager_and_inductor():
 
 
 # inductor at c=4 is left to c=3 here: four ranks compiling C++ on CI's two cores take
-# minutes; the write and merge paths are the same function of c under both compilers
-C4 = [dict(dtype=torch.float32, tp=4, inner="aot_eager", dense=True),
-      dict(dtype=torch.float32, tp=1, inner="aot_eager")]
+# minutes; the write and merge paths are the same function of c under both compilers. The
+# several-graph (MoE) forward and tp=1 are C2's (the MoE model at c=4 took 67 s on two
+# cores); what c=4 adds is the write window, which the dense model exercises in full.
+C4 = [dict(dtype=torch.float32, tp=4, inner="aot_eager", dense=True)]
 
 
 @pytest.mark.slow
