@@ -5,7 +5,7 @@ DeepSeek-V3 shapes (fused 512 + 64 cache, bf16, kv_lens on). Compile with the Tr
 GPU machine runs (3.6 there): e.g. ``PYTHONPATH=/path/to/triton-3.6 python
 benchmarks/offline_gluon.py``; Gluon's API moves between Triton releases.
 
-    python benchmarks/offline_gluon.py [--configs "64,64,2;64,32,3"] [--ttgir DIR]
+    python benchmarks/offline_gluon.py [--configs "64,64,2;64,32,3"] [--ttgir DIR] [--roles]
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
     ptrs = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "MASK": "*fp32", "QPOS": "*i64", "O": "*fp32", "L": "*fp32"}
     floats = {"sm_scale_log2", "lse_scale"}
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
-                  SCHEDULE=G._schedule_for(cfg), HAS_MASK=mask, CAUSAL=causal, Q_REG=G._q_reg_for(cfg, mask or causal))
+                  SCHEDULE=G.lock_step_schedule(cfg, mask or causal), HAS_MASK=mask, CAUSAL=causal, Q_REG=G._q_reg_for(cfg, mask or causal))
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in ptrs:
@@ -53,6 +53,33 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
     return cubin_report(k)
 
 
+def compile_roles(num_splits: int = 16, separate_rope: bool = False):
+    """The role-split kernel (``kernels/mla_gluon_roles.py``), fused cache (576-element rows)
+    or two caches, kv_lens on: resources and instruction mix as :func:`compile_config`."""
+    from dcp_pass.runtime.decode.kernels import mla_gluon_roles as R
+
+    names = list(inspect.signature(R._roles_kernel_src).parameters)
+    ptrs = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "O": "*fp32", "L": "*fp32"}
+    consts = dict(SKV_T=512 if separate_rope else 576, SKT_T=64 if separate_rope else 576, BLOCK_H=64, BLOCK_N=64,
+                  NUM_SPLITS=num_splits, HAS_LENS=True)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in ptrs:
+            sig[n], attrs[(i,)] = ptrs[n], [["tt.divisibility", 16]]
+        elif n in ("sm_scale_log2", "lse_scale"):
+            sig[n] = "fp32"
+        elif n in consts:
+            sig[n] = "constexpr"
+        else:
+            sig[n] = "i32"
+            if n not in ("H", "SH", "lens_c", "lens_r", "lens_sb"):  # (q's strides too: it is copied by cp.async)
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    target = GPUTarget("cuda", 90, 32)
+    opts = triton.compiler.make_backend(target).parse_options(dict(num_warps=4, num_stages=1))
+    return cubin_report(triton.compile(GluonASTSource(R._roles_jit, sig, consts, attrs), target=target,
+                                       options=opts.__dict__))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="64,64,2,3,128;64,64,2,3,0;64,64,2,2,0;64,64,2,1,0")
@@ -60,7 +87,13 @@ def main():
     ap.add_argument("--mask", action="store_true")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--roles", action="store_true", help="the role-split kernel (mla_gluon_roles.py) instead")
     a = ap.parse_args()
+    if a.roles:
+        r = compile_roles()
+        save_ttgir(a.ttgir, "gluon_roles", r.pop("ttgir"))
+        print(json.dumps(dict(config="roles", triton=triton.__version__, **r)), flush=True)
+        return
     rows = []
     for c in a.configs.split(";"):
         cfg = G.GluonConfig.parse(c)
@@ -68,7 +101,7 @@ def main():
         rec = dict(config=cfg.tag(), triton=triton.__version__)
         try:
             r = compile_config(cfg, mask=a.mask, causal=a.causal)
-            save_ttgir(a.ttgir, f"gluon_{bh}_{bn}_{st}_v{G._schedule_for(cfg)}_q{cfg.q_reg}", r.pop("ttgir"))
+            save_ttgir(a.ttgir, f"gluon_{bh}_{bn}_{st}_v{G.lock_step_schedule(cfg)}_q{cfg.q_reg}", r.pop("ttgir"))
         except Exception as e:  # noqa: BLE001
             r = dict(error=f"{type(e).__name__}: {e}"[-1500:])
         rec.update(r)

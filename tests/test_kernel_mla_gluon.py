@@ -100,11 +100,27 @@ def test_schedule_6_compiles_plain_and_masked():
     import triton
 
     on_36 = triton.__version__.startswith("3.6")
-    assert G._schedule_for(G.GluonConfig()) == (6 if on_36 else 3)
+    assert G._schedule_for(G.GluonConfig()) == (G.ROLES_SCHEDULE if on_36 else 3)
+    assert G._schedule_for(G.GluonConfig(), masked=True) == (6 if on_36 else 3)
     assert G._schedule_for(G.GluonConfig(schedule=2)) == 2
+    assert G._schedule_for(G.GluonConfig(64, 32, 3)) == (6 if on_36 else 3)  # not the role-split kernel's tiles
+    # a masked call configured with the role-split kernel (which has no mask) takes the lock-step default
+    assert G.lock_step_schedule(G.GluonConfig(schedule=G.ROLES_SCHEDULE), masked=True) == (6 if on_36 else 3)
+    assert G.GluonConfig(schedule=G.ROLES_SCHEDULE).tag() == "gluon 64x64/8w/2s/v10"
     assert G._q_reg_for(G.GluonConfig(), masked=False) == (256 if on_36 else 0)
     assert G._q_reg_for(G.GluonConfig(), masked=True) == 0
     assert G._q_reg_for(G.GluonConfig(q_reg=128), masked=True) == 128
+
+
+def test_role_split_kernel_compiles_for_hopper():
+    """The role-split kernel (mla_gluon_roles.py) is valid Gluon here, with one fused cache and
+    with two: no spill, its two wgmma shapes (the scorer's whole 64 x 64 score tile, both
+    value halves), 36 score steps + 2 x 4 value steps per tile, within shared memory."""
+    _, off = _offline()
+    for separate in (False, True):
+        r = off.compile_roles(separate_rope=separate)
+        assert r["stack"] == 0 and r["smem_kib"] <= 227, r
+        assert set(r["hgmma"]) == {"64x64x16", "64x256x16"} and r["n_hgmma"] == 36 + 8, r
 
 
 def test_warp_specialized_tile_probe_compiles(capsys):
@@ -178,14 +194,14 @@ def test_gpu_gluon_striped_lengths_and_tiles():
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
                 G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256), G.GluonConfig(schedule=6, q_reg=0),
                 G.GluonConfig(schedule=6, q_reg=128), G.GluonConfig(schedule=6, q_reg=256),
-                G.GluonConfig()):
+                G.GluonConfig(schedule=G.ROLES_SCHEDULE), G.GluonConfig()):
         _case(3, 4100, [8199, 77, 2], stripe=(2, 1), config=cfg)
 
 
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("tag", ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,2,0", "64,64,2,6,0", "64,64,2,6,128",
-                                 "64,64,2,6,256"])
+                                 "64,64,2,6,256", "64,64,2,10,0"])
 def test_gpu_gluon_drifting_and_wide_scores(tag):
     """Scores whose running max keeps rising along the cache (keys grow in norm), jumps once
     (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
@@ -241,7 +257,7 @@ def test_gpu_gluon_cuda_graph_capture():
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("tag", [None, "64,64,2,3,0", "64,64,2,6,128"])
+@pytest.mark.parametrize("tag", [None, "64,64,2,3,0", "64,64,2,6,128", "64,64,2,10,0"])
 def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     """A decode mask row per request (-inf and finite entries, one request fully masked), and
     the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference;
@@ -337,3 +353,35 @@ def test_ablation_variants_still_apply_to_the_kernel_source():
         text = edit(source)
         assert text != source, name
         ast.parse(text)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("num_splits", [None, 2, 7])
+def test_gpu_role_split_kernel_multi_token_rows_and_partial_blocks(num_splits):
+    """The role-split kernel on rows that are (token, head) pairs of a 3-token call with 40
+    heads (120 rows: a full and a partial 64-row block), a separate rope cache, ragged
+    striped lengths with an empty request, NaN past every length; beside the lock-step
+    kernel on the same call, both against the fp32 reference."""
+    from dcp_pass.runtime.decode.kernels import mla_attention as m
+    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, S, H, T = 3, 3, 40, 3000
+    q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(B, T, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    pe = torch.randn(B, T, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.tensor([5999, 0, 1001], device="cuda")  # global counts under a (2, 1) stripe
+    local = torch.div(lens + 2 - 1 - 1, 2, rounding_mode="floor").clamp(max=T)
+    clean_kv, clean_pe = kv.clone(), pe.clone()
+    for b in range(B):
+        kv[b, local[b]:], pe[b, local[b]:] = float("nan"), float("nan")
+        clean_kv[b, local[b]:], clean_pe[b, local[b]:] = 0, 0
+    q_lat, q_rope = q[..., :512], q[..., 512:]
+    ro, rl = m._reference_impl(q_lat, q_rope, clean_kv, clean_pe, 512, SCALE, None, local, None, torch.float32)
+    for cfg in (G.GluonConfig(schedule=G.ROLES_SCHEDULE), G.GluonConfig(schedule=6)):
+        out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
+        m.mla_attention_triton(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse,
+                               num_splits=num_splits, path="gluon", config=cfg, lens_stripe=(2, 1))
+        check_close(out, lse, ro, rl, 2e-2)
+        assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()  # the empty request

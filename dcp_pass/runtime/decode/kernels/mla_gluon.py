@@ -60,7 +60,7 @@ try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing
 except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
-__all__ = ["GluonConfig", "HAS_GLUON", "default_q_reg", "default_schedule", "gluon_supported", "gluon_preferred",
+__all__ = ["GluonConfig", "HAS_GLUON", "ROLES_SCHEDULE", "default_q_reg", "default_schedule", "lock_step_schedule", "gluon_supported", "gluon_preferred",
            "launch_gluon", "try_launch_gluon"]
 
 D_LAT = 512
@@ -420,7 +420,7 @@ class GluonConfig:
     block_h: int = 64
     block_n: int = 64
     stages: int = 2
-    schedule: Optional[int] = None  # None: default_schedule()
+    schedule: Optional[int] = None  # None: default_schedule(); ROLES_SCHEDULE: mla_gluon_roles.py
     # latent columns of q kept in registers (0, 128, 256); None: _q_reg_for (default_q_reg(),
     # 0 with a mask or a causal cap)
     q_reg: Optional[int] = None
@@ -433,10 +433,11 @@ class GluonConfig:
         return cls(*(int(x) for x in text.split(",")))
 
     def tag(self) -> str:
-        """The configuration as run on an unmasked call (defaults resolved)."""
-        q_reg = _q_reg_for(self, masked=False)
-        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{_schedule_for(self)}" + (
-            f"/qreg{q_reg}" if q_reg else "")
+        """The configuration as run on an unmasked call (defaults resolved; the role-split
+        kernel keeps no q columns in registers)."""
+        schedule = _schedule_for(self)
+        q_reg = _q_reg_for(self, masked=False) if schedule != ROLES_SCHEDULE else 0
+        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{schedule}" + (f"/qreg{q_reg}" if q_reg else "")
 
 
 GLUON_DEFAULT = GluonConfig()
@@ -476,11 +477,20 @@ def default_q_reg() -> int:
     return 256 if triton.__version__.startswith("3.6") else 0
 
 
-def default_schedule() -> int:
-    """6 on Triton 3.6 (measured on the H200: 2-5 % faster than 3 at 64 and 128 heads,
-    kernel_notes v8, and 3-8 % on masked and causal calls, v10); 3 elsewhere: Triton 3.9's
-    compiler spills with 6, offline."""
-    return 6 if triton.__version__.startswith("3.6") else 3
+# the schedule number that selects the role-split kernel (mla_gluon_roles.py) for a call
+# without a mask or a causal cap; such calls configured with it take the lock-step default
+ROLES_SCHEDULE = 10
+
+
+def default_schedule(masked: bool = False) -> int:
+    """On Triton 3.6: ROLES_SCHEDULE for calls without a mask or a causal cap (the role-split
+    kernel, measured on the H200 5-9 % faster than schedule 6 at the issue's shapes, exact,
+    kernel_notes v13), 6 for the others (2-5 % faster than 3 at 64 and 128 heads, v8, and
+    3-8 % on masked and causal calls, v10). 3 elsewhere: Triton 3.9's compiler spills with 6,
+    offline, and the role-split kernel was not timed there."""
+    if not triton.__version__.startswith("3.6"):
+        return 3
+    return 6 if masked else ROLES_SCHEDULE
 
 
 # why the automatic route no longer offers the kernel (it failed to compile or to launch in
@@ -514,8 +524,22 @@ def try_launch_gluon(a: MlaArgs, out, lse_out, num_splits=None):
         return None
 
 
-def _schedule_for(cfg: GluonConfig) -> int:
-    return cfg.schedule or default_schedule()
+def _schedule_for(cfg: GluonConfig, masked: bool = False) -> int:
+    """The configured schedule, else the default for this kind of call; a config of other
+    tiles than the role-split kernel's 64 x 64 in 2 stages defaults to the lock-step one."""
+    if cfg.schedule:
+        return cfg.schedule
+    schedule = default_schedule(masked)
+    if schedule == ROLES_SCHEDULE and (cfg.block_h, cfg.block_n, cfg.stages) != (64, 64, 2):
+        return default_schedule(masked=True)
+    return schedule
+
+
+def lock_step_schedule(cfg: GluonConfig, masked: bool = False) -> int:
+    """The lock-step kernel's schedule for this config: a masked or causal call configured
+    with ROLES_SCHEDULE takes the lock-step default."""
+    schedule = _schedule_for(cfg, masked)
+    return default_schedule(masked=True) if schedule == ROLES_SCHEDULE else schedule
 
 
 def _q_reg_for(cfg: GluonConfig, masked: bool) -> int:
@@ -546,8 +570,49 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     if ops[4] != 1:
         raise ValueError("the Gluon MLA kernel writes outputs whose feature stride is 1")
+    masked = mask_b is not None or a.causal is not None
+    if not masked and _schedule_for(cfg, masked) == ROLES_SCHEDULE and _rows_16_aligned(parts):
+        # (it has no mask or causal cap, and copies q by cp.async as well as the cache)
+        _launch_roles(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, o_part, l_part, ops, lps,
+                      l_scale)
+    else:
+        _launch_lock_step(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos, qps,
+                          cp_world, cp_rank, o_part, l_part, ops, lps, l_scale)
+    if ns > 1:
+        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
+        launch(kernel, grid2, args, consts, warps)
+    return out, lse_out
+
+
+def _rows_16_aligned(parts) -> bool:
+    """Every row stride of q and the caches a multiple of 16 elements: what Triton's launch
+    marks divisible, so that the role-split kernel's cp.async copies of q and of the cache
+    rows are 16 bytes wide (gluon_supported admits multiples of 8, for the lock-step kernel,
+    which loads q with plain loads)."""
+    return all(x % 16 == 0 for t in (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail) for x in t.stride()[:-1])
+
+
+def _launch_roles(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, o_part, l_part, ops, lps,
+                  l_scale):
+    from .mla_gluon_roles import _roles_jit  # (imports this module)
+
+    if (cfg.block_h, cfg.block_n, cfg.stages) != (64, 64, 2):
+        raise ValueError(f"the role-split Gluon kernel (schedule {ROLES_SCHEDULE}) runs 64 x 64 tiles in 2 stages, "
+                         f"not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
+    launch(_roles_jit, (n_hb, ns, B), (
+        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
+        T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
+        *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
+        ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
+    ), dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
+            HAS_LENS=a.kv_lens is not None), 4)
+
+
+def _launch_lock_step(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos, qps,
+                      cp_world, cp_rank, o_part, l_part, ops, lps, l_scale):
+    masked = mask_b is not None or a.causal is not None
     launch(_mla_gluon_jit, (n_hb, ns, B), (
-        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else kv, q_pos,
+        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else a.kv, q_pos,
         o_part, l_part,
         T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
         *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], *parts.k_main.stride()[:2], *parts.k_tail.stride()[:2],
@@ -555,10 +620,6 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
         ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
     ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
             HAS_LENS=a.kv_lens is not None,
-            SCHEDULE=_schedule_for(cfg), Q_REG=_q_reg_for(cfg, mask_b is not None or a.causal is not None),
+            SCHEDULE=lock_step_schedule(cfg, masked), Q_REG=_q_reg_for(cfg, masked),
             HAS_MASK=mask_b is not None,
             CAUSAL=a.causal is not None), 8)
-    if ns > 1:
-        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
-        launch(kernel, grid2, args, consts, warps)
-    return out, lse_out

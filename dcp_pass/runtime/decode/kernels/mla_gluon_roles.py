@@ -1,0 +1,231 @@
+"""Role-split one-read MLA decode kernel in Gluon (Hopper): a scorer and a loader warpgroup.
+
+The lock-step kernel (``mla_gluon.py``) splits each tile's columns between its two
+warpgroups; both then wait for the softmax at once and the tensor cores idle through it
+(docs/kernel_notes.md v13). Here the two warpgroups are partitions with roles
+(``gl.warp_specialize``), the arrangement FlashInfer's Hopper MLA kernel uses (described in
+kernel_notes v13; written here from that description):
+
+* the *scorer* (the default partition) computes each 64-key tile's whole score block over
+  all 576 columns (m64n64 wgmmas, q read once per tile) and its online softmax, with no
+  cross-warpgroup step; it writes P into the tile's rope columns (dead once scored) and the
+  rows' rescale factor, signals ``p_ready``, adds P @ V for value columns 256-511 (P from
+  registers) and signals ``empty``;
+* the *loader* (a 4-warp worker) issues the tiles' ``cp.async`` copies into two buffers
+  (each thread arrives on the buffer's ``full`` mbarrier when its copies land) and, per
+  tile, once P is ready, rescales its half of the accumulator and adds P @ V for value
+  columns 0-255 (P from shared memory); a buffer is refilled with the tile two ahead once
+  both value GEMMs of its tile are done.
+
+So the loader's value GEMM of tile j runs under the scorer's scores of tile j + 1. Scope:
+calls without a mask or a causal cap (those take the lock-step kernel), otherwise as
+``mla_gluon.py``: 512 latent (= values) + 64 rope columns in bf16, one fused cache or two,
+kv_lens with ``lens_stripe``, the split kernel's partials and stage-2 merge.
+"""
+from __future__ import annotations
+
+from . import mla_gluon as G
+
+if G.HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    _async_load = G._async_load
+    _barrier = G._barrier
+
+__all__: list = []  # the launch is mla_gluon.launch_gluon's (schedule ROLES_SCHEDULE)
+if G.HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
+    DL, DR = gl.constexpr(512), gl.constexpr(64)
+
+
+def _opaque_src(x):
+    """x through an opaque mov: a buffer index LLVM cannot prove constant per partition (else it
+    hoists the score GEMM's per-step descriptors out of the loop and ptxas spills them, v11)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+def _copy_tile_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, SKV_T: gl.constexpr, SKT_T: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+    """The loader's 128 threads copy the tile at key t0 (its latent and rope rows, from one
+    fused cache or two); keys past `end` zero-filled, so nothing from past the end reaches
+    P @ V. (Row strides are constexpr: each copy's address is then a base and an immediate.)"""
+    ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat))
+    c = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_lat))
+    _async_load(lat_buf, kv_row + (t0 + n).to(gl.int64)[:, None] * SKV_T + c[None, :], mask=((t0 + n) < end)[:, None])
+    ld_rope: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
+    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
+    _async_load(rope_buf, kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
+                mask=((t0 + nr) < end)[:, None])
+
+
+def _fill_src(j, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T: gl.constexpr,
+              SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile j (if the split has it) into buffer j % 2; each loader thread arrives on the
+    buffer's `full` barrier once its copies have landed."""
+    if j < n_tiles:
+        buf = _opaque(j + salt) % 2
+        _copy_tile(k_lat.index(buf), k_rope.index(buf), start + j * BLOCK_N, end, kv_row, kt_row, SKV_T, SKT_T,
+                   BLOCK_N)
+        cp.mbarrier_arrive(full.index(buf), increment_count=False)
+
+
+def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
+                sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The scorer: every tile's whole score block and online softmax (it alone holds the
+    running max and row sums), P into the tile's rope columns for the loader, and value
+    columns 256-511 with P from registers; writes its half of the output and the LSE."""
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
+    for j in range(n_tiles):
+        buf = _opaque(j + salt) % 2
+        mbarrier.wait(full.index(buf), (j // 2) & 1)
+        fence_async_shared()  # the copies' writes before the tensor cores' reads
+        s = warpgroup_mma(q_rope_s, k_rope.index(buf).permute((1, 0)),
+                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+        s = warpgroup_mma(q_lat_s, k_lat.index(buf).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = gl.where(((start + j * BLOCK_N + cols) < end)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * sm_scale_log2 - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        pb = p.to(gl.bfloat16)
+        k_rope.index(buf).store(pb)  # P in the tile's rope columns: its scores are done
+        a_s.index(buf).store(alpha)
+        fence_async_shared()  # P's stores before the loader's wgmma reads them
+        mbarrier.arrive(p_ready.index(buf))
+        acc = warpgroup_mma(gl.convert_layout(pb, gl.DotOperandLayout(0, o_mma, 2)),
+                            k_lat.index(buf).slice(256, 256, dim=1),
+                            acc * gl.convert_layout(alpha, row_o)[:, None], is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(buf))
+    l_s.store(l_i)
+    mbarrier.arrive(done)
+    l_o = gl.convert_layout(l_i, row_o)
+    o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    rows_o = row0 + gl.arange(0, BLOCK_H, layout=row_o)
+    cols_o = 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_mma))
+    gl.store(o_base + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
+             o.to(o_base.dtype.element_ty), mask=(rows_o < SH)[:, None])
+    rows_m = row0 + gl.arange(0, BLOCK_H, layout=row_s)
+    lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * lse_scale
+    gl.store(l_base + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
+
+
+def _loader_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_row, kt_row, start, end, n_tiles,
+                o_base, so_s, so_h, row0, H, SH, SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """The loader: the tiles' copies, and value columns 0-255 of every tile with P from shared
+    memory; a buffer is refilled (tile j + 2) once both value GEMMs of tile j are done."""
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
+    _fill(0, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N)
+    _fill(1, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N)
+    acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
+    for j in range(n_tiles):
+        buf = _opaque(j + salt) % 2
+        mbarrier.wait(p_ready.index(buf), (j // 2) & 1)
+        alpha = a_s.index(buf).load(row_o)
+        acc = warpgroup_mma(k_rope.index(buf), k_lat.index(buf).slice(0, 256, dim=1), acc * alpha[:, None],
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorer's value GEMM of this buffer is done too
+        _fill(j + 2, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N)
+    mbarrier.wait(done, 0)
+    l_o = l_s.load(row_o)
+    o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    rows_o = row0 + gl.arange(0, BLOCK_H, layout=row_o)
+    cols_o = gl.arange(0, 256, layout=gl.SliceLayout(0, o_mma))
+    gl.store(o_base + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
+             o.to(o_base.dtype.element_ty), mask=(rows_o < SH)[:, None])
+
+
+def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
+                      sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, skt_b,
+                      so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
+                      SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr):
+    """One (64-row block, split, batch row): the parent region (the scorer's 4 warps) loads q
+    and finds the split's keys, then the two partitions run the tiles."""
+    dt: gl.constexpr = KV.dtype.element_ty
+    pid_h = gl.program_id(0)
+    pid_sp = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    row0 = pid_h * BLOCK_H
+    salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
+    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
+    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
+    ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
+    cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
+    _async_load(q_lat_s, Q + b * sq_b + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
+                mask=(rq < SH)[:, None])
+    ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
+    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
+    _async_load(q_rope_s, QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
+                mask=(rr < SH)[:, None])
+    cp.commit_group()
+
+    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
+    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
+    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec_sl)  # each buffer's tile: the rows' rescale
+    l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # the final row sums, for the loader
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(full.index(i), count=128)  # every loader thread, once per fill
+        mbarrier.init(p_ready.index(i), count=1)  # Gluon's arrive: a partition barrier, then one arrival
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(done, count=1)
+
+    # ---- this split's keys (rank r's share of a global count under lens_stripe)
+    if HAS_LENS:
+        n_glob = gl.minimum(gl.maximum(gl.load(LENS + b * lens_sb), 0), T * lens_c).to(gl.int32)  # no int32 wrap
+        kv_len = gl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
+    else:
+        kv_len = T
+    split_len = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_sp * split_len
+    end = gl.minimum(start + split_len, kv_len)
+    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+    cp.wait_group(0)
+    fence_async_shared()
+    _barrier()
+
+    kv_row = KV + b * skv_b
+    kt_row = KT + b * skt_b
+    o_base = O + b * so_b + pid_sp * so_sp
+    l_base = L + b * sl_b + pid_sp * sl_sp
+    gl.warp_specialize([
+        (_scorer, (salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
+                   sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_H, BLOCK_N)),
+        (_loader, (salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_row, kt_row, start, end, n_tiles,
+                   o_base, so_s, so_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N)),
+    ], [4], [256])
+
+
+if G.HAS_GLUON:
+    _opaque = gluon.jit(_opaque_src)
+    _copy_tile = gluon.jit(_copy_tile_src)
+    _fill = gluon.jit(_fill_src)
+    _scorer = gluon.jit(_scorer_src)
+    _loader = gluon.jit(_loader_src)
+    _roles_jit = gluon.jit(_roles_kernel_src)
