@@ -1,4 +1,7 @@
-"""One-read MLA decode kernel in Gluon (Triton's explicit-layout dialect), for Hopper.
+"""One-read MLA decode kernel in Gluon (Triton's explicit-layout dialect), for Hopper: the
+lock-step form, and the launch of both forms. On Triton 3.6 calls without a mask or a causal
+cap take the role-split form (``mla_gluon_roles.py``, ``ROLES_SCHEDULE``; 2-16 % faster on
+the H200, docs/kernel_notes.md v14); the others take this one.
 
 Each latent KV tile is loaded into shared memory once and serves both GEMMs: as the keys
 of ``q . k`` (read transposed) and as the values of ``p @ v``. One program holds a block
