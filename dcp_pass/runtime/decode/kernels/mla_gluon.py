@@ -211,6 +211,21 @@ def _pair_tile_src(it, cur_lat, cur_rope, cur_mk, nxt_lat, nxt_rope, nxt_mk, q_l
     return acc, m_new, l_2d
 
 
+def _split_keys_src(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    HAS_LENS: gl.constexpr):
+    """This split's keys [start, end): the request's local count (rank r's share of a global
+    count under lens_stripe (c, r), clamped so nothing wraps in int32) cut into NUM_SPLITS
+    whole-tile pieces. Both kernel forms take it."""
+    if HAS_LENS:
+        n_glob = gl.minimum(gl.maximum(gl.load(LENS + b * lens_sb), 0), T * lens_c).to(gl.int32)  # no int32 wrap
+        kv_len = gl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
+    else:
+        kv_len = T
+    split_len = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_sp * split_len
+    return start, gl.minimum(start + split_len, kv_len)
+
+
 def _mla_gluon_kernel_src(
     Q, QT, KV, KT, LENS, MASK, QPOS, O, L,
     T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
@@ -281,15 +296,8 @@ def _mla_gluon_kernel_src(
     # the two warpgroups' halves of each row max (_row_max_src)
     red_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
-    # ---- this split's keys (rank r's share of a global count under lens_stripe)
-    if HAS_LENS:
-        n_glob = gl.minimum(gl.maximum(gl.load(LENS + b * lens_sb), 0), T * lens_c).to(gl.int32)  # no int32 wrap
-        kv_len = gl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
-    else:
-        kv_len = T
-    split_len = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = pid_sp * split_len
-    end = gl.minimum(start + split_len, kv_len)
+    # ---- this split's keys
+    start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     rows_m = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_mma))
     qpos = 0  # unused unless CAUSAL
     if CAUSAL:
@@ -415,6 +423,7 @@ if HAS_GLUON:
     _probs_masked = gluon.jit(_probs_masked_src)
     _row_sum_halves = gluon.jit(_row_sum_halves_src)
     _pair_tile = gluon.jit(_pair_tile_src)
+    _split_keys = gluon.jit(_split_keys_src)
     _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
 
 

@@ -35,6 +35,7 @@ if G.HAS_GLUON:
 
     _async_load = G._async_load
     _barrier = G._barrier
+    _split_keys = G._split_keys
 
 __all__: list = []  # the launch is mla_gluon.launch_gluon's (schedule ROLES_SCHEDULE)
 if G.HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
@@ -196,15 +197,8 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(done, count=1)
 
-    # ---- this split's keys (rank r's share of a global count under lens_stripe)
-    if HAS_LENS:
-        n_glob = gl.minimum(gl.maximum(gl.load(LENS + b * lens_sb), 0), T * lens_c).to(gl.int32)  # no int32 wrap
-        kv_len = gl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
-    else:
-        kv_len = T
-    split_len = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = pid_sp * split_len
-    end = gl.minimum(start + split_len, kv_len)
+    # ---- this split's keys
+    start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     cp.wait_group(0)
     fence_async_shared()
