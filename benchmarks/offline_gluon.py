@@ -25,59 +25,51 @@ from offline_wide import cubin_report, finish, save_ttgir  # noqa: E402
 
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 
-def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False, causal: bool = False):
-    fn = G._mla_gluon_jit
-    names = list(inspect.signature(G._mla_gluon_kernel_src).parameters)
-    ptrs = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "MASK": "*fp32", "QPOS": "*i64", "O": "*fp32", "L": "*fp32"}
-    floats = {"sm_scale_log2", "lse_scale"}
-    consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
-                  SCHEDULE=G.lock_step_schedule(cfg, mask or causal), HAS_MASK=mask, CAUSAL=causal, Q_REG=G._q_reg_for(cfg, mask or causal))
+PTRS = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "MASK": "*fp32", "QPOS": "*i64",
+        "O": "*fp32", "L": "*fp32"}
+
+
+def compile_gluon(jit, src, consts: dict, num_warps: int, not_divisible: tuple):
+    """Compile a Gluon kernel for sm_90 with DeepSeek-V3's argument kinds: pointers (16-byte
+    aligned), the two fp32 scalars, ``consts`` as constexprs, every other argument an i32
+    marked divisible by 16 unless named in ``not_divisible``; its :func:`cubin_report`."""
     sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in ptrs:
-            sig[n] = ptrs[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in floats:
-            sig[n] = "fp32"
-        elif n in consts:
-            sig[n] = "constexpr"
-        else:
-            sig[n] = "i32"
-            if n not in ("H", "SH", "lens_c", "lens_r", "lens_sb", "cp_world", "cp_rank", "sm_t", "sqp_s",
-                         "sqt_s", "sqt_h"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    target = GPUTarget("cuda", 90, 32)
-    backend = triton.compiler.make_backend(target)
-    opts = backend.parse_options(dict(num_warps=8, num_stages=1))
-    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=opts.__dict__)
-    return cubin_report(k)
-
-
-def compile_roles(num_splits: int = 16, separate_rope: bool = False):
-    """The role-split kernel (``kernels/mla_gluon_roles.py``), fused cache (576-element rows)
-    or two caches, kv_lens on: resources and instruction mix as :func:`compile_config`."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon_roles as R
-
-    names = list(inspect.signature(R._roles_kernel_src).parameters)
-    ptrs = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "O": "*fp32", "L": "*fp32"}
-    consts = dict(SKV_T=512 if separate_rope else 576, SKT_T=64 if separate_rope else 576, BLOCK_H=64, BLOCK_N=64,
-                  NUM_SPLITS=num_splits, HAS_LENS=True)
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in ptrs:
-            sig[n], attrs[(i,)] = ptrs[n], [["tt.divisibility", 16]]
+    for i, n in enumerate(inspect.signature(src).parameters):
+        if n in PTRS:
+            sig[n], attrs[(i,)] = PTRS[n], [["tt.divisibility", 16]]
         elif n in ("sm_scale_log2", "lse_scale"):
             sig[n] = "fp32"
         elif n in consts:
             sig[n] = "constexpr"
         else:
             sig[n] = "i32"
-            if n not in ("H", "SH", "lens_c", "lens_r", "lens_sb"):  # (q's strides too: it is copied by cp.async)
+            if n not in not_divisible:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     target = GPUTarget("cuda", 90, 32)
-    opts = triton.compiler.make_backend(target).parse_options(dict(num_warps=4, num_stages=1))
-    return cubin_report(triton.compile(GluonASTSource(R._roles_jit, sig, consts, attrs), target=target,
-                                       options=opts.__dict__))
+    opts = triton.compiler.make_backend(target).parse_options(dict(num_warps=num_warps, num_stages=1))
+    return cubin_report(triton.compile(GluonASTSource(jit, sig, consts, attrs), target=target, options=opts.__dict__))
+
+
+def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False, causal: bool = False):
+    """The lock-step kernel (``kernels/mla_gluon.py``) for one config."""
+    consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
+                  SCHEDULE=G.lock_step_schedule(cfg, mask or causal), HAS_MASK=mask, CAUSAL=causal,
+                  Q_REG=G._q_reg_for(cfg, mask or causal))
+    # (q is loaded with plain loads, so its rope strides need no divisibility)
+    return compile_gluon(G._mla_gluon_jit, G._mla_gluon_kernel_src, consts, 8,
+                         ("H", "SH", "lens_c", "lens_r", "lens_sb", "cp_world", "cp_rank", "sm_t", "sqp_s", "sqt_s",
+                          "sqt_h"))
+
+
+def compile_roles(num_splits: int = 16, separate_rope: bool = False):
+    """The role-split kernel (``kernels/mla_gluon_roles.py``), fused cache (576-element rows)
+    or two caches, kv_lens on."""
+    from dcp_pass.runtime.decode.kernels import mla_gluon_roles as R
+
+    consts = dict(SKV_T=512 if separate_rope else 576, SKT_T=64 if separate_rope else 576, BLOCK_H=64, BLOCK_N=64,
+                  NUM_SPLITS=num_splits, HAS_LENS=True)
+    # (q's strides are marked too: it is copied by cp.async, and the launch takes it only so)
+    return compile_gluon(R._roles_jit, R._roles_kernel_src, consts, 4, ("H", "SH", "lens_c", "lens_r", "lens_sb"))
 
 
 def main():
