@@ -63,8 +63,8 @@ try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing
 except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
-__all__ = ["GluonConfig", "HAS_GLUON", "ROLES_SCHEDULE", "default_q_reg", "default_schedule", "lock_step_schedule", "gluon_supported", "gluon_preferred",
-           "launch_gluon", "try_launch_gluon"]
+__all__ = ["GluonConfig", "HAS_GLUON", "ROLES_SCHEDULE", "default_q_reg", "default_schedule", "lock_step_schedule",
+           "gluon_supported", "gluon_preferred", "launch_gluon", "try_launch_gluon"]
 
 D_LAT = 512
 D_ROPE = 64
@@ -492,12 +492,17 @@ def default_q_reg() -> int:
 # the schedule number that selects the role-split kernel (mla_gluon_roles.py) for a call
 # without a mask or a causal cap; such calls configured with it take the lock-step default
 ROLES_SCHEDULE = 10
+ROLES_TILES = (64, 64, 2)  # its block_h, block_n, stages: the only tiles it runs
+
+
+def _tiles(cfg: "GluonConfig") -> tuple:
+    return cfg.block_h, cfg.block_n, cfg.stages
 
 
 def default_schedule(masked: bool = False) -> int:
     """On Triton 3.6: ROLES_SCHEDULE for calls without a mask or a causal cap (the role-split
-    kernel, measured on the H200 5-9 % faster than schedule 6 at the issue's shapes, exact,
-    kernel_notes v13), 6 for the others (2-5 % faster than 3 at 64 and 128 heads, v8, and
+    kernel, measured on the H200 2-16 % faster than schedule 6 at the issue's shapes, exact,
+    kernel_notes v14), 6 for the others (2-5 % faster than 3 at 64 and 128 heads, v8, and
     3-8 % on masked and causal calls, v10). 3 elsewhere: Triton 3.9's compiler spills with 6,
     offline, and the role-split kernel was not timed there."""
     if not triton.__version__.startswith("3.6"):
@@ -542,7 +547,7 @@ def _schedule_for(cfg: GluonConfig, masked: bool = False) -> int:
     if cfg.schedule:
         return cfg.schedule
     schedule = default_schedule(masked)
-    if schedule == ROLES_SCHEDULE and (cfg.block_h, cfg.block_n, cfg.stages) != (64, 64, 2):
+    if schedule == ROLES_SCHEDULE and _tiles(cfg) != ROLES_TILES:
         return default_schedule(masked=True)
     return schedule
 
@@ -588,8 +593,8 @@ def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[Glu
         _launch_roles(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, o_part, l_part, ops, lps,
                       l_scale)
     else:
-        _launch_lock_step(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos, qps,
-                          cp_world, cp_rank, o_part, l_part, ops, lps, l_scale)
+        _launch_lock_step(a, cfg, masked, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms,
+                          q_pos, qps, cp_world, cp_rank, o_part, l_part, ops, lps, l_scale)
     if ns > 1:
         kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
         launch(kernel, grid2, args, consts, warps)
@@ -608,7 +613,7 @@ def _launch_roles(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, l
                   l_scale):
     from .mla_gluon_roles import _roles_jit  # (imports this module)
 
-    if (cfg.block_h, cfg.block_n, cfg.stages) != (64, 64, 2):
+    if _tiles(cfg) != ROLES_TILES:
         raise ValueError(f"the role-split Gluon kernel (schedule {ROLES_SCHEDULE}) runs 64 x 64 tiles in 2 stages, "
                          f"not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
     launch(_roles_jit, (n_hb, ns, B), (
@@ -620,9 +625,8 @@ def _launch_roles(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, l
             HAS_LENS=a.kv_lens is not None), 4)
 
 
-def _launch_lock_step(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos, qps,
-                      cp_world, cp_rank, o_part, l_part, ops, lps, l_scale):
-    masked = mask_b is not None or a.causal is not None
+def _launch_lock_step(a, cfg, masked, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos,
+                      qps, cp_world, cp_rank, o_part, l_part, ops, lps, l_scale):
     launch(_mla_gluon_jit, (n_hb, ns, B), (
         parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else a.kv, q_pos,
         o_part, l_part,

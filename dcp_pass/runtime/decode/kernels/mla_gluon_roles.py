@@ -75,6 +75,18 @@ def _fill_src(j, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row,
         cp.mbarrier_arrive(full.index(buf), increment_count=False)
 
 
+def _store_half_src(o_base, acc, l_i, c0: gl.constexpr, row0, so_s, so_h, H, SH, BLOCK_H: gl.constexpr):
+    """A partition's 256 output columns from c0, its accumulator over the rows' sums (0 where a
+    row saw no key)."""
+    o_mma: gl.constexpr = acc.type.layout
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))
+    o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    rows_o = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_mma))
+    cols_o = c0 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_mma))
+    gl.store(o_base + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
+             o.to(o_base.dtype.element_ty), mask=(rows_o < SH)[:, None])
+
+
 def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
                 sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -116,12 +128,7 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
         mbarrier.arrive(empty.index(buf))
     l_s.store(l_i)
     mbarrier.arrive(done)
-    l_o = gl.convert_layout(l_i, row_o)
-    o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    rows_o = row0 + gl.arange(0, BLOCK_H, layout=row_o)
-    cols_o = 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_mma))
-    gl.store(o_base + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
-             o.to(o_base.dtype.element_ty), mask=(rows_o < SH)[:, None])
+    _store_half(o_base, acc, l_i, 256, row0, so_s, so_h, H, SH, BLOCK_H)
     rows_m = row0 + gl.arange(0, BLOCK_H, layout=row_s)
     lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * lse_scale
     gl.store(l_base + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
@@ -147,12 +154,7 @@ def _loader_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_ro
         mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorer's value GEMM of this buffer is done too
         _fill(j + 2, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N)
     mbarrier.wait(done, 0)
-    l_o = l_s.load(row_o)
-    o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    rows_o = row0 + gl.arange(0, BLOCK_H, layout=row_o)
-    cols_o = gl.arange(0, 256, layout=gl.SliceLayout(0, o_mma))
-    gl.store(o_base + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
-             o.to(o_base.dtype.element_ty), mask=(rows_o < SH)[:, None])
+    _store_half(o_base, acc, l_s.load(row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
 
 
 def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
@@ -218,6 +220,7 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
 
 if G.HAS_GLUON:
     _opaque = gluon.jit(_opaque_src)
+    _store_half = gluon.jit(_store_half_src)
     _copy_tile = gluon.jit(_copy_tile_src)
     _fill = gluon.jit(_fill_src)
     _scorer = gluon.jit(_scorer_src)
