@@ -220,6 +220,16 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
                          lse_base, attn_backend)
 
 
+def pass_config(opts: DcpOptions, plan: AttentionPlan, example_inputs: Sequence[Any]) -> PassConfig:
+    """The pass pipeline's settings, the options' "auto" values resolved for this graph."""
+    complex_as_real = opts.complex_as_real if opts.complex_as_real is not None else opts.inner == "inductor"
+    # every graph of a DCP model, with MLA or not: one symbolic graph would keep the step
+    # from replaying as CUDA graphs
+    static_positions = (opts.static_positions if opts.static_positions is not None
+                        else _device_of(example_inputs).type == "cuda")
+    return PassConfig(plan, opts.replicate_q_proj, opts.strict, complex_as_real, static_positions)
+
+
 def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str:
     """Unified diff of a graph's code before and after the pass (what a reviewer reads)."""
     import difflib
@@ -267,22 +277,6 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     return run
 
 
-def device_position(gm: fx.GraphModule, opts: DcpOptions, device: torch.device, report: GraphReport):
-    """Move the graph's int step position to the device where that is wanted and possible."""
-    from dcp_pass.rewrites.positions import NotStatic, has_symbolic_input, positions_to_device
-
-    wanted = opts.static_positions if opts.static_positions is not None else device.type == "cuda"
-    if not wanted or not has_symbolic_input(gm.graph):  # static graphs have nothing to move
-        return gm, None
-    try:
-        gm, position = positions_to_device(gm)
-    except NotStatic as why:
-        report.notes.append(f"int position kept (no static-shape decode graph): {why}")
-        return gm, None
-    report.notes.append("int step position moved to the device (static-shape graph)")
-    return gm, position
-
-
 class DcpBackend:
     """A `dcp` backend instance; keeps a report and the rewritten graphs of every compile."""
 
@@ -309,18 +303,13 @@ class DcpBackend:
             out, caches, weights = gm, [], []
         else:
             plan = resolve_plan(opts, self.topology, example_inputs)
-            complex_as_real = opts.complex_as_real if opts.complex_as_real is not None else opts.inner == "inductor"
-            config = PassConfig(plan, opts.replicate_q_proj, opts.strict, complex_as_real)
-            result = apply_dcp(gm, example_inputs, config, graph_report)
-            out, caches, weights = result.graph_module, result.caches, result.weights
+            result = apply_dcp(gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report)
+            out, caches, weights, position = result.graph_module, result.caches, result.weights, result.position
             check_inference_only(out, example_inputs, graph_report)
             for index, entry in caches:
                 self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)
             if caches:
                 self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
-            # every graph of a DCP model, with MLA or not: one symbolic graph would keep
-            # the step from replaying as CUDA graphs
-            out, position = device_position(out, opts, _device_of(example_inputs), graph_report)
         self.graphs.append(out)
         log.info("%s", self.report.summary())
         if caches or position is not None:

@@ -38,12 +38,22 @@ class LayerReport:
 
 
 @dataclass
+class PassRecord:
+    """One named pass of the pipeline on one graph: what it matched or did, and its notes."""
+
+    name: str
+    matched_count: int
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
 class GraphReport:
     graph_index: int
     layers: list[LayerReport] = field(default_factory=list)
     near_misses: list[tuple[str, str]] = field(default_factory=list)
     unchanged_reason: str = ""
     notes: list[str] = field(default_factory=list)  # other decisions (e.g. the step position)
+    passes: list[PassRecord] = field(default_factory=list)  # the pipeline's passes, in order
 
     @property
     def rewritten(self) -> int:

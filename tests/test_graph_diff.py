@@ -303,7 +303,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote kv_cache: decode, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto
+    rewrote kv_cache: decode, softmax form, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto
   KV cache bytes on this rank: 1536 without DCP -> 864 with DCP (1.78x less)
   striped, not to be read outside compiled graphs: kv_cache, pe_cache""")
 
@@ -515,7 +515,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph (1 near miss(es) left unchanged))
-    near miss at softmax: attention probabilities are used outside the value product""")
+    near miss at test_graph_diff.py:88 `probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_lat)`: attention probabilities are used outside the value product""")
 
     # ------------------------------------------------------------------ spelling variants
 
@@ -605,9 +605,9 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
 dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 1: 1 MLA layer(s) rewritten
-    rewrote attn: decode, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
+    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
   graph 2: 1 MLA layer(s) rewritten
-    rewrote attn: decode, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
+    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
   graph 3: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 4: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 5: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
@@ -745,7 +745,7 @@ o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)
 ---
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote layers.0.attn: decode, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto
+    rewrote layers.0.attn: decode, softmax form, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto
     3 complex product(s) (rotary) computed in real arithmetic
   KV cache bytes on this rank: 30720 without DCP -> 15680 with DCP (1.96x less)
   striped, not to be read outside compiled graphs: layers.0.attn.kv_cache, layers.0.attn.pe_cache""")
@@ -827,7 +827,7 @@ o_3 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_16)""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote layers.1.attn: decode, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
+    rewrote layers.1.attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
   KV cache bytes on this rank: 61440 without DCP -> 31360 with DCP (1.96x less)
   striped, not to be read outside compiled graphs: layers.1.attn.kv_cache, layers.1.attn.pe_cache""")
 

@@ -162,12 +162,12 @@ class MatcherTest(unittest.TestCase):
     def test_near_miss_reasons(self):
         # one near miss per stage of match_softmax: scores, score layout, value contraction, masks
         cases = {
-            "finite_fill": "masked_fill with value -1.0 on attention scores (only -inf-like fills are exact)",
-            "tensor_scale": "attention scores scaled by a tensor",
-            "softmax_dim": "softmax over dim 1 of a rank-4 score; only the last (key) axis is supported",
-            "scaled_apart": "score terms scaled differently ([0.25, 0.5])",
-            "values_from_pe": "values are not the leading columns of the latent cache read by the first score term",
-            "negative_mask": "mask multiplied by a non-positive scale",
+            "finite_fill": "masked_fill with value -1.0 on the attention scores (only -inf-like fills are exact) "
+                           "(at test_match.py:",
+            "tensor_scale": "the attention scores are scaled by a tensor; only constant scales are supported",
+            "softmax_dim": "the softmax runs over dim 1 of rank-4 scores; only the last (key) axis is supported",
+            "scaled_apart": "the score terms are scaled differently ([0.25, 0.5])",
+            "negative_mask": "a mask is multiplied by a non-positive scale (at test_match.py:",
         }
         for kind, reason in cases.items():
             with self.subTest(kind=kind):
@@ -176,6 +176,14 @@ class MatcherTest(unittest.TestCase):
                 self.assertEqual(found.matches, [])
                 self.assertEqual(len(found.near_misses), 1, found.near_misses)
                 self.assertIn(reason, found.near_misses[0][1])
+
+    def test_values_from_the_rotary_cache_match_with_that_cache_as_latent(self):
+        # scores are a sum, so which cache holds the values only decides which term is "latent"
+        found = self.find(capture(NearMissMLA("values_from_pe"), *tiny_inputs(3, 2, "additive")))
+        self.assertEqual(found.near_misses, [])
+        (match,) = found.matches
+        self.assertEqual(buffer_name(match.value_cache.buffer), "pe_cache")
+        self.assertEqual(match.v_dim, 4)
 
     def test_no_cache_no_match(self):
         found = self.find(capture(TinyMLP(), torch.randn(3, 8)))

@@ -1,24 +1,37 @@
-"""The DCP graph pass over one captured graph: match, install shards, rewrite, verify.
+"""The DCP pass over one captured graph: named passes run by one pipeline.
 
-The pass works on a copy of the graph; only when the copy is verified (no node
-reads a full-size cache buffer any more) are the cache storages released and the
-copy returned. Otherwise the original graph is returned unchanged with the reason.
+    match -> striped_writes -> query_replication -> attention -> verify_buffers
+          -> complex_as_real -> device_positions
+
+Each pass is a small class whose `run` does one step and returns what it matched
+(`PassOutcome`); the pipeline records every outcome in the graph's report (name, count,
+notes), and, when asked, hands the graph after each pass to an observer (the graph-diff
+helper `dcp_pass.testing.graph_stages` uses it), the way inductor's post-grad passes
+and vLLM's pass manager run named passes.
+
+The rewrite works on a copy of the graph. A pass that finds the graph cannot take DCP
+(no MLA, cache buffers used outside the matched attention) stops the rewrite: the
+original graph is kept and the reason reported. Only when the copy is verified (no node
+reads a full-size cache buffer any more) are the cache storages released. The device
+position pass runs on whichever graph is kept: every graph of a DCP model, with MLA or
+not, takes its step position as device data where possible (CUDA graphs replay only
+when no graph of the step is symbolic).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from dcp_pass.report import GraphReport, LayerReport, log
+from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
 from dcp_pass.rewrites import cache as cache_rw
 from dcp_pass.rewrites import complex_product
 from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites import q_replicate
 from dcp_pass.rewrites.attention import AttentionPlan
-from dcp_pass.rewrites.match import NearMiss, find_mla, module_path, buffer_source
+from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla
 
 
 class DcpRewriteError(RuntimeError):
@@ -31,14 +44,7 @@ class PassConfig:
     replicate_q_proj: Optional[bool]
     strict: bool
     complex_as_real: bool  # resolved from the option's "auto" by the backend
-
-
-def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.Node]:
-    return [
-        n for n in graph.nodes
-        if n.op == "placeholder" and n.users and isinstance(values.get(n.name), torch.Tensor)
-        and cache_rw.is_released(values[n.name])
-    ]
+    static_positions: bool = False  # resolved from the option's "auto" by the backend
 
 
 @dataclass
@@ -48,87 +54,271 @@ class DcpPassResult:
     `graph_module`: the graph module to compile (the input one when nothing changed).
     `caches`: for each cache shard input it gained, the index of the full-size buffer
     input it shards and that shard now. `weights`: the other inputs it gained (replicated
-    q weights), each resolved per call from an existing input.
+    q weights), each resolved per call from an existing input. `position`: how the
+    backend feeds a step position moved to the device (None: kept as an int).
     """
 
     graph_module: fx.GraphModule
     caches: list[tuple[int, cache_rw.LocalCache]] = field(default_factory=list)
     weights: list[q_replicate.ExtraInput] = field(default_factory=list)
+    position: Any = None
 
 
-def apply_dcp(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport
-) -> DcpPassResult:
-    """Rewrite every absorbed-MLA block of `gm` (see `DcpPassResult`)."""
-    values = fx_util.placeholder_values(gm, example_inputs)
-    work = fx_util.copy_dynamo_graph_module(gm)
-    graph = work.graph
-    found = find_mla(graph)
-    report.near_misses.extend(found.near_misses)
-    if config.strict and found.near_misses:
-        where, reason = found.near_misses[0]
-        raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
+@dataclass
+class PassOutcome:
+    count: int = 0
+    notes: list[str] = field(default_factory=list)
 
-    plan = config.plan
-    buffers = {b for m in found.matches for b in m.buffers} | {
-        b for b in found.writes if cache_rw.is_released(values[b.name])
-    }
-    if not buffers:
-        _refuse_released(graph, values)
-        report.unchanged_reason = "no absorbed-MLA attention in this graph" + (
-            f" ({len(found.near_misses)} near miss(es) left unchanged)" if found.near_misses else "")
-        return DcpPassResult(gm)
 
-    entries: dict[fx.Node, cache_rw.LocalCache] = {}
-    local_nodes: dict[fx.Node, fx.Node] = {}
-    for index, buf in enumerate(sorted(buffers, key=lambda n: n.name)):
-        entries[buf] = cache_rw.shard_for(values[buf.name], plan.c, plan.rank, module_path(buffer_source(buf)))
-        local_nodes[buf] = cache_rw.local_cache_placeholder(graph, index, entries[buf].local)
+@dataclass
+class PassState:
+    """What the passes of one graph share."""
 
-    for buf, writes in found.writes.items():
-        if buf in local_nodes:
-            for write in writes:
-                write.rewrite_write(graph, local_nodes[buf], entries[buf])
+    original: fx.GraphModule
+    gm: fx.GraphModule  # the working copy (the original once the rewrite stops)
+    values: dict[str, Any]  # placeholder name -> example input
+    config: PassConfig
+    report: GraphReport
+    example_inputs: Sequence[Any] = ()
+    found: Optional[GraphMatches] = None
+    buffers: set[fx.Node] = field(default_factory=set)
+    entries: dict[fx.Node, cache_rw.LocalCache] = field(default_factory=dict)
+    local_nodes: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    queries: dict[int, tuple[Any, str]] = field(default_factory=dict)  # id(match) -> (override, detail)
+    replicator: Optional[q_replicate.QueryReplicator] = None
+    stopped: Optional[str] = None  # why the DCP rewrite stopped (the original graph is kept)
+    caches: list[tuple[int, cache_rw.LocalCache]] = field(default_factory=list)  # (input index, shard)
+    position: Any = None
 
-    replicated = q_replicate.QueryReplicator(work, values, plan, config.replicate_q_proj)
-    for match in found.matches:
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def stop(self, reason: str) -> None:
+        self.stopped = reason
+        self.gm = self.original
+
+
+class GraphPass:
+    """One named step. `rewrite_only`: skipped once the DCP rewrite has stopped."""
+
+    name = "?"
+    rewrite_only = True
+
+    def run(self, state: PassState) -> PassOutcome:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- the passes
+
+
+class FindAttention(GraphPass):
+    """Run every registered recogniser; near misses are reported (or raised when strict)."""
+
+    name = "match"
+
+    def run(self, state: PassState) -> PassOutcome:
+        found = find_mla(state.graph)
+        state.found = found
+        state.report.near_misses.extend(found.near_misses)
+        if state.config.strict and found.near_misses:
+            where, reason = found.near_misses[0]
+            raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
+        state.buffers = {b for m in found.matches for b in m.buffers} | {
+            b for b in found.writes if cache_rw.is_released(state.values[b.name])}
+        if not state.buffers:
+            _refuse_released(state.graph, state.values)
+            reason = "no absorbed-MLA attention in this graph"
+            if found.near_misses:
+                reason += f" ({len(found.near_misses)} near miss(es) left unchanged)"
+            state.stop(reason)
+            state.report.unchanged_reason = reason
+        return PassOutcome(len(found.matches), [f"{m.layer}: {m.family}" for m in found.matches] + found.notes)
+
+
+class StripedWrites(GraphPass):
+    """Give every matched cache buffer its shard input and stripe the writes into it."""
+
+    name = "striped_writes"
+
+    def run(self, state: PassState) -> PassOutcome:
+        plan = state.config.plan
+        for index, buf in enumerate(sorted(state.buffers, key=lambda n: n.name)):
+            entry = cache_rw.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf))
+            state.entries[buf] = entry
+            state.local_nodes[buf] = cache_rw.local_cache_placeholder(state.graph, index, entry.local)
+        count = 0
+        for buf, writes in state.found.writes.items():
+            if buf in state.local_nodes:
+                for write in writes:
+                    write.rewrite_write(state.graph, state.local_nodes[buf], state.entries[buf])
+                    count += 1
+        return PassOutcome(count)
+
+
+class QueryReplication(GraphPass):
+    """Per layer: replicated q-projection / w_kc (SPEC section 3), gathered or local queries."""
+
+    name = "query_replication"
+
+    def run(self, state: PassState) -> PassOutcome:
+        state.replicator = q_replicate.QueryReplicator(state.gm, state.values, state.config.plan,
+                                                      state.config.replicate_q_proj)
+        count = 0
+        for match in state.found.matches:
+            try:
+                state.queries[id(match)] = state.replicator.queries_for(match)
+            except NearMiss as miss:
+                _striped_already(match, miss)
+            count += state.queries[id(match)][0] is not None
+        return PassOutcome(count)
+
+
+class AttentionRewrite(GraphPass):
+    """Each match becomes shard-local attention + the exchange that merges the partials."""
+
+    name = "attention"
+
+    def run(self, state: PassState) -> PassOutcome:
+        plan = state.config.plan
+        for match in state.found.matches:
+            override, q_detail = state.queries.get(id(match), (None, "all-gather"))
+            try:
+                match.rewrite(state.gm, plan, state.local_nodes, override)
+            except NearMiss as miss:
+                _striped_already(match, miss)
+            kind = "decode" if _is_decode(match) else "multi-token"
+            window = ", sliding window" if match.value_cache.windowed else ""
+            state.report.layers.append(LayerReport(
+                match.layer, True,
+                f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "
+                f"comm {_comm_name(plan)}, lse base {plan.lse_base}, attention {plan.attn_backend}",
+            ))
+        return PassOutcome(len(state.found.matches))
+
+
+class VerifyBuffers(GraphPass):
+    """No node may read a full-size cache buffer any more; then the shards are installed."""
+
+    name = "verify_buffers"
+
+    def run(self, state: PassState) -> PassOutcome:
+        graph, values = state.graph, state.values
+        leftovers = [n for n in graph.nodes if n in state.buffers and n.users]
+        if leftovers:
+            uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}" for n in leftovers)
+            reason = f"cache buffers are used outside the matched attention ({uses})"
+            if any(cache_rw.is_released(values[n.name]) for n in leftovers) or state.config.strict:
+                raise DcpRewriteError(reason)
+            state.report.layers = [LayerReport(layer.layer, False, reason) for layer in state.report.layers]
+            state.report.unchanged_reason = reason
+            log.warning("dcp_pass: graph left unchanged: %s", reason)
+            state.stop(reason)
+            return PassOutcome(0, [reason])
+        _refuse_released(graph, values)  # e.g. a deferred buffer read next to a matched attention
+        return PassOutcome(len(state.buffers))
+
+
+class ComplexAsReal(GraphPass):
+    """The reference rotary's complex products in real arithmetic (after query replication,
+    so that its copies of the rotary are rewritten too)."""
+
+    name = "complex_as_real"
+
+    def run(self, state: PassState) -> PassOutcome:
+        if not state.config.complex_as_real:
+            return PassOutcome(0, ["off"])
+        count = complex_product.complex_products_as_real(state.graph)
+        notes = [f"{count} complex product(s) (rotary) computed in real arithmetic"] if count else []
+        state.report.notes.extend(notes)
+        return PassOutcome(count, notes)
+
+
+class InstallShards(GraphPass):
+    """Release the full-size caches: from here on each rank holds only its stripe."""
+
+    name = "install_shards"
+
+    def run(self, state: PassState) -> PassOutcome:
+        for buf, entry in state.entries.items():
+            cache_rw.install(state.values[buf.name], entry)
+        placeholders = fx_util.placeholders(state.graph)
+        state.caches = [(placeholders.index(buf), state.entries[buf]) for buf in state.local_nodes]
+        state.graph.lint()
+        state.gm.recompile()
+        return PassOutcome(len(state.entries))
+
+
+class DevicePositions(GraphPass):
+    """An int step position becomes device data where the graph allows it (static shapes)."""
+
+    name = "device_positions"
+    rewrite_only = False
+
+    def run(self, state: PassState) -> PassOutcome:
+        from dcp_pass.rewrites.positions import NotStatic, has_symbolic_input, positions_to_device
+
+        if not state.config.static_positions or not has_symbolic_input(state.gm.graph):
+            return PassOutcome(0)
         try:
-            override, q_detail = replicated.queries_for(match)
-            match.rewrite(work, plan, local_nodes, override)
-        except NearMiss as miss:
-            raise DcpRewriteError(
-                f"layer {match.layer}: {miss}; its cache writes were already striped, so it cannot be left unchanged"
-            ) from miss
-        kind = "decode" if _is_decode(match) else "multi-token"
-        report.layers.append(LayerReport(
-            match.layer, True,
-            f"{kind}, {len(match.terms)} score term(s), q {q_detail}, comm {_comm_name(plan)}, "
-            f"lse base {plan.lse_base}, attention {plan.attn_backend}",
-        ))
-    leftovers = [n for n in graph.nodes if n in buffers and n.users]
-    if leftovers:
-        uses = "; ".join(f"{module_path(buffer_source(n))}: {', '.join(_describe_use(u) for u in n.users)}"
-                         for n in leftovers)
-        reason = f"cache buffers are used outside the matched attention ({uses})"
-        if any(cache_rw.is_released(values[n.name]) for n in leftovers) or config.strict:
-            raise DcpRewriteError(reason)
-        report.layers = [LayerReport(layer.layer, False, reason) for layer in report.layers]
-        report.unchanged_reason = reason
-        log.warning("dcp_pass: graph left unchanged: %s", reason)
-        return DcpPassResult(gm)
+            state.gm, state.position = positions_to_device(state.gm)
+        except NotStatic as why:
+            note = f"int position kept (no static-shape decode graph): {why}"
+            state.report.notes.append(note)
+            return PassOutcome(0, [note])
+        note = "int step position moved to the device (static-shape graph)"
+        state.report.notes.append(note)
+        return PassOutcome(1, [note])
 
-    _refuse_released(graph, values)  # e.g. a deferred buffer read next to a matched attention
-    if config.complex_as_real:  # after the query replication, so its rotaries are rewritten too
-        count = complex_product.complex_products_as_real(graph)
-        if count:
-            report.notes.append(f"{count} complex product(s) (rotary) computed in real arithmetic")
-    for buf, entry in entries.items():
-        cache_rw.install(values[buf.name], entry)
-    placeholders = fx_util.placeholders(graph)
-    caches = [(placeholders.index(buf), entries[buf]) for buf in local_nodes]
-    graph.lint()
-    work.recompile()
-    return DcpPassResult(work, caches, replicated.extra)
+
+DEFAULT_PASSES: tuple[GraphPass, ...] = (
+    FindAttention(), StripedWrites(), QueryReplication(), AttentionRewrite(), VerifyBuffers(),
+    ComplexAsReal(), InstallShards(), DevicePositions(),
+)
+
+Observer = Callable[[str, fx.GraphModule], None]
+
+
+def run_passes(state: PassState, passes: Sequence[GraphPass] = DEFAULT_PASSES,
+               observer: Optional[Observer] = None) -> PassState:
+    """Run `passes` in order, recording each outcome in the report (and showing the graph
+    after each to `observer`)."""
+    for graph_pass in passes:
+        if graph_pass.rewrite_only and state.stopped is not None:
+            continue
+        outcome = graph_pass.run(state)
+        state.report.passes.append(PassRecord(graph_pass.name, outcome.count, list(outcome.notes)))
+        if observer is not None:
+            observer(graph_pass.name, state.gm)
+    return state
+
+
+def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport,
+              observer: Optional[Observer] = None) -> DcpPassResult:
+    """Rewrite every MLA attention of `gm` (see `DcpPassResult`)."""
+    values = fx_util.placeholder_values(gm, example_inputs)
+    state = PassState(gm, fx_util.copy_dynamo_graph_module(gm), values, config, report, example_inputs)
+    run_passes(state, observer=observer)
+    if state.stopped is not None:
+        return DcpPassResult(state.gm, position=state.position)
+    return DcpPassResult(state.gm, state.caches, state.replicator.extra if state.replicator else [], state.position)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _striped_already(match: MlaMatch, miss: NearMiss):
+    raise DcpRewriteError(
+        f"layer {match.layer}: {miss}; its cache writes were already striped, so it cannot be left unchanged"
+    ) from miss
+
+
+def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.Node]:
+    return [
+        n for n in graph.nodes
+        if n.op == "placeholder" and n.users and isinstance(values.get(n.name), torch.Tensor)
+        and cache_rw.is_released(values[n.name])
+    ]
 
 
 def _describe_use(node: fx.Node, depth: int = 3) -> str:
@@ -143,7 +333,7 @@ def _describe_use(node: fx.Node, depth: int = 3) -> str:
 def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
     used = _released_buffers_used(graph, values)
     if used:
-        names = ", ".join(module_path(buffer_source(n)) for n in used)
+        names = ", ".join(buffer_name(n) for n in used)
         raise DcpRewriteError(
             f"cache buffer(s) {names} have no full-size storage (striped by DCP in an earlier graph, or "
             f"deferred by dcp_pass.deferred_caches()), but this graph reads them outside an MLA attention "
@@ -151,9 +341,10 @@ def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
         )
 
 
-def _is_decode(match) -> bool:
-    shape = match.terms[0].query.meta.get("example_value")
-    seq_axis = match.terms[0].query_roles.index("S")
+def _is_decode(match: MlaMatch) -> bool:
+    term = match.terms[0]
+    shape = term.query.meta.get("example_value")
+    seq_axis = term.query_roles.index("S")
     return shape is not None and shape.shape[seq_axis] == 1
 
 

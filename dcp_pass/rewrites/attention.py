@@ -25,7 +25,8 @@ import torch.fx as fx
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
-from dcp_pass.rewrites.match import CacheAccess, MlaMatch, NearMiss
+from dcp_pass.rewrites.cache_reads import CacheRead, cache_layout
+from dcp_pass.rewrites.match import MlaMatch, NearMiss, ScoreTerm
 from dcp_pass.runtime.decode import comm
 from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, COMM_BACKENDS
 from dcp_pass.runtime.decode import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
@@ -76,12 +77,28 @@ def check_backend_mask(match: MlaMatch, plan: AttentionPlan) -> None:
                        f"adds one; use attn_backend='triton' or 'auto'")
 
 
-def local_slice(graph: fx.Graph, local: fx.Node, access: CacheAccess, name: str) -> fx.Node:
-    """The batch rows (and feature columns) of a shard; key rows are bounded by the op."""
-    index: tuple = (slice(None, access.bsz),)
-    if access.feat is not None:
-        index += (slice(None), slice(*access.feat))
-    return call(graph, operator.getitem, local, index, name=name)
+def local_slice(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str) -> fx.Node:
+    """The batch rows (and feature columns) of a shard as [batch, position, feature]; key
+    rows are bounded by the op. A singleton head axis of the cache is indexed away."""
+    index: list = []
+    for role in cache_layout(access.buffer):
+        if role == B:
+            index.append(slice(None, access.bsz))
+        elif role == F:
+            index.append(slice(None) if access.feat is None else slice(*access.feat))
+        else:
+            index.append(slice(None) if role == T else 0)
+    while index and index[-1] == slice(None):
+        index.pop()
+    return call(graph, operator.getitem, local, tuple(index), name=name)
+
+
+def canonical_query(graph: fx.Graph, node: fx.Node, term: ScoreTerm, name: Optional[str] = None) -> fx.Node:
+    """`node` (the term's query, or a copy of it) as [B, S, H, D], cut to the term's columns."""
+    q = to_canonical(graph, node, term.query_roles, CANON_Q, None if term.query_cols else name)
+    if term.query_cols is None:
+        return q
+    return call(graph, operator.getitem, q, (Ellipsis, slice(*term.query_cols)), name=name)
 
 
 def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], canonical: list[str],
@@ -92,14 +109,31 @@ def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], can
     return node if perm == list(range(len(perm))) else method(graph, "permute", node, *perm, name=name)
 
 
-def score_mask(graph: fx.Graph, match: MlaMatch) -> Optional[fx.Node]:
+def causal_mask(graph: fx.Graph, match: MlaMatch, q_lat: fx.Node) -> fx.Node:
+    """SDPA's `is_causal` as an additive [1, S, 1, T] mask: query i sees keys j <= i of the
+    read (top-left aligned), over global key positions like every other mask."""
+    device = axes.example_value(match.terms[0].query).device
+    read = match.value_cache
+    keys = read.end if not read.windowed else call(graph, operator.sub, read.end, read.start, name="window_keys")
+    rows = method(graph, "size", q_lat, 1, name="query_rows")
+    key_pos = call(graph, torch.arange, keys, device=device, name="causal_keys")
+    query_pos = call(graph, torch.arange, rows, device=device, name="causal_rows")
+    keep = call(graph, operator.le, call(graph, operator.getitem, key_pos, (None, slice(None))),
+                call(graph, operator.getitem, query_pos, (slice(None), None)), name="causal_keep")
+    additive = call(graph, torch.where, keep, 0.0, float("-inf"), name="causal_f32")
+    return call(graph, operator.getitem, additive, (None, slice(None), None, slice(None)), name="causal_mask")
+
+
+def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None) -> Optional[fx.Node]:
     """Sum of the score masks as one additive fp32 tensor in [B, S, H, T] order (global
     key positions: the op keeps this rank's columns)."""
-    total = None
+    total = causal_mask(graph, match, q_lat) if match.causal else None
     for mask in match.masks:
         node = mask.node
         if mask.kind == "bool":
             node = call(graph, torch.where, node, float("-inf"), 0.0)
+        elif mask.kind == "keep":
+            node = call(graph, torch.where, node, 0.0, float("-inf"))
         if mask.multiplier != 1.0:
             node = call(graph, operator.mul, node, mask.multiplier)
         missing = len(match.score_roles) - len(mask.roles)
@@ -147,22 +181,23 @@ def rewrite_attention(
     latent, rope = ordered_terms(match)
     check_mask_heads(match, plan)
     check_backend_mask(match, plan)
-    value_node = match.value.node
-    with graph.inserting_before(match.softmax):
+    value_node = match.output
+    with graph.inserting_before(match.anchor):
         kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, "kv_local")
         pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local") if rope else None
         if query_override is not None:
             q_lat, q_rope = query_override
         else:
-            q_lat = to_canonical(graph, latent.query, latent.query_roles, CANON_Q, "q_lat_bshd")
-            q_rope = to_canonical(graph, rope.query, rope.query_roles, CANON_Q, "q_rope_bshd") if rope else None
+            q_lat = canonical_query(graph, latent.query, latent, "q_lat_bshd")
+            q_rope = canonical_query(graph, rope.query, rope, "q_rope_bshd") if rope else None
             if plan.head_sharded:
-                d_lat = axes.shape_of(latent.query)[latent.query_roles.index(F)]
+                d_lat = latent.cache.width
                 q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, d_lat)
-        mask = score_mask(graph, match)
+        mask = score_mask(graph, match, q_lat)
+        window = {"kv_start": match.value_cache.start} if match.value_cache.windowed else {}
         attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
                      kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
-                     backend=plan.attn_backend, name="local_attention")
+                     backend=plan.attn_backend, name="local_attention", **window)
         out = call(graph, operator.getitem, attn, 0, name="partial_out")
         lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
         merged = emit_exchange(graph, out, lse, match, plan)

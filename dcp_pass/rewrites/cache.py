@@ -17,6 +17,7 @@ naming the buffer instead of copying garbage or crashing; see `guard` below.
 from __future__ import annotations
 
 import functools
+import operator
 import gc
 import sys
 import weakref
@@ -29,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.report import log
 from dcp_pass.rewrites import fx_util
-from dcp_pass.rewrites.match import CacheAccess
+from dcp_pass.rewrites.cache_reads import CacheAccess, cache_layout
 from dcp_pass.runtime.decode import layout
 
 
@@ -90,13 +91,16 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
                 f"it cannot be recompiled with dcp_size={c}, rank {rank}"
             )
         return entry
-    batch, tokens, dim = buffer.shape
+    axis = 1 if buffer.dim() == 3 or buffer.shape[1] != 1 else 2  # the position axis (cache_reads.cache_layout)
+    tokens = buffer.shape[axis]
     # One spare row: a windowed write (symbolic start) may touch row (start + n) // c,
     # one past the last owned row when max_seq is a multiple of c. Never read.
-    local = torch.zeros((batch, layout.local_capacity(tokens, c) + 1, dim), dtype=buffer.dtype, device=buffer.device)
+    shape = list(buffer.shape)
+    shape[axis] = layout.local_capacity(tokens, c) + 1
+    local = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
     if buffer not in _DEFERRED:  # a deferred buffer has no rows yet: its shard starts zeroed
-        owned = buffer.detach()[:, rank::c]  # keeps rows already written
-        local[:, : owned.shape[1]] = owned
+        owned = buffer.detach()[(slice(None),) * axis + (slice(rank, None, c),)]  # keeps rows already written
+        local.narrow(axis, 0, owned.shape[axis]).copy_(owned)
     full_nbytes = buffer.numel() * buffer.element_size()
     return LocalCache(local, tokens, c, rank, full_nbytes, name)
 
@@ -520,5 +524,17 @@ def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: Lo
         fn, where = layout.write_tokens_at_, write.positions
     else:
         fn, where = layout.write_owned_tokens_, write.start
-    args = (local, write.value, where, entry.c, entry.rank, entry.virtual_capacity, write.feat[0] if write.feat else 0)
+    shard, value = local, write.value
+    head = _singleton_head_axis(write.buffer)
+    if head is not None:  # [B, T, 1, F] / [B, 1, T, F]: the write is on the [B, T, F] view
+        with graph.inserting_before(write.node):
+            index = (slice(None),) * head + (0,)
+            shard = fx_util.call(graph, operator.getitem, local, index, name="shard_rows")
+            value = fx_util.call(graph, operator.getitem, write.value, index, name="written_rows")
+    args = (shard, value, where, entry.c, entry.rank, entry.virtual_capacity, write.feat[0] if write.feat else 0)
     return fx_util.replace_node(graph, write.node, fn, args, name="striped_write")
+
+
+def _singleton_head_axis(buffer: fx.Node) -> Optional[int]:
+    roles = cache_layout(buffer)
+    return roles.index(None) if roles is not None and None in roles else None

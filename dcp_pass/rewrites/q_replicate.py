@@ -221,7 +221,7 @@ class QueryReplicator:
         return self._weight_inputs[key]
 
     def _emit(self, match: MlaMatch, region: set[fx.Node], sharded: list[fx.Node]) -> tuple[fx.Node, Optional[fx.Node]]:
-        from dcp_pass.rewrites.attention import CANON_Q, ordered_terms, to_canonical
+        from dcp_pass.rewrites.attention import canonical_query, ordered_terms
 
         graph = self.gm.graph
         latent, rope = ordered_terms(match)
@@ -234,7 +234,7 @@ class QueryReplicator:
                 tainted.add(node)
                 cloned.append(node)
         per_rank: list[list[fx.Node]] = []
-        with graph.inserting_before(match.softmax):
+        with graph.inserting_before(match.anchor):
             for rank in range(self.plan.c):
                 if rank == self.plan.rank:
                     copies = outputs
@@ -243,7 +243,7 @@ class QueryReplicator:
                     for node in cloned:
                         env[node] = graph.node_copy(node, lambda n: env.get(n, n))
                     copies = [env[q] for q in outputs]
-                per_rank.append([to_canonical(graph, q, term.query_roles, CANON_Q) for q, term in zip(copies, terms)])
+                per_rank.append([canonical_query(graph, q, term) for q, term in zip(copies, terms)])
             q_lat = graph.call_function(torch.cat, ([r[0] for r in per_rank], 2))
             q_rope = graph.call_function(torch.cat, ([r[1] for r in per_rank], 2)) if rope else None
         return q_lat, q_rope

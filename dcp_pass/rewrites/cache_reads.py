@@ -1,0 +1,591 @@
+"""Cache tensors of a captured graph, and how the graph reads and writes them.
+
+A *cache tensor* is a graph input that holds one row per token position: a module
+buffer `[batch, position, feature]` (DeepSeek's reference code), the same with a
+singleton head axis `[batch, position, 1, feature]` or `[batch, 1, position, feature]`
+(one latent "kv head", MQA style). Its layout is a tuple of axis roles: B (batch),
+T (position), F (feature) and None for a singleton head axis that broadcasts over the
+query heads.
+
+A *read* is any chain of views from the cache tensor to an operand of the attention:
+slices of the batch, position and feature axes, permutes and transposes, unsqueeze,
+expand over heads, singleton views, dtype casts, and `torch.cat` of several reads along
+the feature axis (keys built as latent || rotary from two caches), in any order. The
+tracer replays the chain from the cache tensor forward, so the result does not depend
+on the order in which the model wrote its views: what it keeps is the cache tensor,
+the rows, positions and columns read, and the role of each axis of the operand.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from dcp_pass.rewrites import axes, fx_util
+from dcp_pass.rewrites.axes import B, F, T
+
+SizeArg = Union[int, fx.Node]
+BUFFER_SOURCE = re.compile(r"_buffers\[")
+MAX_CHAIN = 48  # views between a cache tensor and an attention operand
+
+
+# ----------------------------------------------------------------------------- cache tensors
+
+
+def buffer_source(node: fx.Node) -> Optional[str]:
+    """Dynamo's source name of a placeholder (e.g. L['self']._modules['attn']._buffers['kv_cache'])."""
+    return fx_util.dynamo_source_name(node)
+
+
+def module_path(source: Optional[str]) -> str:
+    """`L['self']._modules['layers']._modules['0']._modules['attn']._buffers['kv_cache']` -> `layers.0.attn.kv_cache`.
+
+    The keys of the source's subscripts, without the frame's own `self` and without the
+    `fn` of a decorated forward (Dynamo traces `inference_mode()(forward)` as a call of
+    the wrapped function, whose module argument is then named after the wrapper's `fn`).
+    """
+    if not source:
+        return "?"
+    keys = re.findall(r"\['([^']*)'\]", source)
+    while keys and keys[0] in ("self", "fn"):
+        keys = keys[1:]
+    return ".".join(keys) or source
+
+
+def cache_layout(node: Any) -> Optional[tuple[Optional[str], ...]]:
+    """Axis roles of a cache tensor placeholder, or None when `node` is not one.
+
+    Module buffers of rank 3 are `[batch, position, feature]`; of rank 4, the singleton
+    axis next to the position axis is a head axis of size 1 (`[B, T, 1, F]` or `[B, 1, T, F]`).
+    """
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return None
+    name = buffer_source(node)
+    shape = axes.shape_of(node)
+    if not (name and BUFFER_SOURCE.search(name)) or shape is None:
+        return None
+    if len(shape) == 3:
+        return (B, T, F)
+    if len(shape) == 4:
+        one = [axes.known_equal(shape[i], 1) for i in (1, 2)]
+        if one == [False, True]:
+            return (B, T, None, F)
+        if one == [True, False]:
+            return (B, None, T, F)
+    return None
+
+
+def is_cache_tensor(node: Any) -> bool:
+    return cache_layout(node) is not None
+
+
+def position_axis(buffer: fx.Node) -> int:
+    return cache_layout(buffer).index(T)
+
+
+def buffer_name(buffer: fx.Node) -> str:
+    """The user's name of a cache tensor (`layers.0.attn.kv_cache`)."""
+    return module_path(buffer_source(buffer))
+
+
+# ----------------------------------------------------------------------------- reads
+
+
+@dataclass
+class CacheRead:
+    """What one attention operand (or one feature piece of it) reads of a cache tensor.
+
+    `buffer[:bsz, start:end, feat]` in the cache tensor's own axes; `roles` gives the role
+    of each axis of the operand `node` (B, T, F, or None for a head axis of size 1 or
+    expanded over the query heads). `cols` is where this piece sits in the operand's
+    feature axis (keys concatenated from several caches), None for the whole axis.
+    """
+
+    node: fx.Node
+    buffer: fx.Node
+    bsz: SizeArg
+    start: SizeArg
+    end: SizeArg
+    feat: Optional[tuple[int, int]]  # absolute feature columns of the cache tensor, None = all
+    roles: list[Optional[str]]
+    cols: Optional[tuple[int, int]] = None
+
+    @property
+    def width(self) -> int:
+        f0, f1 = self.feat or (0, axes.shape_of(self.buffer)[-1])
+        return f1 - f0
+
+    @property
+    def windowed(self) -> bool:
+        return not (isinstance(self.start, int) and self.start == 0)
+
+
+class ReadRefused(Exception):
+    """A view of a cache tensor that the tracer cannot follow; the message says which."""
+
+
+@dataclass
+class _Axis:
+    """One axis of a tensor on the way from a cache tensor: the cache axis it shows (None: new)."""
+
+    source: Optional[int]
+
+
+@dataclass
+class _Piece:
+    """Replay state of one cache tensor on its way to the operand."""
+
+    buffer: fx.Node
+    dims: list[_Axis]
+    bounds: dict[int, tuple[SizeArg, Optional[SizeArg]]]  # cache axis -> [start, stop) (None: to the end)
+    cols: Optional[tuple[int, int]]  # columns of the operand's feature axis this piece fills
+
+
+def _add(a: SizeArg, b: SizeArg) -> SizeArg:
+    if isinstance(a, int) and a == 0:
+        return b
+    if isinstance(b, int) and b == 0:
+        return a
+    if isinstance(a, int) and isinstance(b, int):
+        return a + b
+    raise ReadRefused("two offsets of the same cache axis are added symbolically")
+
+
+def _extent(piece: _Piece, axis: int) -> Optional[SizeArg]:
+    """Current size of cache axis `axis` after the bounds applied so far (None: unknown symbolic)."""
+    start, stop = piece.bounds.get(axis, (0, None))
+    full = axes.shape_of(piece.buffer)[axis]
+    stop = full if stop is None else stop
+    if isinstance(start, int) and isinstance(stop, int):
+        return stop - start
+    if isinstance(start, int) and start == 0:
+        return stop
+    return None
+
+
+def _apply_slice(piece: _Piece, dim: int, index: slice) -> None:
+    if index.step not in (None, 1):
+        raise ReadRefused("a strided slice of a cache tensor")
+    source = piece.dims[dim].source
+    start = 0 if index.start is None else index.start
+    stop = index.stop
+    if source is None:  # a new or broadcast axis: only a no-op slice keeps its meaning
+        if isinstance(start, int) and start == 0:
+            return
+        raise ReadRefused("a broadcast axis of a cache read is sliced")
+    extent = _extent(piece, source)
+    if isinstance(start, int) and start < 0 or isinstance(stop, int) and stop < 0:
+        if not isinstance(extent, int):
+            raise ReadRefused("a negative slice of a symbolic cache axis")
+        start = start + extent if isinstance(start, int) and start < 0 else start
+        stop = stop + extent if isinstance(stop, int) and stop < 0 else stop
+    if isinstance(stop, int) and isinstance(extent, int):
+        stop = min(stop, extent)
+    old_start, old_stop = piece.bounds.get(source, (0, None))
+    new_start = _add(old_start, start)
+    new_stop = old_stop if stop is None else _add(old_start, stop)
+    piece.bounds[source] = (new_start, new_stop)
+
+
+def _feature_dim(piece: _Piece) -> int:
+    layout = cache_layout(piece.buffer)
+    return next(i for i, d in enumerate(piece.dims) if d.source is not None and layout[d.source] == F)
+
+
+def _slice_feature(pieces: list[_Piece], index: slice, width: int) -> list[_Piece]:
+    """A slice of the operand's feature axis: keep the pieces it covers, trimmed."""
+    if index.step not in (None, 1):
+        raise ReadRefused("a strided slice of the feature axis")
+    start = 0 if index.start is None else index.start
+    stop = width if index.stop is None else index.stop
+    if not (isinstance(start, int) and isinstance(stop, int)):
+        raise ReadRefused("a symbolic slice of the feature axis")
+    start, stop = (start + width if start < 0 else start), (stop + width if stop < 0 else min(stop, width))
+    kept = []
+    for piece in pieces:
+        c0, c1 = piece.cols or (0, width)
+        lo, hi = max(c0, start), min(c1, stop)
+        if lo >= hi:
+            continue
+        dim = _feature_dim(piece)
+        _apply_slice(piece, dim, slice(lo - c0, hi - c0))
+        piece.cols = (lo - start, hi - start)
+        kept.append(piece)
+    if len(kept) == 1 and kept[0].cols == (0, stop - start):
+        kept[0].cols = None
+    return kept
+
+
+def _index_entries(index: Any, rank: int) -> list[Any]:
+    """A getitem index as one entry per input axis (Ellipsis expanded), None entries kept."""
+    entries = list(index) if isinstance(index, tuple) else [index]
+    real = sum(1 for e in entries if e is not None and e is not Ellipsis)
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        entries[at:at + 1] = [slice(None)] * (rank - real)
+    return entries + [slice(None)] * (rank - sum(1 for e in entries if e is not None))
+
+
+def _is_singleton(piece: _Piece, dim: int, node_shape: tuple) -> bool:
+    return axes.known_equal(node_shape[dim], 1)
+
+
+class _Replay:
+    """Replays the ops of a view chain on the pieces it is built from."""
+
+    def __init__(self, pieces: list[_Piece]):
+        self.pieces = pieces
+
+    def width(self, src: fx.Node) -> int:
+        return axes.shape_of(src)[-1] if self.pieces else 0
+
+    def step(self, node: fx.Node, src: fx.Node) -> None:
+        src_shape = axes.shape_of(src)
+        shape = axes.shape_of(node)
+        if src_shape is None or shape is None:
+            raise ReadRefused(f"a view without a traced shape")
+        if node.op == "call_function" and node.target is operator.getitem:
+            self._getitem(node.args[1], src_shape)
+            return
+        if axes.is_method(node, "narrow") or axes.is_function(node, torch.narrow):
+            dim, start, length = node.args[1:4]
+            dim = axes.normalize_dim(dim, len(src_shape))
+            self._getitem(tuple([slice(None)] * dim + [slice(start, _add(start, length))]), src_shape)
+            return
+        if axes.is_method(node, "squeeze") or axes.is_function(node, torch.squeeze):
+            dims = node.args[1:] if node.op == "call_method" else node.args[1:]
+            if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+                dims = tuple(dims[0])
+            dims = [axes.normalize_dim(d, len(src_shape)) for d in dims] or [
+                i for i in range(len(src_shape)) if axes.known_equal(src_shape[i], 1)]
+            for piece in self.pieces:
+                piece.dims = [d for i, d in enumerate(piece.dims)
+                              if not (i in dims and axes.known_equal(src_shape[i], 1))]
+            return
+        if axes.is_method(node, "select") or axes.is_function(node, torch.select):
+            dim, index = node.args[1:3]
+            self._getitem(tuple([slice(None)] * axes.normalize_dim(dim, len(src_shape)) + [index]), src_shape)
+            return
+        if axes.is_method(node, "expand", "expand_as") and len(shape) == len(src_shape):
+            return  # broadcasts size-1 axes (the head axis over the query heads): roles stay
+        if axes.is_method(node, "expand", "expand_as") and len(shape) > len(src_shape):
+            extra = len(shape) - len(src_shape)
+            for piece in self.pieces:
+                piece.dims = [_Axis(None) for _ in range(extra)] + piece.dims
+            return
+        if axes.is_method(node, "view", "reshape", "unflatten") or axes.is_function(node, torch.reshape):
+            self._singleton_view(src_shape, shape)
+            return
+        moved = axes.axis_moving_step(node)
+        if moved is None or moved[0] is not src:
+            raise ReadRefused(f"`{_op_name(node)}` on a cache read")
+        order = moved[1]
+        for piece in self.pieces:
+            piece.dims = [_Axis(None) if o is None else piece.dims[o] for o in order]
+
+    def _getitem(self, index: Any, src_shape: tuple) -> None:
+        entries = _index_entries(index, len(src_shape))
+        width = src_shape[-1]
+        for piece in self.pieces:
+            if len(piece.dims) != len(src_shape):
+                raise ReadRefused("pieces of a cache read disagree in rank")
+        new_dims: list[list[_Axis]] = [[] for _ in self.pieces]
+        dim = 0
+        feature_slice = None
+        for entry in entries:
+            if entry is None:
+                for out in new_dims:
+                    out.append(_Axis(None))
+                continue
+            if isinstance(entry, fx.Node) or isinstance(entry, torch.Tensor):
+                raise ReadRefused("a cache read indexed by a tensor")
+            if isinstance(entry, int) and not isinstance(entry, bool):
+                if not axes.known_equal(src_shape[dim], 1) or entry not in (0, -1):
+                    raise ReadRefused("an integer index into a cache read")
+                dim += 1
+                continue
+            if not isinstance(entry, slice):
+                raise ReadRefused(f"index {entry!r} into a cache read")
+            if dim == len(src_shape) - 1 and not (entry.start in (None, 0) and entry.stop is None):
+                feature_slice = entry
+            else:
+                for piece in self.pieces:
+                    _apply_slice(piece, dim, entry)
+            for piece, out in zip(self.pieces, new_dims):
+                out.append(piece.dims[dim])
+            dim += 1
+        for piece, out in zip(self.pieces, new_dims):
+            piece.dims = out
+        if feature_slice is not None:
+            self.pieces = _slice_feature(self.pieces, feature_slice, width)
+
+    def _singleton_view(self, src_shape: tuple, shape: tuple) -> None:
+        """A view that only adds or drops axes of size 1 (`view(b, 1, t, d)` of `[b, t, d]`)."""
+        kept = [i for i, s in enumerate(src_shape) if not axes.known_equal(s, 1)]
+        new = [i for i, s in enumerate(shape) if not axes.known_equal(s, 1)]
+        if len(kept) != len(new) or not all(axes.known_equal(src_shape[a], shape[b]) for a, b in zip(kept, new)):
+            raise ReadRefused("a view that merges or splits axes of a cache read")
+        # Between two axes of size > 1 (the anchors), the size-1 axes of the source that
+        # carry a cache role (a batch of one, say) map in order onto the size-1 axes of
+        # the view; the other size-1 axes of the view are new.
+        bounds_src = [-1] + kept + [len(src_shape)]
+        bounds_dst = [-1] + new + [len(shape)]
+        for piece in self.pieces:
+            dims: list[_Axis] = [_Axis(None) for _ in shape]
+            for a, b in zip(kept, new):
+                dims[b] = piece.dims[a]
+            for seg in range(len(bounds_src) - 1):
+                src_ones = [i for i in range(bounds_src[seg] + 1, bounds_src[seg + 1])
+                            if piece.dims[i].source is not None]
+                dst_ones = list(range(bounds_dst[seg] + 1, bounds_dst[seg + 1]))
+                for i, j in zip(src_ones, dst_ones):
+                    dims[j] = piece.dims[i]
+            piece.dims = dims
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}()"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+_CHAIN_METHODS = {"permute", "transpose", "swapaxes", "unsqueeze", "expand", "expand_as", "view", "reshape",
+                  "squeeze", "select", "narrow", "mT", "t", "unflatten"} | axes.DTYPE_CASTS
+_CHAIN_FUNCTIONS = {operator.getitem, torch.permute, torch.transpose, torch.swapaxes, torch.unsqueeze,
+                    torch.squeeze, torch.select, torch.narrow, torch.reshape}
+
+
+def _is_chain_op(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in _CHAIN_METHODS) or (
+        node.op == "call_function" and node.target in _CHAIN_FUNCTIONS)
+
+
+def _cat_inputs(node: fx.Node) -> Optional[tuple[list, int]]:
+    if node.op == "call_function" and node.target in (torch.cat, torch.concat, torch.concatenate):
+        tensors = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if isinstance(tensors, (list, tuple)) and isinstance(dim, int):
+            return list(tensors), dim
+    return None
+
+
+def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
+    """The pieces `node` is made of (replayed up to `node`); raises ReadRefused."""
+    chain: list[fx.Node] = []
+    current = node
+    while not is_cache_tensor(current):
+        if len(chain) > MAX_CHAIN:
+            raise ReadRefused("too many views between the cache tensor and the attention")
+        if not isinstance(current, fx.Node):
+            raise ReadRefused("a constant where a cache read was expected")
+        cat = _cat_inputs(current)
+        if cat is not None:
+            tensors, dim = cat
+            pieces = _cat_pieces(current, tensors, dim, depth)
+            break
+        if not _is_chain_op(current) or not current.args or not isinstance(current.args[0], fx.Node):
+            raise ReadRefused("not a view of a cache tensor" if not chain else
+                              f"`{_op_name(current)}` between a cache tensor and the attention")
+        chain.append(current)
+        current = current.args[0]
+    else:
+        rank = len(axes.shape_of(current))
+        pieces = [_Piece(current, [_Axis(i) for i in range(rank)], {}, None)]
+    replay = _Replay(pieces)
+    for view in reversed(chain):
+        replay.step(view, view.args[0])
+        if not replay.pieces:
+            raise ReadRefused("a feature slice that keeps no column of the cache")
+    return replay.pieces
+
+
+def _cat_pieces(node: fx.Node, tensors: list, dim: int, depth: int) -> list[_Piece]:
+    if depth > 4:
+        raise ReadRefused("nested concatenations of cache reads")
+    shape = axes.shape_of(node)
+    if shape is None or axes.normalize_dim(dim, len(shape)) != len(shape) - 1:
+        raise ReadRefused("cache reads concatenated along an axis other than the feature axis")
+    pieces: list[_Piece] = []
+    offset = 0
+    for tensor in tensors:
+        if not isinstance(tensor, fx.Node):
+            raise ReadRefused("a constant concatenated to a cache read")
+        width = axes.shape_of(tensor)[-1]
+        for piece in _trace_pieces(tensor, depth + 1):
+            c0, c1 = piece.cols or (0, width)
+            piece.cols = (offset + c0, offset + c1)
+            pieces.append(piece)
+        offset += width
+    return pieces
+
+
+def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
+    layout = cache_layout(piece.buffer)
+    shape = axes.shape_of(piece.buffer)
+    roles = [None if d.source is None else layout[d.source] for d in piece.dims]
+    seen = {d.source for d in piece.dims if d.source is not None}
+    for axis, role in enumerate(layout):
+        if role is not None and axis not in seen:
+            raise ReadRefused(f"the cache read drops its {_ROLE_WORDS[role]} axis")
+    b_axis, t_axis, f_axis = layout.index(B), layout.index(T), layout.index(F)
+    b0, b1 = piece.bounds.get(b_axis, (0, None))
+    if not (isinstance(b0, int) and b0 == 0):
+        raise ReadRefused("the cache read skips leading batch rows")
+    t0, t1 = piece.bounds.get(t_axis, (0, None))
+    f0, f1 = piece.bounds.get(f_axis, (0, None))
+    width = shape[f_axis]
+    f1 = width if f1 is None else f1
+    if not (isinstance(f0, int) and isinstance(f1, int)):
+        raise ReadRefused("symbolic feature columns of a cache read")
+    feat = None if (f0, f1) == (0, width) else (f0, f1)
+    bsz = shape[b_axis] if b1 is None else b1
+    end = shape[t_axis] if t1 is None else t1
+    return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols)
+
+
+_ROLE_WORDS = {B: "batch", T: "position", F: "feature"}
+
+
+def trace_cache_read(node: Any) -> list[CacheRead]:
+    """The cache reads an attention operand is made of (one, or several concatenated along
+    features); raises ReadRefused with the reason. Every piece covers the same rows."""
+    if not isinstance(node, fx.Node):
+        raise ReadRefused("a constant where a cache read was expected")
+    pieces = _trace_pieces(node)
+    reads = [_read_of(node, p) for p in pieces]
+    first = reads[0]
+    for other in reads[1:]:
+        if other.roles != first.roles:
+            raise ReadRefused("concatenated cache reads have different layouts")
+        if not (_same(other.bsz, first.bsz) and _same(other.start, first.start) and _same(other.end, first.end)):
+            raise ReadRefused("concatenated cache reads cover different rows or positions")
+    return reads
+
+
+def _same(a: SizeArg, b: SizeArg) -> bool:
+    return a is b or axes.known_equal(a, b)
+
+
+def reaches_cache(node: Any) -> bool:
+    """Whether `node` is (a view of) a cache tensor."""
+    try:
+        trace_cache_read(node)
+    except ReadRefused:
+        return False
+    return True
+
+
+def single_read(node: Any) -> Optional[CacheRead]:
+    """The read when `node` is one view chain of one cache tensor, else None."""
+    try:
+        reads = trace_cache_read(node)
+    except ReadRefused:
+        return None
+    return replace(reads[0], cols=None) if len(reads) == 1 else None
+
+
+# ----------------------------------------------------------------------------- writes
+
+
+@dataclass
+class CacheAccess:
+    """A write `buffer[:bsz, start:end(, f0:f1)] = value` (or at a tensor of positions)."""
+
+    node: fx.Node
+    buffer: fx.Node
+    bsz: SizeArg
+    start: SizeArg
+    end: SizeArg
+    feat: Optional[tuple[int, int]]  # absolute feature columns, None = all
+    value: Optional[fx.Node] = None  # the written tensor
+    positions: Optional[fx.Node] = None  # a LongTensor of positions, for `buffer[:b, pos] = v`
+
+    def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
+        """Replace this write by a striped write into the shard `local` (`cache.rewrite_write`)."""
+        from dcp_pass.rewrites.cache import rewrite_write
+
+        return rewrite_write(graph, self, local, entry)
+
+
+def _slice_bounds(index: Any) -> Optional[tuple[SizeArg, SizeArg]]:
+    if not isinstance(index, slice) or index.step not in (None, 1):
+        return None
+    start = 0 if index.start is None else index.start
+    return start, index.stop
+
+
+def _batch_rows(index: Any) -> Optional[SizeArg]:
+    """`bsz` for a `:bsz` batch slice, else None."""
+    bounds = _slice_bounds(index)
+    return bounds[1] if bounds is not None and bounds[0] == 0 else None
+
+
+def parse_cache_index(buffer: fx.Node, index: Any) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]]]]:
+    """(bsz, start, end, feat) for `buffer[:bsz, start:end(, f0:f1)]`, else None.
+
+    One index entry per cache axis in the cache's layout (missing trailing entries are
+    whole axes); a singleton head axis must be taken whole. `buffer[:bsz]` covers every
+    position (static-shape models that mask the unwritten ones).
+    """
+    layout = cache_layout(buffer)
+    if layout is None:
+        return None
+    shape = axes.shape_of(buffer)
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if len(entries) > len(layout) or not all(isinstance(e, slice) for e in entries):
+        return None
+    entries += [slice(None)] * (len(layout) - len(entries))
+    bsz = start = end = None
+    feat = None
+    for role, entry, size in zip(layout, entries, shape):
+        bounds = _slice_bounds(entry)
+        if bounds is None:
+            return None
+        lo, hi = bounds
+        if role == B:
+            if not (isinstance(lo, int) and lo == 0):
+                return None
+            bsz = size if hi is None else hi
+        elif role == T:
+            start, end = lo, (size if hi is None else hi)
+        elif role == F:
+            if not isinstance(lo, int) or not isinstance(hi if hi is not None else 0, int):
+                return None
+            f0, f1 = lo, size if hi is None else hi
+            f0, f1 = (f0 + size if f0 < 0 else f0), (f1 + size if f1 < 0 else min(f1, size))
+            feat = None if (f0, f1) == (0, size) else (f0, f1)
+        elif entry != slice(None):
+            return None
+    return bsz, start, end, feat
+
+
+def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
+    if node.op == "call_function" and node.target is operator.setitem and is_cache_tensor(node.args[0]):
+        buffer, index, value = node.args
+        if not isinstance(value, fx.Node):
+            return None
+        parsed = parse_cache_index(buffer, index)
+        if parsed is not None:
+            return CacheAccess(node, buffer, *parsed, value=value)
+        # `buffer[:b, positions] = v` with a position tensor (static-shape decode)
+        if cache_layout(buffer) == (B, T, F) and isinstance(index, tuple) and len(index) == 2 \
+                and isinstance(index[1], fx.Node):
+            bsz = _batch_rows(index[0])
+            positions = axes.example_value(index[1])
+            if (bsz is not None and isinstance(positions, torch.Tensor)
+                    and positions.dim() == 1 and not positions.is_floating_point()):
+                return CacheAccess(node, buffer, bsz, None, None, None, value=value, positions=index[1])
+    return None
+
+
+def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
+    writes: dict[fx.Node, list[CacheAccess]] = {}
+    for node in graph.nodes:
+        access = as_cache_write(node)
+        if access is not None:
+            writes.setdefault(access.buffer, []).append(access)
+    return writes
