@@ -1,8 +1,7 @@
 """FlashInfer's MLA decode kernel beside the Gluon, split and wide kernels, kernel time only (H200).
 
-Section 1c of docs/performance.md timed FlashInfer through ``attn_backend="flashinfer"``
-eagerly (host work, counts and plan checks inside every call) against the Triton path.
-This times what each kernel costs in a captured decode step: FlashInfer's
+``flashinfer_probe.py`` times FlashInfer through ``attn_backend="flashinfer"`` eagerly
+(host work, counts and plan checks inside every call) against the Triton path. This times what each kernel costs in a captured decode step: FlashInfer's
 ``BatchMLAPagedAttentionWrapper.run`` with its ``plan`` done once per shape, outside the
 timing, captured in a CUDA graph when it can be (else launched eagerly: the row says
 which), and the three Triton/Gluon paths graph-timed as in ``bench_kernel.py``. Same

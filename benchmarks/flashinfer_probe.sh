@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FlashInfer on the H200 machine (issue #14 item 2): install the vendored wheel offline,
+# FlashInfer on the H200 machine: install the vendored wheel offline,
 # JIT-build its MLA decode kernels with the machine's nvcc, check them and our
 # attn_backend="flashinfer" against float64 references, time them. Run from the repo root
 # with vendor/flashinfer carried (fill it here first: bash benchmarks/vendor_flashinfer.sh):

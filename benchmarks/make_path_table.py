@@ -1,4 +1,4 @@
-"""Write dcp_pass/runtime/decode/kernels/path_table.py from measured kernel timings (issue #14 item 3).
+"""Write dcp_pass/runtime/decode/kernels/path_table.py from measured kernel timings.
 
 Sources (H200, committed under benchmarks/results/):
 * kernel_v4_wide_h200.json   split vs wide Triton kernels, 64/128 heads, B 8/32, 64K/128K keys

@@ -5,7 +5,7 @@ HMMA = mma.sync) of kernel A (scores) and kernel B (values), DeepSeek-V3 shapes 
 512 + 64 cache, bf16, 128 rows, kv_lens on). The argument list is the launcher's own
 (``mla_wide._plan`` on small CPU tensors: same strides, same specialisation as the JIT:
 pointers and multiple-of-16 ints get tt.divisibility = 16, ints equal to 1 become
-constants). See docs/kernel_notes.md, "Offline compilation".
+constants). See docs/kernels.md, "Checking a kernel offline".
 
     python benchmarks/offline_wide.py [--mask] [--causal] [--separate] [--json out.json]
 """

@@ -6,8 +6,12 @@ last 7 keys, as static-position decode does) and with a causal cap (int-position
 in alternating passes; the error of each against the fp32 reference with the same operands.
 A path that cannot take a shape (wide below 64 rows, gluon off Hopper) is left out.
 
-    python benchmarks/probe_masked_paths.py --shapes 16x8x131072,64x8x32768 \
-        --out benchmarks/results/masked_paths.json
+    python benchmarks/probe_masked_paths.py --paths split,wide,gluon --shapes 64x8x32768,128x8x32768 \
+        --out benchmarks/results/masked_paths_int32_h200.json
+    python benchmarks/probe_masked_paths.py --paths split --shapes 16x8x131072,16x32x32768 \
+        --out benchmarks/results/masked_paths_16h_h200.json
+
+benchmarks/make_path_table.py reads both files into path_table.CALL_COST.
 """
 from __future__ import annotations
 
@@ -18,9 +22,25 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel import check, counts, make_case, time_triton  # noqa: E402
 from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
-from probe_gluon_configs import call_extras  # noqa: E402
+
+import torch  # noqa: E402
+
+from dcp_pass.runtime.decode.kernels.common import Causal  # noqa: E402
 
 CALLS = ("plain", "mask", "causal")
+
+
+def call_extras(kind, B, T, device):
+    """The mask / causal operands of a decode step: "mask" hides the last 7 positions of
+    every request with a [B, 1, 1, T] row (static-position decode), "causal" caps the keys
+    at each request's query position T - 8 (int-position decode); "plain": none."""
+    if kind == "mask":
+        mask = torch.zeros(B, 1, 1, T, device=device)
+        mask[..., T - 7:] = float("-inf")
+        return dict(mask=mask)
+    if kind == "causal":
+        return dict(causal=Causal(torch.full((B, 1), T - 8, device=device, dtype=torch.int64), 1, 0))
+    return {}
 
 
 def main():

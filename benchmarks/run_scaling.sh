@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6: the DCP scaling tables on one 4- or 8-GPU H200 machine, one device call each.
+# The DCP scaling tables on one 4- or 8-GPU H200 machine, one device call each.
 #   bash benchmarks/run_scaling.sh              # layer table, every visible GPU
 #   PART=model bash benchmarks/run_scaling.sh   # whole-model table
 # Writes under ${OUT:-benchmarks/results/scaling}: the layer table (TP = world,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fill vendor/flashinfer/ (git-ignored) with what the H200 machine needs to run
-# attn_backend="flashinfer" offline (issue #14 item 2). Run HERE, where PyPI is reachable.
+# attn_backend="flashinfer" offline. Run HERE, where PyPI is reachable.
 #
 #   flashinfer-python 0.2.14.post1: downloaded as its source package (3.6 MB, JIT kernels)
 #     and built into a pure-Python wheel (about 5.4 MB: Python code plus the CUDA/C++
