@@ -2,14 +2,13 @@
 
     python -m dcp_pass.demo [--c 2] [--context 64] [--comm a2a] [--steps 16]
 
-Spawns c processes, compiles the example model (examples/deepseek_mla.py) with
+Spawns c processes, compiles the example model (dcp_pass/models/deepseek_mla.py) with
 `torch.compile(model, backend="dcp", options=...)`, decodes a prompt greedily, and
 compares the tokens with the same model run uncompiled in one process.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -17,7 +16,7 @@ import time
 def _model_args(context: int, tp: int, dtype_name: str):
     import torch
 
-    from examples.deepseek_mla import ModelArgs
+    from dcp_pass.models.deepseek_mla import ModelArgs
 
     return ModelArgs(max_seq_len=context, tp_size=tp, dtype=getattr(torch, dtype_name))
 
@@ -26,8 +25,8 @@ def _rank(rank: int, world: int, opts: dict):
     import torch
 
     from dcp_pass.backend import last_backend, last_report
-    from examples.deepseek_mla import build_model
-    from examples.generate import greedy_generate
+    from dcp_pass.models.deepseek_mla import build_model
+    from dcp_pass.models.generate import greedy_generate
 
     torch.set_grad_enabled(False)
     model = build_model(_model_args(opts["context"], opts["tp"], opts["dtype"]), rank=rank if opts["tp"] > 1 else 0)
@@ -53,12 +52,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
 
-    sys.path.insert(0, os.getcwd())  # examples/ lives at the repository root
     import torch
 
     from dcp_pass.testing import run_ranks
-    from examples.deepseek_mla import build_model
-    from examples.generate import greedy_generate
+    from dcp_pass.models.deepseek_mla import build_model
+    from dcp_pass.models.generate import greedy_generate
 
     prompts = [[11, 5, 42, 7, 3], [9], [2, 71]]
     if max(map(len, prompts)) + args.steps > args.context:

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from test_kernel_mla import check_close, poisoned  # noqa: E402
+from kit.kernels import check_close, poisoned  # noqa: E402
 
 
 def test_not_offered_off_its_scope():

@@ -1,7 +1,7 @@
 """A small Kimi-Linear-style hybrid: linear-attention layers interleaved with MLA layers.
 
 Plain PyTorch, nothing DCP-specific. The MLA layers are the very same `MLA` class as in
-`examples.deepseek_mla` (same latent/rotary cache buffers); the linear-attention layers
+`dcp_pass.models.deepseek_mla` (same latent/rotary cache buffers); the linear-attention layers
 keep a per-request recurrent state instead of a KV cache.
 
 Linear attention (a gated delta rule, KDA-like, without the short convolution): per head,
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.deepseek_mla import (
+from dcp_pass.models.deepseek_mla import (
     Block,
     ColumnParallelLinear,
     ModelArgs,
