@@ -104,18 +104,19 @@ def _item_text(item: Any) -> str:
 def cache_layers(graph: GraphReport, cache_names: Sequence[str]) -> list[Optional[str]]:
     """For each cache input of a rewritten graph, the name of the layer it identifies, or None.
 
-    A layer is known at run time by one cache buffer: the first by name of those under its
-    module path (the pass names a layer after its caches' module). Layers that share one
-    compiled graph (a Block compiled once, called per layer) then count once per buffer
-    actually passed, and the same layer reached through two graphs counts once.
+    A layer is known at run time by one cache buffer: the first by name of those held by
+    its module (the pass names a layer after the module of its caches; a cache outside
+    any module names the layer itself). Layers that share one compiled graph (a Block
+    compiled once, called per layer) then count once per buffer actually passed, and the
+    same layer reached through two graphs counts once.
     """
     out: list[Optional[str]] = [None] * len(cache_names)
     order = sorted(range(len(cache_names)), key=lambda i: cache_names[i])
     for layer in graph.layers:
         if not layer.rewritten:
             continue
-        mine = [i for i in order if cache_names[i] == layer.layer or cache_names[i].startswith(layer.layer + ".")]
-        if mine and out[mine[0]] is None:
+        mine = [i for i in order if out[i] is None and cache_names[i].rsplit(".", 1)[0] == layer.layer]
+        if mine:
             out[mine[0]] = layer.layer
     return out
 
@@ -155,7 +156,7 @@ class DcpReport:
         if layer is not None and key not in self.layers_seen:
             self.layers_seen[key] = layer
             log.debug("rank %d: MLA layer %s seen with new caches (%s so far)", self.rank, layer,
-                          _plural(len(self.layers_seen), "layer"))
+                      _plural(len(self.layers_seen), "layer"))
         return new
 
     def add_uncached_layers(self, graph: GraphReport, cache_layer_names: Iterable[Optional[str]]) -> None:

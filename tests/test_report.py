@@ -97,7 +97,9 @@ def test_fields_added_to_graph_report_render():
 
 def test_cache_layers_picks_one_cache_per_layer():
     graph = GraphReport(0, [LayerReport("layers.0.attn", True, ""), LayerReport("layers.1.attn", True, ""),
-                            LayerReport("kv_cache", True, ""), LayerReport("kept", False, "")])
+                            LayerReport("kv_cache", True, ""), LayerReport("kept", False, ""),
+                            LayerReport("attn", True, ""), LayerReport("attn.inner", True, "")])
     names = ["layers.1.attn.pe_cache", "layers.0.attn.pe_cache", "layers.0.attn.kv_cache", "kv_cache",
-             "layers.1.attn.kv_cache", "kept.kv_cache"]
-    assert cache_layers(graph, names) == [None, None, "layers.0.attn", "kv_cache", "layers.1.attn", None]
+             "layers.1.attn.kv_cache", "kept.kv_cache", "attn.inner.kv_cache", "attn.kv_cache"]
+    assert cache_layers(graph, names) == [None, None, "layers.0.attn", "kv_cache", "layers.1.attn", None,
+                                          "attn.inner", "attn"]
