@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
-from dcp_pass.report import DcpReport, GraphReport, log
+from dcp_pass.report import DcpReport, GraphReport, cache_layers, log
 from dcp_pass.rewrites.apply import PassConfig, apply_dcp
 from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites.attention import AttentionPlan
@@ -242,13 +242,14 @@ def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str
 
 
 def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
-                      position=None) -> Callable:
+                      position=None, layers: Optional[Sequence[Optional[str]]] = None) -> Callable:
     """Compile `gm` (which takes the local shards and replicated weights as trailing
     inputs) and feed them per call, resolved from the buffers/weights actually passed.
 
     With `position` (rewrites/positions.py) the graph no longer takes the int step
     position: it is written into a static device buffer, the graph's last input,
     before each call, so the graph's inputs are the same objects at every step.
+    `layers`: for each cache, the layer it identifies in the report (report.cache_layers).
     """
     from dcp_pass.rewrites.cache import local_for
 
@@ -258,15 +259,16 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     trailing = [fx_util.static_fake(t) for t in held + ([position.buffer] if position is not None else [])]
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
     compiled = compile_inner(gm, examples + trailing, opts, mode)
-    specs = [(index, entry.c, entry.rank, entry.name) for index, entry in caches]
+    layers = list(layers) if layers is not None else [None] * len(caches)
+    specs = [(index, entry.c, entry.rank, entry.name, layer) for (index, entry), layer in zip(caches, layers)]
 
     def run(*args):
         shards = []
-        for index, c, rank, name in specs:
+        for index, c, rank, name, layer in specs:
             buffer = args[index]
             entry = local_for(buffer, c, rank, name)
-            if id(buffer) not in report.caches:  # a layer first seen at run time
-                report.add_cache(id(buffer), name, entry.full_nbytes, entry.local_nbytes)
+            if id(buffer) not in report.caches:  # a layer first seen at run time (one graph, several layers)
+                report.add_cache(id(buffer), name, entry.full_nbytes, entry.local_nbytes, layer)
             shards.append(entry.local)
         replicas = [w.resolve(args[w.index]) for w in weights]
         # Dynamo calls backends' results with positional args; so do we.
@@ -297,7 +299,7 @@ class DcpBackend:
             self.report.rank = self.topology.rank
         graph_report = GraphReport(len(self.report.graphs))
         self.report.graphs.append(graph_report)
-        position = None
+        position, layers, new_caches = None, None, []
         if not self.topology.enabled:
             graph_report.unchanged_reason = "dcp_size=1"
             out, caches, weights = gm, [], []
@@ -306,14 +308,18 @@ class DcpBackend:
             result = apply_dcp(gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report)
             out, caches, weights, position = result.graph_module, result.caches, result.weights, result.position
             check_inference_only(out, example_inputs, graph_report)
-            for index, entry in caches:
-                self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes, entry.local_nbytes)
+            layers = cache_layers(graph_report, [entry.name for _, entry in caches])
+            self.report.add_uncached_layers(graph_report, layers)
+            for (index, entry), layer in zip(caches, layers):
+                if self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes,
+                                         entry.local_nbytes, layer):
+                    new_caches.append(id(example_inputs[index]))
             if caches:
                 self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
         self.graphs.append(out)
-        log.info("%s", self.report.summary())
+        log.info("%s", self.report.graph_log(graph_report, new_caches))
         if caches or position is not None:
-            return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position)
+            return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position, layers)
         return compile_inner(out, example_inputs, opts, mode)
 
 

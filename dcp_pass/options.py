@@ -17,6 +17,9 @@ COMM_BACKENDS = tuple(_backends.COMM_BACKENDS)
 ATTN_BACKENDS = _backends.attention_backend_names()
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 LSE_BASES = ("e", "2")
+AUTO = "auto"
+# options whose default (None) is decided at compile time; "auto" is accepted for it
+AUTOMATIC = ("comm_backend", "replicate_q_proj", "lse_base", "static_positions", "complex_as_real")
 
 # Other spellings users reach for; each maps to one canonical key.
 ALIASES = {
@@ -40,26 +43,33 @@ class DcpOptions:
     dcp_size: int = 1
     tp_size: Optional[int] = None  # None: the world size (every rank is one TP rank)
     attn_dp_size: int = 1
-    comm_backend: Optional[str] = None  # None: resolved from the platform (SPEC section 4)
-    replicate_q_proj: Optional[bool] = None  # None: replicate where the layer allows it
-    lse_base: Optional[str] = None  # None: the base of the attention kernel in use
+    # The automatic options below take "auto" or None (the default), which mean the same
+    # and are stored as None.
+    comm_backend: Optional[str] = None  # auto: resolved from the platform (SPEC section 4)
+    replicate_q_proj: Optional[bool] = None  # auto: replicate where the layer allows it
+    lse_base: Optional[str] = None  # auto: the base of the attention kernel in use
     attn_backend: str = "auto"
     inner: str = "inductor"
     group: Any = None  # an explicit DCP ProcessGroup; None: built from the topology
     strict: bool = False  # True: a near-miss MLA pattern is an error instead of a fallback
     # int step positions as device data in rewritten graphs (static shapes, replayable CUDA
-    # graphs); None: on for CUDA models, off on CPU
+    # graphs); auto: on for CUDA models, off on CPU
     static_positions: Optional[bool] = None
     inner_options: Mapping[str, Any] = field(default_factory=dict)
     # rewritten graphs compute `view_as_real(view_as_complex(x) * freqs)` (the reference
     # rotary) in real arithmetic: inductor runs complex ops as unfused fallback ops, one host
-    # call each. None: with inner='inductor' only (the other inner compilers run the complex
+    # call each. auto: with inner='inductor' only (the other inner compilers run the complex
     # ops as eager does, rounding included)
     complex_as_real: Optional[bool] = None
     # CUDA graphs for the inner compile (inductor's triton.cudagraphs, what mode="reduce-overhead"
     # sets; torch.compile refuses mode= together with options=). "auto": on for CUDA models
     # compiled by inductor, off otherwise; True needs both (checked at compile)
     cudagraphs: Any = "auto"
+
+    def __post_init__(self) -> None:
+        for name in AUTOMATIC:  # "auto" is the default, None
+            if getattr(self, name) == AUTO:
+                object.__setattr__(self, name, None)
 
     @classmethod
     def from_mapping(cls, options: Optional[Mapping[str, Any]]) -> "DcpOptions":
@@ -80,21 +90,14 @@ class DcpOptions:
             _check_int("tp_size", self.tp_size, minimum=1)
         _check_int("attn_dp_size", self.attn_dp_size, minimum=1)
         _check_choice("comm_backend", self.comm_backend, COMM_BACKENDS, allow_none=True)
-        if self.replicate_q_proj is not None and not isinstance(self.replicate_q_proj, bool):
-            raise DcpOptionError(
-                f"option 'replicate_q_proj' must be True, False or None, got {self.replicate_q_proj!r}"
-            )
+        _check_bool_or_auto("replicate_q_proj", self.replicate_q_proj)
         _check_choice("lse_base", self.lse_base, LSE_BASES, allow_none=True)
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         _check_choice("inner", self.inner, INNER_COMPILERS)
-        if self.static_positions is not None and not isinstance(self.static_positions, bool):
-            raise DcpOptionError(
-                f"option 'static_positions' must be True, False or None, got {self.static_positions!r}")
+        _check_bool_or_auto("static_positions", self.static_positions)
         if not isinstance(self.strict, bool):
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
-        if self.complex_as_real is not None and not isinstance(self.complex_as_real, bool):
-            raise DcpOptionError(
-                f"option 'complex_as_real' must be True, False or None, got {self.complex_as_real!r}")
+        _check_bool_or_auto("complex_as_real", self.complex_as_real)
         if not isinstance(self.inner_options, Mapping):
             raise DcpOptionError("option 'inner_options' must be a dict of inner-compiler options")
         if not (isinstance(self.cudagraphs, bool) or self.cudagraphs == "auto"):
@@ -136,11 +139,13 @@ def _canonical_keys(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _normalize(name: str, value: Any) -> Any:
+    if name in AUTOMATIC and isinstance(value, str) and value == AUTO:
+        return None
     # lse_base accepts the number 2 and a few spellings, stored as "e" / "2".
     if name == "lse_base" and value is not None:
         spelled = {"e": "e", "2": "2", 2: "2", "base2": "2", "base_e": "e", "base-2": "2"}
         if isinstance(value, bool) or value not in spelled:
-            raise DcpOptionError(f"option 'lse_base' must be 'e' or 2, got {value!r}")
+            raise DcpOptionError(f"option 'lse_base' must be 'e', 2 or 'auto' (the attention kernel's), got {value!r}")
         return spelled[value]
     return value
 
@@ -156,8 +161,13 @@ def _check_choice(name: str, value: Any, choices: tuple, allow_none: bool = Fals
     if value is None and allow_none:
         return
     if value not in choices:
-        extra = " or None (automatic)" if allow_none else ""
+        extra = f" or {AUTO!r} (automatic)" if allow_none else ""
         raise DcpOptionError(f"option {name!r} must be one of {', '.join(map(repr, choices))}{extra}; got {value!r}")
+
+
+def _check_bool_or_auto(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise DcpOptionError(f"option {name!r} must be True, False or {AUTO!r} (automatic), got {value!r}")
 
 
 def _looks_like_process_group(group: Any) -> bool:

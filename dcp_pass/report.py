@@ -1,12 +1,21 @@
-"""What the pass did to each graph: matches, rewrites, fallbacks with reasons, bytes per rank.
+"""What the pass did: matches, rewrites, fallbacks with reasons, bytes per rank.
 
-Logged through the logger "dcp_pass" (enable with DCP_LOGS=info or DCP_LOGS=debug).
+`print(dcp_pass.last_report())` (or `str(report)`) is the overview: how many MLA layers
+were rewritten (distinct layers, also when several share one compiled graph), the KV
+cache bytes, and what happened to each graph, identical graphs grouped. `summary()`
+lists every graph on its own.
+
+Logged through the logger "dcp_pass" (enable with DCP_LOGS=info or DCP_LOGS=debug):
+each graph's lines once, when it compiles.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Optional, Sequence
 
 log = logging.getLogger("dcp_pass")
 
@@ -59,8 +68,85 @@ class GraphReport:
     def rewritten(self) -> int:
         return sum(layer.rewritten for layer in self.layers)
 
+    def detail_lines(self, other_fields: bool = True) -> list[str]:
+        """What happened in this graph, one line each (without the graph's head line);
+        `other_fields`: also the fields added to GraphReport that this renderer does not name."""
+        lines = [f"{'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}" for layer in self.layers]
+        lines += [f"near miss at {where}: {reason}" for where, reason in self.near_misses]
+        lines += list(self.notes)
+        if other_fields:
+            for f in dataclasses.fields(self):
+                if f.name not in _GRAPH_FIELDS_SHOWN:
+                    lines += _field_lines(f.name, getattr(self, f.name))
+        return lines
 
-@dataclass
+    def lines(self, other_fields: bool = True) -> list[str]:
+        """The graph's head line, then its details indented."""
+        head = f"graph {self.graph_index}: {self.rewritten} MLA layer(s) rewritten"
+        if self.unchanged_reason:
+            head += f" (unchanged: {self.unchanged_reason})"
+        return [head] + ["  " + line for line in self.detail_lines(other_fields)]
+
+
+_GRAPH_FIELDS_SHOWN = {"graph_index", "layers", "near_misses", "unchanged_reason", "notes"}
+
+
+def _field_lines(name: str, value: Any) -> list[str]:
+    """A field of a report rendered without knowing it: nothing when empty, else one line
+    per item of a list (a tuple's parts joined), else `name: value`."""
+    if value is None or value == "" or (isinstance(value, (list, tuple, dict, set)) and not value):
+        return []
+    if isinstance(value, dict):
+        value = list(value.items())
+    if isinstance(value, (list, tuple, set)):
+        return [f"{name}: {_item_text(item)}" for item in value]
+    return [f"{name}: {value}"]
+
+
+def _item_text(item: Any) -> str:
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        item = tuple(getattr(item, f.name) for f in dataclasses.fields(item))
+    if isinstance(item, tuple):
+        return ", ".join(_item_text(part) if isinstance(part, tuple) else str(part) for part in item)
+    return str(item)
+
+
+def cache_layers(graph: GraphReport, cache_names: Sequence[str]) -> list[Optional[str]]:
+    """For each cache input of a rewritten graph, the name of the layer it identifies, or None.
+
+    A layer is known at run time by one cache buffer: the first by name of those held by
+    its module (the pass names a layer after the module of its caches; a cache outside
+    any module names the layer itself). Layers that share one compiled graph (a Block
+    compiled once, called per layer) then count once per buffer actually passed, and the
+    same layer reached through two graphs counts once.
+    """
+    out: list[Optional[str]] = [None] * len(cache_names)
+    order = sorted(range(len(cache_names)), key=lambda i: cache_names[i])
+    for layer in graph.layers:
+        if not layer.rewritten:
+            continue
+        mine = [i for i in order if out[i] is None and cache_names[i].rsplit(".", 1)[0] == layer.layer]
+        if mine:
+            out[mine[0]] = layer.layer
+    return out
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _ranges(indices: Iterable[int]) -> str:
+    """[0, 3, 4, 5, 9] -> '0, 3-5, 9'."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+@dataclass(repr=False)
 class DcpReport:
     """Accumulates over every graph the backend compiled (one report per backend instance)."""
 
@@ -68,9 +154,27 @@ class DcpReport:
     rank: int = 0
     graphs: list[GraphReport] = field(default_factory=list)
     caches: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # id -> (name, full, local) bytes
+    # one entry per distinct rewritten MLA layer: the id of the cache buffer it is known by
+    # (see cache_layers), or (graph index, name) for a layer whose caches are not under its
+    # path, -> the layer's name
+    layers_seen: dict[Hashable, str] = field(default_factory=dict)
 
-    def add_cache(self, key: int, name: str, full: int, local: int) -> None:
+    def add_cache(self, key: int, name: str, full: int, local: int, layer: Optional[str] = None) -> bool:
+        """Record a cache buffer (`layer`: the layer it identifies); True when it is new."""
+        new = key not in self.caches
         self.caches.setdefault(key, (name, full, local))
+        if layer is not None and key not in self.layers_seen:
+            self.layers_seen[key] = layer
+            log.debug("rank %d: MLA layer %s seen with new caches (%s so far)", self.rank, layer,
+                      _plural(len(self.layers_seen), "layer"))
+        return new
+
+    def add_uncached_layers(self, graph: GraphReport, cache_layer_names: Iterable[Optional[str]]) -> None:
+        """Count the rewritten layers of `graph` that no cache identifies, by graph and name."""
+        known = set(cache_layer_names)
+        for layer in graph.layers:
+            if layer.rewritten and layer.layer not in known:
+                self.layers_seen.setdefault((graph.graph_index, layer.layer), layer.layer)
 
     @property
     def kv_bytes_full(self) -> int:
@@ -84,28 +188,75 @@ class DcpReport:
 
     @property
     def layers_rewritten(self) -> int:
+        """Distinct MLA layers rewritten: a layer reached through several graphs counts once,
+        layers sharing one graph count each (told apart by their cache buffers)."""
+        return len(self.layers_seen)
+
+    @property
+    def graph_rewrites(self) -> int:
+        """Rewritten layers summed over graphs (a layer in two graphs counts twice)."""
         return sum(g.rewritten for g in self.graphs)
 
+    def _cache_lines(self) -> list[str]:
+        if not self.caches:
+            return []
+        # their full-size storage is released (or, when shared, no longer written):
+        # eager code outside compiled graphs must not read these buffers any more
+        names = sorted({name for name, _, _ in self.caches.values()})
+        return [
+            f"KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "
+            f"({self.kv_bytes_full / max(self.kv_bytes_local, 1):.2f}x less)",
+            f"striped, not to be read outside compiled graphs: {', '.join(names)}",
+        ]
+
     def summary(self) -> str:
+        """Every graph on its own lines, then the caches."""
         lines = [f"dcp_pass report: dcp_size={self.dcp_size} rank={self.rank}, {len(self.graphs)} graph(s)"]
         for g in self.graphs:
-            head = f"  graph {g.graph_index}: {g.rewritten} MLA layer(s) rewritten"
-            if g.unchanged_reason:
-                head += f" (unchanged: {g.unchanged_reason})"
-            lines.append(head)
-            for layer in g.layers:
-                lines.append(f"    {'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}")
-            for where, reason in g.near_misses:
-                lines.append(f"    near miss at {where}: {reason}")
-            for note in g.notes:
-                lines.append(f"    {note}")
-        if self.caches:
-            lines.append(
-                f"  KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "
-                f"({self.kv_bytes_full / max(self.kv_bytes_local, 1):.2f}x less)"
-            )
-            # their full-size storage is released (or, when shared, no longer written):
-            # eager code outside compiled graphs must not read these buffers any more
-            names = sorted({name for name, _, _ in self.caches.values()})
-            lines.append(f"  striped, not to be read outside compiled graphs: {', '.join(names)}")
+            lines += ["  " + line for line in g.lines(other_fields=False)]
+        lines += ["  " + line for line in self._cache_lines()]
         return "\n".join(lines)
+
+    def graph_log(self, graph: GraphReport, new_caches: Sequence[int] = ()) -> str:
+        """What one graph's compile adds to the report (logged once, when it compiles)."""
+        own = graph.lines()
+        lines = [f"rank {self.rank} {own[0]}"] + own[1:]
+        if new_caches:
+            full = sum(self.caches[k][1] for k in new_caches)
+            local = sum(self.caches[k][2] for k in new_caches)
+            names = ", ".join(sorted({self.caches[k][0] for k in new_caches}))
+            lines.append(f"  striped {names}: {full} -> {local} bytes on this rank "
+                         f"(all caches so far: {self.kv_bytes_full} -> {self.kv_bytes_local})")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        layers = self.layers_rewritten
+        used = [g for g in self.graphs if g.rewritten]
+        head = (f"dcp_pass report (dcp_size={self.dcp_size}, rank {self.rank}): "
+                f"{_plural(layers, 'MLA layer')} rewritten, in {len(used)} of {_plural(len(self.graphs), 'graph')}")
+        lines = [head]
+        if self.layers_seen:
+            counts = Counter(self.layers_seen.values())
+            shown = [name if n == 1 else f"{name} x{n}" for name, n in counts.items()]
+            more = f" and {len(shown) - 8} more" if len(shown) > 8 else ""
+            lines.append(f"  layers: {', '.join(shown[:8])}{more}")
+        lines += ["  " + line for line in self._cache_lines()]
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for g in self.graphs:
+            if g.unchanged_reason:
+                body = (f"unchanged: {g.unchanged_reason}",) + tuple(g.detail_lines())
+            else:
+                body = tuple(g.detail_lines()) or ("nothing to rewrite",)
+            groups.setdefault(body, []).append(g.graph_index)
+        for body, indices in groups.items():
+            where = f"graph {indices[0]}" if len(indices) == 1 else f"graphs {_ranges(indices)}"
+            if len(body) == 1:
+                lines.append(f"  {where}: {body[0]}")
+            else:
+                lines.append(f"  {where}:")
+                lines += [f"    {line}" for line in body]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"<DcpReport dcp_size={self.dcp_size} rank={self.rank}: {_plural(len(self.graphs), 'graph')}, "
+                f"{_plural(self.layers_rewritten, 'MLA layer')} rewritten, {_plural(len(self.caches), 'cache')}>")

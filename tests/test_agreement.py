@@ -27,7 +27,7 @@ def _compile_with(rank, world, per_rank_options):
 
     from dcp_pass.agreement import DcpAgreementError
     from dcp_pass.backend import DcpBackend
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     torch.set_grad_enabled(False)
     out = []

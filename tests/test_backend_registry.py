@@ -74,7 +74,7 @@ def _model_refs(model):
 
 
 def test_dead_compiled_model_frees_its_backend_and_tensors():
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     model = build_model(ModelArgs(max_seq_len=16, n_layers=2), seed=0)
     refs = _model_refs(model)
@@ -100,8 +100,8 @@ def _decode_once():
     snapshots the caller's locals into a dict that lives as long as that frame does
     (Python 3.11), which would keep `compiled` alive past a `del` in the same frame.
     """
-    from examples.deepseek_mla import ModelArgs, build_model
-    from examples.generate import greedy_generate
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.generate import greedy_generate
 
     model = build_model(ModelArgs(max_seq_len=24, tp_size=2), seed=0)
     refs = _model_refs(model)

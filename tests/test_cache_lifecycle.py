@@ -22,7 +22,7 @@ from dcp_pass.backend import DcpBackend
 from dcp_pass.rewrites import cache
 from dcp_pass.rewrites.cache import DcpCacheError
 from dcp_pass.testing import run_ranks
-from test_graph_diff import TinyMLA, init_fake_world, tiny_inputs
+from kit.graphs import TinyMLA, init_fake_world, tiny_inputs
 
 
 class Outer(nn.Module):

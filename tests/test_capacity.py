@@ -18,7 +18,7 @@ from dcp_pass.backend import DcpBackend
 from dcp_pass.rewrites import cache
 from dcp_pass.rewrites.cache import DcpCacheError
 from dcp_pass.testing import run_ranks
-from test_graph_diff import TinyMLA, tiny_inputs
+from kit.graphs import TinyMLA, tiny_inputs
 
 # Odd sizes, so that no other allocation has the byte size of a full cache buffer.
 ARGS = dict(max_batch_size=3, max_seq_len=300, n_layers=2, n_dense_layers=1)
@@ -48,7 +48,7 @@ def _cache_sizes(model) -> dict[str, int]:
 def _rank_deferred(rank, world):
     from torch.profiler import ProfilerActivity, profile
 
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     torch.set_grad_enabled(False)
     args = ModelArgs(**ARGS, tp_size=world)
@@ -79,7 +79,7 @@ def _rank_deferred(rank, world):
 
 @pytest.mark.slow
 def test_deferred_caches_dcp2_exact_and_never_full_size():
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     torch.set_grad_enabled(False)
     want_tokens, want_logits = _decode(build_model(ModelArgs(**ARGS), seed=3))

@@ -17,7 +17,7 @@ from torch import nn
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.rewrites.complex_product import complex_products_as_real
 from dcp_pass.runtime.decode.rotary import complex_mul_real
-from test_graph_diff import _normalize
+from kit.graphs import _normalize
 
 
 def freqs(rope: int, max_seq: int, dtype=torch.complex64) -> torch.Tensor:

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from examples.deepseek_mla import MLA, ModelArgs, build_model
-from examples.generate import greedy_generate, speculative_greedy_generate
-from examples.hybrid_linear import HybridArgs, LinearAttention, build_hybrid
+from dcp_pass.models.deepseek_mla import MLA, ModelArgs, build_model
+from dcp_pass.models.generate import greedy_generate, speculative_greedy_generate
+from dcp_pass.models.hybrid_linear import HybridArgs, LinearAttention, build_hybrid
 
 VARIANTS = list(
     itertools.product(

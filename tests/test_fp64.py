@@ -47,7 +47,7 @@ def test_fp64_pack_round_trip_and_merge_is_fp64():
 
 
 def _build(tp: int, rank: int):
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     return build_model(ModelArgs(dtype=torch.float64, tp_size=tp, max_seq_len=MAX_SEQ), rank=rank, seed=1)
 
@@ -104,7 +104,7 @@ def _fp64_attention_softmax(monkeypatch):
 
 @pytest.mark.slow
 def test_fp64_model_c2_equals_eager_fp64(monkeypatch):
-    from examples.generate import greedy_generate
+    from dcp_pass.models.generate import greedy_generate
 
     tokens, _ = greedy_generate(_build(1, 0), PROMPTS, STEPS)
     plain = _forced_logits(_build(1, 0), tokens)

@@ -22,14 +22,14 @@ CALLS = [(0, 3), (3, 1), (4, 1), (5, 1)]  # prefill, then decode steps (a symbol
 
 
 def _args():
-    from examples.deepseek_mla import ModelArgs
+    from dcp_pass.models.deepseek_mla import ModelArgs
 
     # all layers dense: the whole forward is one graph
     return ModelArgs(max_seq_len=16, n_layers=2, n_dense_layers=2, tp_size=1)
 
 
 def _inference_transformer():
-    from examples.deepseek_mla import Transformer
+    from dcp_pass.models.deepseek_mla import Transformer
 
     class InferenceTransformer(Transformer):
         @torch.inference_mode()
@@ -40,7 +40,7 @@ def _inference_transformer():
 
 
 def _build(cls=None, requires_grad=False):
-    from examples.deepseek_mla import Transformer, _build as build
+    from dcp_pass.models.deepseek_mla import Transformer, _build as build
 
     model = build(cls or Transformer, _args(), 0, 0)
     return model.requires_grad_(requires_grad)

@@ -9,7 +9,7 @@ Regenerate after an intended change with
     EXPECTTEST_ACCEPT=1 python -m pytest tests/test_graph_diff.py
 and review the diff by eye.
 
-Most cases use `TinyMLA` (below), whose whole rewritten graph is short enough to
+Most cases use `TinyMLA` (tests/kit/graphs.py), whose whole rewritten graph is short enough to
 pin. Cases that need the example models (fused cache, masked_fill, hybrid,
 q-replication) pin only the attention region: from the first striped cache write
 (`striped_write = ...write_owned_tokens_(...)`) to the node that consumes the merged output.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import operator
 import re
 import unittest
-from typing import Optional
 
 import expecttest
 
@@ -33,120 +32,15 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dcp_pass.backend import DcpBackend
 from dcp_pass.runtime.decode import comm
+from kit.graphs import TinyMLA, TinyMLP, init_fake_world, render, tiny_inputs
 
 EXCHANGES = (comm.exchange_a2a, comm.exchange_ag_rs, comm.exchange_replicated, comm.exchange_fi_a2a)
 
 
-# ----------------------------------------------------------------------------- a tiny MLA
-
-
-class TinyMLA(nn.Module):
-    """Absorbed MLA reduced to the attention: the caller passes absorbed queries and new KV rows.
-
-    kv_cache [B, T, rank] (latent) and pe_cache [B, T, rope] (rotary), written by slice
-    assignment; einsum scores; fp32 softmax; values are the latent rows; then the value
-    half of wkv_b (`w_uv`). `fused`: one latent||rotary cache. `mask_fill`: boolean mask
-    through masked_fill instead of an additive one. `leak_probs`: the probabilities are
-    also returned (a near miss: they are used outside the value product).
-    """
-
-    def __init__(self, heads=4, rank=8, rope=4, v_dim=6, batch=2, max_seq=16,
-                 fused=False, mask_fill=False, leak_probs=False):
-        super().__init__()
-        self.rank, self.fused, self.mask_fill, self.leak_probs = rank, fused, mask_fill, leak_probs
-        self.w_uv = nn.Parameter(torch.randn(heads, v_dim, rank))
-        if fused:
-            self.register_buffer("kv_cache", torch.zeros(batch, max_seq, rank + rope))
-        else:
-            self.register_buffer("kv_cache", torch.zeros(batch, max_seq, rank))
-            self.register_buffer("pe_cache", torch.zeros(batch, max_seq, rope))
-
-    def forward(self, q_lat, q_pe, latent, k_pe, start_pos: int, mask: Optional[torch.Tensor] = None):
-        bsz, seqlen = q_lat.shape[:2]
-        end = start_pos + seqlen
-        if self.fused:
-            self.kv_cache[:bsz, start_pos:end] = torch.cat([latent, k_pe], dim=-1)
-            cache = self.kv_cache[:bsz, :end]
-            scores = torch.einsum("bshc,btc->bsht", torch.cat([q_lat, q_pe], dim=-1), cache)
-            values = cache[..., : self.rank]
-        else:
-            self.kv_cache[:bsz, start_pos:end] = latent
-            self.pe_cache[:bsz, start_pos:end] = k_pe
-            scores = torch.einsum("bshc,btc->bsht", q_lat, self.kv_cache[:bsz, :end]) + torch.einsum(
-                "bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end])
-            values = self.kv_cache[:bsz, :end]
-        scores = scores * 0.25
-        if mask is not None:
-            if self.mask_fill:
-                scores = scores.masked_fill(mask.unsqueeze(1), float("-inf"))
-            else:
-                scores = scores + mask.unsqueeze(1)
-        probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_lat)
-        o = torch.einsum("bsht,btc->bshc", probs, values)
-        o = torch.einsum("bshc,hdc->bshd", o, self.w_uv).flatten(2)
-        return (o, probs) if self.leak_probs else o
-
-
-def causal_mask(seqlen: int, start_pos: int, kind: str = "additive") -> torch.Tensor:
-    """Query i (global position start_pos + i) sees keys <= start_pos + i."""
-    if kind == "additive":
-        return torch.full((seqlen, start_pos + seqlen), float("-inf")).triu_(start_pos + 1)
-    return torch.ones((seqlen, start_pos + seqlen), dtype=torch.bool).triu_(start_pos + 1)
-
-
-def tiny_inputs(seqlen: int, start_pos: int, mask: Optional[str] = None, heads=4, rank=8, rope=4, batch=2):
-    g = torch.Generator().manual_seed(0)
-    args = (torch.randn(batch, seqlen, heads, rank, generator=g), torch.randn(batch, seqlen, heads, rope, generator=g),
-            torch.randn(batch, seqlen, rank, generator=g), torch.randn(batch, seqlen, rope, generator=g), start_pos)
-    return args + ((causal_mask(seqlen, start_pos, mask),) if mask else ())
-
-
-class TinyMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
 # ----------------------------------------------------------------------------- rendering
-
-
-_NAME = re.compile(r"\b[lL]_(\w+?)_\b")
-
-
-def _short_name(m: re.Match) -> str:
-    name = m.group(1)
-    if name.startswith("self_"):
-        name = re.sub(r"(?:modules|parameters|buffers)_", "", name[len("self_"):])
-    return name
-
-
-def _normalize(code: str) -> str:
-    out = []
-    for line in code.strip("\n").splitlines():
-        line = line.rstrip()
-        if not line:
-            continue
-        if line.startswith("def forward("):
-            params = line[len("def forward("):-2].split(", ")
-            line = "def forward(" + ", ".join(p.split(" : ")[0] for p in params) + "):"
-        elif re.fullmatch(r"\s+l_\w+_ = L_\w+_", line):
-            continue
-        line = re.sub(r";  [\w ,=]+ = None$", "", line)
-        out.append(_NAME.sub(_short_name, line))
-    return "\n".join(out)
-
-
-def render(gm: fx.GraphModule) -> str:
-    """The whole graph as normalized Python code."""
-    return _normalize(gm.code)
 
 
 def _exchange_node(gm: fx.GraphModule) -> fx.Node:
@@ -195,13 +89,6 @@ def cache_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 # ----------------------------------------------------------------------------- test case
 
 
-def init_fake_world(c: int) -> None:
-    """A fake process group of `c` ranks; this process is rank 0."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c)
-
-
 def _replicated_region_on_gloo(rank: int, world: int) -> str:
     """Rank 0's attention region of a bf16 TP=2 model compiled with replicate_q_proj=True.
 
@@ -210,7 +97,7 @@ def _replicated_region_on_gloo(rank: int, world: int) -> str:
     complex_as_real=True (on by default with inductor only) pins the replicated query's
     rotary in real arithmetic.
     """
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     model = build_model(ModelArgs(tp_size=world, n_layers=1, n_dense_layers=1, dtype=torch.bfloat16), rank=rank)
     be = DcpBackend(dcp_size=world, inner="eager", comm_backend="a2a", replicate_q_proj=True, complex_as_real=True)
@@ -565,7 +452,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     # ------------------------------------------------------------------ example models
 
     def _model(self, c: int, **kw):
-        from examples.deepseek_mla import ModelArgs, build_model
+        from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
         self.world(c)
         kw.setdefault("n_layers", 1)
@@ -682,7 +569,7 @@ flatten_6 = merged.flatten(0, 1)""")
 
     def test_tensor_positions_static_shapes(self):
         # positions as a tensor, whole-cache reads, boolean mask: the CUDA-graph-friendly form
-        from test_static_positions import StaticPosMLA, _inputs
+        from kit.graphs import StaticPosMLA, _inputs
 
         g = torch.Generator().manual_seed(0)
         be = self.dcp(StaticPosMLA(), _inputs([5], g), c=2, comm_backend="a2a")
@@ -797,7 +684,7 @@ getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
 o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
 
     def test_hybrid(self):
-        from examples.hybrid_linear import HybridArgs, build_hybrid
+        from dcp_pass.models.hybrid_linear import HybridArgs, build_hybrid
 
         self.world(2)
         args = HybridArgs(tp_size=2, layer_pattern=["linear", "mla"], n_dense_layers=2)

@@ -17,7 +17,7 @@ PROMPT, STEPS, BATCH = 5, 66, 2
 
 
 def _model(tp, rank, dense):
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     args = ModelArgs(tp_size=tp, max_seq_len=96, max_batch_size=BATCH, n_layers=2,
                      n_dense_layers=2 if dense else 1)

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from test_kernel_mla import TOL, _gen, check_close, make_inputs, merge, poisoned, ref64, rel_err  # noqa: E402
+from kit.kernels import TOL, _gen, check_close, make_inputs, merge, poisoned, ref64, rel_err  # noqa: E402
 
 
 def _wide():

@@ -16,7 +16,7 @@ from torch import nn
 
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, find_mla
-from test_graph_diff import TinyMLA, TinyMLP, tiny_inputs
+from kit.graphs import TinyMLA, TinyMLP, tiny_inputs
 
 
 def capture(model: nn.Module, *args) -> list[GraphMatches]:
@@ -46,8 +46,8 @@ def buffer_name(node: fx.Node) -> str:
 
 
 def example_model(seqlen: int = 1, start_pos: int = 4, **kw) -> list[GraphMatches]:
-    """One attention block of examples/deepseek_mla.py (unsharded, one dense layer)."""
-    from examples.deepseek_mla import ModelArgs, build_model
+    """One attention block of dcp_pass/models/deepseek_mla.py (unsharded, one dense layer)."""
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     kw.setdefault("n_layers", 1)
     kw.setdefault("n_dense_layers", kw["n_layers"])
@@ -197,7 +197,7 @@ class MatcherTest(unittest.TestCase):
         found = self.find(capture(Gate(), torch.randn(4, 4)))
         self.assertEqual((found.matches, found.near_misses), ([], []))
 
-    # ------------------------------------------------------------------ examples/deepseek_mla.py
+    # ------------------------------------------------------------------ dcp_pass/models/deepseek_mla.py
 
     def test_example_variants(self):
         axes_ = itertools.product(("einsum", "matmul"), (False, True), ("additive", "masked_fill"),

@@ -17,7 +17,7 @@ PROMPT_LEN, STEPS = 6, 4
 
 
 def _model(tp, rank, poison):
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     model = build_model(ModelArgs(tp_size=tp, max_seq_len=24, max_batch_size=2, n_layers=2), rank=rank, seed=5)
     with torch.no_grad():

@@ -29,6 +29,34 @@ def test_bad_options_name_the_key(options, key):
         DcpOptions.from_mapping(options)
 
 
+AUTOMATIC = ("comm_backend", "replicate_q_proj", "static_positions", "complex_as_real", "lse_base",
+             "attn_backend", "cudagraphs")
+
+
+@pytest.mark.parametrize("key", AUTOMATIC)
+def test_auto_means_the_default(key):
+    default = DcpOptions()
+    assert DcpOptions.from_mapping({key: "auto"}) == default
+    assert DcpOptions(**{key: "auto"}) == default
+    if getattr(default, key) is None:  # stored as None: every reader sees the default
+        assert getattr(DcpOptions.from_mapping({key: "auto"}), key) is None
+        assert DcpOptions.from_mapping({key: None}) == default
+
+
+def test_auto_agrees_with_none_under_an_alias():
+    assert DcpOptions.from_mapping({"comm_backend": "auto", "dcp_comm_backend": None}) == DcpOptions()
+
+
+@pytest.mark.parametrize("key, bad", [
+    ("comm_backend", "nccl"), ("replicate_q_proj", "yes"), ("static_positions", 1), ("complex_as_real", "on"),
+    ("lse_base", 10), ("attn_backend", "cuda"), ("cudagraphs", "on"),
+])
+def test_bad_automatic_option_names_key_and_auto(key, bad):
+    with pytest.raises(DcpOptionError, match=rf"option '{key}'.*'auto'") as caught:
+        DcpOptions.from_mapping({key: bad})
+    assert repr(bad) in str(caught.value)
+
+
 def test_alias_conflict_is_an_error():
     with pytest.raises(DcpOptionError, match="decode_context_parallel_size"):
         DcpOptions.from_mapping({"dcp_size": 2, "decode_context_parallel_size": 4})

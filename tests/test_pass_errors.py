@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_pass.backend import DcpBackend
-from test_graph_diff import TinyMLA, init_fake_world, tiny_inputs
+from kit.graphs import TinyMLA, init_fake_world, tiny_inputs
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_unknown_cache_write_leaves_the_graph_unchanged_with_a_reason(fake_world
 
 
 def _sharded_model_declared_unsharded(rank: int, world: int) -> str:
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     model = build_model(ModelArgs(tp_size=world, n_layers=1, n_dense_layers=1), rank=rank)
     backend = DcpBackend(dcp_size=world, tp_size=1, inner="eager")

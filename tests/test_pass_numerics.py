@@ -20,7 +20,7 @@ STEPS = 32
 
 
 def _reference(model_kind: str, dtype: torch.dtype, variant: dict):
-    from examples.generate import greedy_generate
+    from dcp_pass.models.generate import greedy_generate
 
     model = _build(model_kind, dtype, tp=1, rank=0, variant=variant)
     return greedy_generate(model, PROMPTS, STEPS)
@@ -28,10 +28,10 @@ def _reference(model_kind: str, dtype: torch.dtype, variant: dict):
 
 def _build(model_kind: str, dtype: torch.dtype, tp: int, rank: int, variant: dict, seed: int = 1):
     if model_kind == "hybrid":
-        from examples.hybrid_linear import HybridArgs, build_hybrid
+        from dcp_pass.models.hybrid_linear import HybridArgs, build_hybrid
 
         return build_hybrid(HybridArgs(dtype=dtype, tp_size=tp, max_seq_len=48, **variant), rank=rank, seed=3)
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     return build_model(ModelArgs(dtype=dtype, tp_size=tp, max_seq_len=48, **variant), rank=rank, seed=seed)
 
@@ -41,7 +41,7 @@ def _run_configs(rank: int, world: int, configs: list[dict]):
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from examples.generate import greedy_generate
+    from dcp_pass.models.generate import greedy_generate
 
     torch.set_grad_enabled(False)
     results = []

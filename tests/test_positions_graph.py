@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_pass.backend import DcpBackend
-from test_graph_diff import TinyMLA, init_fake_world, render, tiny_inputs
+from kit.graphs import TinyMLA, init_fake_world, render, tiny_inputs
 
 
 class PositionsGraphTest(expecttest.TestCase):

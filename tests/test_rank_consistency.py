@@ -23,7 +23,7 @@ BATCH, MAX_SEQ = 3, 40
 
 
 def _model(dtype, tp, rank, dense=False):
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     # sizes divisible by TP 1..4; dense: no MoE, the whole forward is one graph
     args = ModelArgs(dtype=dtype, tp_size=tp, max_seq_len=MAX_SEQ, max_batch_size=BATCH, n_layers=2, n_heads=12,

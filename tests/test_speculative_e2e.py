@@ -42,8 +42,8 @@ class FlakyDraft(nn.Module):
 
 def _worker(rank, world):
     from dcp_pass.backend import last_report
-    from examples.deepseek_mla import ModelArgs, build_model
-    from examples.generate import greedy_generate, speculative_greedy_generate
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.generate import greedy_generate, speculative_greedy_generate
 
     torch._dynamo.config.cache_size_limit = 64
     args = ModelArgs(tp_size=2, max_seq_len=64, max_batch_size=2)

@@ -6,40 +6,9 @@ through `cache[:b, positions] = v` become a static-shape striped write, reads of
 whole cache become reads of the whole shard, and the mask is striped like the keys.
 """
 import torch
-from torch import nn
 
 from dcp_pass.testing import run_ranks
-
-
-class StaticPosMLA(nn.Module):
-    """Absorbed MLA attention with tensor positions, whole-cache reads and a boolean mask."""
-
-    def __init__(self, heads=4, rank=8, rope=4, v_dim=6, batch=2, max_seq=16):
-        super().__init__()
-        g = torch.Generator().manual_seed(7)
-        self.w_uv = nn.Parameter(torch.randn(heads, v_dim, rank, generator=g))
-        self.register_buffer("kv_cache", torch.zeros(batch, max_seq, rank))
-        self.register_buffer("pe_cache", torch.zeros(batch, max_seq, rope))
-
-    def forward(self, q_lat, q_pe, latent, k_pe, input_pos):
-        bsz = q_lat.shape[0]
-        self.kv_cache[:bsz, input_pos] = latent
-        self.pe_cache[:bsz, input_pos] = k_pe
-        keys = torch.arange(self.kv_cache.shape[1], device=input_pos.device)
-        future = keys[None, :] > input_pos[:, None]  # [s, T]: keys after each query
-        scores = torch.einsum("bshc,btc->bsht", q_lat, self.kv_cache[:bsz]) + torch.einsum(
-            "bshr,btr->bsht", q_pe, self.pe_cache[:bsz])
-        scores = (scores * 0.25).masked_fill(future.unsqueeze(1), float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_lat)
-        o = torch.einsum("bsht,btc->bshc", probs, self.kv_cache[:bsz])
-        return torch.einsum("bshc,hdc->bshd", o, self.w_uv).flatten(2)
-
-
-def _inputs(step_positions, g, heads=4, rank=8, rope=4, batch=2):
-    s = len(step_positions)
-    return (torch.randn(batch, s, heads, rank, generator=g), torch.randn(batch, s, heads, rope, generator=g),
-            torch.randn(batch, s, rank, generator=g), torch.randn(batch, s, rope, generator=g),
-            torch.tensor(step_positions))
+from kit.graphs import StaticPosMLA, _inputs
 
 
 def _run(rank, world, tp_size, inner):
@@ -85,7 +54,7 @@ def _decode(model, steps, tensor_positions):
 
 
 def test_example_model_tensor_positions_equal_int_positions():
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     torch.set_grad_enabled(False)
     a = build_model(ModelArgs(max_seq_len=32), seed=2)
@@ -100,7 +69,7 @@ def _example_dcp(rank, world):
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     torch.set_grad_enabled(False)
     model = build_model(ModelArgs(max_seq_len=32, positions="tensor", tp_size=world), rank=rank, seed=2)
@@ -114,7 +83,7 @@ def _example_dcp(rank, world):
 
 
 def test_example_model_tensor_positions_under_dcp():
-    from examples.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
     torch.set_grad_enabled(False)
     want_tokens, want_logits = _decode(build_model(ModelArgs(max_seq_len=32, positions="tensor"), seed=2), 10, True)

@@ -1,0 +1,105 @@
+"""The report: `str(report)` reads as an overview that counts layers (not graphs), its
+repr is short, unknown GraphReport fields still render, and DCP_LOGS=info logs each
+graph's lines once, when that graph compiles."""
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dcp_pass.backend import DcpBackend
+from dcp_pass.report import DcpReport, GraphReport, LayerReport, cache_layers
+from kit.graphs import TinyMLA, init_fake_world, tiny_inputs
+
+
+@pytest.fixture
+def world2():
+    torch._dynamo.reset()
+    init_fake_world(2)
+    yield
+    torch._dynamo.reset()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run(model, calls, **options):
+    be = DcpBackend(dcp_size=2, inner="eager", comm_backend="a2a", **options)
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        for args in calls:
+            compiled(*args)
+    return be
+
+
+def test_layers_sharing_one_graph_count_once_each(world2, caplog):
+    # three MLA layers; the MoE blocks' data-dependent expert loop makes each Block its own
+    # frame, so layers 1 and 2 run one compiled graph (layer 2 is known only at run time),
+    # and prefill and decode compile that graph twice
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
+
+    model = build_model(ModelArgs(tp_size=2, n_layers=3, n_dense_layers=1), rank=0)
+    tokens = lambda s: torch.zeros(2, s, dtype=torch.long)  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="dcp_pass"):
+        be = _run(model, [(tokens(3), 0), (tokens(1), 3), (tokens(1), 4)])
+    report = be.report
+    assert report.layers_rewritten == 3, str(report)
+    assert report.graph_rewrites == 4, str(report)
+    text = str(report)
+    assert text.splitlines()[0] == (
+        f"dcp_pass report (dcp_size=2, rank 0): 3 MLA layers rewritten, in 4 of {len(report.graphs)} graphs")
+    assert "  layers: attn x3" in text.splitlines()
+    assert "graph(s)" not in text and "MLA layer(s)" not in text
+    assert len(text.splitlines()) < 12  # identical graphs grouped
+    assert len(repr(report)) < 120 and repr(report).startswith("<DcpReport ")
+    # each graph logged once, in order, as it compiled: not the whole report again
+    logged = [r.getMessage() for r in caplog.records if r.name == "dcp_pass" and r.levelno == logging.INFO]
+    assert [m.split(":")[0] for m in logged] == [f"rank 0 graph {i}" for i in range(len(report.graphs))]
+    assert sum(len(m.splitlines()) for m in logged) < 3 * len(report.graphs)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = TinyMLA(), TinyMLA()
+
+    def forward(self, q_lat, q_pe, latent, k_pe, start_pos):
+        return self.first(q_lat, q_pe, latent, k_pe, start_pos) + self.second(q_lat, q_pe, latent, k_pe, start_pos)
+
+
+def test_layers_of_one_graph_and_recompiles(world2):
+    be = _run(TwoLayers(), [tiny_inputs(3, 0), tiny_inputs(1, 3), tiny_inputs(1, 4)])
+    report = be.report
+    assert report.layers_rewritten == 2 and report.graph_rewrites == 2 * len(report.graphs), report.summary()
+    assert "2 MLA layers rewritten" in str(report) and "layers: first, second" in str(report)
+
+
+def test_one_layer_reads_singular_and_dcp1_reads_unchanged():
+    one = DcpReport(dcp_size=2, graphs=[GraphReport(0, [LayerReport("attn", True, "decode")])])
+    one.add_uncached_layers(one.graphs[0], [])
+    assert str(one).splitlines()[0].endswith("1 MLA layer rewritten, in 1 of 1 graph")
+    assert "graph 0: rewrote attn: decode" in str(one)
+    off = DcpReport(graphs=[GraphReport(i, unchanged_reason="dcp_size=1") for i in range(3)])
+    assert str(off).splitlines() == ["dcp_pass report (dcp_size=1, rank 0): 0 MLA layers rewritten, in 0 of 3 graphs",
+                                     "  graphs 0-2: unchanged: dcp_size=1"]
+
+
+def test_fields_added_to_graph_report_render():
+    Extended = dataclasses.make_dataclass(
+        "Extended", [("passes", list, dataclasses.field(default_factory=list))], bases=(GraphReport,))
+    report = DcpReport(dcp_size=2, graphs=[Extended(0, passes=[("cache_writes", 2, "striped")]), Extended(1)])
+    text = str(report)
+    assert "passes: cache_writes, 2, striped" in text
+    assert text.count("passes") == 1  # an empty field adds nothing
+    assert "passes" not in report.summary()  # summary() shows the fields it names
+
+
+def test_cache_layers_picks_one_cache_per_layer():
+    graph = GraphReport(0, [LayerReport("layers.0.attn", True, ""), LayerReport("layers.1.attn", True, ""),
+                            LayerReport("kv_cache", True, ""), LayerReport("kept", False, ""),
+                            LayerReport("attn", True, ""), LayerReport("attn.inner", True, "")])
+    names = ["layers.1.attn.pe_cache", "layers.0.attn.pe_cache", "layers.0.attn.kv_cache", "kv_cache",
+             "layers.1.attn.kv_cache", "kept.kv_cache", "attn.inner.kv_cache", "attn.kv_cache"]
+    assert cache_layers(graph, names) == [None, None, "layers.0.attn", "kv_cache", "layers.1.attn", None,
+                                          "attn.inner", "attn"]
