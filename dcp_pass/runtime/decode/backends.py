@@ -8,7 +8,8 @@ is one entry here (vLLM's attention backend registry is the model).
 
 * ``COMM_BACKENDS``: name -> :class:`CommBackend` (head-sharded exchange, the method
   the replicated-heads exchange uses, what keeps it from running on given platform
-  facts, description). Insertion order is the default's preference order.
+  facts, description). Insertion order is the default's preference order. Defined in
+  runtime/decode/comm.py beside the exchanges it names, re-exported here.
 * ``ATTENTION_BACKENDS``: name -> :class:`AttentionBackend` (availability check,
   dense and paged run functions, native LSE base). ``"auto"`` is not an entry: it is
   resolved per call by :func:`resolve_attention_backend`.
@@ -18,11 +19,12 @@ The runtime never imports the rewrites: this module imports only runtime code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from dcp_pass.runtime.decode import comm
+from dcp_pass.runtime.decode.comm import (COMM_BACKENDS, DEFAULT_COMM_PREFERENCE, CommBackend,  # noqa: F401
+                                          comm_backend_blockers)
 
 __all__ = [
     "CommBackend",
@@ -36,67 +38,6 @@ __all__ = [
     "comm_backend_blockers",
     "resolve_attention_backend",
 ]
-
-
-# --------------------------------------------------------------------------------------
-# comm backends
-
-
-@dataclass(frozen=True)
-class CommBackend:
-    name: str
-    # head-sharded exchange: (o, lse, group_name, c, base, out_dtype) -> this rank's head shard
-    exchange: Callable[..., torch.Tensor]
-    # the `method` exchange_replicated uses for models whose heads are not sharded
-    replicated_method: str
-    # platform facts (resolve_comm_backend's keyword inputs) -> reasons it cannot run; [] = can
-    blockers: Callable[[Mapping[str, Any]], List[str]]
-    description: str
-
-
-def _fi_a2a_blockers(facts: Mapping[str, Any]) -> List[str]:
-    out = []
-    if facts["device_type"] != "cuda":
-        out.append(f"it needs a CUDA device, not {facts['device_type']!r}")
-    elif not facts["is_blackwell"]:
-        out.append("it needs a Blackwell GPU (compute capability 10.x)")
-    if not facts["mnnvl_single_domain"]:
-        out.append("the DCP group is not inside one MNNVL domain")
-    if not facts["flashinfer_available"]:
-        out.append("flashinfer is not available")
-    return out
-
-
-def _a2a_blockers(facts: Mapping[str, Any]) -> List[str]:
-    if not facts["has_all_to_all"]:
-        return ["the process group's backend has no all_to_all_single; use 'ag_rs'"]
-    return []
-
-
-# Insertion order: the preference order of the platform default (the first that can run).
-# Names and order also give options.COMM_BACKENDS.
-COMM_BACKENDS: Dict[str, CommBackend] = {
-    "a2a": CommBackend(
-        "a2a", comm.exchange_a2a, "a2a", _a2a_blockers,
-        "one packed all-to-all of (output, LSE), then a local exact merge",
-    ),
-    "ag_rs": CommBackend(
-        "ag_rs", comm.exchange_ag_rs, "ag_rs", lambda facts: [],
-        "LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs",
-    ),
-    "fi_a2a": CommBackend(
-        "fi_a2a", comm.exchange_fi_a2a, "a2a", _fi_a2a_blockers,
-        "FlashInfer's MNNVL all-to-all (Blackwell, one MNNVL domain)",
-    ),
-}
-
-# The platform default tries these in order (SPEC section 4); ag_rs runs everywhere.
-DEFAULT_COMM_PREFERENCE = ("fi_a2a", "a2a", "ag_rs")
-
-
-def comm_backend_blockers(name: str, facts: Mapping[str, Any]) -> List[str]:
-    """Why comm backend `name` cannot run on `facts` ([] when it can)."""
-    return COMM_BACKENDS[name].blockers(facts)
 
 
 # --------------------------------------------------------------------------------------

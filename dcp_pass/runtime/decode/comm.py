@@ -11,8 +11,8 @@ Shapes follow the compile pass's canonical layout: partial output ``o`` is
 (heads ``j*H/c .. (j+1)*H/c``) belongs to DCP rank ``j``; the c partials of a row are
 merged in DCP-rank order, which is also KV-shard order.
 
-Backends (SPEC section 4; the table every chooser reads is COMM_BACKENDS in
-runtime/decode/backends.py):
+Backends (SPEC section 4; the table every chooser reads is COMM_BACKENDS, defined here
+beside the exchanges and re-exported by runtime/decode/backends.py):
   * ``a2a``    one packed all-to-all of (output, LSE), then a local exact merge;
   * ``ag_rs``  LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs;
   * ``fi_a2a`` FlashInfer's MNNVL all-to-all (Blackwell, one MNNVL domain).
@@ -20,7 +20,8 @@ runtime/decode/backends.py):
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,10 @@ from dcp_pass.runtime.decode.merge import (
 
 __all__ = [
     "COMM_BACKENDS",
+    "DEFAULT_COMM_PREFERENCE",
+    "CommBackend",
     "CommBackendUnavailable",
+    "comm_backend_blockers",
     "gather_heads",
     "exchange_a2a",
     "exchange_ag_rs",
@@ -47,16 +51,6 @@ __all__ = [
     "device_comm_facts",
     "select_comm_backend",
 ]
-
-
-def __getattr__(name: str):
-    # COMM_BACKENDS (name -> CommBackend) lives in runtime/decode/backends.py, which imports the
-    # exchanges below; read lazily so the two modules do not import each other at load
-    if name == "COMM_BACKENDS":
-        from dcp_pass.runtime.decode.backends import COMM_BACKENDS
-
-        return COMM_BACKENDS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _fc = torch.ops._c10d_functional
@@ -308,6 +302,67 @@ def exchange_fi_a2a(
 
 
 # --------------------------------------------------------------------------------------
+# the table of comm backends
+
+
+@dataclass(frozen=True)
+class CommBackend:
+    name: str
+    # head-sharded exchange: (o, lse, group_name, c, base, out_dtype) -> this rank's head shard
+    exchange: Callable[..., torch.Tensor]
+    # the `method` exchange_replicated uses for models whose heads are not sharded
+    replicated_method: str
+    # platform facts (resolve_comm_backend's keyword inputs) -> reasons it cannot run; [] = can
+    blockers: Callable[[Mapping[str, Any]], List[str]]
+    description: str
+
+
+def _fi_a2a_blockers(facts: Mapping[str, Any]) -> List[str]:
+    out = []
+    if facts["device_type"] != "cuda":
+        out.append(f"it needs a CUDA device, not {facts['device_type']!r}")
+    elif not facts["is_blackwell"]:
+        out.append("it needs a Blackwell GPU (compute capability 10.x)")
+    if not facts["mnnvl_single_domain"]:
+        out.append("the DCP group is not inside one MNNVL domain")
+    if not facts["flashinfer_available"]:
+        out.append("flashinfer is not available")
+    return out
+
+
+def _a2a_blockers(facts: Mapping[str, Any]) -> List[str]:
+    if not facts["has_all_to_all"]:
+        return ["the process group's backend has no all_to_all_single; use 'ag_rs'"]
+    return []
+
+
+# Insertion order: the preference order of the platform default (the first that can run).
+# Names and order also give options.COMM_BACKENDS.
+COMM_BACKENDS: Dict[str, CommBackend] = {
+    "a2a": CommBackend(
+        "a2a", exchange_a2a, "a2a", _a2a_blockers,
+        "one packed all-to-all of (output, LSE), then a local exact merge",
+    ),
+    "ag_rs": CommBackend(
+        "ag_rs", exchange_ag_rs, "ag_rs", lambda facts: [],
+        "LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs",
+    ),
+    "fi_a2a": CommBackend(
+        "fi_a2a", exchange_fi_a2a, "a2a", _fi_a2a_blockers,
+        "FlashInfer's MNNVL all-to-all (Blackwell, one MNNVL domain)",
+    ),
+}
+
+# The platform default tries these in order (SPEC section 4); ag_rs runs everywhere.
+DEFAULT_COMM_PREFERENCE = ("fi_a2a", "a2a", "ag_rs")
+
+
+def comm_backend_blockers(name: str, facts: Mapping[str, Any]) -> List[str]:
+    """Why comm backend `name` cannot run on `facts` ([] when it can)."""
+    return COMM_BACKENDS[name].blockers(facts)
+
+
+# --------------------------------------------------------------------------------------
 # backend choice
 
 
@@ -327,8 +382,6 @@ def resolve_comm_backend(
     an all-to-all (NCCL/RCCL on CUDA/ROCm, gloo on CPU); "ag_rs" only where it has none.
     An explicit request that cannot run raises ValueError saying why.
     """
-    from dcp_pass.runtime.decode.backends import COMM_BACKENDS, DEFAULT_COMM_PREFERENCE
-
     facts = dict(device_type=device_type, is_blackwell=is_blackwell, mnnvl_single_domain=mnnvl_single_domain,
                  has_all_to_all=has_all_to_all, flashinfer_available=flashinfer_available)
     if requested is None:
@@ -450,8 +503,6 @@ def exchange_partials(
         name = group
     else:
         name = (group if group is not None else dist.group.WORLD).group_name
-    from dcp_pass.runtime.decode.backends import COMM_BACKENDS
-
     if method in ("a2a", "ag_rs"):
         return COMM_BACKENDS[method].exchange(o, lse, name, c, base, out_dtype)
     if method == "replicated":

@@ -40,12 +40,14 @@ from typing import Optional
 
 import torch
 
+from . import mla_gluon_roles
 from .common import (LOG2E, MlaArgs, causal_operand, check_base, cuda_properties, lens_operand, launch, mask_operand,
                      mask_rows_shared, outputs, split_parts)
+from .gluon_common import D_LAT, D_ROPE, HAS_GLUON
 from .path_table import call_kind, fastest
 from .splits import partial_outputs, reduce_launch, split_count
 
-try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
+if HAS_GLUON:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -54,20 +56,10 @@ try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
-    # names that moved between Triton releases (3.6: async_copy_global_to_shared,
-    # thread_barrier; later: async_load, barrier); the kernel calls these aliases
-    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-    HAS_GLUON = True
-except Exception:  # pragma: no cover - depends on the Triton build
-    HAS_GLUON = False
+    from .gluon_common import _async_load, _barrier, _split_keys
 
 __all__ = ["GluonConfig", "HAS_GLUON", "ROLES_SCHEDULE", "default_q_reg", "default_schedule", "lock_step_schedule",
            "gluon_supported", "gluon_preferred", "launch_gluon", "try_launch_gluon"]
-
-D_LAT = 512
-D_ROPE = 64
 
 
 def _issue_copies_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope):
@@ -209,21 +201,6 @@ def _pair_tile_src(it, cur_lat, cur_rope, cur_mk, nxt_lat, nxt_rope, nxt_mk, q_l
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
     acc = warpgroup_mma(p_s, cur_lat, acc)
     return acc, m_new, l_2d
-
-
-def _split_keys_src(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HAS_LENS: gl.constexpr):
-    """This split's keys [start, end): the request's local count (rank r's share of a global
-    count under lens_stripe (c, r), clamped so nothing wraps in int32) cut into NUM_SPLITS
-    whole-tile pieces. Both kernel forms take it."""
-    if HAS_LENS:
-        n_glob = gl.minimum(gl.maximum(gl.load(LENS + b * lens_sb), 0), T * lens_c).to(gl.int32)  # no int32 wrap
-        kv_len = gl.minimum((n_glob + (lens_c - 1 - lens_r)) // lens_c, T)
-    else:
-        kv_len = T
-    split_len = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = pid_sp * split_len
-    return start, gl.minimum(start + split_len, kv_len)
 
 
 def _mla_gluon_kernel_src(
@@ -423,7 +400,6 @@ if HAS_GLUON:
     _probs_masked = gluon.jit(_probs_masked_src)
     _row_sum_halves = gluon.jit(_row_sum_halves_src)
     _pair_tile = gluon.jit(_pair_tile_src)
-    _split_keys = gluon.jit(_split_keys_src)
     _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
 
 
@@ -611,7 +587,7 @@ def _rows_16_aligned(parts) -> bool:
 
 def _launch_roles(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, o_part, l_part, ops, lps,
                   l_scale):
-    from .mla_gluon_roles import _roles_jit  # (imports this module)
+    _roles_jit = mla_gluon_roles._roles_jit
 
     if _tiles(cfg) != ROLES_TILES:
         raise ValueError(f"the role-split Gluon kernel (schedule {ROLES_SCHEDULE}) runs 64 x 64 tiles in 2 stages, "

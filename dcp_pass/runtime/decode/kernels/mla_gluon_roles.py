@@ -24,21 +24,19 @@ kv_lens with ``lens_stripe``, the split kernel's partials and stage-2 merge.
 """
 from __future__ import annotations
 
-from . import mla_gluon as G
+from .gluon_common import HAS_GLUON
 
-if G.HAS_GLUON:
+if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    _async_load = G._async_load
-    _barrier = G._barrier
-    _split_keys = G._split_keys
+    from .gluon_common import _async_load, _barrier, _split_keys
 
-__all__: list = []  # the launch is mla_gluon.launch_gluon's (schedule ROLES_SCHEDULE)
-if G.HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
+__all__: list = []  # launched by mla_gluon.launch_gluon
+if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
     DL, DR = gl.constexpr(512), gl.constexpr(64)
 
 
@@ -218,7 +216,7 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
     ], [4], [256])
 
 
-if G.HAS_GLUON:
+if HAS_GLUON:
     _opaque = gluon.jit(_opaque_src)
     _store_half = gluon.jit(_store_half_src)
     _copy_tile = gluon.jit(_copy_tile_src)
