@@ -1,0 +1,130 @@
+"""Tiny random Hugging Face models for tests: fp32, CPU, a few hundred kB of weights.
+
+Each builder returns an unmodified transformers model in eval mode, seeded, with
+`attn_implementation` "eager" or "sdpa". MoE is off (every MLP is dense) so the
+graphs hold attention and cache code, not router loops. No special token ids are
+set, so `generate` never stops early on a random model: `max_new_tokens` decides
+the length. Tests import this module only after `pytest.importorskip("transformers")`.
+"""
+from __future__ import annotations
+
+import torch
+
+HIDDEN = 64
+LAYERS = 2
+HEADS = 4
+VOCAB = 128
+KV_LORA_RANK = 32
+QK_ROPE_HEAD_DIM = 16
+QK_NOPE_HEAD_DIM = 16
+V_HEAD_DIM = 16
+MAX_POSITIONS = 256
+
+# No bos/eos/pad: a random model would otherwise stop at an eos it happens to sample,
+# and Kimi's default pad id (163839) lies outside a tiny vocabulary.
+_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def deepseek_v3_config(**overrides):
+    """DeepseekV3Config: MLA with q_lora, all layers dense (first_k_dense_replace = layers)."""
+    from transformers import DeepseekV3Config
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        kv_lora_rank=KV_LORA_RANK,
+        q_lora_rank=48,
+        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+        v_head_dim=V_HEAD_DIM,
+        first_k_dense_replace=LAYERS,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return DeepseekV3Config(**fields)
+
+
+def kimi_linear_config(**overrides):
+    """KimiLinearConfig: layer 0 is KDA (linear attention), layer 1 is MLA (NoPE), both MLPs dense."""
+    from transformers import KimiLinearConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        kv_lora_rank=KV_LORA_RANK,
+        q_lora_rank=None,
+        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+        v_head_dim=V_HEAD_DIM,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense"] * LAYERS,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        linear_head_dim=16,
+        linear_num_heads=HEADS,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return KimiLinearConfig(**fields)
+
+
+def llama_gqa_config(**overrides):
+    """LlamaConfig: GQA with 4 query heads over 2 KV heads, head_dim 16."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+CONFIGS = {
+    "deepseek_v3": deepseek_v3_config,
+    "kimi_linear": kimi_linear_config,
+    "llama_gqa": llama_gqa_config,
+}
+
+
+def model_class(name: str):
+    import transformers
+
+    return {
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+        "kimi_linear": transformers.KimiLinearForCausalLM,
+        "llama_gqa": transformers.LlamaForCausalLM,
+    }[name]
+
+
+def tiny_model(name: str, attn_implementation: str = "sdpa", seed: int = 0, dtype=torch.float32, **overrides):
+    """A seeded tiny model `name` (a key of CONFIGS) in eval mode."""
+    config = CONFIGS[name](**overrides)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = model_class(name)(config).to(dtype).eval()
+    return model
