@@ -260,13 +260,13 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
     compiled = compile_inner(gm, examples + trailing, opts, mode)
     layers = list(layers) if layers is not None else [None] * len(caches)
-    specs = [(index, entry.c, entry.rank, entry.name, layer) for (index, entry), layer in zip(caches, layers)]
+    specs = [(index, entry.c, entry.rank, entry.name, entry.kind, layer) for (index, entry), layer in zip(caches, layers)]
 
     def run(*args):
         shards = []
-        for index, c, rank, name, layer in specs:
+        for index, c, rank, name, kind, layer in specs:
             buffer = args[index]
-            entry = local_for(buffer, c, rank, name)
+            entry = local_for(buffer, c, rank, name, kind)
             if id(buffer) not in report.caches:  # a layer first seen at run time (one graph, several layers)
                 report.add_cache(id(buffer), name, entry.full_nbytes, entry.local_nbytes, layer)
             shards.append(entry.local)
@@ -289,6 +289,8 @@ class DcpBackend:
         self.topology: Optional[DcpTopology] = None
         self.report = DcpReport(dcp_size=self.options.dcp_size)
         self.graphs: list[fx.GraphModule] = []  # what was handed to the inner compiler
+        # called with (pass name, graph module) after each pass of the pipeline (testing.graph_stages)
+        self.observer: Optional[Callable[[str, fx.GraphModule], None]] = None
         self.diffs: list[str] = []  # unified diff of the code of every graph the pass rewrote
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, **_: Any):
@@ -305,7 +307,8 @@ class DcpBackend:
             out, caches, weights = gm, [], []
         else:
             plan = resolve_plan(opts, self.topology, example_inputs)
-            result = apply_dcp(gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report)
+            result = apply_dcp(gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report,
+                               observer=self.observer)
             out, caches, weights, position = result.graph_module, result.caches, result.weights, result.position
             check_inference_only(out, example_inputs, graph_report)
             layers = cache_layers(graph_report, [entry.name for _, entry in caches])

@@ -75,6 +75,8 @@ class GraphReport:
         lines += [f"near miss at {where}: {reason}" for where, reason in self.near_misses]
         lines += list(self.notes)
         if other_fields:
+            if self.passes:
+                lines.append("passes: " + ", ".join(f"{p.name} {p.matched_count}" for p in self.passes))
             for f in dataclasses.fields(self):
                 if f.name not in _GRAPH_FIELDS_SHOWN:
                     lines += _field_lines(f.name, getattr(self, f.name))
@@ -88,7 +90,7 @@ class GraphReport:
         return [head] + ["  " + line for line in self.detail_lines(other_fields)]
 
 
-_GRAPH_FIELDS_SHOWN = {"graph_index", "layers", "near_misses", "unchanged_reason", "notes"}
+_GRAPH_FIELDS_SHOWN = {"graph_index", "layers", "near_misses", "unchanged_reason", "notes", "passes"}
 
 
 def _field_lines(name: str, value: Any) -> list[str]:

@@ -17,7 +17,7 @@ from torch import nn
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.rewrites.complex_product import complex_products_as_real
 from dcp_pass.runtime.decode.rotary import complex_mul_real
-from kit.graphs import _normalize
+from dcp_pass.testing.graphs import readable_code as _normalize
 
 
 def freqs(rope: int, max_seq: int, dtype=torch.complex64) -> torch.Tensor:

@@ -14,7 +14,7 @@ pin. Cases that need the example models (fused cache, masked_fill, hybrid,
 q-replication) pin only the attention region: from the first striped cache write
 (`striped_write = ...write_owned_tokens_(...)`) to the node that consumes the merged output.
 
-Code is normalized before pinning (`_normalize`): Dynamo's `l_self_modules_..._`
+Code is normalized before pinning (`dcp_pass.testing.readable_code`): Dynamo's `l_self_modules_..._`
 names are shortened (`l_self_modules_attn_buffers_kv_cache_` -> `attn_kv_cache`),
 `x = L_x_` alias lines and fx's `;  a = b = None` liveness suffixes are dropped,
 and the signature lists bare input names.
@@ -402,7 +402,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph (1 near miss(es) left unchanged))
-    near miss at test_graph_diff.py:88 `probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_lat)`: attention probabilities are used outside the value product""")
+    near miss at graphs.py:66 `probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_lat)`: attention probabilities are used outside the value product""")
 
     # ------------------------------------------------------------------ spelling variants
 

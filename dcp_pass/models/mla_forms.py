@@ -19,6 +19,9 @@ Forms:
   "fused_unsqueeze" one fused cache [B, T, D] read as `cache[:b, :end].unsqueeze(1)`, values
                     `kv[..., :rank]` (views in the other order than the reference)
   "window"          the reference with a sliding window: `cache[:b, lo:end]`
+  "paged"           a pool [pages, P, D] and a block table (pages handed out in a shuffled
+                    order), slot-mapping writes `pool.view(-1, D)[slots] = kv`, reads
+                    `pool[table[:b, :n]].flatten(1, 2)[:, :end]`
 
 `build_forms_model(args, seed)` draws the same weights for every form.
 """
@@ -34,7 +37,7 @@ from torch import nn
 
 __all__ = ["FormArgs", "FORMS", "FormsModel", "build_forms_model"]
 
-FORMS = ("einsum", "sdpa", "sdpa_gqa", "sdpa_causal", "mqa_matmul", "fused_unsqueeze", "window")
+FORMS = ("einsum", "sdpa", "sdpa_gqa", "sdpa_causal", "mqa_matmul", "fused_unsqueeze", "window", "paged")
 
 
 @dataclass
@@ -51,6 +54,7 @@ class FormArgs:
     max_batch_size: int = 4
     max_seq_len: int = 48
     window: int = 8  # the "window" form: each query sees its last `window` positions
+    page_size: int = 8  # the "paged" form
     rope_theta: float = 10000.0
     dtype: torch.dtype = torch.float32
 
@@ -95,6 +99,11 @@ class Attention(nn.Module):
             self.register_buffer("kv_cache", torch.zeros(b, t, 1, r + rope), persistent=False)
         elif self.form == "fused_unsqueeze":
             self.register_buffer("kv_cache", torch.zeros(b, t, r + rope), persistent=False)
+        elif self.form == "paged":
+            per_request = -(-t // args.page_size)
+            order = torch.randperm(b * per_request, generator=torch.Generator().manual_seed(11))
+            self.register_buffer("kv_pool", torch.zeros(b * per_request, args.page_size, r + rope), persistent=False)
+            self.register_buffer("block_table", order.view(b, per_request), persistent=False)
         else:
             self.register_buffer("kv_cache", torch.zeros(b, t, r), persistent=False)
             self.register_buffer("pe_cache", torch.zeros(b, t, rope), persistent=False)
@@ -188,6 +197,22 @@ class Attention(nn.Module):
             scores = scores + mask
         probs = torch.softmax(scores.float(), dim=-1).type_as(q)
         return torch.matmul(probs, kv[..., : self.rank]).transpose(1, 2)
+
+    def _paged(self, q_abs, q_pe, latent, k_pe, start_pos, end, mask):
+        bsz, seqlen = q_abs.shape[:2]
+        page = self.args.page_size
+        table = self.block_table[:bsz]
+        pos = torch.arange(start_pos, end, device=q_abs.device)
+        slots = (table[:, pos // page] * page + pos % page).flatten()  # [b * s] pool slots
+        self.kv_pool.view(-1, self.kv_pool.shape[-1])[slots] = torch.cat([latent, k_pe], dim=-1).flatten(0, 1)
+        n_pages = (end + page - 1) // page
+        kv = self.kv_pool[table[:, :n_pages]].flatten(1, 2)[:, :end]  # [b, end, d]
+        q = torch.cat([q_abs, q_pe], dim=-1)
+        scores = torch.einsum("bshd,btd->bsht", q, kv) * self.softmax_scale
+        if mask is not None:
+            scores = scores + mask.unsqueeze(1)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
+        return torch.einsum("bsht,btc->bshc", probs, kv[..., : self.rank])
 
     def _fused_unsqueeze(self, q_abs, q_pe, latent, k_pe, start_pos, end, mask):
         bsz = q_abs.shape[0]

@@ -30,7 +30,7 @@ from dcp_pass.rewrites import cache as cache_rw
 from dcp_pass.rewrites import complex_product
 from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites import q_replicate
-from dcp_pass.rewrites.attention import AttentionPlan
+from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla
 
 
@@ -143,15 +143,28 @@ class StripedWrites(GraphPass):
 
     def run(self, state: PassState) -> PassOutcome:
         plan = state.config.plan
+        kinds = {read.buffer: read for m in state.found.matches for read in [t.cache for t in m.terms] + [m.value_cache]}
+        for read in kinds.values():
+            check = STRIPE_CHECKS.get(read.kind)
+            why = check(read, plan.c) if check is not None else None
+            if why is not None:
+                if cache_rw.is_released(state.values[read.buffer.name]):
+                    raise DcpRewriteError(why)
+                state.stop(why)
+                state.report.unchanged_reason = why
+                return PassOutcome(0, [why])
         for index, buf in enumerate(sorted(state.buffers, key=lambda n: n.name)):
-            entry = cache_rw.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf))
+            kind = kinds[buf].kind if buf in kinds else "flat"
+            entry = cache_rw.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf), kind)
             state.entries[buf] = entry
             state.local_nodes[buf] = cache_rw.local_cache_placeholder(state.graph, index, entry.local)
         count = 0
         for buf, writes in state.found.writes.items():
             if buf in state.local_nodes:
                 for write in writes:
+                    feeding = list(write.node.all_input_nodes)
                     write.rewrite_write(state.graph, state.local_nodes[buf], state.entries[buf])
+                    fx_util.erase_dead_region(state.graph, feeding)  # e.g. the pool's flat view
                     count += 1
         return PassOutcome(count)
 
@@ -189,6 +202,7 @@ class AttentionRewrite(GraphPass):
                 _striped_already(match, miss)
             kind = "decode" if _is_decode(match) else "multi-token"
             window = ", sliding window" if match.value_cache.windowed else ""
+            window += ", paged pool" if match.value_cache.kind == "paged" else ""
             state.report.layers.append(LayerReport(
                 match.layer, True,
                 f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "

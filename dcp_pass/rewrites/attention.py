@@ -77,9 +77,17 @@ def check_backend_mask(match: MlaMatch, plan: AttentionPlan) -> None:
                        f"adds one; use attn_backend='triton' or 'auto'")
 
 
-def local_slice(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str) -> fx.Node:
+# cache kind -> (graph, local shard node, read, name, c) -> the rank's keys [batch, position, feature]
+LOCAL_READS: dict = {}
+# cache kind -> (read, c) -> why the read cannot be striped over c ranks, or None
+STRIPE_CHECKS: dict = {}
+
+
+def local_slice(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str, c: int = 1) -> fx.Node:
     """The batch rows (and feature columns) of a shard as [batch, position, feature]; key
     rows are bounded by the op. A singleton head axis of the cache is indexed away."""
+    if access.kind != "flat":
+        return LOCAL_READS[access.kind](graph, local, access, name, c)
     index: list = []
     for role in cache_layout(access.buffer):
         if role == B:
@@ -183,8 +191,8 @@ def rewrite_attention(
     check_backend_mask(match, plan)
     value_node = match.output
     with graph.inserting_before(match.anchor):
-        kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, "kv_local")
-        pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local") if rope else None
+        kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, "kv_local", plan.c)
+        pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local", plan.c) if rope else None
         if query_override is not None:
             q_lat, q_rope = query_override
         else:

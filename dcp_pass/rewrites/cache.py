@@ -48,6 +48,7 @@ class LocalCache:
     rank: int
     full_nbytes: int
     name: str
+    kind: str = "flat"  # "flat": rows by position; "paged": a pool's slots (rewrites/recognisers/paged.py)
 
     @property
     def local_nbytes(self) -> int:
@@ -81,9 +82,15 @@ def is_released(buffer: torch.Tensor) -> bool:
     return buffer in _LOCAL_CACHES or buffer in _DEFERRED
 
 
-def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
+# kind -> (buffer, c, rank, name) -> LocalCache, for cache layouts other than "flat"
+SHARD_MAKERS: dict[str, Any] = {}
+
+
+def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat") -> LocalCache:
     """This rank's shard of `buffer`: the one installed earlier, or a new copy (nothing released yet)."""
     entry = lookup_local_cache(buffer)
+    if entry is None and kind != "flat":
+        return SHARD_MAKERS[kind](buffer, c, rank, name)
     if entry is not None:
         if (entry.c, entry.rank) != (c, rank):
             raise DcpCacheError(
@@ -132,7 +139,7 @@ def owns_storage(buffer: torch.Tensor) -> bool:
     return buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() * buffer.element_size()
 
 
-def local_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
+def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat") -> LocalCache:
     """The shard to pass for `buffer` on this call; installs one on first sight.
 
     One compiled graph serves every layer whose module shares the code (Dynamo passes
@@ -140,7 +147,7 @@ def local_for(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
     """
     entry = lookup_local_cache(buffer)
     if entry is None:
-        entry = shard_for(buffer, c, rank, name)
+        entry = shard_for(buffer, c, rank, name, kind)
         install(buffer, entry)
     return entry
 

@@ -113,6 +113,13 @@ class CacheRead:
     feat: Optional[tuple[int, int]]  # absolute feature columns of the cache tensor, None = all
     roles: list[Optional[str]]
     cols: Optional[tuple[int, int]] = None
+    pages: Optional[fx.Node] = None  # a paged pool's block table (rows: requests, columns: pages)
+    page_size: Optional[int] = None
+
+    @property
+    def kind(self) -> str:
+        """The cache layout: "flat" (rows by position) or "paged" (a pool read through a block table)."""
+        return "paged" if self.pages is not None else "flat"
 
     @property
     def width(self) -> int:
@@ -137,12 +144,31 @@ class _Axis:
 
 @dataclass
 class _Piece:
-    """Replay state of one cache tensor on its way to the operand."""
+    """Replay state of one cache tensor on its way to the operand.
+
+    `layout` / `shape` describe the tensor the axes' sources index: the cache tensor
+    itself, or for a paged pool the gathered pages (see recognisers/paged.py).
+    """
 
     buffer: fx.Node
     dims: list[_Axis]
-    bounds: dict[int, tuple[SizeArg, Optional[SizeArg]]]  # cache axis -> [start, stop) (None: to the end)
+    bounds: dict[int, tuple[SizeArg, Optional[SizeArg]]]  # source axis -> [start, stop) (None: to the end)
     cols: Optional[tuple[int, int]]  # columns of the operand's feature axis this piece fills
+    layout: tuple = ()
+    shape: tuple = ()
+    pages: Optional[fx.Node] = None
+    page_size: Optional[int] = None
+    merges: dict[tuple[int, int], int] = None  # (source a, source b) -> the source of the two axes merged
+
+    def __post_init__(self):
+        if not self.layout:
+            self.layout = cache_layout(self.buffer)
+            self.shape = tuple(axes.shape_of(self.buffer))
+        self.merges = self.merges or {}
+
+
+# Hooks of other cache layouts: each takes a node and returns the _Piece it starts (or None).
+READ_BASES: list = []
 
 
 def _add(a: SizeArg, b: SizeArg) -> SizeArg:
@@ -158,7 +184,7 @@ def _add(a: SizeArg, b: SizeArg) -> SizeArg:
 def _extent(piece: _Piece, axis: int) -> Optional[SizeArg]:
     """Current size of cache axis `axis` after the bounds applied so far (None: unknown symbolic)."""
     start, stop = piece.bounds.get(axis, (0, None))
-    full = axes.shape_of(piece.buffer)[axis]
+    full = piece.shape[axis]
     stop = full if stop is None else stop
     if isinstance(start, int) and isinstance(stop, int):
         return stop - start
@@ -192,7 +218,7 @@ def _apply_slice(piece: _Piece, dim: int, index: slice) -> None:
 
 
 def _feature_dim(piece: _Piece) -> int:
-    layout = cache_layout(piece.buffer)
+    layout = piece.layout
     return next(i for i, d in enumerate(piece.dims) if d.source is not None and layout[d.source] == F)
 
 
@@ -277,7 +303,19 @@ class _Replay:
             for piece in self.pieces:
                 piece.dims = [_Axis(None) for _ in range(extra)] + piece.dims
             return
+        if axes.is_method(node, "flatten") or axes.is_function(node, torch.flatten):
+            start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+            end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+            start, end = axes.normalize_dim(start, len(src_shape)), axes.normalize_dim(end, len(src_shape))
+            if end != start + 1:
+                raise ReadRefused("a flatten of more than two axes of a cache read")
+            self._merge(start)
+            return
         if axes.is_method(node, "view", "reshape", "unflatten") or axes.is_function(node, torch.reshape):
+            merged = axes.flatten_source(node)
+            if merged is not None and merged[0] is src:
+                self._merge(merged[1])
+                return
             self._singleton_view(src_shape, shape)
             return
         moved = axes.axis_moving_step(node)
@@ -323,6 +361,16 @@ class _Replay:
         if feature_slice is not None:
             self.pieces = _slice_feature(self.pieces, feature_slice, width)
 
+    def _merge(self, dim: int) -> None:
+        """Axes `dim` and `dim + 1` become one: only where the layout says what that is
+        (a paged pool's pages and in-page slots make its positions)."""
+        for piece in self.pieces:
+            a, b = piece.dims[dim].source, piece.dims[dim + 1].source
+            merged = piece.merges.get((a, b))
+            if merged is None:
+                raise ReadRefused("a view that merges two axes of a cache read")
+            piece.dims[dim:dim + 2] = [_Axis(merged)]
+
     def _singleton_view(self, src_shape: tuple, shape: tuple) -> None:
         """A view that only adds or drops axes of size 1 (`view(b, 1, t, d)` of `[b, t, d]`)."""
         kept = [i for i, s in enumerate(src_shape) if not axes.known_equal(s, 1)]
@@ -354,9 +402,9 @@ def _op_name(node: fx.Node) -> str:
 
 
 _CHAIN_METHODS = {"permute", "transpose", "swapaxes", "unsqueeze", "expand", "expand_as", "view", "reshape",
-                  "squeeze", "select", "narrow", "mT", "t", "unflatten"} | axes.DTYPE_CASTS
+                  "squeeze", "select", "narrow", "mT", "t", "unflatten", "flatten"} | axes.DTYPE_CASTS
 _CHAIN_FUNCTIONS = {operator.getitem, torch.permute, torch.transpose, torch.swapaxes, torch.unsqueeze,
-                    torch.squeeze, torch.select, torch.narrow, torch.reshape}
+                    torch.squeeze, torch.select, torch.narrow, torch.reshape, torch.flatten}
 
 
 def _is_chain_op(node: fx.Node) -> bool:
@@ -377,11 +425,16 @@ def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
     """The pieces `node` is made of (replayed up to `node`); raises ReadRefused."""
     chain: list[fx.Node] = []
     current = node
+    pieces = None
     while not is_cache_tensor(current):
         if len(chain) > MAX_CHAIN:
             raise ReadRefused("too many views between the cache tensor and the attention")
         if not isinstance(current, fx.Node):
             raise ReadRefused("a constant where a cache read was expected")
+        based = [p for p in (base(current) for base in READ_BASES) if p is not None]
+        if based:
+            pieces = based[:1]
+            break
         cat = _cat_inputs(current)
         if cat is not None:
             tensors, dim = cat
@@ -424,13 +477,14 @@ def _cat_pieces(node: fx.Node, tensors: list, dim: int, depth: int) -> list[_Pie
 
 
 def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
-    layout = cache_layout(piece.buffer)
-    shape = axes.shape_of(piece.buffer)
+    layout, shape = piece.layout, piece.shape
     roles = [None if d.source is None else layout[d.source] for d in piece.dims]
     seen = {d.source for d in piece.dims if d.source is not None}
     for axis, role in enumerate(layout):
-        if role is not None and axis not in seen:
+        if role in (B, T, F) and axis not in seen:
             raise ReadRefused(f"the cache read drops its {_ROLE_WORDS[role]} axis")
+    if any(r not in (B, T, F, None) for r in roles):
+        raise ReadRefused("a paged read whose pages are not merged into positions")
     b_axis, t_axis, f_axis = layout.index(B), layout.index(T), layout.index(F)
     b0, b1 = piece.bounds.get(b_axis, (0, None))
     if not (isinstance(b0, int) and b0 == 0):
@@ -444,7 +498,7 @@ def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
     feat = None if (f0, f1) == (0, width) else (f0, f1)
     bsz = shape[b_axis] if b1 is None else b1
     end = shape[t_axis] if t1 is None else t1
-    return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols)
+    return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols, piece.pages, piece.page_size)
 
 
 _ROLE_WORDS = {B: "batch", T: "position", F: "feature"}
@@ -582,10 +636,16 @@ def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
     return None
 
 
+# Hooks of other cache layouts: each takes a node and returns its CacheAccess (or None).
+WRITE_FORMS: list = []
+
+
 def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
     writes: dict[fx.Node, list[CacheAccess]] = {}
     for node in graph.nodes:
         access = as_cache_write(node)
+        if access is None:
+            access = next((a for a in (form(node) for form in WRITE_FORMS) if a is not None), None)
         if access is not None:
             writes.setdefault(access.buffer, []).append(access)
     return writes

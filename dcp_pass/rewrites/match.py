@@ -207,6 +207,8 @@ class MatchContext:
     def query_len_of(self, buffer: fx.Node) -> Optional[Any]:
         """The number of tokens written into `buffer` per call (the query length), if known."""
         for write in self.writes.get(buffer, []):
+            if write.bsz is None:  # a pool's slot writes have no batch axis
+                continue
             shape = axes.shape_of(write.value)
             if shape is not None and len(shape) >= 2:
                 return shape[1]
@@ -255,12 +257,13 @@ class GraphMatches:
 
 def find_mla(graph: fx.Graph) -> GraphMatches:
     """Every MLA attention of a graph that a registered recogniser finds, plus near misses."""
+    recognisers = load_recognisers()  # first: a module may also register cache read and write forms
     ctx = MatchContext(graph, cache_writes(graph))
     matches: list[MlaMatch] = []
     near: list[tuple[str, str]] = []
     notes: list[str] = []
     claimed: set[fx.Node] = set()
-    for recogniser in load_recognisers().values():
+    for recogniser in recognisers.values():
         for node in list(recogniser.anchors(graph)):
             if node in claimed:
                 continue

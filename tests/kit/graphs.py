@@ -16,6 +16,8 @@ import torch.fx as fx
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from dcp_pass.testing.graphs import readable_code
+
 
 # ----------------------------------------------------------------------------- a tiny MLA
 
@@ -94,35 +96,9 @@ class TinyMLP(nn.Module):
 # ----------------------------------------------------------------------------- rendering
 
 
-_NAME = re.compile(r"\b[lL]_(\w+?)_\b")
-
-
-def _short_name(m: re.Match) -> str:
-    name = m.group(1)
-    if name.startswith("self_"):
-        name = re.sub(r"(?:modules|parameters|buffers)_", "", name[len("self_"):])
-    return name
-
-
-def _normalize(code: str) -> str:
-    out = []
-    for line in code.strip("\n").splitlines():
-        line = line.rstrip()
-        if not line:
-            continue
-        if line.startswith("def forward("):
-            params = line[len("def forward("):-2].split(", ")
-            line = "def forward(" + ", ".join(p.split(" : ")[0] for p in params) + "):"
-        elif re.fullmatch(r"\s+l_\w+_ = L_\w+_", line):
-            continue
-        line = re.sub(r";  [\w ,=]+ = None$", "", line)
-        out.append(_NAME.sub(_short_name, line))
-    return "\n".join(out)
-
-
 def render(gm: fx.GraphModule) -> str:
-    """The whole graph as normalized Python code."""
-    return _normalize(gm.code)
+    """The whole graph as normalized Python code (the public helper users pin with)."""
+    return readable_code(gm)
 
 
 # ----------------------------------------------------------------------------- a fake world
