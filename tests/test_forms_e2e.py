@@ -44,7 +44,7 @@ def _run_forms(rank: int, world: int, forms: list[str], inner: str):
     out = {}
     for form in forms:
         torch._dynamo.reset()
-        args = FormArgs(form=form, n_layers=2)
+        args = FormArgs(form=form, n_layers=1)
         eager = build_forms_model(args, seed=3)
         model = build_forms_model(args, seed=3)
         backend = DcpBackend(dcp_size=world, tp_size=1, inner=inner)
@@ -71,7 +71,7 @@ def _run_forms(rank: int, world: int, forms: list[str], inner: str):
 
 def _check(results: dict, world: int):
     for form, r in results.items():
-        assert r["layers"] >= 2, (form, r["summary"])
+        assert r["layers"] >= 1, (form, r["summary"])
         assert r["rel"] < 1e-5, (form, r["rel"])
         assert r["tokens_equal"] and r["call_tokens_equal"], form
         assert r["kv_local"] * world <= r["kv_full"] * 1.15 and r["kv_local"] > 0, (form, r["summary"])

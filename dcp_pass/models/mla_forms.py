@@ -21,7 +21,7 @@ Forms:
   "window"          the reference with a sliding window: `cache[:b, lo:end]`
   "paged"           a pool [pages, P, D] and a block table (pages handed out in a shuffled
                     order), slot-mapping writes `pool.view(-1, D)[slots] = kv`, reads
-                    `pool[table[:b, :n]].flatten(1, 2)[:, :end]`
+                    `pool[table[:b]].flatten(1, 2)[:, :end]`
 
 `build_forms_model(args, seed)` draws the same weights for every form.
 """
@@ -205,8 +205,7 @@ class Attention(nn.Module):
         pos = torch.arange(start_pos, end, device=q_abs.device)
         slots = (table[:, pos // page] * page + pos % page).flatten()  # [b * s] pool slots
         self.kv_pool.view(-1, self.kv_pool.shape[-1])[slots] = torch.cat([latent, k_pe], dim=-1).flatten(0, 1)
-        n_pages = (end + page - 1) // page
-        kv = self.kv_pool[table[:, :n_pages]].flatten(1, 2)[:, :end]  # [b, end, d]
+        kv = self.kv_pool[table].flatten(1, 2)[:, :end]  # the request's pages in order: [b, end, d]
         q = torch.cat([q_abs, q_pe], dim=-1)
         scores = torch.einsum("bshd,btd->bsht", q, kv) * self.softmax_scale
         if mask is not None:
