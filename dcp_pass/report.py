@@ -94,23 +94,33 @@ _GRAPH_FIELDS_SHOWN = {"graph_index", "layers", "near_misses", "unchanged_reason
 
 
 def _field_lines(name: str, value: Any) -> list[str]:
-    """A field of a report rendered without knowing it: nothing when empty, else one line
-    per item of a list (a tuple's parts joined), else `name: value`."""
+    """A field of a report rendered without knowing it: nothing when empty, else one line,
+    `name: value` (a list's items joined by commas, each item as `_item_text` reads)."""
     if value is None or value == "" or (isinstance(value, (list, tuple, dict, set)) and not value):
         return []
     if isinstance(value, dict):
         value = list(value.items())
     if isinstance(value, (list, tuple, set)):
-        return [f"{name}: {_item_text(item)}" for item in value]
+        return [f"{name}: {', '.join(_item_text(item) for item in value)}"]
     return [f"{name}: {value}"]
 
 
 def _item_text(item: Any) -> str:
+    """A record (dataclass or tuple) as its parts separated by spaces, a list part in
+    parentheses and an empty one left out: `PassRecord("complex_as_real", 0, ["off"])`
+    reads `complex_as_real 0 (off)`."""
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         item = tuple(getattr(item, f.name) for f in dataclasses.fields(item))
-    if isinstance(item, tuple):
-        return ", ".join(_item_text(part) if isinstance(part, tuple) else str(part) for part in item)
-    return str(item)
+    if not isinstance(item, tuple):
+        return str(item)
+    parts = []
+    for part in item:
+        if isinstance(part, (list, tuple, set)):
+            if part:
+                parts.append(f"({', '.join(map(str, part))})")
+        else:
+            parts.append(str(part))
+    return " ".join(parts)
 
 
 def cache_layers(graph: GraphReport, cache_names: Sequence[str]) -> list[Optional[str]]:

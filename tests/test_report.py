@@ -51,7 +51,9 @@ def test_layers_sharing_one_graph_count_once_each(world2, caplog):
         f"dcp_pass report (dcp_size=2, rank 0): 3 MLA layers rewritten, in 4 of {len(report.graphs)} graphs")
     assert "  layers: attn x3" in text.splitlines()
     assert "graph(s)" not in text and "MLA layer(s)" not in text
-    assert len(text.splitlines()) < 12  # identical graphs grouped
+    # identical graphs grouped: the unchanged ones, the two prefill and the two decode graphs
+    assert [line.split(":")[0] for line in text.splitlines() if line.startswith("  graph")] == [
+        "  graphs 0-1, 4-12, 15-20", "  graphs 2-3", "  graphs 13-14"]
     assert len(repr(report)) < 120 and repr(report).startswith("<DcpReport ")
     # each graph logged once, in order, as it compiled: not the whole report again
     logged = [r.getMessage() for r in caplog.records if r.name == "dcp_pass" and r.levelno == logging.INFO]
@@ -86,13 +88,23 @@ def test_one_layer_reads_singular_and_dcp1_reads_unchanged():
 
 
 def test_fields_added_to_graph_report_render():
+    @dataclasses.dataclass
+    class Record:
+        name: str
+        count: int
+        notes: list = dataclasses.field(default_factory=list)
+
     Extended = dataclasses.make_dataclass(
-        "Extended", [("passes", list, dataclasses.field(default_factory=list))], bases=(GraphReport,))
-    report = DcpReport(dcp_size=2, graphs=[Extended(0, passes=[("cache_writes", 2, "striped")]), Extended(1)])
+        "Extended", [("steps", list, dataclasses.field(default_factory=list)), ("origin", str, "")],
+        bases=(GraphReport,))
+    report = DcpReport(dcp_size=2, graphs=[
+        Extended(0, steps=[Record("cache_writes", 2), Record("rotary", 0, ["off"]), ("tuple", 1, [])], origin="x"),
+        Extended(1)])
     text = str(report)
-    assert "passes: cache_writes, 2, striped" in text
-    assert text.count("passes") == 1  # an empty field adds nothing
-    assert "passes" not in report.summary()  # summary() shows the fields it names
+    assert "    steps: cache_writes 2, rotary 0 (off), tuple 1" in text.splitlines()
+    assert "    origin: x" in text.splitlines()
+    assert text.count("steps") == 1 and text.count("origin") == 1  # an empty field adds nothing
+    assert "steps" not in report.summary()  # summary() shows the fields it names
 
 
 def test_cache_layers_picks_one_cache_per_layer():
