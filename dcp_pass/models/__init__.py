@@ -5,6 +5,9 @@
 
 `deepseek_mla`: a small DeepSeek-V3-style transformer with absorbed MLA attention.
 `hybrid_linear`: linear-attention layers interleaved with the same MLA layers.
+`deepseek_v32`: a small DeepSeek-V3.2-Exp-style model (MHA prefill, absorbed decode, the
+lightning indexer's top-k mask), structured as the official inference code; it needs an
+initialized process group at every world size (its indexer calls `dist.broadcast`).
 `generate`: greedy and greedy speculative decoding loops.
 
 Use `build_model(args)` (or `build_hybrid`) to get deterministic weights: constructing

@@ -44,7 +44,9 @@ What differs, and why:
 
 Because the TP degree lives in module globals (as in the official code), only the most
 recently built ``Transformer``'s degree is in effect: build and run a TP=1 reference
-before building a TP>1 model in the same process, or run it in another process.
+before building a TP>1 model in the same process, or run it in another process. The
+indexer calls ``dist.broadcast`` at every world size, as the official code does, so a
+process group must be initialized even for world size 1 (a 1-rank gloo group will do).
 
 ``build_model(args, rank=None, seed=0)`` creates deterministic weights that do not depend
 on the TP degree: the full tensors are drawn in a fixed order and each rank keeps its shard.
