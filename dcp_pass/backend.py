@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dcp_pass import tracing
 from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.report import DcpReport, GraphReport, cache_layers, log
@@ -23,6 +24,8 @@ from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
 
+
+tracing.install()  # before the first trace of a model compiled with this backend
 
 _ENTER_INFERENCE = torch.autograd.grad_mode._enter_inference_mode
 _EXIT_INFERENCE = torch.autograd.grad_mode._exit_inference_mode
@@ -241,6 +244,31 @@ def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str
                                            f"graph {index} (dcp)", lineterm="", n=0))
 
 
+_STANDINS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # striped buffer -> its plain stand-in
+
+
+def plain_inputs(args: Sequence[Any]) -> list:
+    """`args` with every striped cache buffer replaced by a plain tensor of the same shape,
+    stride, dtype and device and no memory (cache.unallocated): the rewritten graph never
+    reads those inputs, and the inner compiler must not meet their guarding class."""
+    from dcp_pass.rewrites.cache import StripedCache, unallocated
+
+    out = list(args)
+    for i, a in enumerate(out):
+        if type(a) is StripedCache:
+            standin = _STANDINS.get(a)
+            if standin is None:
+                standin = _STANDINS[a] = unallocated(a.shape, a.stride(), a.dtype, a.device)
+            out[i] = standin
+    return out
+
+
+def _has_striped(args: Sequence[Any]) -> bool:
+    from dcp_pass.rewrites.cache import StripedCache
+
+    return any(type(a) is StripedCache for a in args)
+
+
 def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
                       position=None, layers: Optional[Sequence[Optional[str]]] = None) -> Callable:
     """Compile `gm` (which takes the local shards and replicated weights as trailing
@@ -258,7 +286,7 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     held = [entry.local for _, entry in caches] + [w.example for w in weights]
     trailing = [fx_util.static_fake(t) for t in held + ([position.buffer] if position is not None else [])]
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
-    compiled = compile_inner(gm, examples + trailing, opts, mode)
+    compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode)
     layers = list(layers) if layers is not None else [None] * len(caches)
     specs = [(index, entry.c, entry.rank, entry.name, entry.kind, layer) for (index, entry), layer in zip(caches, layers)]
 
@@ -273,8 +301,8 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
         replicas = [w.resolve(args[w.index]) for w in weights]
         # Dynamo calls backends' results with positional args; so do we.
         if position is None:
-            return compiled(*args, *shards, *replicas)
-        return compiled(*position.call_args(args), *shards, *replicas, position.buffer)
+            return compiled(*plain_inputs(args), *shards, *replicas)
+        return compiled(*plain_inputs(position.call_args(args)), *shards, *replicas, position.buffer)
 
     return run
 
@@ -323,6 +351,9 @@ class DcpBackend:
         log.info("%s", self.report.graph_log(graph_report, new_caches))
         if caches or position is not None:
             return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position, layers)
+        if _has_striped(example_inputs):  # a graph that takes a striped buffer without reading it
+            compiled = compile_inner(out, plain_inputs(example_inputs), opts, mode)
+            return lambda *args: compiled(*plain_inputs(args))
         return compile_inner(out, example_inputs, opts, mode)
 
 

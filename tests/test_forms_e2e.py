@@ -54,7 +54,7 @@ def _run_forms(rank: int, world: int, forms: list[str], inner: str):
         tokens = torch.randint(0, args.vocab_size, (3, 16), generator=torch.Generator().manual_seed(7))
         want_calls, got_calls = _calls(eager, tokens), _calls(compiled, tokens)
         report = backend.report
-        caches = [b for layer in model.layers for name, b in layer.attn.named_buffers()]
+        caches = [b for layer in model.layers for name, b in layer.attn.named_buffers() if name != "block_table"]
         out[form] = {
             "rel": max(((g - w).abs().amax() / w.abs().amax()).item()
                        for g, w in zip(got_logits + got_calls, want_logits + want_calls)),

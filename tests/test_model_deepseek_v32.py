@@ -202,3 +202,57 @@ def test_compile_equals_eager(single_rank_group):
         torch._dynamo.reset()
     for step, (g, w) in enumerate(zip(got, want)):
         assert _rel(g, w) < RTOL, (step, _rel(g, w))
+
+
+# ----------------------------------------------------------------------------- under DCP
+
+
+def _dcp_rank(rank: int, world: int, inner: str, prompts: list[int]):
+    """The unmodified model compiled with backend="dcp" (TP = DCP = world) against eager,
+    over several requests; plus the graphs plain torch.compile makes of the same calls."""
+    import dcp_pass
+    from dcp_pass.rewrites import cache as cache_rw
+
+    torch.set_grad_enabled(False)
+    torch._dynamo.reset()
+    tokens = _tokens(2, PROMPT + STEPS)
+    args = ModelArgs(n_dense_layers=ModelArgs().n_layers)  # dense layers only: the MoE loop's graph breaks cost minutes
+    eager = build_model(args, world_size=world)
+    model = build_model(args, world_size=world)
+    compiled = torch.compile(model, backend="dcp", options={"dcp_size": world, "tp_size": world, "inner": inner})
+    rel, tokens_equal = 0.0, True
+    for prompt in prompts:
+        for got, want in zip(_generate(compiled, tokens, prompt), _generate(eager, tokens, prompt)):
+            rel = max(rel, _rel(got, want))
+            tokens_equal &= torch.equal(got.argmax(-1), want.argmax(-1))
+    report = dcp_pass.last_report()
+    attn = [layer.attn for layer in model.layers]
+    torch._dynamo.reset()
+    plain = []
+    counted = torch.compile(build_model(args, world_size=world),
+                            backend=lambda gm, ex: plain.append(gm) or gm.forward)
+    for prompt in prompts:
+        _generate(counted, tokens, prompt)
+    return {
+        "rel": rel, "tokens_equal": tokens_equal, "layers": report.layers_rewritten,
+        "kv_full": report.kv_bytes_full, "kv_local": report.kv_bytes_local,
+        "mla_striped": all(cache_rw.is_released(a.kv_cache) and cache_rw.is_released(a.pe_cache) for a in attn),
+        "indexer_replicated": not any(cache_rw.is_released(a.indexer.k_cache) for a in attn),
+        "graphs": len(report.graphs), "plain_graphs": len(plain), "summary": str(report),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, inner", [(2, "aot_eager"), (4, "aot_eager")]
+                         + ([(2, "inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else []))
+def test_sparse_mla_under_dcp_equals_eager(world, inner):
+    """The MLA caches are striped, the indexer (and its key cache) stays replicated, so its
+    top-k, ties included, is the model's own; the index mask is striped like the keys. Three
+    requests (the prefill graph, MHA over the chunk, is compiled again once the caches are
+    striped); the graph breaks of the indexer are traced through (dcp_pass.tracing)."""
+    for r in run_ranks(_dcp_rank, world, inner, [PROMPT, PROMPT, PROMPT - 3], timeout=1500):
+        assert r["layers"] == ModelArgs().n_layers, r["summary"]
+        assert r["rel"] < RTOL and r["tokens_equal"], r["rel"]
+        assert r["mla_striped"] and r["indexer_replicated"], r["summary"]
+        assert r["kv_local"] * world <= r["kv_full"] * 1.15, r["summary"]
+        assert r["graphs"] <= r["plain_graphs"] + 4, (r["graphs"], r["plain_graphs"])  # + the prefill recompiles

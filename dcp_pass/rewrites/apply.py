@@ -121,6 +121,7 @@ class FindAttention(GraphPass):
         found = find_mla(state.graph)
         state.found = found
         state.report.near_misses.extend(found.near_misses)
+        state.report.notes.extend(found.notes)  # attention that is not MLA, one line each
         if state.config.strict and found.near_misses:
             where, reason = found.near_misses[0]
             raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
@@ -254,13 +255,21 @@ class InstallShards(GraphPass):
     name = "install_shards"
 
     def run(self, state: PassState) -> PassOutcome:
+        plan = state.config.plan
+        siblings = 0
         for buf, entry in state.entries.items():
-            cache_rw.install(state.values[buf.name], entry)
+            buffer = state.values[buf.name]
+            cache_rw.install(buffer, entry)
+            # the same cache of the other layers a shared graph will be called with
+            for other, name in cache_rw.sibling_buffers(buffer):
+                cache_rw.local_for(other, plan.c, plan.rank, name, entry.kind)
+                siblings += 1
         placeholders = fx_util.placeholders(state.graph)
         state.caches = [(placeholders.index(buf), state.entries[buf]) for buf in state.local_nodes]
         state.graph.lint()
         state.gm.recompile()
-        return PassOutcome(len(state.entries))
+        notes = [f"{siblings} cache buffer(s) of other layers striped with them"] if siblings else []
+        return PassOutcome(len(state.entries), notes)
 
 
 class DevicePositions(GraphPass):

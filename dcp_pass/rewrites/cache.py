@@ -112,12 +112,75 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "f
     return LocalCache(local, tokens, c, rank, full_nbytes, name)
 
 
+class StripedCache(torch.Tensor):
+    """The class a cache buffer takes once DCP has striped it.
+
+    Two things follow from the class alone. Dynamo guards on the type of every tensor a
+    graph takes, so every graph compiled while the buffer was an ordinary tensor (a
+    write-only prefill graph, say) fails its guards and is compiled again, this time by a
+    pass that sees the buffer striped: no compiled graph ever writes or reads the released
+    storage. And any eager torch call that would read or write its data raises
+    `DcpCacheError` naming it (its metadata stays readable: shape, dtype, device, ...).
+    While Dynamo traces, calls pass through as on a plain tensor (the pass rewrites them).
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("__repr__", "__str__", "__format__") and args and not kwargs.get("_plain"):
+            with torch._C.DisableTorchFunctionSubclass():
+                t = args[0]
+                name, _ = _describe(t)
+                return f"<cache buffer {name} striped by dcp_pass: shape {tuple(t.shape)}, {t.dtype}, {t.device}>"
+        if torch.compiler.is_compiling() or _is_metadata(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        touched = next((a for a in _tensors_in(args, kwargs) if type(a) is StripedCache), None)
+        name, why = _describe(touched) if touched is not None else ("?", "?")
+        what = getattr(func, "__name__", str(func))
+        raise DcpCacheError(
+            f"dcp_pass: eager code called {what} on cache buffer {name}, but {why}. Only graphs compiled "
+            f"with backend='dcp' can read or write it; call the compiled model (a graph break inside the "
+            f"attention, or model code between graphs, must not touch the cache)"
+        )
+
+
+_METADATA_CALLS = {"size", "dim", "stride", "storage_offset", "numel", "element_size", "is_contiguous",
+                   "untyped_storage", "data_ptr", "__len__", "__hash__",
+                   "is_floating_point", "is_complex", "get_device", "nelement", "__reduce_ex__", "__deepcopy__",
+                   "__setstate__", "requires_grad_", "_is_view", "__dlpack_device__"}
+_METADATA_PROPERTIES = {"shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "requires_grad",
+                        "layout", "names", "grad_fn", "is_leaf", "grad", "is_sparse", "is_quantized", "_base",
+                        "itemsize", "nbytes", "is_nested", "__class__", "__dict__"}
+
+
+def _is_metadata(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property of the tensor
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_PROPERTIES
+    return name in _METADATA_CALLS
+
+
+def _tensors_in(args, kwargs):
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _mark_striped(buffer: torch.Tensor) -> None:
+    if type(buffer) is torch.Tensor:
+        buffer.__class__ = StripedCache
+
+
 def install(buffer: torch.Tensor, entry: LocalCache) -> None:
     """Make `entry` the owner of `buffer`'s rows and release the full-size storage (once)."""
     if lookup_local_cache(buffer) is entry:
         return
     if _DEFERRED.pop(buffer, None) is not None:  # never had full-size storage; guarded since defer()
         _LOCAL_CACHES[buffer] = entry
+        _mark_striped(buffer)
         return
     if owns_storage(buffer):
         # Shape, stride and dtype stay, so Dynamo's guards on the buffer still pass.
@@ -131,6 +194,7 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
         entry.full_nbytes = entry.local_nbytes  # report no saving that did not happen
     _LOCAL_CACHES[buffer] = entry
     guard(buffer, _owners_of(buffer))
+    _mark_striped(buffer)
 
 
 def owns_storage(buffer: torch.Tensor) -> bool:
@@ -377,6 +441,38 @@ def _learn_owners_from_stack() -> None:
                         refs.append(weakref.ref(module))
 
 
+def sibling_buffers(buffer: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+    """The buffers that play `buffer`'s part in the other layers: the same attribute of every
+    module of its owner's class (in the modules the calling frames run), of the same shape,
+    dtype and device, not yet striped.
+
+    One compiled graph serves every layer of a model whose blocks share their code; its
+    guards check the class of each buffer it takes, so every layer's caches must be
+    striped together, before the first call that passes them (else each layer's first
+    call would compile the graph again).
+    """
+    owners = _owners_of(buffer)
+    names = {(type(m), key) for m in owners for key, b in m._buffers.items() if b is buffer}
+    if not names:
+        return []
+    roots, frame = {}, sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if _is_module_method(frame) else None
+        if isinstance(owner, torch.nn.Module):
+            roots[id(owner)] = owner
+        frame = frame.f_back
+    found: dict[int, tuple[torch.Tensor, str]] = {}
+    for root in roots.values():
+        for path, module in root.named_modules():
+            for cls, key in names:
+                other = module._buffers.get(key) if type(module) is cls else None
+                if (other is not None and other is not buffer and not is_released(other)
+                        and other.shape == buffer.shape and other.dtype == buffer.dtype
+                        and other.device == buffer.device):
+                    found.setdefault(id(other), (other, f"{path}.{key}" if path else key))
+    return list(found.values())
+
+
 def _owners_by_gc(buffer: torch.Tensor) -> list:
     dicts = [d for d in gc.get_referrers(buffer) if isinstance(d, dict)]
     if not dicts:
@@ -400,6 +496,8 @@ def _guard_owner(module: torch.nn.Module) -> None:
     # compile does not recompile; graphs traced later trace the hook, which adds no node.
     module.register_forward_pre_hook(_owner_pre_hook)
     # Public names since torch 2.4/2.5; the private ones take the same hooks.
+    if hasattr(module, "register_state_dict_pre_hook"):  # before state_dict touches the buffers
+        module.register_state_dict_pre_hook(_owner_state_dict_pre_hook)
     getattr(module, "register_state_dict_post_hook", module._register_state_dict_hook)(_owner_state_dict_hook)
     if hasattr(module, "register_load_state_dict_pre_hook"):
         module.register_load_state_dict_pre_hook(_owner_load_hook)
@@ -497,6 +595,12 @@ def _check_tracing_backend(owner: str) -> bool:
             f"backend='dcp' and the same options."
         )
     return True
+
+
+def _owner_state_dict_pre_hook(module, prefix, keep_vars) -> None:
+    for key, buffer in module._buffers.items():
+        if buffer is not None and key not in module._non_persistent_buffers_set and is_released(buffer):
+            _refuse(weakref.ref(buffer), "save (state_dict) the")
 
 
 def _owner_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:

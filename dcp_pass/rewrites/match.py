@@ -204,6 +204,20 @@ class MatchContext:
             stack.pop()
         return memo[node]
 
+    def cache_tensors_under(self, node: fx.Node) -> set[fx.Node]:
+        """The cache tensors `node` is computed from."""
+        found, seen, stack = set(), set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if is_cache_tensor(n):
+                found.add(n)
+            elif self.depends_on_cache(n):
+                stack.extend(n.all_input_nodes)
+        return found
+
     def query_len_of(self, buffer: fx.Node) -> Optional[Any]:
         """The number of tokens written into `buffer` per call (the query length), if known."""
         for write in self.writes.get(buffer, []):

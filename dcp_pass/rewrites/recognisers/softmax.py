@@ -70,6 +70,10 @@ class ScoreParser:
         self.depends_on_cache = depends_on_cache
         self.terms: list[tuple[axes.Contraction, float]] = []
         self.masks: list[tuple[fx.Node, str, float]] = []
+        # cache-dependent addends that are not score terms: masks, if they turn out not to
+        # depend on the caches the scores read (a sparse-attention index mask computed from
+        # the indexer's own key cache); else the near miss they would be
+        self.maybe_masks: list[tuple[fx.Node, float, NearMiss]] = []
 
     def parse(self, node: Any, mult: float, split: Optional[tuple[list[int], fx.Node]] = None) -> None:
         """`split` = (candidate axes, view node) under a view that splits (seq*heads) back apart."""
@@ -108,6 +112,11 @@ class ScoreParser:
             return
         binary = _binary(node)
         if binary is None:
+            if split is None:
+                self.maybe_masks.append((node, mult, NearMiss(
+                    f"`{_op(node)}` between the score contractions and the softmax (only sums, constant scales "
+                    f"and masks are understood)", node)))
+                return
             raise NearMiss(f"`{_op(node)}` between the score contractions and the softmax (only sums, constant "
                            f"scales and masks are understood)", node)
         kind, a, b = binary
@@ -151,6 +160,16 @@ def assign_query_roles(query: fx.Node, labels: list[str], label_role: dict[str, 
         x_is_seq = True if ox is None or oy is None else ox < oy
     roles[x], roles[y] = (S, H) if x_is_seq else (H, S)
     return roles  # type: ignore[return-value]
+
+
+def _reads_a_cache(contraction: axes.Contraction) -> bool:
+    for operand in (contraction.lhs, contraction.rhs):
+        try:
+            trace_cache_read(operand)
+            return True
+        except ReadRefused:
+            continue
+    return False
 
 
 def _cache_side(contraction: axes.Contraction) -> tuple[fx.Node, list[CacheRead]]:
@@ -271,6 +290,29 @@ def check_terms(terms: list[ScoreTerm], where: fx.Node) -> None:
         raise NearMiss("both score terms read the same cache columns", where)
 
 
+def _attention_shaped(softmax: fx.Node) -> bool:
+    """A softmax of a product of two tensors whose probabilities feed another product
+    (attention), as opposed to a gate's softmax over a linear layer's output."""
+    node = softmax.args[0]
+    for _ in range(8):
+        if axes.as_contraction(node) is not None:
+            break
+        binary = _binary(node) if isinstance(node, fx.Node) else None
+        if isinstance(node, fx.Node) and axes.is_dtype_cast(node):
+            node = node.args[0]
+        elif binary is not None and binary[0] in ("add", "mul", "div") and isinstance(binary[1], fx.Node):
+            node = binary[1]
+        else:
+            return False
+    else:
+        return False
+    try:
+        _value_contraction(softmax)
+    except NearMiss:
+        return False
+    return True
+
+
 class SoftmaxRecogniser(Recogniser):
     name = "softmax"
 
@@ -279,7 +321,12 @@ class SoftmaxRecogniser(Recogniser):
 
     def match(self, softmax: fx.Node, ctx: MatchContext) -> MlaMatch:
         scores = softmax.args[0]
-        if not isinstance(scores, fx.Node) or not ctx.depends_on_cache(scores):
+        if not isinstance(scores, fx.Node):
+            raise NotAttention()
+        if not ctx.depends_on_cache(scores):
+            if _attention_shaped(softmax):
+                raise NotAttention("attention over keys and values computed in the graph, not read from a cache "
+                                   "(MHA/GQA over per-head K/V): not MLA decode, left unchanged")
             raise NotAttention()
         rank = len(axes.shape_of(scores) or ())
         dim = softmax_dim(softmax)
@@ -288,7 +335,10 @@ class SoftmaxRecogniser(Recogniser):
                            f"supported")
         parser = ScoreParser(ctx.depends_on_cache)
         parser.parse(scores, 1.0)
-        if not parser.terms:
+        if not parser.terms or not any(_reads_a_cache(c) for c, _ in parser.terms):
+            if _attention_shaped(softmax):
+                raise NotAttention("attention over keys and values computed in the graph, not read from a cache "
+                                   "(MHA/GQA over per-head K/V): not MLA decode, left unchanged")
             raise NotAttention()
         mults = {m for _, m in parser.terms}
         if len(mults) != 1:
@@ -301,6 +351,11 @@ class SoftmaxRecogniser(Recogniser):
             terms.extend(found)
             layouts.append([known.get(label) for label in contraction.out_labels])
         check_terms(terms, softmax)
+        read_buffers = {t.cache.buffer for t in terms}
+        for node, mult, miss in parser.maybe_masks:
+            if ctx.cache_tensors_under(node) & read_buffers:
+                raise miss
+            parser.masks.append((node, "additive", mult))
         score_roles = layouts[0]
         if any(layout != score_roles for layout in layouts) or sorted(map(str, score_roles)) != sorted([B, S, H, T]):
             raise NearMiss("the score terms are not laid out as one [batch, query position, head, key] tensor")
