@@ -32,19 +32,30 @@ _EXIT_INFERENCE = torch.autograd.grad_mode._exit_inference_mode
 
 
 def inference_mode_block(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.Node]]:
-    """(enter, exit) when the whole graph is one `torch.inference_mode()` block.
+    """(enter, exit) when the graph's work is one `torch.inference_mode()` block.
 
     A forward decorated with `@torch.inference_mode()` that Dynamo captures as one graph
-    starts with `_enter_inference_mode(True)` and ends with its `_exit_inference_mode`.
+    holds `_enter_inference_mode(True)` and its `_exit_inference_mode`, and no other
+    inference-mode node. Work outside the pair is allowed when none of it is a graph
+    output (e.g. the device step position's arithmetic, rewrites/positions.py, placed
+    ahead of the block): its values are used only inside the block, so running it in
+    inference mode too changes nothing the caller sees.
     """
-    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    if len(compute) < 2:
+    marks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_ENTER_INFERENCE, _EXIT_INFERENCE)]
+    if len(marks) != 2:
         return None
-    enter, leave = compute[0], compute[-1]
-    if not (enter.op == "call_function" and enter.target is _ENTER_INFERENCE and enter.args[:1] == (True,)
-            and leave.op == "call_function" and leave.target is _EXIT_INFERENCE and leave.args[:1] == (enter,)):
+    enter, leave = marks
+    if not (enter.target is _ENTER_INFERENCE and enter.args[:1] == (True,)
+            and leave.target is _EXIT_INFERENCE and leave.args[:1] == (enter,)):
         return None
-    if any(n.target in (_ENTER_INFERENCE, _EXIT_INFERENCE) for n in compute[1:-1]):
+    outside, inside = set(), False
+    for node in gm.graph.nodes:
+        if node is enter or node is leave:
+            inside = node is enter
+        elif not inside and node.op in ("call_function", "call_method", "call_module"):
+            outside.add(node)
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if any(n in outside for n in output.all_input_nodes):
         return None
     return enter, leave
 
@@ -57,13 +68,16 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
     compiled without its enter/exit nodes under `torch.no_grad()` and called inside
     `torch.inference_mode()`: the same semantics (no autograd, inference-tensor
     outputs), as pytorch#181106 proposes (functionalize outside inference mode).
+    Handing AOT the enter node would also leave the thread broken when its trace
+    fails: the inference-mode guard the node enters under AOT's Python dispatcher is
+    never exited, and when it is freed it restores the dispatch keys it saved, the
+    Python dispatcher's among them, so every later op fails with "Hit PythonDispatcher
+    dispatch key but PythonDispatcherTLS was not set".
     """
     block = inference_mode_block(gm) if opts.inner != "eager" else None
     if block is None:
         return _compile_inner(gm, example_inputs, opts, mode)
-    import copy
-
-    body = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    body = fx_util.copy_dynamo_graph_module(gm)  # keeps what marks params/buffers static
     for node in reversed([n for n in body.graph.nodes if n.target in (_ENTER_INFERENCE, _EXIT_INFERENCE)]):
         body.graph.erase_node(node)  # the exit first: it uses the enter
     body.recompile()

@@ -228,7 +228,7 @@ to_3 = flatten_1.to(torch.float32)""")
 
     def test_inference_mode_block_stays_one_block(self):
         """The buffer's real view goes inside a decorated forward's inference-mode block, not
-        ahead of it: the backend recognises the block only when it is the whole graph."""
+        ahead of it: the rewrite keeps the block's work where the model put it."""
         from dcp_pass.backend import inference_mode_block
 
         class Decorated(IntPositionRotary):
