@@ -256,12 +256,12 @@ class InstallShards(GraphPass):
 
     def run(self, state: PassState) -> PassOutcome:
         plan = state.config.plan
+        for buf, entry in state.entries.items():
+            cache_rw.install(state.values[buf.name], entry)
         siblings = 0
         for buf, entry in state.entries.items():
-            buffer = state.values[buf.name]
-            cache_rw.install(buffer, entry)
             # the same cache of the other layers a shared graph will be called with
-            for other, name in cache_rw.sibling_buffers(buffer):
+            for other, name in cache_rw.sibling_buffers(state.values[buf.name]):
                 cache_rw.local_for(other, plan.c, plan.rank, name, entry.kind)
                 siblings += 1
         placeholders = fx_util.placeholders(state.graph)

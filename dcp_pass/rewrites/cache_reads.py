@@ -327,13 +327,13 @@ class _Replay:
 
     def _getitem(self, index: Any, src_shape: tuple) -> None:
         entries = _index_entries(index, len(src_shape))
-        width = src_shape[-1]
         for piece in self.pieces:
             if len(piece.dims) != len(src_shape):
                 raise ReadRefused("pieces of a cache read disagree in rank")
         new_dims: list[list[_Axis]] = [[] for _ in self.pieces]
         dim = 0
         feature_slice = None
+        feature = _feature_dim(self.pieces[0])  # where the pieces' feature axis is now
         for entry in entries:
             if entry is None:
                 for out in new_dims:
@@ -348,7 +348,7 @@ class _Replay:
                 continue
             if not isinstance(entry, slice):
                 raise ReadRefused(f"index {entry!r} into a cache read")
-            if dim == len(src_shape) - 1 and not (entry.start in (None, 0) and entry.stop is None):
+            if dim == feature and not (entry.start in (None, 0) and entry.stop is None):
                 feature_slice = entry
             else:
                 for piece in self.pieces:
@@ -359,7 +359,7 @@ class _Replay:
         for piece, out in zip(self.pieces, new_dims):
             piece.dims = out
         if feature_slice is not None:
-            self.pieces = _slice_feature(self.pieces, feature_slice, width)
+            self.pieces = _slice_feature(self.pieces, feature_slice, src_shape[feature])
 
     def _merge(self, dim: int) -> None:
         """Axes `dim` and `dim + 1` become one: only where the layout says what that is

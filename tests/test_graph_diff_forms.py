@@ -1,0 +1,144 @@
+"""What the pass does to each way of writing MLA (dcp_pass.models.mla_forms), pinned.
+
+Each case compiles one layer of the forms model through `dcp_pass.testing.graph_stages`
+(the public helper a user pins their own model with: a fake group of 2 ranks, rank 0) with
+a prefill and one decode call, and pins the attention region of the decode graph after the
+`attention` pass: from the first striped write to the merged output in the model's layout.
+Regenerate after an intended change with EXPECTTEST_ACCEPT=1 and read the diff.
+"""
+from __future__ import annotations
+
+import unittest
+
+import expecttest
+import torch
+
+from dcp_pass.models.mla_forms import FormArgs, build_forms_model
+from dcp_pass.testing import graph_stages
+
+
+def attention_region(code: str) -> str:
+    """From the first striped write to the last line that uses the merged output's layout."""
+    lines = [line.strip() for line in code.splitlines()]
+    first = next(i for i, line in enumerate(lines) if line.startswith("striped_write"))
+    merged = next(i for i, line in enumerate(lines) if line.startswith("merged = "))
+    last = merged
+    while last + 1 < len(lines) and lines[last + 1].split(" = ")[0].startswith("merged"):
+        last += 1
+    return "\n".join(lines[first:last + 1])
+
+
+def decode_stages(form: str, start: int = 5, **kw) -> dict[str, str]:
+    model = build_forms_model(FormArgs(form=form, n_layers=1, **kw), seed=0)
+    tokens = torch.randint(0, 96, (2, start + 1), generator=torch.Generator().manual_seed(0))
+    stages = graph_stages(model, [(tokens[:, :start], 0), (tokens[:, start:], start)], {"dcp_size": 2})
+    return stages[-1]
+
+
+class FormsGraphDiffTest(expecttest.TestCase):
+    def test_stages_are_every_pass_in_order(self):
+        stages = decode_stages("einsum")
+        self.assertEqual(list(stages), ["captured", "match", "striped_writes", "query_replication", "attention",
+                                        "verify_buffers", "complex_as_real", "install_shards", "device_positions"])
+        self.assertIn("torch.functional.einsum('bsht,btc->bshc'", stages["captured"])
+        self.assertNotIn("torch.functional.einsum('bsht,btc->bshc'", stages["attention"])
+
+    def test_sdpa(self):
+        self.assertExpectedInline(attention_region(decode_stages("sdpa")["attention"]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent_1, start_pos, 2, 0, 48, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe_1, start_pos, 2, 0, 48, 0)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_abs, q_pe_1, kv_local, pe_local, kv_len = add, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+merged_layout = merged.permute(0, 2, 1, 3)""")
+
+    def test_sdpa_gqa_default_scale(self):
+        self.assertExpectedInline(attention_region(decode_stages("sdpa_gqa")["attention"]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent_1, start_pos, 2, 0, 48, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe_1, start_pos, 2, 0, 48, 0)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_abs, q_pe_1, kv_local, pe_local, kv_len = add, c = 2, rank = 0, v_dim = 16, scale = 0.20412414523193154, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+merged_layout = merged.permute(0, 2, 1, 3)""")
+
+    def test_sdpa_is_causal_prefill(self):
+        model = build_forms_model(FormArgs(form="sdpa_causal", n_layers=1), seed=0)
+        tokens = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+        (stages,) = graph_stages(model, [(tokens, 0)], {"dcp_size": 2})
+        self.assertExpectedInline(attention_region(stages["attention"]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent_1, 0, 2, 0, 48, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe_1, 0, 2, 0, 48, 0)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+query_rows = q_abs.size(1)
+causal_keys = torch.arange(5, device = device(type='cpu'))
+causal_rows = torch.arange(query_rows, device = device(type='cpu'))
+getitem = causal_keys[(None, slice(None, None, None))]
+getitem_16 = causal_rows[(slice(None, None, None), None)]
+causal_keep = getitem <= getitem_16
+causal_f32 = torch.where(causal_keep, 0.0, -inf)
+causal_mask = causal_f32[(None, slice(None, None, None), None, slice(None, None, None))]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_abs, q_pe_1, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = causal_mask, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+merged_layout = merged.permute(0, 2, 1, 3)""")
+
+    def test_mqa_matmul(self):
+        self.assertExpectedInline(attention_region(decode_stages("mqa_matmul")["attention"]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(shard_rows, written_rows, start_pos, 2, 0, 48, 0)
+cat_1 = torch.cat([q_abs, q_pe_1], dim = -1)
+q_1 = cat_1.transpose(1, 2)
+kv_local = dcp_local_cache_0[(slice(None, 2, None), slice(None, None, None), 0)]
+q_lat_bshd = q_1.permute(0, 2, 1, 3)
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_bshd, None, kv_local, None, kv_len = add, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+merged_layout = merged.permute(0, 2, 1, 3)""")
+
+    def test_fused_cache_unsqueezed_first(self):
+        self.assertExpectedInline(attention_region(decode_stages("fused_unsqueeze")["attention"]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, cat, start_pos, 2, 0, 48, 0)
+q_1 = torch.cat([q_abs, q_pe_1], dim = -1)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_1, None, kv_local, None, kv_len = add, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)""")
+
+    def test_sliding_window(self):
+        self.assertExpectedInline(attention_region(decode_stages("window", start=12)["attention"]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent_1, start_pos, 2, 0, 48, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe_1, start_pos, 2, 0, 48, 0)
+sub_2 = add - 8
+sym_max = torch.sym_max(0, sub_2)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_abs, q_pe_1, kv_local, pe_local, kv_len = add, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto', kv_start = sym_max)
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)""")
+
+    def test_paged_pool(self):
+        self.assertExpectedInline(attention_region(decode_stages("paged")["attention"]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_tokens_at_(pool_slots, written_slots, slots, 2, 0, 192, 0)
+q_1 = torch.cat([q_abs, q_pe_1], dim = -1)
+pool_local = dcp_local_cache_0[slice(None, 96, None)]
+pages_local = pool_local.view(24, 4, 24)
+gathered_local = pages_local[table]
+kv_local = gathered_local.flatten(1, 2)
+local_attention = torch.ops.dcp.mla_local_attention.default(q_1, None, kv_local, None, kv_len = add, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)""")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,133 @@
+"""The recognisers on their own (no process group): what each records for each form of
+dcp_pass.models.mla_forms, and that a match does not depend on the order of views.
+
+Graphs come from a recording backend (plain Dynamo capture, nothing rewritten); `find_mla`
+runs inside it, as in the pass.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from dcp_pass.models.mla_forms import FORMS, FormArgs, build_forms_model
+from dcp_pass.rewrites.axes import B, F, H, S, T
+from dcp_pass.rewrites.match import GraphMatches, find_mla
+
+
+def capture(model: nn.Module, calls) -> list[GraphMatches]:
+    torch._dynamo.reset()
+    graphs: list[GraphMatches] = []
+
+    def record(gm, example_inputs):
+        graphs.append(find_mla(gm.graph))
+        return gm.forward
+
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=record)
+            for args in calls:
+                compiled(*args)
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+def form_matches(form: str, start: int = 12) -> list[GraphMatches]:
+    model = build_forms_model(FormArgs(form=form, n_layers=1), seed=0)
+    tokens = torch.randint(0, 96, (2, start + 1), generator=torch.Generator().manual_seed(0))
+    return capture(model, [(tokens[:, :start], 0), (tokens[:, start:], start)])
+
+
+EXPECTED = {  # form -> (recogniser, score terms, cache kind, windowed, causal in prefill)
+    "einsum": ("softmax", 2, "flat", False, False),
+    "sdpa": ("sdpa", 2, "flat", False, False),
+    "sdpa_gqa": ("sdpa", 2, "flat", False, False),
+    "sdpa_causal": ("sdpa", 2, "flat", False, True),
+    "mqa_matmul": ("softmax", 1, "flat", False, False),
+    "fused_unsqueeze": ("softmax", 1, "flat", False, False),
+    "window": ("softmax", 2, "flat", True, False),
+    "paged": ("softmax", 1, "paged", False, False),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_each_form_matches_prefill_and_decode(form):
+    family, n_terms, kind, windowed, causal = EXPECTED[form]
+    prefill, decode = form_matches(form)
+    for found, is_prefill in ((prefill, True), (decode, False)):
+        assert found.near_misses == [], found.near_misses
+        (match,) = found.matches
+        assert match.family == family
+        assert len(match.terms) == n_terms
+        assert match.value_cache.kind == kind
+        assert match.value_cache.windowed == (windowed and not is_prefill)  # the window starts past 0 in decode
+        assert match.causal == (causal and is_prefill)
+        assert match.v_dim == 16 and match.out_dtype == torch.float32
+        assert sorted(map(str, match.out_roles)) == sorted([B, S, H, F])
+        assert sorted(map(str, match.score_roles)) == sorted([B, S, H, T])
+        assert match.layer == "layers.0.attn"
+        assert len(match.writes) == (2 if n_terms == 2 else 1)
+
+
+def test_sdpa_masks_are_keep_or_additive():
+    prefill, _ = form_matches("sdpa")
+    assert [m.kind for m in prefill.matches[0].masks] == ["keep"]  # a boolean attn_mask keeps where True
+    prefill, _ = form_matches("sdpa_gqa")
+    assert [m.kind for m in prefill.matches[0].masks] == ["additive"]
+    assert prefill.matches[0].scale == pytest.approx(24 ** -0.5)  # SDPA's default: 1/sqrt(query features)
+
+
+class ViewOrderMLA(nn.Module):
+    """Fused-cache MQA attention whose key operand is built by `order`'s views in that order."""
+
+    def __init__(self, order: tuple[str, ...], values_from_keys: bool):
+        super().__init__()
+        self.order, self.values_from_keys = order, values_from_keys
+        self.register_buffer("kv_cache", torch.zeros(3, 16, 12))
+
+    def forward(self, q, kv, start: int):
+        b, s = q.shape[0], q.shape[2]
+        end = start + s
+        self.kv_cache[:b, start:end] = kv
+        x, roles = self.kv_cache, [B, T, F]
+        for op in self.order:
+            if op == "batch":
+                x = x[(slice(None),) * roles.index(B) + (slice(None, b),)]
+            elif op == "positions":
+                x = x[(slice(None),) * roles.index(T) + (slice(None, end),)]
+            elif op == "head":
+                x = x.unsqueeze(1)
+                roles.insert(1, "h")
+            elif op == "transpose":
+                i, j = roles.index(T), roles.index(F)
+                x = x.transpose(i, j)
+                roles[i], roles[j] = roles[j], roles[i]
+            elif op == "cast":
+                x = x.float()
+        if "head" not in self.order:
+            x = x.unsqueeze(1)
+            roles.insert(1, "h")
+        keys = x.permute(*[roles.index(r) for r in (B, "h", F, T)])  # [b, 1, d, t]
+        scores = torch.matmul(q, keys) * 0.3
+        probs = scores.softmax(dim=-1)
+        k_rows = keys.transpose(-1, -2)
+        values = k_rows[..., :8] if self.values_from_keys else self.kv_cache[:b, :end, :8].unsqueeze(1)
+        return torch.matmul(probs, values)
+
+
+def test_match_does_not_depend_on_view_order():
+    q = torch.randn(2, 4, 1, 12)
+    kv = torch.randn(2, 1, 12)
+    records = set()
+    for order in itertools.permutations(("batch", "positions", "head", "transpose", "cast")):
+        for values_from_keys in (False, True):
+            (found,) = capture(ViewOrderMLA(order, values_from_keys), [(q, kv, 5)])
+            assert found.near_misses == [], (order, found.near_misses)
+            (match,) = found.matches
+            key, value = match.terms[0].cache, match.value_cache
+            records.add((len(match.terms), key.bsz, key.start, key.end, key.feat, value.feat, match.v_dim,
+                         tuple(match.out_roles)))
+    assert records == {(1, 2, 0, 6, None, (0, 8), 8, (B, H, S, F))}, records
