@@ -50,6 +50,7 @@ EXPECTED = {  # form -> (recogniser, score terms, cache kind, windowed, causal i
     "fused_unsqueeze": ("softmax", 1, "flat", False, False),
     "window": ("softmax", 2, "flat", True, False),
     "paged": ("softmax", 1, "paged", False, False),
+    "flex": ("flex", 2, "flex", False, False),
 }
 
 
@@ -62,7 +63,8 @@ def test_each_form_matches_prefill_and_decode(form):
         (match,) = found.matches
         assert match.family == family
         assert len(match.terms) == n_terms
-        assert match.value_cache.kind == kind
+        assert match.value_cache.kind == ("flat" if kind == "flex" else kind)
+        assert (match.mask_builder is not None) == (kind == "flex")  # flex's score_mod becomes a mask
         assert match.value_cache.windowed == (windowed and not is_prefill)  # the window starts past 0 in decode
         assert match.causal == (causal and is_prefill)
         assert match.v_dim == 16 and match.out_dtype == torch.float32
@@ -122,7 +124,9 @@ def test_match_does_not_depend_on_view_order():
     q = torch.randn(2, 4, 1, 12)
     kv = torch.randn(2, 1, 12)
     records = set()
-    for order in itertools.permutations(("batch", "positions", "head", "transpose", "cast")):
+    orders = list(itertools.permutations(("batch", "positions", "head", "transpose")))
+    for i, order in enumerate(orders):
+        order = order[:i % 5] + ("cast",) + order[i % 5:]  # a dtype cast somewhere in every chain
         for values_from_keys in (False, True):
             (found,) = capture(ViewOrderMLA(order, values_from_keys), [(q, kv, 5)])
             assert found.near_misses == [], (order, found.near_misses)
@@ -131,3 +135,30 @@ def test_match_does_not_depend_on_view_order():
             records.add((len(match.terms), key.bsz, key.start, key.end, key.feat, value.feat, match.v_dim,
                          tuple(match.out_roles)))
     assert records == {(1, 2, 0, 6, None, (0, 8), 8, (B, H, S, F))}, records
+
+
+class SoftCapFlex(nn.Module):
+    """flex_attention with tanh soft-capping: not a bias, so not a mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kv_cache", torch.zeros(2, 16, 12))
+
+    def forward(self, q, kv, start: int):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, end = q.shape[0], start + q.shape[2]
+        self.kv_cache[:b, start:end] = kv
+        k = self.kv_cache[:b, :end].unsqueeze(1)
+
+        def soft_cap(score, b, h, q_idx, kv_idx):
+            return 30.0 * torch.tanh(score / 30.0)
+
+        return flex_attention(q, k, k[..., :8], score_mod=soft_cap, enable_gqa=True)
+
+
+def test_flex_score_mod_that_is_not_a_bias_is_a_near_miss_naming_the_op():
+    (found,) = capture(SoftCapFlex(), [(torch.randn(2, 4, 1, 12), torch.randn(2, 1, 12), 5)])
+    assert found.matches == []
+    (where, reason), = found.near_misses
+    assert "score_mod applies `truediv` to the score (at test_match_forms.py:" in reason, reason

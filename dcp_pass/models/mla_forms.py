@@ -22,6 +22,8 @@ Forms:
   "paged"           a pool [pages, P, D] and a block table (pages handed out in a shuffled
                     order), slot-mapping writes `pool.view(-1, D)[slots] = kv`, reads
                     `pool[table[:b]].flatten(1, 2)[:, :end]`
+  "flex"            flex_attention with a score_mod masking keys after each query's global
+                    position, enable_gqa over the one latent head
 
 `build_forms_model(args, seed)` draws the same weights for every form.
 """
@@ -37,7 +39,7 @@ from torch import nn
 
 __all__ = ["FormArgs", "FORMS", "FormsModel", "build_forms_model"]
 
-FORMS = ("einsum", "sdpa", "sdpa_gqa", "sdpa_causal", "mqa_matmul", "fused_unsqueeze", "window", "paged")
+FORMS = ("einsum", "sdpa", "sdpa_gqa", "sdpa_causal", "mqa_matmul", "fused_unsqueeze", "window", "paged", "flex")
 
 
 @dataclass
@@ -212,6 +214,18 @@ class Attention(nn.Module):
             scores = scores + mask.unsqueeze(1)
         probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
         return torch.einsum("bsht,btc->bshc", probs, kv[..., : self.rank])
+
+    def _flex(self, q_abs, q_pe, latent, k_pe, start_pos, end, mask):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self._write_split(latent, k_pe, start_pos, end)
+        q, k, v = self._sdpa_operands(q_abs, q_pe, start_pos, end, expand=False)
+
+        def causal(score, b, h, q_idx, kv_idx):  # query i sits at global position start_pos + i
+            return torch.where(q_idx + start_pos >= kv_idx, score, -float("inf"))
+
+        o = flex_attention(q, k, v, score_mod=causal, scale=self.softmax_scale, enable_gqa=True)
+        return o.transpose(1, 2)
 
     def _fused_unsqueeze(self, q_abs, q_pe, latent, k_pe, start_pos, end, mask):
         bsz = q_abs.shape[0]

@@ -62,6 +62,8 @@ def check_mask_heads(match: MlaMatch, plan: AttentionPlan) -> None:
     """Per-head masks would need their own head gather; refuse them rather than guess."""
     if not plan.head_sharded:
         return
+    if match.mask_per_head:
+        raise NearMiss("the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
     for mask in match.masks:
         shape = axes.shape_of(mask.node)
         if H in mask.roles and not axes.known_equal(shape[mask.roles.index(H)], 1):
@@ -136,6 +138,10 @@ def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None
     """Sum of the score masks as one additive fp32 tensor in [B, S, H, T] order (global
     key positions: the op keeps this rank's columns)."""
     total = causal_mask(graph, match, q_lat) if match.causal else None
+    if match.mask_builder is not None:
+        built = match.mask_builder(graph, q_lat)
+        if built is not None:
+            total = built if total is None else call(graph, operator.add, total, built)
     for mask in match.masks:
         node = mask.node
         if mask.kind == "bool":

@@ -108,6 +108,10 @@ class MlaMatch:
     out_dtype: torch.dtype
     causal: bool = False
     writes: list[CacheAccess] = field(default_factory=list)
+    # a mask the rewrite builds in the graph ((graph, canonical queries) -> additive [B, S, H, T]
+    # over global key positions, or None), for forms whose mask is a function (flex_attention)
+    mask_builder: Optional[Any] = None
+    mask_per_head: bool = False  # whether that mask differs per query head
 
     @property
     def buffers(self) -> list[fx.Node]:
