@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table,  # noqa: E402
                     matmul_rate, write_json)
 
+from dcp_pass.runtime.decode.backends import choose_kernel  # noqa: E402
+from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
@@ -359,9 +361,8 @@ def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, gl
             rec["eager_ms"] = time_triton(sets, graph=False)
             floor = floor_ms(nbytes, flops, ceil)
             q0, kv0 = sets[0]
-            # what the dispatcher picks for this call (the "ms" column times the split kernel)
-            rec["auto"] = ("gluon" if G.gluon_preferred(q0, None, kv0, None, KV_LORA) else
-                           "wide" if W.route_wide(None, None, q0, None, kv0, None, KV_LORA) else "split")
+            # what the chooser picks for this call (the "ms" column times the split kernel)
+            rec["auto"] = choose_kernel(AttentionCall(q0, None, kv0, None, KV_LORA, SCALE), "triton").name
             if H >= wide_min_rows:
                 try:
                     wcfg = W.pick_wide_config(H, KV_LORA + ROPE, 0, KV_LORA, B, T, torch.device(DEV))

@@ -25,13 +25,16 @@ from kit.kernels import check_close, poisoned  # noqa: E402
 
 
 def test_not_offered_off_its_scope():
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode.call import AttentionCall
+    from dcp_pass.runtime.decode.kernels.registry import KERNELS
 
     q = torch.zeros(1, 1, 8, 576, dtype=torch.bfloat16)
     kv = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
-    assert not G.gluon_supported(q, None, kv, None, 512)  # CPU tensors
-    assert not G.gluon_supported(q, None, kv, None, 512, mask=torch.zeros(1, 1, 1, 16))
-    assert not G.gluon_supported(q.float(), None, kv.float(), None, 512)
+    for form in ("gluon_lock_step", "gluon_roles"):
+        supports = KERNELS[form].supports
+        assert supports(AttentionCall(q, None, kv, None, 512, 1.0).shape) is not None  # CPU tensors
+        assert supports(AttentionCall(q, None, kv, None, 512, 1.0, mask=torch.zeros(1, 1, 1, 16)).shape) is not None
+        assert supports(AttentionCall(q.float(), None, kv.float(), None, 512, 1.0).shape) is not None
     # a mask row per request is taken (the kernel reads [B, T] of it); one that differs by
     # head, or by query token when there are several, is not
     from dcp_pass.runtime.decode.kernels.common import mask_rows_shared
@@ -129,16 +132,16 @@ def test_schedule_6_compiles_plain_and_masked():
     import triton
 
     on_36 = triton.__version__.startswith("3.6")
-    assert G._schedule_for(G.GluonConfig()) == (G.ROLES_SCHEDULE if on_36 else 3)
-    assert G._schedule_for(G.GluonConfig(), masked=True) == (6 if on_36 else 3)
-    assert G._schedule_for(G.GluonConfig(schedule=2)) == 2
-    assert G._schedule_for(G.GluonConfig(64, 32, 3)) == (6 if on_36 else 3)  # not the role-split kernel's tiles
+    assert G.GluonConfig().kernels == (("gluon_roles", "gluon_lock_step") if on_36 else ("gluon_lock_step",))
+    assert G.GluonConfig().lock_step_schedule() == (6 if on_36 else 3)
+    assert G.GluonConfig(schedule=2).lock_step_schedule() == 2
+    assert G.GluonConfig(64, 32, 3).kernels == ("gluon_lock_step",)  # not the role-split kernel's tiles
     # a masked call configured with the role-split kernel (which has no mask) takes the lock-step default
-    assert G.lock_step_schedule(G.GluonConfig(schedule=G.ROLES_SCHEDULE), masked=True) == (6 if on_36 else 3)
-    assert G.GluonConfig(schedule=G.ROLES_SCHEDULE).tag() == "gluon 64x64/8w/2s/v10"
-    assert G._q_reg_for(G.GluonConfig(), masked=False) == (256 if on_36 else 0)
-    assert G._q_reg_for(G.GluonConfig(), masked=True) == 0
-    assert G._q_reg_for(G.GluonConfig(q_reg=128), masked=True) == 128
+    assert G.lock_step_schedule(G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT), masked=True) == (6 if on_36 else 3)
+    assert G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT).tag() == "gluon 64x64/8w/2s/v10"
+    assert G.GluonConfig().q_reg_for(masked=False) == (256 if on_36 else 0)
+    assert G.GluonConfig().q_reg_for(masked=True) == 0
+    assert G.GluonConfig(q_reg=128).q_reg_for(masked=True) == 128
 
 
 @compiles_offline
@@ -154,21 +157,41 @@ def test_role_split_kernel_compiles_for_hopper():
 
 
 def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
-    """The automatic route falls back (once, for the process) when the kernel does not compile."""
+    """The chooser falls back (once, for the process) when the kernel it picked does not compile."""
     from triton.compiler.errors import CompilationError
 
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode import backends
+    from dcp_pass.runtime.decode.call import AttentionCall, CallShape
+    from dcp_pass.runtime.decode.kernels import mla_gluon_roles, mla_wide, registry
+
+    if not mla_gluon_roles.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
 
     def broken(*args, **kwargs):
         raise CompilationError("kernel.py", None, "async_copy_global_to_shared has been removed")
 
-    monkeypatch.setattr(G, "launch_gluon", broken)
-    monkeypatch.setattr(G, "_UNUSABLE", [])
+    h200 = CallShape(heads=128, batch=8, keys=32768)  # a call the role-split kernel is chosen for
+    monkeypatch.setattr(mla_gluon_roles, "run", broken)
+    monkeypatch.setattr(mla_wide, "run", lambda call, out, lse_out: ("wide ran",))
+    monkeypatch.setattr(registry, "UNUSABLE", {})
+    monkeypatch.setattr(CallShape, "of", classmethod(lambda cls, call: h200))
+    monkeypatch.setattr(backends, "resolve_attention_backend", lambda *a, **k: backends.ATTENTION_BACKENDS["triton"])
+    call = AttentionCall(torch.zeros(8, 1, 128, 576), None, torch.zeros(8, 4, 576), None, 512, 1.0)
     with pytest.warns(RuntimeWarning, match="not usable"):
-        assert G.try_launch_gluon(None, None, None) is None
-    assert G._UNUSABLE and "CompilationError" in G._UNUSABLE[0]
-    q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
-    assert not G.gluon_preferred(q, None, torch.zeros(1, 8, 576, dtype=torch.bfloat16), None, 512)
+        result, kernel = backends.attend_with_kernel(call, "auto")
+    assert result == ("wide ran",) and kernel.name == "wide"
+    assert "CompilationError" in registry.UNUSABLE["gluon"]
+    assert registry.choose(h200, registry.TRITON_KERNELS).name == "wide"
+    with pytest.raises(CompilationError):  # an explicitly named kernel raises what it raises
+        backends.attend(call, "gluon_roles")
+
+
+def _chosen(q_lat, q_rope, kv, pe, mask=None) -> str:
+    """The kernel the "triton" backend picks for these operands."""
+    from dcp_pass.runtime.decode.backends import choose_kernel
+    from dcp_pass.runtime.decode.call import AttentionCall
+
+    return choose_kernel(AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE, mask), "triton").name
 
 
 gpu = pytest.mark.gpu
@@ -213,7 +236,7 @@ def test_gpu_gluon_striped_lengths_and_tiles():
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
                 G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256), G.GluonConfig(schedule=6, q_reg=0),
                 G.GluonConfig(schedule=6, q_reg=128), G.GluonConfig(schedule=6, q_reg=256),
-                G.GluonConfig(schedule=G.ROLES_SCHEDULE), G.GluonConfig()):
+                G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT), G.GluonConfig()):
         _case(3, 4100, [8199, 77, 2], stripe=(2, 1), config=cfg)
 
 
@@ -295,7 +318,7 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     mask[1, ..., ::7] = -3.0
     mask[2] = float("-inf")  # no visible key: output 0, LSE -inf
     lens = torch.tensor([T, 2500, T], device="cuda")
-    assert G.gluon_preferred(q, None, kv, None, 512, mask, None) or os.environ.get("DCP_MLA_GLUON") == "0"
+    assert _chosen(q, None, kv, None, mask).startswith("gluon") or os.environ.get("DCP_MLA_GLUON") == "0"
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
     m.mla_attention_triton(q, None, kv, None, 512, SCALE, mask, lens, out=out, lse_out=lse, path="gluon",
                            num_splits=3, config=cfg)
@@ -345,9 +368,12 @@ def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     kv = torch.randn(B, T, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     pe = torch.randn(B, T, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     lens = torch.tensor([T, 3, 0, 4097], device="cuda")
-    assert G.gluon_supported(q_lat, q_rope, kv, pe, 512)
+    from dcp_pass.runtime.decode.call import AttentionCall
+    from dcp_pass.runtime.decode.kernels.registry import KERNELS
+
+    assert KERNELS["gluon_lock_step"].supports(AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE).shape) is None
     if os.environ.get("DCP_MLA_GLUON") != "0":
-        assert G.gluon_preferred(q_lat, q_rope, kv, pe, 512)
+        assert _chosen(q_lat, q_rope, kv, pe).startswith("gluon")
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
     m.mla_attention(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse)
     ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, None, torch.float32)
@@ -378,7 +404,7 @@ def test_gpu_role_split_kernel_multi_token_rows_and_partial_blocks(num_splits):
         clean_kv[b, local[b]:], clean_pe[b, local[b]:] = 0, 0
     q_lat, q_rope = q[..., :512], q[..., 512:]
     ro, rl = m._reference_impl(q_lat, q_rope, clean_kv, clean_pe, 512, SCALE, None, local, None, torch.float32)
-    for cfg in (G.GluonConfig(schedule=G.ROLES_SCHEDULE), G.GluonConfig(schedule=6)):
+    for cfg in (G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT), G.GluonConfig(schedule=6)):
         out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
         m.mla_attention_triton(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse,
                                num_splits=num_splits, path="gluon", config=cfg, lens_stripe=(2, 1))

@@ -165,28 +165,30 @@ def check_non_contiguous_query_fp32():
 
 def check_entry_point_routing():
     """path='wide' and DCP_MLA_WIDE=1 reach the wide kernel; 'split' the fused one."""
+    from dcp_pass.runtime.decode.call import AttentionCall
+    from dcp_pass.runtime.decode.kernels.registry import KERNELS, TRITON_KERNELS, choose
+
     w, m = _wide(), _base()
     _run(torch.float32, via="triton", num_splits=2)
     q_lat, q_rope, kv, pe, vd = make_inputs(1, 1, 4, 32, 8, 20, torch.float32, gen=_gen())
-    assert not w.wide_preferred(q_lat, q_rope, kv, pe, vd)  # CPU: never automatic
-    assert not w.route_wide(None, None, q_lat, q_rope, kv, pe, vd)
-    assert w.route_wide("wide", None, q_lat, q_rope, kv, pe, vd)
-    assert w.route_wide(None, _cfg(), q_lat, q_rope, kv, pe, vd)
-    assert not w.route_wide("split", None, q_lat, q_rope, kv, pe, vd)
-    assert not w.route_wide(None, m.MLAKernelConfig(16, 16, 4, 1, 1), q_lat, q_rope, kv, pe, vd)
-    for bad in (("bogus", None), ("split", _cfg()), ("wide", m.MLAKernelConfig(16, 16, 4, 1, 1))):
+    shape = AttentionCall(q_lat, q_rope, kv, pe, vd, 0.2).shape
+    assert KERNELS["wide"].offered(shape) is not None  # CPU: never automatic
+    assert choose(shape, TRITON_KERNELS).name == "split"
+    assert w.WideConfig().kernels == ("wide",) and m.MLAKernelConfig(16, 16, 4, 1, 1).kernels == ("split",)
+    for bad in (dict(path="bogus"), dict(path="split", config=_cfg()),
+                dict(path="wide", config=m.MLAKernelConfig(16, 16, 4, 1, 1))):
         try:
-            w.route_wide(*bad, q_lat, q_rope, kv, pe, vd)
+            m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, 0.2, **bad)
         except ValueError:
             pass
         else:
-            raise AssertionError(f"route_wide{bad} must raise")
+            raise AssertionError(f"mla_attention_triton({bad}) must raise")
     old = os.environ.get("DCP_MLA_WIDE")
     try:
         os.environ["DCP_MLA_WIDE"] = "1"
-        assert w.route_wide(None, None, q_lat, q_rope, kv, pe, vd)
+        assert choose(shape, TRITON_KERNELS).name == "wide"
         os.environ["DCP_MLA_WIDE"] = "0"
-        assert not w.route_wide(None, None, q_lat, q_rope, kv, pe, vd)
+        assert choose(shape, TRITON_KERNELS).name == "split"
     finally:
         if old is None:
             os.environ.pop("DCP_MLA_WIDE", None)
@@ -273,6 +275,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SCALE = 192 ** -0.5
 
 
+def _chosen(q, kv, lens, causal=None, stripe=(1, 0)) -> str:
+    """The kernel the "triton" backend picks for a fused-cache call."""
+    from dcp_pass.runtime.decode.backends import choose_kernel
+    from dcp_pass.runtime.decode.call import AttentionCall
+
+    return choose_kernel(AttentionCall(q, None, kv, None, 512, SCALE, None, lens, "e", causal, lens_stripe=stripe),
+                         "triton").name
+
+
 def _gpu_case(dtype, B, S, H, T, fused, lens=None, causal=None, mask=None, lse_base="e", tol=2e-2,
               num_splits=None, vs_split=True):
     m, w = _base(), _wide()
@@ -322,7 +333,7 @@ def test_gpu_wide_bf16_b8_auto_route():
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16)
     lens = torch.randint(1, T + 1, (B,), device="cuda")
     if os.environ.get("DCP_MLA_WIDE") != "0":
-        assert w.route_wide(None, None, q, None, kv, None, 512)
+        assert _chosen(q, kv, lens) == "wide"
     o, lse = m.mla_attention(q, None, kv, None, 512, SCALE, None, lens)
     ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
     check_close(o, lse, ro, rl, 2e-2)
@@ -343,8 +354,8 @@ def test_gpu_causal_call_at_64_heads_routes_to_wide():
     glens = torch.randint(T, 2 * T + 1, (B,), device="cuda")
     q_pos = (glens - 1).view(B, 1)
     if os.environ.get("DCP_MLA_WIDE") is None:
-        assert not w.route_wide(None, None, q, None, kv, None, 512)
-        assert w.route_wide(None, None, q, None, kv, None, 512, "causal")
+        assert _chosen(q, kv, glens, stripe=(c, r)) == "split"
+        assert _chosen(q, kv, glens, causal=(q_pos, c, r), stripe=(c, r)) == "wide"
     o, lse = m.mla_attention(q, None, kv, None, 512, SCALE, None, glens, "e", (q_pos, c, r), lens_stripe=(c, r))
     local = torch.div(glens + c - 1 - r, c, rounding_mode="floor").clamp(max=T)
     ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, local, (q_pos, c, r), torch.float32)

@@ -94,14 +94,10 @@ def mla_local_attention(
 
 def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
                      kv_start=0):
-    """((partial output, lse), whether the backend that ran may be replayed)."""
-    from dcp_pass.runtime.decode.backends import resolve_attention_backend
+    """((partial output, lse), whether the kernel that ran may be replayed)."""
+    from dcp_pass.runtime.decode.backends import attend_with_kernel
+    from dcp_pass.runtime.decode.call import AttentionCall
 
-    # "auto": Triton on CUDA for 16-bit caches, the torch reference for fp32 caches (a
-    # checking mode) and off CUDA; a named backend that cannot run here (refused at
-    # compile) falls back to the reference, as it always did
-    entry = resolve_attention_backend(backend, q_lat.device, kv.dtype, strict=False)
-    fn = entry.run
     if kv_lens is None:
         rows = window_rows(kv_len, kv_start, c, rank, kv.shape[1], "kv")
         kv = kv[:, rows]
@@ -111,8 +107,12 @@ def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_di
         mask = mask[..., rank::c]
     # with device counts the shards are whole and the kernels take this rank's share of
     # the global counts themselves (lens_stripe): no torch ops on the counts per call
-    out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, None, lens_stripe=(c, rank))
-    return (out.contiguous(), lse.contiguous()), entry.replayable
+    call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, lens_stripe=(c, rank))
+    # "auto": the Triton kernels on CUDA for 16-bit caches, the torch reference for fp32
+    # caches (a checking mode) and off CUDA; a named backend that cannot run here (refused
+    # at compile) falls back to the reference, as it always did
+    (out, lse), kernel = attend_with_kernel(call, backend, strict=False)
+    return (out.contiguous(), lse.contiguous()), kernel.replayable
 
 
 _LIBRARY.impl("mla_local_attention", mla_local_attention, "CompositeExplicitAutograd")

@@ -53,6 +53,8 @@ import torch
 LN2 = 0.6931471805599453
 
 __all__ = [
+    "supports",
+    "run",
     "CKV_DIM",
     "KPE_DIM",
     "flashinfer_unavailable",
@@ -103,6 +105,32 @@ def flashinfer_unavailable(device: torch.device, dtype: Optional[torch.dtype] = 
     if major < 8:
         return f"cannot run: FlashInfer's MLA kernels need compute capability 8.0+, this GPU is {major}.{minor}"
     return None
+
+
+def supports(shape) -> Optional[str]:
+    """The registry's check: where FlashInfer can run (:func:`flashinfer_unavailable`, from the
+    call's shape). A mask is refused by the run itself, with its own message (the pass refuses
+    masked layers at compile time, backend table ``takes_mask``)."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return "cannot run: flashinfer is not installed"
+    if shape.device != "cuda":
+        return f"cannot run: it needs CUDA tensors, the model is on {shape.device}"
+    if shape.dtype not in SUPPORTED_DTYPES:
+        return f"cannot run: FlashInfer's MLA kernels take float16/bfloat16 caches, not {shape.dtype}"
+    if shape.capability is not None and shape.capability < 8:
+        return f"cannot run: FlashInfer's MLA kernels need compute capability 8.0+, this GPU is {shape.capability}.x"
+    return None
+
+
+def run(call, out=None, lse_out=None):
+    """The registry's entry: the dense or the paged adapter."""
+    if call.paged:
+        return mla_attention_flashinfer_paged(call.q_lat, call.q_rope, call.kv, call.pe, call.page_table, call.kv_lens,
+                                              call.v_dim, call.scale, call.mask, call.lse_base, call.causal, out=out,
+                                              lse_out=lse_out, lens_stripe=call.lens_stripe)
+    return mla_attention_flashinfer(call.q_lat, call.q_rope, call.kv, call.pe, call.v_dim, call.scale, call.mask,
+                                    call.kv_lens, call.lse_base, call.causal, out=out, lse_out=lse_out,
+                                    lens_stripe=call.lens_stripe)
 
 
 # --------------------------------------------------------------------------------------
