@@ -21,11 +21,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, poisoned  # noqa: E402
+from kit.kernels import check_close, global_counts, poisoned, ref32  # noqa: E402,F401
+
+from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 
 
 def test_not_offered_off_its_scope():
-    from dcp_pass.runtime.decode.call import AttentionCall
     from dcp_pass.runtime.decode.kernels.registry import KERNELS
 
     q = torch.zeros(1, 1, 8, 576, dtype=torch.bfloat16)
@@ -161,7 +162,7 @@ def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
     from triton.compiler.errors import CompilationError
 
     from dcp_pass.runtime.decode import backends
-    from dcp_pass.runtime.decode.call import AttentionCall, CallShape
+    from dcp_pass.runtime.decode.call import CallShape
     from dcp_pass.runtime.decode.kernels import mla_gluon_roles, mla_wide, registry
 
     if not mla_gluon_roles.HAS_GLUON:
@@ -189,7 +190,6 @@ def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
 def _chosen(q_lat, q_rope, kv, pe, mask=None) -> str:
     """The kernel the "triton" backend picks for these operands."""
     from dcp_pass.runtime.decode.backends import choose_kernel
-    from dcp_pass.runtime.decode.call import AttentionCall
 
     return choose_kernel(AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE, mask), "triton").name
 
@@ -200,9 +200,16 @@ needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.ge
 SCALE = 192 ** -0.5
 
 
-def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
+def _gluon(call, out=None, lse_out=None, config=None, num_splits=None):
+    """`call` on the Gluon kernel `config` configures (default GluonConfig())."""
+    from dcp_pass.runtime.decode.backends import attend
+    from dcp_pass.runtime.decode.kernels.gluon_common import GLUON_DEFAULT
 
+    options = {} if num_splits is None else dict(num_splits=num_splits)
+    return attend(call, None, out, lse_out, config=config or GLUON_DEFAULT, **options)
+
+
+def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -214,9 +221,8 @@ def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
         kv[b, local[b]:] = float("nan")
         clean[b, local[b]:] = 0
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, out=out, lse_out=lse, num_splits=num_splits,
-                           path="gluon", config=config, lens_stripe=stripe)
-    ro, rl = m._reference_impl(q, None, clean, None, 512, SCALE, None, local, None, torch.float32)
+    _gluon(AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens, stripe=stripe), out, lse, config, num_splits)
+    ro, rl = ref32(AttentionCall(q, None, clean, None, 512, SCALE, kv_lens=local))
     check_close(out, lse, ro, rl, 2e-2)
     return q, kv, lens
 
@@ -249,7 +255,6 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
     (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
     must follow each. Against the fp32 reference, with several splits, and one NaN key
     (its request's rows NaN, the others untouched)."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     cfg = G.GluonConfig.parse(tag)
@@ -263,14 +268,14 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
     lens = torch.tensor([T, T, 4321, 3000], device="cuda")
     for ns in (None, 3):
         out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-        m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, out=out, lse_out=lse, num_splits=ns,
-                               path="gluon", config=cfg)
-        ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
+        call = AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens)
+        _gluon(call, out, lse, cfg, ns)
+        ro, rl = ref32(call)
         check_close(out, lse, ro, rl, 2e-2)
     bad = kv.clone()
     bad[3, 1234, 7] = float("nan")
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q, None, bad, None, 512, SCALE, None, lens, out=out, lse_out=lse, path="gluon", config=cfg)
+    _gluon(AttentionCall(q, None, bad, None, 512, SCALE, kv_lens=lens), out, lse, cfg)
     assert torch.isnan(out[3]).all()
     check_close(out[:3], lse[:3], ro[:3], rl[:3], 2e-2)
 
@@ -278,13 +283,12 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
 @gpu
 @needs_hopper
 def test_gpu_gluon_cuda_graph_capture():
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
-
     B, T = 8, 4096
     q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), 100, device="cuda")
-    run = lambda: m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, path="gluon")  # noqa: E731
+    call = AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens)
+    run = lambda: _gluon(call)  # noqa: E731
     run()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -293,7 +297,7 @@ def test_gpu_gluon_cuda_graph_capture():
     lens.copy_(torch.randint(1, T + 1, (B,), device="cuda"))
     g.replay()
     torch.cuda.synchronize()
-    ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
+    ro, rl = ref32(call)
     check_close(o, lse, ro, rl, 2e-2)
 
 
@@ -304,7 +308,6 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     """A decode mask row per request (-inf and finite entries, one request fully masked), and
     the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference;
     the default schedule, schedule 3's ring, and q columns in registers."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     cfg = G.GluonConfig.parse(tag) if tag else None
@@ -320,9 +323,9 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     lens = torch.tensor([T, 2500, T], device="cuda")
     assert _chosen(q, None, kv, None, mask).startswith("gluon") or os.environ.get("DCP_MLA_GLUON") == "0"
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q, None, kv, None, 512, SCALE, mask, lens, out=out, lse_out=lse, path="gluon",
-                           num_splits=3, config=cfg)
-    ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, mask, lens, None, torch.float32)
+    call = AttentionCall(q, None, kv, None, 512, SCALE, mask=mask, kv_lens=lens)
+    _gluon(call, out, lse, cfg, 3)
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
     assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
     # the same mask as every other column of a wider row (stride 2 along the keys): the
@@ -330,8 +333,7 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     wide = torch.full((B, 1, 1, 2 * T), 7.0, device="cuda")
     wide[..., ::2] = mask
     out2, lse2 = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q, None, kv, None, 512, SCALE, wide[..., ::2], lens, out=out2, lse_out=lse2, path="gluon",
-                           config=cfg)
+    _gluon(call.replace(mask=wide[..., ::2]), out2, lse2, cfg)
     check_close(out2, lse2, ro, rl, 2e-2)
 
     S, c, r = 2, 2, 1
@@ -339,17 +341,16 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     glens = torch.tensor([5001, 1, 4000], device="cuda")  # global counts; rank 1 holds odd positions
     q_pos = glens.view(B, 1) - S + torch.arange(S, device="cuda").view(1, S)
     out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q2, None, kv, None, 512, SCALE, None, glens, "e", (q_pos, c, r), out=out, lse_out=lse,
-                           path="gluon", lens_stripe=(c, r), config=cfg)
-    local = torch.div(glens + c - 1 - r, c, rounding_mode="floor").clamp(max=T)
-    ro, rl = m._reference_impl(q2, None, kv, None, 512, SCALE, None, local, (q_pos, c, r), torch.float32)
+    call = AttentionCall(q2, None, kv, None, 512, SCALE, kv_lens=glens, q_pos=q_pos, stripe=(c, r))
+    _gluon(call, out, lse, cfg)
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
     # positions past int32 (the kernel compares in int32, clamped): every key visible
     far = torch.full((B, S), 2 ** 40, device="cuda")
     out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q2, None, kv, None, 512, SCALE, None, glens, "e", (far, 1, 0), out=out, lse_out=lse,
-                           path="gluon", config=cfg)
-    ro, rl = m._reference_impl(q2, None, kv, None, 512, SCALE, None, glens.clamp(max=T), (far, 1, 0), torch.float32)
+    call = AttentionCall(q2, None, kv, None, 512, SCALE, kv_lens=glens, q_pos=far)
+    _gluon(call, out, lse, cfg)
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
 
 
@@ -358,7 +359,6 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
 def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     """kv [B, T, 512] and pe [B, T, 64] in two buffers, q_lat / q_rope separate: the layout
     DeepSeek's reference model (and so the int-position decode graph) hands the op."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -368,15 +368,17 @@ def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     kv = torch.randn(B, T, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     pe = torch.randn(B, T, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     lens = torch.tensor([T, 3, 0, 4097], device="cuda")
-    from dcp_pass.runtime.decode.call import AttentionCall
     from dcp_pass.runtime.decode.kernels.registry import KERNELS
 
     assert KERNELS["gluon_lock_step"].supports(AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE).shape) is None
     if os.environ.get("DCP_MLA_GLUON") != "0":
         assert _chosen(q_lat, q_rope, kv, pe).startswith("gluon")
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse)
-    ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, None, torch.float32)
+    from dcp_pass.runtime.decode.backends import attend
+
+    call = AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE, kv_lens=lens)
+    attend(call, "triton", out, lse)
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
 
 
@@ -388,7 +390,6 @@ def test_gpu_role_split_kernel_multi_token_rows_and_partial_blocks(num_splits):
     heads (120 rows: a full and a partial 64-row block), a separate rope cache, ragged
     striped lengths with an empty request, NaN past every length; beside the lock-step
     kernel on the same call, both against the fp32 reference."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -403,10 +404,9 @@ def test_gpu_role_split_kernel_multi_token_rows_and_partial_blocks(num_splits):
         kv[b, local[b]:], pe[b, local[b]:] = float("nan"), float("nan")
         clean_kv[b, local[b]:], clean_pe[b, local[b]:] = 0, 0
     q_lat, q_rope = q[..., :512], q[..., 512:]
-    ro, rl = m._reference_impl(q_lat, q_rope, clean_kv, clean_pe, 512, SCALE, None, local, None, torch.float32)
+    ro, rl = ref32(AttentionCall(q_lat, q_rope, clean_kv, clean_pe, 512, SCALE, kv_lens=local))
     for cfg in (G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT), G.GluonConfig(schedule=6)):
         out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
-        m.mla_attention_triton(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse,
-                               num_splits=num_splits, path="gluon", config=cfg, lens_stripe=(2, 1))
+        _gluon(AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE, kv_lens=lens, stripe=(2, 1)), out, lse, cfg, num_splits)
         check_close(out, lse, ro, rl, 2e-2)
         assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()  # the empty request

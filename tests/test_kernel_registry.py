@@ -131,6 +131,9 @@ def test_reasons_say_why():
     assert "Triton 3.6" in registry.KERNELS["gluon_roles"].offered(dataclasses.replace(s, triton="3.9.0"))
     assert "1024 + 256" in registry.KERNELS["split"].supports(shape(layout="fused2048"))
     assert registry.KERNELS["torch"].supports(s) is None
+    for name in ("gluon_roles", "gluon_lock_step", "wide", "split", "flashinfer"):  # the reference's calls only
+        assert "torch reference only" in registry.KERNELS[name].supports(dataclasses.replace(s, per_head=True))
+        assert "torch reference only" in registry.KERNELS[name].supports(dataclasses.replace(s, offset_lens=True))
 
 
 @needs_gluon
@@ -164,12 +167,13 @@ def test_gluon_configs_name_their_kernels(monkeypatch):
     assert GluonConfig.parse("64,64,2,10,0").schedule == Schedule.ROLE_SPLIT
 
 
-def _cpu_call(T=16, pad=0, mask=None, pe=True, causal=None):
+def _cpu_call(T=16, pad=0, **kw):
     q = torch.zeros(2, 1, 4, 512)
     base = torch.zeros(2, T, 512 + pad)
-    kv = base[..., :512]
-    return AttentionCall(q, torch.zeros(2, 1, 4, 64) if pe else None, kv if pe else torch.zeros(2, T, 576),
-                         torch.zeros(2, T, 64) if pe else None, 512, 0.1, mask=mask, causal=causal)
+    pe = kw.pop("pe", True)
+    return AttentionCall(q if pe else torch.zeros(2, 1, 4, 576), torch.zeros(2, 1, 4, 64) if pe else None,
+                         base[..., :512] if pe else torch.zeros(2, T, 576), torch.zeros(2, T, 64) if pe else None, 512,
+                         0.1, **kw)
 
 
 def test_call_shape_from_tensors():
@@ -182,9 +186,16 @@ def test_call_shape_from_tensors():
     assert _cpu_call(pad=4).shape.gluon_aligned is False
     assert _cpu_call(mask=torch.zeros(2, 1, 1, 16)).shape.mask == "row"
     assert _cpu_call(mask=torch.zeros(2, 1, 4, 16)).shape.mask == "full"
-    assert _cpu_call(causal=(torch.zeros(2, 1), 2, 1)).shape.kind == "causal"
+    assert _cpu_call(q_pos=torch.zeros(2, 1), stripe=(2, 1)).shape.kind == "causal"
     fused = _cpu_call(pe=False).shape
-    assert (fused.fused, fused.d_main, fused.d_tail) == (True, 512, 0)
+    assert (fused.fused, fused.d_main, fused.d_tail) == (True, 512, 64)
+    # the rank's view: a host count cuts the rows, a window start too; device counts keep them
+    assert _cpu_call(kv_lens=11, stripe=(2, 1)).shape.keys == 5 and not _cpu_call(kv_lens=11).shape.lens
+    window = _cpu_call(kv_lens=13, kv_start=4, stripe=(3, 2))  # rank 2 of 3 owns 5, 8, 11 in [4, 13)
+    assert window.shard().first_row == 1 and window.shape.keys == 3
+    assert _cpu_call(kv_lens=torch.tensor([7]), kv_start=4, stripe=(2, 0)).shape.offset_lens
+    heads = AttentionCall(torch.zeros(2, 1, 4, 8), None, torch.zeros(2, 6, 2, 8), None, 5, 0.1, v=torch.zeros(2, 6, 2, 5))
+    assert heads.shape.per_head and heads.shape.d_main == 8 and heads.shape.v_dim == 5
 
 
 def test_explicit_kernels_refuse_calls_they_cannot_run():

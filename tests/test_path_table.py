@@ -1,4 +1,4 @@
-"""The measured path table (dcp_pass/runtime/decode/kernels/path_table.py, issue #14 item 3).
+"""The measured path table (dcp_pass/runtime/decode/kernels/path_table.py): the timings the chooser reads.
 
 The committed table must be what benchmarks/make_path_table.py makes of the committed H200
 results, and the choice at every measured shape must be the path measured fastest there.

@@ -73,20 +73,6 @@ class AttentionBackend:
     # False: it refuses an additive score mask (the pass refuses masked layers at compile)
     takes_mask: bool = True
 
-    def run(self, q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None, *,
-            out=None, lse_out=None, lens_stripe=(1, 0)):
-        """This backend on positional operands (dense caches)."""
-        call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
-                             lens_stripe=lens_stripe)
-        return attend(call, self.name, out, lse_out, strict=False)
-
-    def run_paged(self, q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None, lse_base="e",
-                  causal=None, *, out=None, lse_out=None):
-        """This backend on positional operands (page pools)."""
-        call = AttentionCall(q_lat, q_rope, kv_pool, pe_pool, v_dim, scale, mask, kv_lens, lse_base, causal,
-                             page_table=page_table, page_size=kv_pool.shape[1])
-        return attend(call, self.name, out, lse_out, strict=False)
-
 
 def _triton_available(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
     device = torch.device(device)

@@ -11,17 +11,18 @@ Pure torch: importing this module imports no kernel and no Triton.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Optional, Tuple
+from dataclasses import dataclass, field
+from dataclasses import replace as _replace
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
 __all__ = [
     "AttentionCall",
     "CallShape",
+    "ShardView",
     "Causal",
     "Parts",
-    "as_causal",
     "check_base",
     "mask_rows_shared",
     "pow2",
@@ -36,13 +37,6 @@ class Causal(NamedTuple):
     q_pos: torch.Tensor  # [B, S] (or broadcastable), integer global query positions
     cp_world: int
     cp_rank: int
-
-
-def as_causal(causal) -> Optional[Causal]:
-    """None, a ``Causal`` or a plain ``(q_pos, cp_world, cp_rank)`` tuple -> ``Optional[Causal]``."""
-    if causal is None or isinstance(causal, Causal):
-        return causal
-    return Causal(*causal)
 
 
 @dataclass(frozen=True)
@@ -150,6 +144,8 @@ class CallShape:
     lens: bool = True  # device key counts
     gluon_aligned: bool = True
     rows16: bool = True
+    per_head: bool = False  # per-head keys and values (GQA / MHA), not an MLA latent cache
+    offset_lens: bool = False  # device key counts over caches that start past row 0 (a window)
 
     @property
     def rows(self) -> int:
@@ -163,25 +159,29 @@ class CallShape:
 
     @classmethod
     def of(cls, call: "AttentionCall") -> "CallShape":
-        q, kv = call.q_lat, call.kv
+        view = call.shard()
+        q, kv = view.q_lat, view.kv
         B, S, H, _ = q.shape
         device = kv.device
-        parts = call.parts()
-        fused = call.pe is None
-        d_main = parts.q_main.shape[-1]
-        d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
-        T = call.page_table.shape[1] * call.page_size if call.paged else kv.shape[1]
+        T = view.page_table.shape[1] * view.page_size if view.paged else kv.shape[1]
+        if view.v is not None:  # per-head keys and values: no MLA parts
+            d_main, d_tail, fused, tensors = q.shape[-1], 0, False, [q, kv, view.v]
+        else:
+            parts = view.parts()
+            d_main = parts.q_main.shape[-1]
+            d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
+            fused = view.pe is None
+            tensors = [t for t in (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail) if t is not None]
         mask = "none"
-        if call.mask is not None:
+        if view.mask is not None:
             mask = "full"
             try:
-                strides = torch.broadcast_to(call.mask, (B, S, H, T)).stride()
-                if call.mask.device == device and mask_rows_shared(strides, S):
+                strides = torch.broadcast_to(view.mask, (B, S, H, T)).stride()
+                if view.mask.device == device and mask_rows_shared(strides, S):
                     mask = "row"
             except RuntimeError:  # not broadcastable: the kernels' own checks report it
                 pass
-        tensors = [t for t in (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail) if t is not None]
-        dtypes = {t.dtype for t in (q, call.q_rope, kv, call.pe) if t is not None}
+        dtypes = {t.dtype for t in (q, view.q_rope, kv, view.pe, view.v) if t is not None}
         aligned = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 8 == 0 for x in t.stride()[:-1])
                       for t in tensors)
         is_cuda = kv.is_cuda
@@ -190,26 +190,47 @@ class CallShape:
             capability=_capability(device.index if device.index is not None else torch.cuda.current_device())
             if is_cuda else None,
             triton=_triton_version(), dtype=kv.dtype, same_dtypes=len(dtypes) == 1,
-            batch=B, tokens=S, heads=H, keys=T, d_main=d_main, d_tail=d_tail, v_dim=call.v_dim, fused=fused,
-            mask=mask, causal=call.causal is not None, paged=call.paged, lens=call.kv_lens is not None,
+            batch=B, tokens=S, heads=H, keys=T, d_main=d_main, d_tail=d_tail, v_dim=view.v_dim, fused=fused,
+            mask=mask, causal=view.causal is not None, paged=view.paged, lens=view.kv_lens is not None,
             gluon_aligned=aligned, rows16=all(x % 16 == 0 for t in tensors for x in t.stride()[:-1]),
+            per_head=view.v is not None, offset_lens=view.first_row > 0 and view.kv_lens is not None,
         )
 
     def describe(self) -> str:
         """One line for reasons and test ids."""
+        layout = "per-head K/V" if self.per_head else "fused" if self.fused else "two caches"
         return (f"{self.device} sm{self.capability} {str(self.dtype).replace('torch.', '')} B={self.batch} "
                 f"S={self.tokens} H={self.heads} T={self.keys} {self.d_main}+{self.d_tail} v={self.v_dim} "
-                f"{'fused' if self.fused else 'two caches'} {self.kind}{' paged' if self.paged else ''}")
+                f"{layout} {self.kind}{' paged' if self.paged else ''}")
 
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """The operands of one shard-local MLA attention call (shapes in ``kernels/mla_attention.py``).
+    """The operands of one shard-local attention call, stated once, in one convention.
 
-    ``kv`` and ``pe`` are the page pools when ``page_table`` is given (``page_size`` = pool
-    rows per page). ``kv_lens`` are this shard's key counts, or with ``lens_stripe=(c, r)``
-    global counts of which rank r of c holds ``(n + c - 1 - r) // c``. ``causal`` is stored as
-    a :class:`Causal` (a plain 3-tuple is converted).
+    **Numbers and masks are global, the caches are the rank's own.** ``kv`` / ``pe`` (or the
+    page pools, with ``page_table``) hold rank ``r``'s stripe of ``c`` (``stripe=(c, r)``):
+    local row ``i`` is global position ``i * c + r``. Everything else speaks of global
+    positions: ``kv_lens`` is the global key count (a host int, or an int tensor ``[1]`` /
+    ``[B]`` on the query's device), ``kv_start`` the first visible global key (a sliding
+    window), ``q_pos`` the causal cap (global query positions ``[B, S]``; a key is visible
+    to a query at or after it) and ``mask`` an additive mask over the global key positions
+    ``kv_start, kv_start + 1, ...`` (last dim, or 1 to broadcast). The call derives the
+    rank's view of all that once (:meth:`shard`): its visible rows, its mask columns, its
+    share of the counts.
+
+    Why global: every caller has them so. The compiled graph may hold only values that are
+    the same on every rank (a rank-local count or a striped mask has a rank-dependent size,
+    and a guard on it would make one rank recompile where another does not), extend and
+    speculative verification count their keys and queries in global positions, and the
+    kernels take a rank's share of a device count themselves, with no torch op per call
+    (which keeps the op's launches replayable).
+
+    ``kv_lens=None``: every row of the caches is a key. ``v`` (per-head values
+    ``[B, T, Hk, Dv]``, with ``kv`` then per-head keys ``[B, T, Hk, D]`` and ``q_rope`` /
+    ``pe`` None): grouped-query / multi-head attention, query head h reading kv head
+    ``h // (H // Hk)``; otherwise MLA (shapes in ``kernels/mla_attention.py``: values are
+    ``kv[..., :v_dim]``, ``pe`` None means a fused cache).
     """
 
     q_lat: torch.Tensor
@@ -219,26 +240,51 @@ class AttentionCall:
     v_dim: int
     scale: float
     mask: Optional[torch.Tensor] = None
-    kv_lens: Optional[torch.Tensor] = None
+    q_pos: Optional[torch.Tensor] = None
+    kv_lens: Union[None, int, torch.Tensor] = None
+    kv_start: int = 0
+    stripe: Tuple[int, int] = (1, 0)
     lse_base: str = "e"
-    causal: Optional[Causal] = None
     page_table: Optional[torch.Tensor] = None
-    page_size: int = 1
-    lens_stripe: Tuple[int, int] = (1, 0)
+    v: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "causal", as_causal(self.causal))
         check_base(self.lse_base)
+        from dcp_pass.runtime.decode.layout import _check_rank
+
+        if len(self.stripe) != 2:
+            raise ValueError(f"stripe must be (c, r), got {self.stripe!r}")
+        _check_rank(*self.stripe)
+        if not isinstance(self.kv_start, int) or self.kv_start < 0:
+            raise ValueError(f"kv_start must be an int >= 0, got {self.kv_start!r}")
+        if isinstance(self.kv_lens, bool) or not (self.kv_lens is None or isinstance(self.kv_lens, (int, torch.Tensor))):
+            raise ValueError(f"kv_lens must be None, an int or an int tensor, got {self.kv_lens!r}")
+        if isinstance(self.kv_lens, int) and not self.kv_start <= self.kv_lens:
+            raise ValueError(f"the window must satisfy 0 <= kv_start <= kv_lens, got kv_start={self.kv_start}, "
+                             f"kv_lens={self.kv_lens}")
+        if self.paged and (self.kv_start or not isinstance(self.kv_lens, torch.Tensor)):
+            raise ValueError("a paged call takes its key counts as a tensor (kv_lens) and no window (kv_start=0)")
+        if self.v is not None and (self.q_rope is not None or self.pe is not None or self.paged):
+            raise ValueError("per-head values (v) take one query tensor and one key tensor: q_rope, pe and "
+                             "page_table must be None")
 
     @property
     def paged(self) -> bool:
         return self.page_table is not None
 
+    @property
+    def per_head(self) -> bool:
+        return self.v is not None
+
+    def shard(self) -> "ShardView":
+        """The call as the rank's kernels read it (computed once)."""
+        if "shard" not in self._cache:
+            self._cache["shard"] = ShardView.of(self)
+        return self._cache["shard"]
+
     def parts(self) -> Parts:
-        if "parts" not in self._cache:
-            self._cache["parts"] = split_parts(self.q_lat, self.q_rope, self.kv, self.pe, self.v_dim)
-        return self._cache["parts"]
+        return self.shard().parts()
 
     @property
     def shape(self) -> CallShape:
@@ -247,6 +293,87 @@ class AttentionCall:
             self._cache["shape"] = CallShape.of(self)
         return self._cache["shape"]
 
-    def but(self, **changes) -> "AttentionCall":
+    def replace(self, **changes) -> "AttentionCall":
         """This call with some operands changed."""
-        return replace(self, _cache={}, **changes)
+        return _replace(self, _cache={}, **changes)
+
+
+def _local_length(n, c: int, r: int):
+    """Positions of rank r of c below global position n (layout.local_length, without its checks)."""
+    return (n + (c - 1 - r)) // c
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """An :class:`AttentionCall` as rank r's kernels read it.
+
+    ``kv`` / ``pe`` / ``v``: the caches from the rank's first visible row, ``first_row`` =
+    its positions before ``kv_start`` (so local row k here is global position
+    ``(first_row + k) * c + r``) and, for a host count, up to its last visible row;
+    ``mask``: the rank's columns of the call's mask, one per row here; ``kv_lens``: the
+    device counts, global (``lens_stripe`` tells the kernels to take rank r's share) or
+    None (every row here is a key); ``causal``: the cap in the kernels' form
+    ``(q_pos, c, r + first_row * c)``.
+    """
+
+    q_lat: torch.Tensor
+    q_rope: Optional[torch.Tensor]
+    kv: torch.Tensor
+    pe: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    v_dim: int
+    scale: float
+    mask: Optional[torch.Tensor]
+    kv_lens: Optional[torch.Tensor]
+    causal: Optional[Causal]
+    lens_stripe: Tuple[int, int]
+    first_row: int
+    lse_base: str
+    page_table: Optional[torch.Tensor]
+    page_size: int
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+    def parts(self) -> Parts:
+        if "parts" not in self._cache:
+            if self.v is not None:
+                raise ValueError("per-head keys and values have no MLA score parts")
+            self._cache["parts"] = split_parts(self.q_lat, self.q_rope, self.kv, self.pe, self.v_dim)
+        return self._cache["parts"]
+
+    @classmethod
+    def of(cls, call: AttentionCall) -> "ShardView":
+        c, r = call.stripe
+        first = _local_length(call.kv_start, c, r)
+        kv, pe, v, mask, lens = call.kv, call.pe, call.v, call.mask, call.kv_lens
+        page_size = kv.shape[1] if call.paged else 1
+        if not call.paged:
+            if kv.dim() < 3:
+                raise ValueError(f"kv must be [B, T, Dk] (or [B, T, Hk, D] with v), got shape {tuple(kv.shape)}")
+            end = None
+            if isinstance(lens, int):
+                end = _local_length(lens, c, r)
+                if kv.shape[1] < end:
+                    raise ValueError(f"the caches have {kv.shape[1]} local rows, rank {r} of {c} owns {end} "
+                                     f"positions below kv_lens={lens}")
+                lens = None
+            if v is not None and v.shape[1] < (end if end is not None else kv.shape[1]):
+                raise ValueError(f"v has {v.shape[1]} local rows, the keys {kv.shape[1]}")
+            if first or end is not None:
+                rows = slice(first, end)
+                kv = kv[:, rows]
+                pe = pe[:, rows] if pe is not None else None
+                v = v[:, rows] if v is not None else None
+        if mask is not None and mask.shape[-1] != 1:
+            if isinstance(call.kv_lens, int) and mask.shape[-1] != call.kv_lens - call.kv_start:
+                raise ValueError(f"the mask's last dim is {mask.shape[-1]}; it must cover the visible global key "
+                                 f"positions [kv_start, kv_lens) = [{call.kv_start}, {call.kv_lens}) "
+                                 f"({call.kv_lens - call.kv_start}), or be 1 to broadcast")
+            # global column j is position kv_start + j: the rank's first is column (r - kv_start) mod c
+            mask = mask[..., (r - call.kv_start) % c::c] if c > 1 else mask
+        causal = None if call.q_pos is None else Causal(call.q_pos, c, r + first * c)
+        return cls(call.q_lat, call.q_rope, kv, pe, v, call.v_dim, call.scale, mask, lens, causal, (c, r), first,
+                   call.lse_base, call.page_table, page_size)

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dcp_pass.runtime.decode.call import (AttentionCall, Causal, Parts, as_causal, check_base,  # noqa: F401
+from dcp_pass.runtime.decode.call import (AttentionCall, Causal, Parts, ShardView, check_base,  # noqa: F401
                                           mask_rows_shared, pow2, split_parts)
 
 try:  # triton is optional at import time (CPU-only installs still get the reference)
@@ -34,9 +34,9 @@ __all__ = [
     "LOG2E",
     "LN2",
     "Causal",
-    "as_causal",
     "Parts",
     "AttentionCall",
+    "ShardView",
     "check_base",
     "split_parts",
     "pow2",
@@ -47,9 +47,9 @@ __all__ = [
     "outputs",
     "check_launchable",
     "lse_scale",
+    "only_reference",
     "triton_reason",
     "lens_operand",
-    "local_lens",
     "launch",
     "recording_launches",
     "shard_keys",
@@ -159,13 +159,6 @@ def lens_operand(kv_lens: Optional[torch.Tensor], stripe: Tuple[int, int], B: in
     return kv_lens, (0 if kv_lens.shape[0] == 1 else kv_lens.stride(0)), c, r
 
 
-def local_lens(kv_lens: torch.Tensor, stripe: Tuple[int, int], B: int) -> torch.Tensor:
-    """The counts `lens_operand` describes, as [B] local counts (for the torch reference)."""
-    from dcp_pass.runtime.decode.layout import local_length
-
-    return local_length(kv_lens.to(torch.long).clamp(min=0), *stripe).expand(B)
-
-
 class _LaunchLog(threading.local):
     entries: Optional[list] = None
 
@@ -207,11 +200,22 @@ def lse_scale(base):
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def only_reference(shape) -> Optional[str]:
+    """The calls only the torch reference takes, and why (None for the others)."""
+    if shape.per_head:
+        return "per-head keys and values (GQA / MHA): the torch reference only"
+    if shape.offset_lens:
+        return "a window start (kv_start) with device key counts: the torch reference only"
+    return None
+
+
 def triton_reason(shape) -> Optional[str]:
     """Why the Triton kernels (split and wide) cannot take a call of this
     :class:`~dcp_pass.runtime.decode.call.CallShape` (None: they can)."""
     if not HAS_TRITON:
         return "triton is not importable"
+    if shape.per_head or shape.offset_lens:
+        return only_reference(shape)
     if shape.dtype not in TRITON_DTYPES:
         return f"the Triton kernels take float16, bfloat16 or float32 caches, not {shape.dtype}"
     if not shape.same_dtypes:

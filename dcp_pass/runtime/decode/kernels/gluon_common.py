@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .common import lens_operand, outputs
+from .common import lens_operand, only_reference, outputs
 
 try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
     import triton
@@ -156,6 +156,8 @@ def gluon_reason(shape) -> Optional[str]:
     one row per request serves every head and token (a decode step's); any causal cap."""
     if not HAS_GLUON:
         return "this Triton has no Gluon"
+    if shape.per_head or shape.offset_lens:
+        return only_reference(shape)
     if shape.paged:
         return "it reads contiguous caches, not page pools"
     if shape.device != "cuda" or shape.capability != 9:
@@ -179,8 +181,9 @@ def gluon_offered(shape) -> Optional[str]:
 
 
 def split_frame(call, out, lse_out, num_splits, cfg: GluonConfig):
-    """What both forms' launches start from: (out, lse_out, done, parts, n_hb, ns, lens
-    operand, partial outputs); ``done``: the outputs are final already (no rows, empty shard)."""
+    """What both forms' launches start from, over a call's rank view (a ShardView): (out,
+    lse_out, done, (parts, n_hb, ns, lens operand, partial outputs)); ``done``: the outputs
+    are final already (no rows, empty shard)."""
     from .splits import partial_outputs, split_count
 
     parts = call.parts()

@@ -1,8 +1,10 @@
-"""Shard-local absorbed-MLA decode attention: reference, Triton split-KV kernel, dispatcher.
+"""Shard-local absorbed-MLA decode attention: the split-KV Triton kernel (the registry's "split").
 
 Every DCP rank runs attention for all query heads of its DCP group over its own
 stripe of the latent KV cache and returns a partial output plus its log-sum-exp
-(LSE); `dcp_pass.runtime.decode.merge` combines the partials exactly.
+(LSE); `dcp_pass.runtime.decode.merge` combines the partials exactly. The operands
+come as one :class:`~dcp_pass.runtime.decode.call.AttentionCall`; the kernels read its
+rank view (``call.shard()``).
 
 Shapes (canonical layout, any strides):
 
@@ -14,22 +16,20 @@ Shapes (canonical layout, any strides):
 * ``pe``     [B, T, Dr] or None  rotary keys
 * values are ``kv[..., :v_dim]``
 
-``scores = (q_lat . kv[..., :Dl] + q_rope . pe) * scale (+ mask)``; keys past
-``kv_lens[b]`` (``kv_lens`` [B] or [1]; with ``lens_stripe=(c, r)`` they are global counts
-and the cache is rank r's stripe of c, so rank r's share ``(n + c - 1 - r) // c`` is
-taken inside the kernels) and (with ``causal=(q_pos, c, r)``) keys whose global position
-``k * c + r`` is after the query's global position are invisible. A row with no
-visible key returns output 0 and LSE -inf (never NaN). The LSE is returned in base
-e (``lse_base="e"``) or base 2 (``"2"``); the merge must use the same base.
+``scores = (q_lat . kv[..., :Dl] + q_rope . pe) * scale (+ mask)``; keys past the rank's
+share ``(n + c - 1 - r) // c`` of the global count ``n`` (taken inside the kernels) and,
+with a causal cap, keys whose global position ``k * c + r`` is after the query's are
+invisible. A row with no visible key returns output 0 and LSE -inf (never NaN). The LSE
+is returned in base e (``lse_base="e"``) or base 2 (``"2"``); the merge must use the same
+base.
 
-This module is the registry's "split" kernel (``kernels/registry.py``): two-stage
-flash-decoding. Stage 1 gives each program a block of
-(query token, head) rows and one split of the row's keys, so each KV tile is read
-once for all rows of the block (the latent tile serves as keys and values); stage 2
-merges the splits (``splits.reduce_launch``, shared with the two-GEMM kernel). Split
-sizes are derived on the device from ``kv_lens``, the number of splits from shapes only
-(``splits.split_count``): no host syncs, CUDA-graph capturable. Nothing is registered
-with ``torch.library`` here: the compile pass wraps these functions in its own custom op.
+Two-stage flash-decoding: stage 1 gives each program a block of (query token, head) rows
+and one split of the row's keys, so each KV tile is read once for all rows of the block
+(the latent tile serves as keys and values); stage 2 merges the splits
+(``splits.reduce_launch``, shared with the two-GEMM kernel). Split sizes are derived on the
+device from the key counts, the number of splits from shapes only (``splits.split_count``):
+no host syncs, CUDA-graph capturable. Nothing is registered with ``torch.library`` here:
+the compile pass wraps the registry in its own custom op (runtime/decode/ops.py).
 
 Module layering: ``call`` holds the operands, ``common`` and ``splits`` what the kernels
 share; every kernel module (this one, ``mla_wide``, ``mla_gluon``, ``mla_gluon_roles``,
@@ -53,20 +53,13 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-from .common import (INTERPRETED, LN2, LOG2E, AttentionCall, Causal, as_causal, causal_operand,  # noqa: F401
-                     check_base, check_launchable, cuda_properties, keys_up_to, launch, lens_operand, mask_operand,
-                     outputs, positions_i32, pow2, shard_keys, split_parts, triton_reason)
-from .reference import gather_pages as _gather_pages  # noqa: F401
-from .reference import mla_scores_attention as _reference_impl  # noqa: F401
+from .common import (INTERPRETED, LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
+                     cuda_properties, keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2,
+                     shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
-    "mla_attention",
-    "mla_attention_paged",
     "mla_attention_reference",
-    "mla_attention_reference_paged",
-    "mla_attention_triton",
-    "mla_attention_triton_paged",
     "MLAKernelConfig",
     "pick_config",
     "supports",
@@ -346,15 +339,16 @@ def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int
     launch parameters, ``num_splits`` the split count."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
-    if call.paged:
-        if call.kv.dim() != 3:
-            raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(call.kv.shape)}")
-        if call.page_table.dim() != 2 or call.page_table.shape[0] != call.q_lat.shape[0]:
-            raise ValueError(f"page_table must be [B, max_pages], got {tuple(call.page_table.shape)}")
-    return _launch(call, out, lse_out, num_splits, config)
+    view = call.shard()
+    if view.paged:
+        if view.kv.dim() != 3:
+            raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(view.kv.shape)}")
+        if view.page_table.dim() != 2 or view.page_table.shape[0] != view.q_lat.shape[0]:
+            raise ValueError(f"page_table must be [B, max_pages], got {tuple(view.page_table.shape)}")
+    return _launch(view, out, lse_out, num_splits, config)
 
 
-def _launch(a: AttentionCall, out, lse_out, num_splits, config):
+def _launch(a: ShardView, out, lse_out, num_splits, config):
     """The fused split-KV path (contiguous or paged cache): stage 1, then stage 2 when split."""
     base = check_base(a.lse_base)
     q_lat, kv, page_table, page_size, v_dim = a.q_lat, a.kv, a.page_table, a.page_size, a.v_dim
@@ -378,7 +372,7 @@ def _launch(a: AttentionCall, out, lse_out, num_splits, config):
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    check_launchable(device, kv_lens, "mla_attention_triton", kv.dtype)
+    check_launchable(device, kv_lens, "the split kernel", kv.dtype)
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     has_tail = parts.q_tail is not None
@@ -414,83 +408,23 @@ def _launch(a: AttentionCall, out, lse_out, num_splits, config):
     return out, lse_out
 
 
-# --------------------------------------------------------------------------------------
-# positional entry points (each builds an AttentionCall and goes through the registry)
-# --------------------------------------------------------------------------------------
-def _attend(call, backend, out, lse_out, **options):
-    from dcp_pass.runtime.decode.backends import attend
+def mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None):
+    """The positional torch reference of the last release, kept for one release (its docs
+    example runs it): ``kv_lens`` the shard's own counts, ``causal`` ``(q_pos, c, r)``. Use
+    ``reference.attention_reference(AttentionCall(...))``."""
+    import warnings
 
-    return attend(call, backend, out, lse_out, **options)
-
-
-def mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None,
-                            *, out=None, lse_out=None, lens_stripe=(1, 0)):
-    """Plain torch MLA attention in fp32 (fp64 when the query is fp64): reference.attention_reference."""
     from .reference import attention_reference
 
-    return attention_reference(AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
-                                             lens_stripe=lens_stripe), out, lse_out)
-
-
-def mla_attention_reference_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None,
-                                  lse_base="e", causal=None, *, out=None, lse_out=None):
-    """Paged reference: local token j of row b is ``pool[page_table[b, j // P], j % P]``."""
-    from .reference import attention_reference
-
-    return attention_reference(AttentionCall(q_lat, q_rope, kv_pool, pe_pool, v_dim, scale, mask, kv_lens, lse_base,
-                                             causal, page_table=page_table, page_size=kv_pool.shape[1]), out, lse_out)
-
-
-_PATHS = {"split": "split", "wide": "wide", "gluon": None}
-
-
-def mla_attention_triton(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None, *,
-                         out=None, lse_out=None, num_splits=None, config=None, path=None, lens_stripe=(1, 0)):
-    """The Triton kernels; same contract as the reference. ``path`` None / "auto": the
-    registry's choice among the Triton kernels (registry.TRITON_KERNELS); "split", "wide" or
-    "gluon" (the Gluon kernel of ``config``, default ``GluonConfig()``) forces one; a
-    ``config`` (MLAKernelConfig, WideConfig, GluonConfig) runs the kernel it configures."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not importable")
-    call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, lens_stripe=lens_stripe)
-    if path == "gluon" and config is None:
-        from .gluon_common import GLUON_DEFAULT
-
-        config = GLUON_DEFAULT
-    if path not in (None, "auto", "split", "wide", "gluon"):
-        raise ValueError(f"path must be 'auto', 'split', 'wide' or 'gluon', got {path!r}")
-    if config is not None:
-        if path in _PATHS and _PATHS[path] is not None and _PATHS[path] not in config.kernels:
-            raise ValueError(f"path={path!r} does not take a {type(config).__name__}")
-        return _attend(call, None, out, lse_out, config=config, num_splits=num_splits)
-    if path in ("split", "wide"):
-        return _attend(call, path, out, lse_out, num_splits=num_splits)
-    from .registry import TRITON_KERNELS, choose
-
-    kernel = choose(call.shape, TRITON_KERNELS)
-    return _attend(call, kernel.name if kernel is not None else "split", out, lse_out, num_splits=num_splits)
-
-
-def mla_attention_triton_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None,
-                               lse_base="e", causal=None, *, out=None, lse_out=None, num_splits=None, config=None):
-    """Paged Triton MLA attention over ``kv_pool [num_pages, P, Dk]`` and ``page_table [B, max_pages]``."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not importable")
-    call = AttentionCall(q_lat, q_rope, kv_pool, pe_pool, v_dim, scale, mask, kv_lens, lse_base, causal,
-                         page_table=page_table, page_size=kv_pool.shape[1])
-    return run(call, out, lse_out, num_splits=num_splits, config=config)
-
-
-def mla_attention(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None, *,
-                  out=None, lse_out=None, lens_stripe=(1, 0)):
-    """The "triton" backend: the registry's Triton choice on CUDA, the torch reference otherwise."""
-    call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, lens_stripe=lens_stripe)
-    return _attend(call, "triton", out, lse_out, strict=False)
-
-
-def mla_attention_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None, lse_base="e",
-                        causal=None, *, out=None, lse_out=None):
-    """Paged "triton" backend: the split kernel on CUDA, the torch reference otherwise."""
-    call = AttentionCall(q_lat, q_rope, kv_pool, pe_pool, v_dim, scale, mask, kv_lens, lse_base, causal,
-                         page_table=page_table, page_size=kv_pool.shape[1])
-    return _attend(call, "triton", out, lse_out, strict=False)
+    warnings.warn("mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, ...) is deprecated: use "
+                  "dcp_pass.runtime.decode.kernels.reference.attention_reference(AttentionCall(...))",
+                  DeprecationWarning, stacklevel=2)
+    q_pos, stripe = None, (1, 0)
+    if causal is not None:
+        q_pos, c, r = causal
+        stripe = (int(c), int(r))
+        if stripe != (1, 0) and (kv_lens is not None or mask is not None):
+            raise ValueError("mla_attention_reference: a striped causal cap with counts or a mask needs the "
+                             "AttentionCall form (its counts and mask are global)")
+    return attention_reference(AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask=mask, q_pos=q_pos,
+                                             kv_lens=kv_lens, stripe=stripe, lse_base=lse_base))

@@ -418,6 +418,7 @@ def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int
         config: Optional[GluonConfig] = None):
     """Run the lock-step kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
     cfg = config or GLUON_DEFAULT
+    call = call.shard()
     out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
     if done:
         return out, lse_out

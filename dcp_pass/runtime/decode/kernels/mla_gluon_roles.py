@@ -264,6 +264,7 @@ def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int
     if cfg.tiles != ROLES_TILES:
         raise ValueError(f"the role-split Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
                          f"{ROLES_TILES[2]} stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
+    call = call.shard()
     out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
     if done:
         return out, lse_out

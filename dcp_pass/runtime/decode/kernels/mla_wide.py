@@ -30,8 +30,9 @@ from typing import Optional
 
 import torch
 
-from .common import (HAS_TRITON, LOG2E, AttentionCall, causal_operand, check_base, check_launchable, keys_up_to,
-                     launch, lens_operand, mask_operand, outputs, positions_i32, pow2, shard_keys, triton_reason)
+from .common import (HAS_TRITON, LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
+                     keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2, shard_keys,
+                     triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 
 if HAS_TRITON:
@@ -41,7 +42,7 @@ else:  # pragma: no cover
     triton = None
     tl = None
 
-__all__ = ["WideConfig", "pick_wide_config", "supports", "offered", "unmeasured", "run", "mla_attention_wide"]
+__all__ = ["WideConfig", "pick_wide_config", "supports", "offered", "unmeasured", "run", "plan"]
 
 
 # --------------------------------------------------------------------------------------
@@ -358,12 +359,7 @@ class _Launch:
         launch(self.kernel, self.grid, self.args, self.consts, self.num_warps, self.num_stages)
 
 
-def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg: WideConfig):
-    """:func:`plan` from positional operands (kept for ``benchmarks/offline_wide.py``)."""
-    return plan(AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal), out, lse_out, cfg)
-
-
-def plan(a: AttentionCall, out, lse_out, cfg: WideConfig):
+def plan(a: ShardView, out, lse_out, cfg: WideConfig):
     """The launches of one call (kernel A, kernel B, and the split merge when splits > 1)."""
     base = check_base(a.lse_base)
     q_lat, kv, v_dim, scale, mask, kv_lens, causal = a.q_lat, a.kv, a.v_dim, a.scale, a.mask, a.kv_lens, a.causal
@@ -435,29 +431,18 @@ def plan(a: AttentionCall, out, lse_out, cfg: WideConfig):
     return launches
 
 
-def mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None,
-                       *, out=None, lse_out=None, num_splits=None, config: Optional[WideConfig] = None):
-    """Two-GEMM MLA attention; same contract as ``mla_attention_triton`` (contiguous caches only).
-
-    ``config`` replaces the default tiles (on CUDA still fitted to the shape: block_m to the
-    rows, block_v to the value width); ``num_splits`` overrides the split count.
-    """
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not importable")
-    return run(AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal),
-               out, lse_out, num_splits=num_splits, config=config)
-
-
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
         config: Optional[WideConfig] = None):
     """The registry's entry: :func:`plan` and its launches."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
-    return launch_wide(call, out, lse_out, num_splits, config)
+    return launch_wide(call.shard(), out, lse_out, num_splits, config)
 
 
-def launch_wide(a: AttentionCall, out, lse_out, num_splits, config: Optional[WideConfig]):
-    """The wide kernels' launch on bundled operands."""
+def launch_wide(a: ShardView, out, lse_out, num_splits, config: Optional[WideConfig]):
+    """The wide kernels' launches over a call's rank view; ``config`` replaces the default tiles
+    (on CUDA still fitted to the shape: block_m to the rows, block_v to the value width),
+    ``num_splits`` the split count."""
     check_base(a.lse_base)
     q_lat, kv, v_dim, kv_lens = a.q_lat, a.kv, a.v_dim, a.kv_lens
     parts = a.parts()
@@ -468,7 +453,7 @@ def launch_wide(a: AttentionCall, out, lse_out, num_splits, config: Optional[Wid
     if done:
         return out, lse_out
     SH = S * H
-    check_launchable(device, kv_lens, "mla_attention_wide", kv.dtype)
+    check_launchable(device, kv_lens, "the wide kernel", kv.dtype)
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are
