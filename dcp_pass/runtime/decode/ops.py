@@ -9,11 +9,11 @@ rewrites/cache.py.)
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from dcp_pass import env
 from dcp_pass.runtime.decode import replay
 
 
@@ -84,8 +84,8 @@ def mla_local_attention(
         inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
         # the kernel switches are part of the key: a recording is only replayed under the
         # routing it was made with
-        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, os.environ.get("DCP_MLA_WIDE"),
-                               os.environ.get("DCP_MLA_GLUON"), tensors=inputs)
+        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(),
+                               tensors=inputs)
         return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
                                                                 lse_base, backend))
     return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,

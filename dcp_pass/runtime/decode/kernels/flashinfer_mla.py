@@ -42,7 +42,6 @@ the requested base is applied here, so the backend table's ``lse_base = "2"`` is
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -79,8 +78,6 @@ POS_CAP = 2 ** 31 - 1
 SPAN_CAP = 2 ** 32 - 1
 _ROWS_PER_TILE = 64  # smallest query tile of the MLA kernels (packed query x head rows)
 
-_ENV_BACKEND = "DCP_FLASHINFER_MLA_BACKEND"  # "auto" (default), "fa2" or "fa3"
-_ENV_WORKSPACE = "DCP_FLASHINFER_WORKSPACE_MB"  # float workspace per device, default 128
 
 
 # --------------------------------------------------------------------------------------
@@ -257,10 +254,10 @@ _LOCK = threading.Lock()
 
 
 def _backend_choice() -> str:
-    choice = os.environ.get(_ENV_BACKEND, "auto")
-    if choice not in ("auto", "fa2", "fa3"):
-        raise ValueError(f"{_ENV_BACKEND} must be 'auto', 'fa2' or 'fa3', got {choice!r}")
-    return choice
+    """DCP_FLASHINFER_MLA_BACKEND: "auto" (default), "fa2" or "fa3" (dcp_pass/env.py)."""
+    from dcp_pass import env
+
+    return env.flashinfer_mla_backend()
 
 
 def _runner(device: torch.device) -> _Runner:
@@ -271,7 +268,9 @@ def _runner(device: torch.device) -> _Runner:
         if runner is None:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-            mb = int(os.environ.get(_ENV_WORKSPACE, "128"))
+            from dcp_pass import env
+
+            mb = env.flashinfer_workspace_mb()  # float workspace per device
             workspace = torch.empty(mb << 20, dtype=torch.uint8, device=torch.device("cuda", index))
             runner = _Runner(BatchMLAPagedAttentionWrapper(workspace, backend=key[1]))
             _RUNNERS[key] = runner

@@ -39,7 +39,7 @@ it can run it (``supports``); ``registry`` lists them and chooses.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -53,7 +53,7 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-from .common import (INTERPRETED, LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
+from .common import (LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
                      cuda_properties, keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2,
                      shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
@@ -263,7 +263,9 @@ def _load_tuning_override() -> None:
     import json
     import os
 
-    path = os.environ.get("DCP_MLA_TUNED")
+    from dcp_pass import env
+
+    path = env.mla_tuned()
     if not path or not os.path.exists(path):
         return
     with open(path) as f:

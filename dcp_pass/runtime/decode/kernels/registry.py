@@ -16,7 +16,8 @@ if so, whether the chooser should consider it:
 "triton" is the Gluon forms, the two-GEMM and the split kernel): those that support the
 call and are offered, the fastest measured nearest its shape (``path_table.py``, each
 entry's ``cost_key``), else the first, in registry order, that takes unmeasured calls.
-The ``DCP_MLA_WIDE`` / ``DCP_MLA_GLUON`` switches turn kernels off or force one.
+The ``DCP_MLA_WIDE`` / ``DCP_MLA_GLUON`` switches (``dcp_pass/env.py``) turn kernels off or
+force one.
 
 A new kernel is one module with those functions, one entry here, its tests (and, to be
 chosen by measurement, its timings in ``path_table.py``). Kernel modules are imported when
@@ -25,11 +26,11 @@ first used: importing the registry (options validation) imports no Triton.
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence
 
+from dcp_pass import env
 from dcp_pass.runtime.decode.call import CallShape
 
 __all__ = ["Kernel", "KERNELS", "TRITON_KERNELS", "UNUSABLE", "choose", "switched_off", "forced"]
@@ -98,22 +99,18 @@ TRITON_KERNELS = ("gluon_roles", "gluon_lock_step", "wide", "split")
 UNUSABLE: Dict[str, str] = {}
 
 
-def _env_switch(name: str) -> str:
-    return os.environ.get(name, "")
-
-
 def switched_off(kernel: Kernel) -> Optional[str]:
     """Why an environment switch keeps the chooser from offering `kernel` (None: none does)."""
-    if kernel.name == "wide" and _env_switch("DCP_MLA_WIDE") == "0":
+    if kernel.name == "wide" and env.mla_wide() == "0":
         return "DCP_MLA_WIDE=0"
-    if kernel.group == "gluon" and _env_switch("DCP_MLA_GLUON") == "0":
+    if kernel.group == "gluon" and env.mla_gluon() == "0":
         return "DCP_MLA_GLUON=0"
     return None
 
 
 def forced() -> Optional[str]:
     """The kernel an environment switch sends every call to that it supports (DCP_MLA_WIDE=1)."""
-    return "wide" if _env_switch("DCP_MLA_WIDE") == "1" else None
+    return "wide" if env.mla_wide() == "1" else None
 
 
 def candidates(shape: CallShape, names: Iterable[str]) -> list:
