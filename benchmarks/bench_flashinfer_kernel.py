@@ -30,7 +30,8 @@ from bench_kernel import check, counts, graph_of, make_case, time_triton  # noqa
 from common import (KV_LORA, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table, matmul_rate,  # noqa: E402
                     write_json)
 
-from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
+from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
+from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E402
 
 SHAPES = "64x8x32768,64x8x131072,64x32x32768,64x32x131072,128x8x32768,128x8x131072,128x32x32768,128x32x131072"
 
@@ -68,7 +69,7 @@ def flashinfer_call(q, kv, page_size):
 
 def flashinfer_rows(rec, sets, flops, ceil, floor):
     q, kv = sets[0]
-    ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, None, None, None, torch.float32)
+    ro, rl = attention_impl(AttentionCall(q[:1], None, kv[:1], None, KV_LORA, SCALE), torch.float32)
     for page_size in (kv.shape[1], 64):
         tag = "fi_page_T" if page_size == kv.shape[1] else f"fi_page_{page_size}"
         try:

@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import KV_LORA, ROPE, SCALE, env_info, fmt_table, without_replay, write_json  # noqa: E402
 
 import dcp_pass.runtime.decode.ops  # noqa: E402,F401  (registers torch.ops.dcp)
-from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
+from dcp_pass.runtime.decode.backends import attend  # noqa: E402
+from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 
 
 def per_call_us(fn, n=200, dev="cuda"):
@@ -66,7 +67,7 @@ def main():
                                                                   "e", "auto", glens)),
             ("op_lens_python", lambda: without_replay(lambda: torch.ops.dcp.mla_local_attention(
                 q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None, "e", "auto", glens))),
-            ("dispatcher", lambda: M.mla_attention(q, None, kv[:, :T], None, KV_LORA, SCALE)),
+            ("dispatcher", lambda: attend(AttentionCall(q, None, kv[:, :T], None, KV_LORA, SCALE), "triton")),
             ("empty_x2", lambda: (torch.empty(B, 1, H, KV_LORA, device=dev), torch.empty(B, 1, H, device=dev))),
         ]:
             rows.append(dict(H=H, entry=name, us_per_call=per_call_us(fn, dev=dev)))

@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table,  # noqa: E402
                     matmul_rate, write_json)
 
+from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
+from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
+from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
@@ -109,9 +112,14 @@ def time_fn(fn, sets, graph=True, **kw):
 
 
 def triton_call(config=None, path="split", extras=None):
-    """One call of the Triton dispatcher on (q, kv) with ``extras`` (mask / causal) added."""
-    return lambda q, kv: M.mla_attention_triton(q, None, kv, None, KV_LORA, SCALE, config=config, path=path,
-                                                **(extras or {}))
+    """One call of a kernel on (q, kv) with ``extras`` (AttentionCall's mask / q_pos) added: the
+    kernel ``path`` names, or the one ``config`` configures ("gluon" without a config: the
+    default Gluon config's)."""
+    if path == "gluon" and config is None:
+        config = G.GLUON_DEFAULT
+    kernel = None if config is not None else path
+    return lambda q, kv: attend(AttentionCall(q, None, kv, None, KV_LORA, SCALE, **(extras or {})), kernel,
+                                config=config)
 
 
 def time_triton(sets, config=None, graph=True, path="split", extras=None):
@@ -123,11 +131,8 @@ def check(sets, path="split", config=None, extras=None):
     same mask / causal ``extras``."""
     q, kv = sets[0]
     o, lse = triton_call(config, path, extras)(q, kv)
-    extras = extras or {}
-    mask, causal = extras.get("mask"), extras.get("causal")
-    causal = None if causal is None else M.Causal(causal.q_pos[:1], causal.cp_world, causal.cp_rank)
-    ro, rl = M._reference_impl(q[:1], None, kv[:1], None, KV_LORA, SCALE, None if mask is None else mask[:1], None,
-                               causal, torch.float32)
+    extras = {k: v[:1] for k, v in (extras or {}).items()}
+    ro, rl = attention_impl(AttentionCall(q[:1], None, kv[:1], None, KV_LORA, SCALE, **extras), torch.float32)
     err = ((o[:1].float() - ro).norm() / ro.norm()).item()
     lerr = (lse[:1] - rl).abs().max().item()
     return err, lerr
@@ -359,9 +364,8 @@ def table(results, ceil, heads, batches, ctxs, einsum=True, wide_min_rows=64, gl
             rec["eager_ms"] = time_triton(sets, graph=False)
             floor = floor_ms(nbytes, flops, ceil)
             q0, kv0 = sets[0]
-            # what the dispatcher picks for this call (the "ms" column times the split kernel)
-            rec["auto"] = ("gluon" if G.gluon_preferred(q0, None, kv0, None, KV_LORA) else
-                           "wide" if W.route_wide(None, None, q0, None, kv0, None, KV_LORA) else "split")
+            # what the chooser picks for this call (the "ms" column times the split kernel)
+            rec["auto"] = choose_kernel(AttentionCall(q0, None, kv0, None, KV_LORA, SCALE), "triton").name
             if H >= wide_min_rows:
                 try:
                     wcfg = W.pick_wide_config(H, KV_LORA + ROPE, 0, KV_LORA, B, T, torch.device(DEV))

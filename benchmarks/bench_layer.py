@@ -179,11 +179,12 @@ class Layer:
         return layout.local_length(self.pos + 1, c, r)
 
     def attend(self, qf, kv_lens):
-        from dcp_pass.runtime.decode.backends import resolve_attention_backend
+        from dcp_pass.runtime.decode.backends import attend
+        from dcp_pass.runtime.decode.call import AttentionCall
 
-        # None: Triton on CUDA, the torch reference elsewhere (runtime/decode/backends.py)
-        run = resolve_attention_backend(None, qf.device, self.cache.dtype).run
-        return run(qf, None, self.cache, None, self.dims["kv_lora"], self.scale, None, kv_lens, "e")
+        # None: the Triton kernels on CUDA, the torch reference elsewhere (runtime/decode/backends.py);
+        # kv_lens are this rank's own counts here (stripe (1, 0))
+        return attend(AttentionCall(qf, None, self.cache, None, self.dims["kv_lora"], self.scale, kv_lens=kv_lens), None)
 
     def exchange(self, o, lse):
         from dcp_pass.runtime.decode.backends import COMM_BACKENDS

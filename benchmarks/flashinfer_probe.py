@@ -236,9 +236,10 @@ def _lse_err(a, b):
 def adapter_stage():
     import torch
 
-    from dcp_pass.runtime.decode.backends import resolve_attention_backend
+    from dcp_pass.runtime.decode.backends import attend, resolve_attention_backend
+    from dcp_pass.runtime.decode.call import AttentionCall
     from dcp_pass.runtime.decode.kernels import flashinfer_mla as fim
-    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
+    from dcp_pass.runtime.decode.kernels.reference import attention_reference
 
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(1)
@@ -248,7 +249,10 @@ def adapter_stage():
 
     def ref(q_lat, q_rope, kv, pe, v_dim, scale, **kw):
         d = (lambda t: None if t is None else t.double())  # noqa: E731
-        return mla_attention_reference(d(q_lat), d(q_rope), d(kv), d(pe), v_dim, scale, **kw)
+        return attention_reference(AttentionCall(d(q_lat), d(q_rope), d(kv), d(pe), v_dim, scale, **kw))
+
+    def run(q_lat, q_rope, kv, pe, v_dim, scale, **kw):
+        return attend(AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, **kw), "flashinfer")
 
     cases = {}
     res = {"cases": cases, "backend_env": os.environ.get("DCP_FLASHINFER_MLA_BACKEND", "auto")}
@@ -261,17 +265,17 @@ def adapter_stage():
     q_lat, q_rope, kv, pe = rnd(B, 1, H, 512), rnd(B, 1, H, 64), rnd(B, T, 512), rnd(B, T, 64)
     lens = torch.tensor([4500, 0, 3001, 17], device=dev)
     for base in ("2", "e"):
-        o, lse = entry.run(q_lat, q_rope, kv, pe, 512, scale, None, lens, base, None)
+        o, lse = run(q_lat, q_rope, kv, pe, 512, scale, kv_lens=lens, lse_base=base)
         ro, rl = ref(q_lat, q_rope, kv, pe, 512, scale, kv_lens=lens, lse_base=base)
         cases[f"dense_decode_base{base}"] = {"rel_err": _rel(o, ro), "lse_maxerr": _lse_err(lse, rl)}
 
     # fused cache (one [.., 576] tensor) and v_dim < 512 on a split cache
     kvf = torch.cat([kv, pe], -1)
     qf = torch.cat([q_lat, q_rope], -1)
-    o, lse = entry.run(qf, None, kvf, None, 512, scale, None, lens, "2", None)
+    o, lse = run(qf, None, kvf, None, 512, scale, kv_lens=lens, lse_base="2")
     ro, rl = ref(qf, None, kvf, None, 512, scale, kv_lens=lens, lse_base="2")
     cases["fused_cache"] = {"rel_err": _rel(o, ro), "lse_maxerr": _lse_err(lse, rl)}
-    o, lse = entry.run(q_lat, q_rope, kv, pe, 384, scale, None, lens, "2", None)
+    o, lse = run(q_lat, q_rope, kv, pe, 384, scale, kv_lens=lens, lse_base="2")
     ro, rl = ref(q_lat, q_rope, kv, pe, 384, scale, kv_lens=lens, lse_base="2")
     cases["v_dim_384"] = {"rel_err": _rel(o, ro), "lse_maxerr": _lse_err(lse, rl)}
 
@@ -280,9 +284,8 @@ def adapter_stage():
     q3, r3 = rnd(B, S, H, 512), rnd(B, S, H, 64)
     glob = torch.tensor([17999, 12002, 9, 3], device=dev)
     q_pos = glob.view(-1, 1) - S + torch.arange(S, device=dev).view(1, -1)
-    local = glob // c + (r < glob % c).long()
-    o, lse = entry.run(q3, r3, kv, pe, 512, scale, None, local, "2", (q_pos, c, r))
-    ro, rl = ref(q3, r3, kv, pe, 512, scale, kv_lens=local, lse_base="2", causal=(q_pos, c, r))
+    o, lse = run(q3, r3, kv, pe, 512, scale, kv_lens=glob, q_pos=q_pos, stripe=(c, r), lse_base="2")
+    ro, rl = ref(q3, r3, kv, pe, 512, scale, kv_lens=glob, q_pos=q_pos, stripe=(c, r), lse_base="2")
     cases["striped_causal_S3_c4"] = {"rel_err": _rel(o, ro), "lse_maxerr": _lse_err(lse, rl)}
 
     # paged: page size 64, shuffled pool, the same causal verification
@@ -297,7 +300,8 @@ def adapter_stage():
     ppe[:, :T] = pe
     pool[table] = padded.view(B, npg, P, 512)
     pepool[table] = ppe.view(B, npg, P, 64)
-    o, lse = entry.run_paged(q3, r3, pool, pepool, table, local, 512, scale, None, "2", (q_pos, c, r))
+    o, lse = run(q3, r3, pool, pepool, 512, scale, kv_lens=glob, q_pos=q_pos, stripe=(c, r), lse_base="2",
+                 page_table=table)
     cases["paged_P64_causal"] = {"rel_err": _rel(o, ro), "lse_maxerr": _lse_err(lse, rl)}
 
     # the custom op the pass emits (int global length and device lengths)
@@ -341,9 +345,12 @@ def _perf_row(H, B, T, mm, triton_fn):
     flops = 2.0 * B * H * T * (576 + 512)
     bytes_ = B * T * 576 * 2
     row = {"H": H, "B": B, "T": T}
-    fns = {"flashinfer": lambda: fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.07, lse_base="2")}
+    from dcp_pass.runtime.decode.call import AttentionCall
+
+    call = AttentionCall(q_lat, q_rope, kv, pe, 512, 0.07, lse_base="2")
+    fns = {"flashinfer": lambda: fim.run(call)}
     if triton_fn is not None:
-        fns["triton"] = lambda: triton_fn(q_lat, q_rope, kv, pe, 512, 0.07, lse_base="2")
+        fns["triton"] = lambda: triton_fn(call, "triton")
     results = {}
     for name, fn in fns.items():
         try:
@@ -369,15 +376,15 @@ def perf_stage(deadline):
     res = {"rows": rows, "mm_rate_tflops": _matmul_rate()}
     torch.cuda.empty_cache()
     try:
-        from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_triton
+        from dcp_pass.runtime.decode.backends import attend as triton_attend
     except Exception as e:  # noqa: BLE001
-        mla_attention_triton = None
+        triton_attend = None
         res["triton_import_error"] = repr(e)
     for H, B, T in ((128, 8, 4096), (128, 8, 32768), (128, 8, 131072), (16, 8, 32768), (16, 8, 131072)):
         if time.time() > deadline:
             res["stopped_early"] = f"budget reached before H={H} B={B} T={T}"
             break
-        row = _perf_row(H, B, T, res["mm_rate_tflops"], mla_attention_triton)
+        row = _perf_row(H, B, T, res["mm_rate_tflops"], triton_attend)
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

@@ -3,7 +3,7 @@
 For each config: registers, spill stack, shared memory and the MMA kind (HGMMA = wgmma,
 HMMA = mma.sync) of kernel A (scores) and kernel B (values), DeepSeek-V3 shapes (fused
 512 + 64 cache, bf16, 128 rows, kv_lens on). The argument list is the launcher's own
-(``mla_wide._plan`` on small CPU tensors: same strides, same specialisation as the JIT:
+(``mla_wide.plan`` on small CPU tensors: same strides, same specialisation as the JIT:
 pointers and multiple-of-16 ints get tt.divisibility = 16, ints equal to 1 become
 constants). See docs/kernels.md, "Checking a kernel offline".
 
@@ -27,6 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
 
 _DT = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
@@ -134,14 +135,15 @@ def main():
         q, qr, kv, pe = torch.randn(B, S, H, 576, generator=g).to(dt), None, torch.randn(B, T, 576, generator=g).to(dt), None
     lens = torch.full((B,), T, dtype=torch.int64)
     mask = torch.zeros(B, S, H, T) if a.mask else None
-    causal = (torch.full((B, S), T), 1, 0) if a.causal else None
+    q_pos = torch.full((B, S), T) if a.causal else None
     cfgs = CONFIGS if not a.configs else [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
     rows = []
     for c in cfgs:
         cfg = W.WideConfig(*c, num_splits=2)
         out = torch.empty(B, S, H, 512, dtype=dt)
         lse = torch.empty(B, S, H)
-        launches = W._plan(q, qr, kv, pe, 512, 0.07, mask, lens, "e", causal, out, lse, cfg)
+        call = AttentionCall(q, qr, kv, pe, 512, 0.07, mask=mask, q_pos=q_pos, kv_lens=lens)
+        launches = W.plan(call.shard(), out, lse, cfg)
         rec = dict(config=list(c), tag=cfg.tag())
         for name, launch, src in (("A", launches[0], W._scores_kernel_src), ("B", launches[1], W._values_kernel_src)):
             try:

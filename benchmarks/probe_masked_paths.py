@@ -25,13 +25,11 @@ from common import floor_ms, probe_parser, probe_shapes  # noqa: E402
 
 import torch  # noqa: E402
 
-from dcp_pass.runtime.decode.kernels.common import Causal  # noqa: E402
-
 CALLS = ("plain", "mask", "causal")
 
 
 def call_extras(kind, B, T, device):
-    """The mask / causal operands of a decode step: "mask" hides the last 7 positions of
+    """The mask / causal operands of a decode step (AttentionCall's keywords): "mask" hides the last 7 positions of
     every request with a [B, 1, 1, T] row (static-position decode), "causal" caps the keys
     at each request's query position T - 8 (int-position decode); "plain": none."""
     if kind == "mask":
@@ -39,7 +37,7 @@ def call_extras(kind, B, T, device):
         mask[..., T - 7:] = float("-inf")
         return dict(mask=mask)
     if kind == "causal":
-        return dict(causal=Causal(torch.full((B, 1), T - 8, device=device, dtype=torch.int64), 1, 0))
+        return dict(q_pos=torch.full((B, 1), T - 8, device=device, dtype=torch.int64))
     return {}
 
 

@@ -14,10 +14,10 @@ never compiles, instead of blocking a collective that later collectives queue be
 from __future__ import annotations
 
 import itertools
-import os
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
+from dcp_pass import env
 from dcp_pass.options import DcpOptionError, DcpOptions
 
 # The n-th dcp backend to compile in this process is matched with the n-th of every
@@ -85,7 +85,7 @@ def check_options_agree(opts: DcpOptions, timeout_s: Optional[float] = None) -> 
     prefix = f"dcp_pass/agreement/{index}/"
     store.set(prefix + str(rank), json.dumps(fingerprint(opts)))
     keys = [prefix + str(r) for r in range(world)]
-    timeout = float(os.environ.get(_TIMEOUT_ENV, 120)) if timeout_s is None else timeout_s
+    timeout = env.agreement_timeout_s() if timeout_s is None else timeout_s
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception as exc:  # the store raises a plain RuntimeError on timeout

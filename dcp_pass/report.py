@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Optional, Sequence
+
+from dcp_pass import env
 
 log = logging.getLogger("dcp_pass")
 
@@ -26,7 +27,7 @@ def _configure_from_env() -> None:
     (TORCH_LOGS itself is parsed when torch is imported and rejects names it does not
     know, so a third-party log cannot live there.)
     """
-    level = os.environ.get("DCP_LOGS", "").strip().lower()
+    level = env.logs_level()
     if not level:
         return
     log.setLevel(logging.DEBUG if level in ("debug", "+dcp", "2") else logging.INFO)

@@ -1,9 +1,7 @@
-"""`backend="dcp"`: one DcpBackend per torch.compile call, freed with its compiled model
-(issue #10 item 6).
+"""`backend="dcp"`: one DcpBackend per torch.compile call, freed with its compiled model.
 
-The registry used to key backends by id(options) and never evict: every compile without
-options shared the entry id(None) (two models, one backend, one report mixing both), and
-every backend stayed alive for the life of the process.
+Compiles without options, or with one options dict, still get a backend (and a report)
+each; a dead compiled model frees its backend and its tensors.
 """
 from __future__ import annotations
 

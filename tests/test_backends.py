@@ -15,7 +15,8 @@ from dcp_pass.runtime.decode.backends import (
     attention_lse_base,
     resolve_attention_backend,
 )
-from dcp_pass.runtime.decode.kernels import mla_attention as kernels
+from dcp_pass.runtime.decode.call import AttentionCall
+from dcp_pass.runtime.decode.kernels.reference import attention_reference
 
 
 def test_option_names_come_from_the_tables():
@@ -74,6 +75,20 @@ def test_torch_backend_runs_the_reference():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 4, 8, generator=g)
     kv = torch.randn(2, 5, 8, generator=g)
-    out, lse = backends.ATTENTION_BACKENDS["torch"].run(q, None, kv, None, 6, 0.3)
-    ref_out, ref_lse = kernels.mla_attention_reference(q, None, kv, None, 6, 0.3)
+    call = AttentionCall(q, None, kv, None, 6, 0.3)
+    out, lse = backends.attend(call, "torch")
+    ref_out, ref_lse = attention_reference(call)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert backends.ATTENTION_BACKENDS["torch"].kernels == ("torch",)
+
+
+def test_the_positional_reference_of_the_last_release_still_runs():
+    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
+
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 9, 8, generator=g)
+    lens, q_pos = torch.tensor([5, 9]), torch.tensor([[2, 3, 4], [6, 7, 8]])
+    with pytest.warns(DeprecationWarning, match="AttentionCall"):
+        out, lse = mla_attention_reference(q, None, kv, None, 6, 0.3, kv_lens=lens, causal=(q_pos, 1, 0))
+    want = attention_reference(AttentionCall(q, None, kv, None, 6, 0.3, kv_lens=lens, q_pos=q_pos))
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from dcp_pass.runtime.compose.extend import extend_attention_dcp, extend_attention_gather, gather_prefix
+from dcp_pass.runtime.decode.call import AttentionCall
 from dcp_pass.runtime.decode.layout import local_capacity, local_length, striped_write_
 from dcp_pass.testing import Checks, run_ranks
 
@@ -31,6 +33,11 @@ def _naive(q, qr, prefix, new, new_pe_, prefix_pe, lens):
             s = (q[b, i].double() @ k.T + qr[b, i].double() @ kp.T) * SCALE  # [H, T]
             out[b, i] = torch.softmax(s, dim=-1) @ k
     return out
+
+
+def _call(q, qr, kv, pe, c, r):
+    """The new tokens' queries over rank r's striped caches."""
+    return AttentionCall(q, qr, kv, pe, DL, SCALE, stripe=(c, r))
 
 
 def _striped(full, lens, cap, c, r):
@@ -75,7 +82,7 @@ def _extend_worker(rank, world, seed):
 
         # (a) gather path
         kv, pe = kv0.clone(), pe0.clone()
-        out, lse = extend_attention_gather(q, qr, new, new_pe, kv, pe, lens, grp, c, r, DL, SCALE)
+        out, lse = extend_attention_gather(_call(q, qr, kv, pe, c, r), new, new_pe, lens, grp)
         err_g = (out - ref).abs().max().item()
         check(err_g < 1e-4, ("gather", c, lens, err_g))
         # the new tokens were written striped, nothing else changed
@@ -91,18 +98,17 @@ def _extend_worker(rank, world, seed):
         # (b) DCP path: local partials with global causality + the usual exchanges
         hs = slice(r * H // c, (r + 1) * H // c)
         kv_d, pe_d = kv0.clone(), pe0.clone()
-        shard = extend_attention_dcp(q, qr, new, new_pe, kv_d, pe_d, lens, c, r, DL, SCALE,
-                                     exchange="a2a", group=grp)
+        shard = extend_attention_dcp(_call(q, qr, kv_d, pe_d, c, r), new, new_pe, lens, exchange="a2a", group=grp)
         check(torch.equal(kv_d, kv) and torch.equal(pe_d, pe), "dcp writes differ")  # same striped writes as (a)
         check(shard.shape == (B, S, H // c, DL), shard.shape)
         err_d = (shard - ref[:, :, hs]).abs().max().item()
         check(err_d < 1e-4, ("dcp a2a", c, lens, err_d))
-        rep = extend_attention_dcp(q, qr, new, new_pe, kv0.clone(), pe0.clone(), lens, c, r, DL, SCALE,
+        rep = extend_attention_dcp(_call(q, qr, kv0.clone(), pe0.clone(), c, r), new, new_pe, lens,
                                    exchange="replicated", group=grp.group_name)
         err_r = (rep - ref).abs().max().item()
         check(err_r < 1e-4, ("dcp replicated", c, lens, err_r))
         # the local partial alone is NOT the answer for c > 1 (the test can tell)
-        o_loc, _ = extend_attention_dcp(q, qr, new, new_pe, kv0.clone(), pe0.clone(), lens, c, r, DL, SCALE)
+        o_loc, _ = extend_attention_dcp(_call(q, qr, kv0.clone(), pe0.clone(), c, r), new, new_pe, lens)
         check((o_loc - ref).abs().max().item() > 1e-2, "local partial already equals the merge")
         log.append((c, tuple(lens.tolist()), S, err_g, err_d, err_r))
     return log, check.fails
@@ -124,7 +130,16 @@ def test_extend_single_rank_equals_both_paths():
     q, qr = torch.randn(B, S, H, DL), torch.randn(B, S, H, DR)
     ref = _naive(q, qr, prefix, new, new_pe, prefix_pe, lens).float()
     kv, pe = _striped(prefix, lens, 10, 1, 0), _striped(prefix_pe, lens, 10, 1, 0)
-    out, _ = extend_attention_gather(q, qr, new, new_pe, kv.clone(), pe.clone(), lens, None, 1, 0, DL, SCALE)
+    out, _ = extend_attention_gather(_call(q, qr, kv.clone(), pe.clone(), 1, 0), new, new_pe, lens, None)
     assert (out - ref).abs().max() < 1e-4
-    out2 = extend_attention_dcp(q, qr, new, new_pe, kv.clone(), pe.clone(), lens, 1, 0, DL, SCALE, exchange="a2a")
+    out2 = extend_attention_dcp(_call(q, qr, kv.clone(), pe.clone(), 1, 0), new, new_pe, lens, exchange="a2a")
     assert (out2 - ref).abs().max() < 1e-4
+    # the positional form of the last release still works, with a DeprecationWarning
+    with pytest.warns(DeprecationWarning, match="AttentionCall"):
+        old = extend_attention_gather(q, qr, new, new_pe, kv.clone(), pe.clone(), lens, None, 1, 0, DL, SCALE)[0]
+    with pytest.warns(DeprecationWarning, match="AttentionCall"):
+        old2 = extend_attention_dcp(q, qr, new, new_pe, kv.clone(), pe.clone(), lens, 1, 0, DL, SCALE,
+                                    exchange="a2a")
+    assert torch.equal(old, out) and torch.equal(old2, out2)
+    with pytest.raises(ValueError, match="come from prefix_lens"):
+        extend_attention_dcp(_call(q, qr, kv.clone(), pe.clone(), 1, 0).replace(kv_lens=3), new, new_pe, lens)

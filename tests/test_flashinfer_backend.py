@@ -1,4 +1,4 @@
-"""attn_backend="flashinfer" (issue #14 item 2): FlashInfer's BatchMLAPagedAttentionWrapper.
+"""attn_backend="flashinfer": FlashInfer's BatchMLAPagedAttentionWrapper.
 
 CPU tests (always run): the host-side planning (visible key counts under striped
 causality, row chunks, per-request page lists), the table entry, the cudagraphs and
@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from dcp_pass.options import DcpOptionError, DcpOptions
-from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, attention_lse_base, resolve_attention_backend
+from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, attend, attention_lse_base, resolve_attention_backend
+from dcp_pass.runtime.decode.call import AttentionCall
 from dcp_pass.runtime.decode.kernels import flashinfer_mla as fim
-from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference, mla_attention_reference_paged
+from dcp_pass.runtime.decode.kernels.reference import attention_reference
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 needs_gpu_flashinfer = pytest.mark.skipif(not (HAS_FLASHINFER and torch.cuda.is_available()),
@@ -97,7 +98,7 @@ def test_rows_within_span():
 # --------------------------------------------------------------------------------------
 def test_table_entry():
     entry = ATTENTION_BACKENDS["flashinfer"]
-    assert entry.run is not None and entry.run_paged is not None
+    assert entry.kernels == ("flashinfer",)
     assert entry.lse_base == "2" == attention_lse_base("flashinfer")
     assert entry.capturable is False and entry.takes_mask is False
     assert ATTENTION_BACKENDS["triton"].capturable and ATTENTION_BACKENDS["triton"].takes_mask
@@ -165,8 +166,8 @@ def test_kernel_input_checks():
 def test_mask_refused_at_run():
     q = torch.zeros(1, 1, 2, 512)
     with pytest.raises(NotImplementedError, match="no additive mask"):
-        fim.mla_attention_flashinfer(q, torch.zeros(1, 1, 2, 64), torch.zeros(1, 3, 512), torch.zeros(1, 3, 64),
-                                     512, 1.0, mask=torch.zeros(1, 1, 2, 3))
+        fim.run(AttentionCall(q, torch.zeros(1, 1, 2, 64), torch.zeros(1, 3, 512), torch.zeros(1, 3, 64), 512, 1.0,
+                              mask=torch.zeros(1, 1, 2, 3)))
 
 
 # --------------------------------------------------------------------------------------
@@ -238,16 +239,16 @@ def _close(got, want, rtol=1e-4):
 def test_dense_decode_emulated(emulated, base, fused):
     q_lat, q_rope, kv, pe = _inputs(3, 1, 4, 9, fused=fused)
     lens = torch.tensor([9, 0, 4])  # an empty shard row: output 0, LSE -inf
-    got = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.05, kv_lens=lens, lse_base=base)
-    want = mla_attention_reference(q_lat, q_rope, kv, pe, 512, 0.05, kv_lens=lens, lse_base=base)
-    _close(got, want)
+    call = AttentionCall(q_lat, q_rope, kv, pe, 512, 0.05, kv_lens=lens, lse_base=base)
+    got = fim.run(call)
+    _close(got, attention_reference(call))
     assert torch.isneginf(got[1][1]).all() and (got[0][1] == 0).all()
 
 
 def test_dense_without_lengths_and_short_values(emulated):
     q_lat, q_rope, kv, pe = _inputs(2, 1, 3, 6)
-    got = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 384, 0.1)
-    _close(got, mla_attention_reference(q_lat, q_rope, kv, pe, 384, 0.1))
+    call = AttentionCall(q_lat, q_rope, kv, pe, 384, 0.1)
+    _close(fim.run(call), attention_reference(call))
 
 
 @pytest.mark.parametrize("c, r", [(1, 0), (4, 1), (4, 3)])
@@ -256,20 +257,18 @@ def test_striped_causal_verification_emulated(emulated, c, r):
     q_lat, q_rope, kv, pe = _inputs(B, S, H, T, seed=c + r)
     kv_len = torch.tensor([4 * c + 2, 6 * c])  # global lengths including the S verified tokens
     q_pos = kv_len.view(-1, 1) - S + torch.arange(S).view(1, -1)
-    local = kv_len // c + (r < kv_len % c).long()
-    got = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.07, kv_lens=local, causal=(q_pos, c, r))
-    want = mla_attention_reference(q_lat, q_rope, kv, pe, 512, 0.07, kv_lens=local, causal=(q_pos, c, r))
-    _close(got, want)
+    call = AttentionCall(q_lat, q_rope, kv, pe, 512, 0.07, kv_lens=kv_len, q_pos=q_pos, stripe=(c, r))
+    _close(fim.run(call), attention_reference(call))
 
 
-def test_global_lengths_with_lens_stripe(emulated):
-    # the op's convention for device counts: global counts, the kernel takes rank r's share
+def test_global_lengths_with_a_stripe(emulated):
+    # global counts, the kernel takes rank r's share
     c, r = 4, 3
     q_lat, q_rope, kv, pe = _inputs(3, 1, 2, 6)
     glob = torch.tensor([21, 4, 3])
     local = glob // c + (r < glob % c).long()
-    got = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=glob, lens_stripe=(c, r))
-    _close(got, mla_attention_reference(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=local))
+    got = fim.run(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=glob, stripe=(c, r)))
+    _close(got, attention_reference(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=local)))
     assert torch.isneginf(got[1][2]).all()  # 3 global keys: none on rank 3
 
 
@@ -277,9 +276,9 @@ def test_plan_reused_across_layers(emulated):
     q_lat, q_rope, kv, pe = _inputs(2, 1, 2, 5)
     lens = torch.tensor([5, 3])
     for _ in range(3):  # three layers of one step: one plan
-        fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=lens)
+        fim.run(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=lens))
     assert emulated.plans == 1
-    fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=torch.tensor([5, 4]))
+    fim.run(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=torch.tensor([5, 4])))
     assert emulated.plans == 2
 
 
@@ -287,14 +286,15 @@ def test_row_chunks_split_plans(emulated, monkeypatch):
     monkeypatch.setattr(fim, "WORK_CAP", 2)
     q_lat, q_rope, kv, pe = _inputs(5, 1, 3, 6)
     lens = torch.tensor([6, 2, 0, 5, 1])
-    got = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=lens)
+    call = AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=lens)
+    got = fim.run(call)
     assert emulated.plans == 3  # rows (0, 1), (2, 3), (4,)
-    _close(got, mla_attention_reference(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=lens))
+    _close(got, attention_reference(call))
 
 
 def test_whole_shard_empty(emulated):
     q_lat, q_rope, kv, pe = _inputs(2, 1, 2, 0)
-    out, lse = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.1)
+    out, lse = fim.run(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1))
     assert (out == 0).all() and torch.isneginf(lse).all() and emulated.plans == 0
 
 
@@ -307,16 +307,14 @@ def test_paged_emulated(emulated, S):
     kv_pool = torch.randn(pages, P, 512, generator=g)
     pe_pool = torch.randn(pages, P, 64, generator=g)
     table = torch.tensor([[3, 1, 7], [0, 0, 0], [8, 2, 5]])
-    lens = torch.tensor([10, 0, 12])
-    causal = None
-    if S > 1:
-        q_pos = torch.tensor([[15, 16, 17], [0, 1, 2], [21, 22, 23]])
-        causal = (q_pos, 2, 1)
-    got = fim.mla_attention_flashinfer_paged(q_lat, q_rope, kv_pool, pe_pool, table, lens, 512, 0.05,
-                                             lse_base="2", causal=causal)
-    want = mla_attention_reference_paged(q_lat, q_rope, kv_pool, pe_pool, table, lens, 512, 0.05,
-                                         lse_base="2", causal=causal)
-    _close(got, want)
+    lens = torch.tensor([10, 0, 12])  # each row's local keys
+    extra = {}
+    if S > 1:  # rank 1 of 2: global counts whose share is lens, global query positions
+        extra = dict(q_pos=torch.tensor([[15, 16, 17], [0, 1, 2], [21, 22, 23]]), stripe=(2, 1))
+        lens = lens * 2
+    call = AttentionCall(q_lat, q_rope, kv_pool, pe_pool, 512, 0.05, kv_lens=lens, lse_base="2", page_table=table,
+                         **extra)
+    _close(fim.run(call), attention_reference(call))
 
 
 # --------------------------------------------------------------------------------------
@@ -326,6 +324,14 @@ def _gpu_inputs(B, S, H, T, fused=False, seed=0):
     q_lat, q_rope, kv, pe = _inputs(B, S, H, T, fused=fused, seed=seed)
     cast = lambda t: None if t is None else (t * 0.5).to("cuda", torch.bfloat16)  # noqa: E731
     return cast(q_lat), cast(q_rope), cast(kv), cast(pe)
+
+
+def _ref64(call):
+    """The reference in float64 from float64 copies, LSE in the call's base."""
+    from dcp_pass.runtime.decode.kernels.reference import attention_reference
+
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    return attention_reference(call.replace(q_lat=d(call.q_lat), q_rope=d(call.q_rope), kv=d(call.kv), pe=d(call.pe)))
 
 
 def _gpu_check(got, want):
@@ -346,10 +352,8 @@ def test_gpu_dense_decode(H, fused):
     lens = torch.tensor([1500, 0, 777, 1], device="cuda")
     scale = 1 / math.sqrt(192)
     for base in ("2", "e"):
-        got = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, scale, kv_lens=lens, lse_base=base)
-        ref = mla_attention_reference(q_lat.double(), None if q_rope is None else q_rope.double(), kv.double(),
-                                      None if pe is None else pe.double(), 512, scale, kv_lens=lens, lse_base=base)
-        _gpu_check(got, ref)
+        call = AttentionCall(q_lat, q_rope, kv, pe, 512, scale, kv_lens=lens, lse_base=base)
+        _gpu_check(fim.run(call), _ref64(call))
 
 
 @needs_gpu_flashinfer
@@ -358,12 +362,9 @@ def test_gpu_striped_causal_and_paged():
     q_lat, q_rope, kv, pe = _gpu_inputs(B, S, H, T, seed=1)
     kv_len = torch.tensor([2001, 2790], device="cuda")
     q_pos = kv_len.view(-1, 1) - S + torch.arange(S, device="cuda").view(1, -1)
-    local = kv_len // c + (r < kv_len % c).long()
-    causal = (q_pos, c, r)
-    got = fim.mla_attention_flashinfer(q_lat, q_rope, kv, pe, 512, 0.04, kv_lens=local, causal=causal)
-    ref = mla_attention_reference(q_lat.double(), q_rope.double(), kv.double(), pe.double(), 512, 0.04,
-                                  kv_lens=local, causal=causal)
-    _gpu_check(got, ref)
+    call = AttentionCall(q_lat, q_rope, kv, pe, 512, 0.04, kv_lens=kv_len, q_pos=q_pos, stripe=(c, r))
+    ref = _ref64(call)
+    _gpu_check(fim.run(call), ref)
     P = 64
     n_pages = T // P + 1
     pool = torch.zeros(2 * n_pages + 3, P, 512, dtype=kv.dtype, device="cuda")
@@ -375,15 +376,12 @@ def test_gpu_striped_causal_and_paged():
     pad_pe[:, :T] = pe
     pool[table] = padded.view(B, n_pages, P, 512)
     pepool[table] = pad_pe.view(B, n_pages, P, 64)
-    got = fim.mla_attention_flashinfer_paged(q_lat, q_rope, pool, pepool, table, local, 512, 0.04, causal=causal)
-    _gpu_check(got, ref)
+    _gpu_check(fim.run(call.replace(kv=pool, pe=pepool, page_table=table)), ref)
 
 
 @needs_gpu_flashinfer
 def test_gpu_backend_table_run():
     q_lat, q_rope, kv, pe = _gpu_inputs(2, 1, 16, 300)
-    entry = resolve_attention_backend("flashinfer", q_lat.device, kv.dtype)
-    got = entry.run(q_lat, q_rope, kv, pe, 512, 0.1, None, torch.tensor([300, 17], device="cuda"), "2", None)
-    ref = mla_attention_reference(q_lat.double(), q_rope.double(), kv.double(), pe.double(), 512, 0.1,
-                                  kv_lens=torch.tensor([300, 17], device="cuda"), lse_base="2")
-    _gpu_check(got, ref)
+    assert resolve_attention_backend("flashinfer", q_lat.device, kv.dtype).name == "flashinfer"
+    call = AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=torch.tensor([300, 17], device="cuda"), lse_base="2")
+    _gpu_check(attend(call, "flashinfer"), _ref64(call))

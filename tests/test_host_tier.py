@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from dcp_pass.runtime.decode.comm import exchange_replicated
 from dcp_pass.runtime.compose.host_tier import HostKVTier, HostTierError, local_rows, widened_page_indices
-from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
+from dcp_pass.runtime.decode.call import AttentionCall
+from dcp_pass.runtime.decode.kernels.reference import attention_reference
 from dcp_pass.runtime.decode.layout import PagedVirtualAllocator, filter_owned, owned_positions
 from dcp_pass.testing import Checks, run_ranks
 
@@ -101,7 +102,7 @@ def test_index_helpers_reject_negative_and_bool_arguments():
 def _attend(q, pool, r2t, n, c, r, group_name):
     pos = owned_positions(0, n, c, r)
     kv = pool[r2t[pos] // c].unsqueeze(0)
-    o, lse = mla_attention_reference(q, None, kv, None, DL, SCALE)
+    o, lse = attention_reference(AttentionCall(q, None, kv, None, DL, SCALE))
     return exchange_replicated(o, lse, group_name, c)
 
 
@@ -170,7 +171,7 @@ def _tier_worker(rank, world, seed):
         kept, _, slots = filter_owned(v, c, r)
         pool[slots] = dense[n:][kept]
         out = _attend(q2, pool, alloc.req_to_token("a"), n + 1, c, r, gname)
-        ref, _ = mla_attention_reference(q2, None, dense.unsqueeze(0), None, DL, SCALE)
+        ref, _ = attention_reference(AttentionCall(q2, None, dense.unsqueeze(0), None, DL, SCALE))
         err = (out - ref).abs().max().item()
         check(err < 1e-5, (n, err))
         results.append((n, err))

@@ -21,17 +21,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, poisoned  # noqa: E402
+from kit.kernels import check_close, global_counts, poisoned, ref32  # noqa: E402,F401
+
+from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 
 
 def test_not_offered_off_its_scope():
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode.kernels.registry import KERNELS
 
     q = torch.zeros(1, 1, 8, 576, dtype=torch.bfloat16)
     kv = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
-    assert not G.gluon_supported(q, None, kv, None, 512)  # CPU tensors
-    assert not G.gluon_supported(q, None, kv, None, 512, mask=torch.zeros(1, 1, 1, 16))
-    assert not G.gluon_supported(q.float(), None, kv.float(), None, 512)
+    for form in ("gluon_lock_step", "gluon_roles"):
+        supports = KERNELS[form].supports
+        assert supports(AttentionCall(q, None, kv, None, 512, 1.0).shape) is not None  # CPU tensors
+        assert supports(AttentionCall(q, None, kv, None, 512, 1.0, mask=torch.zeros(1, 1, 1, 16)).shape) is not None
+        assert supports(AttentionCall(q.float(), None, kv.float(), None, 512, 1.0).shape) is not None
     # a mask row per request is taken (the kernel reads [B, T] of it); one that differs by
     # head, or by query token when there are several, is not
     from dcp_pass.runtime.decode.kernels.common import mask_rows_shared
@@ -129,16 +133,16 @@ def test_schedule_6_compiles_plain_and_masked():
     import triton
 
     on_36 = triton.__version__.startswith("3.6")
-    assert G._schedule_for(G.GluonConfig()) == (G.ROLES_SCHEDULE if on_36 else 3)
-    assert G._schedule_for(G.GluonConfig(), masked=True) == (6 if on_36 else 3)
-    assert G._schedule_for(G.GluonConfig(schedule=2)) == 2
-    assert G._schedule_for(G.GluonConfig(64, 32, 3)) == (6 if on_36 else 3)  # not the role-split kernel's tiles
+    assert G.GluonConfig().kernels == (("gluon_roles", "gluon_lock_step") if on_36 else ("gluon_lock_step",))
+    assert G.GluonConfig().lock_step_schedule() == (6 if on_36 else 3)
+    assert G.GluonConfig(schedule=2).lock_step_schedule() == 2
+    assert G.GluonConfig(64, 32, 3).kernels == ("gluon_lock_step",)  # not the role-split kernel's tiles
     # a masked call configured with the role-split kernel (which has no mask) takes the lock-step default
-    assert G.lock_step_schedule(G.GluonConfig(schedule=G.ROLES_SCHEDULE), masked=True) == (6 if on_36 else 3)
-    assert G.GluonConfig(schedule=G.ROLES_SCHEDULE).tag() == "gluon 64x64/8w/2s/v10"
-    assert G._q_reg_for(G.GluonConfig(), masked=False) == (256 if on_36 else 0)
-    assert G._q_reg_for(G.GluonConfig(), masked=True) == 0
-    assert G._q_reg_for(G.GluonConfig(q_reg=128), masked=True) == 128
+    assert G.lock_step_schedule(G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT), masked=True) == (6 if on_36 else 3)
+    assert G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT).tag() == "gluon 64x64/8w/2s/v10"
+    assert G.GluonConfig().q_reg_for(masked=False) == (256 if on_36 else 0)
+    assert G.GluonConfig().q_reg_for(masked=True) == 0
+    assert G.GluonConfig(q_reg=128).q_reg_for(masked=True) == 128
 
 
 @compiles_offline
@@ -154,21 +158,40 @@ def test_role_split_kernel_compiles_for_hopper():
 
 
 def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
-    """The automatic route falls back (once, for the process) when the kernel does not compile."""
+    """The chooser falls back (once, for the process) when the kernel it picked does not compile."""
     from triton.compiler.errors import CompilationError
 
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode import backends
+    from dcp_pass.runtime.decode.call import CallShape
+    from dcp_pass.runtime.decode.kernels import mla_gluon_roles, mla_wide, registry
+
+    if not mla_gluon_roles.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
 
     def broken(*args, **kwargs):
         raise CompilationError("kernel.py", None, "async_copy_global_to_shared has been removed")
 
-    monkeypatch.setattr(G, "launch_gluon", broken)
-    monkeypatch.setattr(G, "_UNUSABLE", [])
+    h200 = CallShape(heads=128, batch=8, keys=32768)  # a call the role-split kernel is chosen for
+    monkeypatch.setattr(mla_gluon_roles, "run", broken)
+    monkeypatch.setattr(mla_wide, "run", lambda call, out, lse_out: ("wide ran",))
+    monkeypatch.setattr(registry, "UNUSABLE", {})
+    monkeypatch.setattr(CallShape, "of", classmethod(lambda cls, call: h200))
+    monkeypatch.setattr(backends, "resolve_attention_backend", lambda *a, **k: backends.ATTENTION_BACKENDS["triton"])
+    call = AttentionCall(torch.zeros(8, 1, 128, 576), None, torch.zeros(8, 4, 576), None, 512, 1.0)
     with pytest.warns(RuntimeWarning, match="not usable"):
-        assert G.try_launch_gluon(None, None, None) is None
-    assert G._UNUSABLE and "CompilationError" in G._UNUSABLE[0]
-    q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
-    assert not G.gluon_preferred(q, None, torch.zeros(1, 8, 576, dtype=torch.bfloat16), None, 512)
+        result, kernel = backends.attend_with_kernel(call, "auto")
+    assert result == ("wide ran",) and kernel.name == "wide"
+    assert "CompilationError" in registry.UNUSABLE["gluon"]
+    assert registry.choose(h200, registry.TRITON_KERNELS).name == "wide"
+    with pytest.raises(CompilationError):  # an explicitly named kernel raises what it raises
+        backends.attend(call, "gluon_roles")
+
+
+def _chosen(q_lat, q_rope, kv, pe, mask=None) -> str:
+    """The kernel the "triton" backend picks for these operands."""
+    from dcp_pass.runtime.decode.backends import choose_kernel
+
+    return choose_kernel(AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE, mask), "triton").name
 
 
 gpu = pytest.mark.gpu
@@ -177,9 +200,16 @@ needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.ge
 SCALE = 192 ** -0.5
 
 
-def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
+def _gluon(call, out=None, lse_out=None, config=None, num_splits=None):
+    """`call` on the Gluon kernel `config` configures (default GluonConfig())."""
+    from dcp_pass.runtime.decode.backends import attend
+    from dcp_pass.runtime.decode.kernels.gluon_common import GLUON_DEFAULT
 
+    options = {} if num_splits is None else dict(num_splits=num_splits)
+    return attend(call, None, out, lse_out, config=config or GLUON_DEFAULT, **options)
+
+
+def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -191,9 +221,8 @@ def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
         kv[b, local[b]:] = float("nan")
         clean[b, local[b]:] = 0
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, out=out, lse_out=lse, num_splits=num_splits,
-                           path="gluon", config=config, lens_stripe=stripe)
-    ro, rl = m._reference_impl(q, None, clean, None, 512, SCALE, None, local, None, torch.float32)
+    _gluon(AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens, stripe=stripe), out, lse, config, num_splits)
+    ro, rl = ref32(AttentionCall(q, None, clean, None, 512, SCALE, kv_lens=local))
     check_close(out, lse, ro, rl, 2e-2)
     return q, kv, lens
 
@@ -213,7 +242,7 @@ def test_gpu_gluon_striped_lengths_and_tiles():
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
                 G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256), G.GluonConfig(schedule=6, q_reg=0),
                 G.GluonConfig(schedule=6, q_reg=128), G.GluonConfig(schedule=6, q_reg=256),
-                G.GluonConfig(schedule=G.ROLES_SCHEDULE), G.GluonConfig()):
+                G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT), G.GluonConfig()):
         _case(3, 4100, [8199, 77, 2], stripe=(2, 1), config=cfg)
 
 
@@ -226,7 +255,6 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
     (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
     must follow each. Against the fp32 reference, with several splits, and one NaN key
     (its request's rows NaN, the others untouched)."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     cfg = G.GluonConfig.parse(tag)
@@ -240,14 +268,14 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
     lens = torch.tensor([T, T, 4321, 3000], device="cuda")
     for ns in (None, 3):
         out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-        m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, out=out, lse_out=lse, num_splits=ns,
-                               path="gluon", config=cfg)
-        ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
+        call = AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens)
+        _gluon(call, out, lse, cfg, ns)
+        ro, rl = ref32(call)
         check_close(out, lse, ro, rl, 2e-2)
     bad = kv.clone()
     bad[3, 1234, 7] = float("nan")
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q, None, bad, None, 512, SCALE, None, lens, out=out, lse_out=lse, path="gluon", config=cfg)
+    _gluon(AttentionCall(q, None, bad, None, 512, SCALE, kv_lens=lens), out, lse, cfg)
     assert torch.isnan(out[3]).all()
     check_close(out[:3], lse[:3], ro[:3], rl[:3], 2e-2)
 
@@ -255,13 +283,12 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
 @gpu
 @needs_hopper
 def test_gpu_gluon_cuda_graph_capture():
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
-
     B, T = 8, 4096
     q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), 100, device="cuda")
-    run = lambda: m.mla_attention_triton(q, None, kv, None, 512, SCALE, None, lens, path="gluon")  # noqa: E731
+    call = AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens)
+    run = lambda: _gluon(call)  # noqa: E731
     run()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -270,7 +297,7 @@ def test_gpu_gluon_cuda_graph_capture():
     lens.copy_(torch.randint(1, T + 1, (B,), device="cuda"))
     g.replay()
     torch.cuda.synchronize()
-    ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
+    ro, rl = ref32(call)
     check_close(o, lse, ro, rl, 2e-2)
 
 
@@ -281,7 +308,6 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     """A decode mask row per request (-inf and finite entries, one request fully masked), and
     the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference;
     the default schedule, schedule 3's ring, and q columns in registers."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     cfg = G.GluonConfig.parse(tag) if tag else None
@@ -295,11 +321,11 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     mask[1, ..., ::7] = -3.0
     mask[2] = float("-inf")  # no visible key: output 0, LSE -inf
     lens = torch.tensor([T, 2500, T], device="cuda")
-    assert G.gluon_preferred(q, None, kv, None, 512, mask, None) or os.environ.get("DCP_MLA_GLUON") == "0"
+    assert _chosen(q, None, kv, None, mask).startswith("gluon") or os.environ.get("DCP_MLA_GLUON") == "0"
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q, None, kv, None, 512, SCALE, mask, lens, out=out, lse_out=lse, path="gluon",
-                           num_splits=3, config=cfg)
-    ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, mask, lens, None, torch.float32)
+    call = AttentionCall(q, None, kv, None, 512, SCALE, mask=mask, kv_lens=lens)
+    _gluon(call, out, lse, cfg, 3)
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
     assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
     # the same mask as every other column of a wider row (stride 2 along the keys): the
@@ -307,8 +333,7 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     wide = torch.full((B, 1, 1, 2 * T), 7.0, device="cuda")
     wide[..., ::2] = mask
     out2, lse2 = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q, None, kv, None, 512, SCALE, wide[..., ::2], lens, out=out2, lse_out=lse2, path="gluon",
-                           config=cfg)
+    _gluon(call.replace(mask=wide[..., ::2]), out2, lse2, cfg)
     check_close(out2, lse2, ro, rl, 2e-2)
 
     S, c, r = 2, 2, 1
@@ -316,17 +341,16 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     glens = torch.tensor([5001, 1, 4000], device="cuda")  # global counts; rank 1 holds odd positions
     q_pos = glens.view(B, 1) - S + torch.arange(S, device="cuda").view(1, S)
     out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q2, None, kv, None, 512, SCALE, None, glens, "e", (q_pos, c, r), out=out, lse_out=lse,
-                           path="gluon", lens_stripe=(c, r), config=cfg)
-    local = torch.div(glens + c - 1 - r, c, rounding_mode="floor").clamp(max=T)
-    ro, rl = m._reference_impl(q2, None, kv, None, 512, SCALE, None, local, (q_pos, c, r), torch.float32)
+    call = AttentionCall(q2, None, kv, None, 512, SCALE, kv_lens=glens, q_pos=q_pos, stripe=(c, r))
+    _gluon(call, out, lse, cfg)
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
     # positions past int32 (the kernel compares in int32, clamped): every key visible
     far = torch.full((B, S), 2 ** 40, device="cuda")
     out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
-    m.mla_attention_triton(q2, None, kv, None, 512, SCALE, None, glens, "e", (far, 1, 0), out=out, lse_out=lse,
-                           path="gluon", config=cfg)
-    ro, rl = m._reference_impl(q2, None, kv, None, 512, SCALE, None, glens.clamp(max=T), (far, 1, 0), torch.float32)
+    call = AttentionCall(q2, None, kv, None, 512, SCALE, kv_lens=glens, q_pos=far)
+    _gluon(call, out, lse, cfg)
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
 
 
@@ -335,7 +359,6 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
 def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     """kv [B, T, 512] and pe [B, T, 64] in two buffers, q_lat / q_rope separate: the layout
     DeepSeek's reference model (and so the int-position decode graph) hands the op."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -345,12 +368,17 @@ def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     kv = torch.randn(B, T, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     pe = torch.randn(B, T, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     lens = torch.tensor([T, 3, 0, 4097], device="cuda")
-    assert G.gluon_supported(q_lat, q_rope, kv, pe, 512)
+    from dcp_pass.runtime.decode.kernels.registry import KERNELS
+
+    assert KERNELS["gluon_lock_step"].supports(AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE).shape) is None
     if os.environ.get("DCP_MLA_GLUON") != "0":
-        assert G.gluon_preferred(q_lat, q_rope, kv, pe, 512)
+        assert _chosen(q_lat, q_rope, kv, pe).startswith("gluon")
     out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
-    m.mla_attention(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse)
-    ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, None, torch.float32)
+    from dcp_pass.runtime.decode.backends import attend
+
+    call = AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE, kv_lens=lens)
+    attend(call, "triton", out, lse)
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
 
 
@@ -362,7 +390,6 @@ def test_gpu_role_split_kernel_multi_token_rows_and_partial_blocks(num_splits):
     heads (120 rows: a full and a partial 64-row block), a separate rope cache, ragged
     striped lengths with an empty request, NaN past every length; beside the lock-step
     kernel on the same call, both against the fp32 reference."""
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -377,10 +404,9 @@ def test_gpu_role_split_kernel_multi_token_rows_and_partial_blocks(num_splits):
         kv[b, local[b]:], pe[b, local[b]:] = float("nan"), float("nan")
         clean_kv[b, local[b]:], clean_pe[b, local[b]:] = 0, 0
     q_lat, q_rope = q[..., :512], q[..., 512:]
-    ro, rl = m._reference_impl(q_lat, q_rope, clean_kv, clean_pe, 512, SCALE, None, local, None, torch.float32)
-    for cfg in (G.GluonConfig(schedule=G.ROLES_SCHEDULE), G.GluonConfig(schedule=6)):
+    ro, rl = ref32(AttentionCall(q_lat, q_rope, clean_kv, clean_pe, 512, SCALE, kv_lens=local))
+    for cfg in (G.GluonConfig(schedule=G.Schedule.ROLE_SPLIT), G.GluonConfig(schedule=6)):
         out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
-        m.mla_attention_triton(q_lat, q_rope, kv, pe, 512, SCALE, None, lens, out=out, lse_out=lse,
-                               num_splits=num_splits, path="gluon", config=cfg, lens_stripe=(2, 1))
+        _gluon(AttentionCall(q_lat, q_rope, kv, pe, 512, SCALE, kv_lens=lens, stripe=(2, 1)), out, lse, cfg, num_splits)
         check_close(out, lse, ro, rl, 2e-2)
         assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()  # the empty request

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from dcp_pass.runtime.decode.call import AttentionCall
 from dcp_pass.testing import interpreter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import TOL, _gen, check_close, make_inputs, merge, poisoned, ref64, rel_err  # noqa: E402
+from kit.kernels import TOL, check_close, gen as _gen, global_counts, make_inputs, merge, poisoned, ref32, ref64, rel_err  # noqa: E402,F401,E501
 
 
 def _wide():
@@ -39,6 +40,13 @@ def _base():
     from dcp_pass.runtime.decode.kernels import mla_attention as m
 
     return m
+
+
+def _attend(call, kernel="wide", out=None, lse_out=None, **options):
+    """`call` on a named kernel (or, with ``config``, the kernel it configures)."""
+    from dcp_pass.runtime.decode.backends import attend
+
+    return attend(call, None if "config" in options else kernel, out, lse_out, **options)
 
 
 # ======================================================================================
@@ -57,22 +65,21 @@ def _nontrivial(out, ref_out, ref_lse):
 
 
 def _run(dtype, *, B=2, S=2, H=4, Dl=32, Dr=8, T=40, fused=False, v_dim=None, mask=None, kv_lens=None,
-         causal=None, lse_base="e", num_splits=None, config=None, q_transpose=False, via=None):
-    w = _wide()
+         q_pos=None, stripe=(1, 0), lse_base="e", num_splits=None, config=None, q_transpose=False, via=None):
     g = _gen()
     q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, Dl, Dr, T, dtype, fused=fused, v_dim=v_dim, gen=g)
     if q_transpose:  # non-contiguous query: stored [B, H, S, D]
         q_lat = q_lat.transpose(1, 2).contiguous().transpose(1, 2)
     scale = 0.7 / math.sqrt(q_lat.shape[-1])
+    call = AttentionCall(q_lat, q_rope, kv, pe, vd, scale, mask=mask, q_pos=q_pos, kv_lens=kv_lens, stripe=stripe,
+                         lse_base=lse_base)
     out, lse = poisoned(B, S, H, vd, dtype, "cpu")
-    cfg = config if config is not None else _cfg()
-    if via == "triton":  # through the public entry point, forced
-        _base().mla_attention_triton(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, lse_base, causal,
-                                     out=out, lse_out=lse, num_splits=num_splits, path="wide")
+    options = {} if num_splits is None else dict(num_splits=num_splits)
+    if via == "triton":  # by its name, with its default tiles
+        _attend(call, "wide", out, lse, **options)
     else:
-        w.mla_attention_wide(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, lse_base, causal, out=out,
-                             lse_out=lse, num_splits=num_splits, config=cfg)
-    ro, rl = ref64(q_lat, q_rope, kv, pe, vd, scale, mask, kv_lens, causal)
+        _attend(call, out=out, lse_out=lse, config=config if config is not None else _cfg(), **options)
+    ro, rl = ref64(call)
     check_close(out, lse, ro, rl, TOL[dtype], lse_base)
     _nontrivial(out, ro, rl)
     return out, lse
@@ -143,9 +150,9 @@ def check_shared_mask_row_fp32():
 def check_causal_c2_r1_fp32():
     B, S, T = 2, 3, 40
     q_pos = torch.tensor([[40, 45, 58], [0, 3, 7]])  # row 1: the query at 0 sees no key (k * 2 + 1 > 0)
-    _run(torch.float32, B=B, S=S, T=T, causal=(q_pos, 2, 1), num_splits=2)
-    _run(torch.float16, B=B, S=S, T=T, causal=(q_pos, 2, 1), fused=True, kv_lens=torch.tensor([33, 40]),
-         num_splits=1)
+    _run(torch.float32, B=B, S=S, T=T, q_pos=q_pos, stripe=(2, 1), num_splits=2)
+    _run(torch.float16, B=B, S=S, T=T, q_pos=q_pos, stripe=(2, 1), fused=True,
+         kv_lens=global_counts(torch.tensor([33, 40]), 2, 1), num_splits=1)
 
 
 def check_base2_lse():
@@ -165,66 +172,63 @@ def check_non_contiguous_query_fp32():
 
 def check_entry_point_routing():
     """path='wide' and DCP_MLA_WIDE=1 reach the wide kernel; 'split' the fused one."""
+    from dcp_pass.runtime.decode.call import AttentionCall
+    from dcp_pass.runtime.decode.kernels.registry import KERNELS, TRITON_KERNELS, choose
+
     w, m = _wide(), _base()
     _run(torch.float32, via="triton", num_splits=2)
     q_lat, q_rope, kv, pe, vd = make_inputs(1, 1, 4, 32, 8, 20, torch.float32, gen=_gen())
-    assert not w.wide_preferred(q_lat, q_rope, kv, pe, vd)  # CPU: never automatic
-    assert not w.route_wide(None, None, q_lat, q_rope, kv, pe, vd)
-    assert w.route_wide("wide", None, q_lat, q_rope, kv, pe, vd)
-    assert w.route_wide(None, _cfg(), q_lat, q_rope, kv, pe, vd)
-    assert not w.route_wide("split", None, q_lat, q_rope, kv, pe, vd)
-    assert not w.route_wide(None, m.MLAKernelConfig(16, 16, 4, 1, 1), q_lat, q_rope, kv, pe, vd)
-    for bad in (("bogus", None), ("split", _cfg()), ("wide", m.MLAKernelConfig(16, 16, 4, 1, 1))):
-        try:
-            w.route_wide(*bad, q_lat, q_rope, kv, pe, vd)
-        except ValueError:
-            pass
-        else:
-            raise AssertionError(f"route_wide{bad} must raise")
+    shape = AttentionCall(q_lat, q_rope, kv, pe, vd, 0.2).shape
+    assert KERNELS["wide"].offered(shape) is not None  # CPU: never automatic
+    assert choose(shape, TRITON_KERNELS).name == "split"
+    assert w.WideConfig().kernels == ("wide",) and m.MLAKernelConfig(16, 16, 4, 1, 1).kernels == ("split",)
+    try:
+        _attend(AttentionCall(q_lat, q_rope, kv, pe, vd, 0.2), "bogus")
+    except ValueError as e:
+        assert "unknown attention backend 'bogus'" in str(e), str(e)
+    else:
+        raise AssertionError("an unknown kernel name must raise")
     old = os.environ.get("DCP_MLA_WIDE")
     try:
         os.environ["DCP_MLA_WIDE"] = "1"
-        assert w.route_wide(None, None, q_lat, q_rope, kv, pe, vd)
+        assert choose(shape, TRITON_KERNELS).name == "wide"
         os.environ["DCP_MLA_WIDE"] = "0"
-        assert not w.route_wide(None, None, q_lat, q_rope, kv, pe, vd)
+        assert choose(shape, TRITON_KERNELS).name == "split"
     finally:
         if old is None:
             os.environ.pop("DCP_MLA_WIDE", None)
         else:
             os.environ["DCP_MLA_WIDE"] = old
-    # the two paths agree on the same data
-    scale = 0.2
-    ow, lw = m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, scale, path="wide", num_splits=2)
-    os_, ls = m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, scale, path="split")
+    # the two kernels agree on the same data
+    call = AttentionCall(q_lat, q_rope, kv, pe, vd, 0.2)
+    ow, lw = _attend(call, "wide", num_splits=2)
+    os_, ls = _attend(call, "split")
     assert rel_err(ow, os_) < 1e-5 and (lw - ls).abs().max().item() < 1e-4
 
 
 def check_empty_shard_T0():
-    w = _wide()
     for dtype in (torch.float32, torch.float16):
         q_lat, q_rope, kv, pe, vd = make_inputs(2, 2, 3, 32, 8, 0, dtype, gen=_gen())
         out, lse = poisoned(2, 2, 3, vd, dtype, "cpu")
-        w.mla_attention_wide(q_lat, q_rope, kv, pe, vd, 0.1, out=out, lse_out=lse)
+        _attend(AttentionCall(q_lat, q_rope, kv, pe, vd, 0.1), "wide", out, lse)
         assert (out == 0).all() and torch.isneginf(lse).all()
 
 
 def check_dcp_striping_merge_fused_fp16():
     """Stripes of one sequence in global positions (causal c=3), merged: equals the full attention."""
-    w = _wide()
     g = _gen()
     c, L_list, S = 3, [45, 7, 3], 2
     B, H = len(L_list), 4
     q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, 32, 8, max(L_list), torch.float16, fused=True, gen=g)
     lens = torch.tensor(L_list)
     q_pos = lens.view(B, 1) - S + torch.arange(S).view(1, S)
-    full_o, full_l = ref64(q_lat, q_rope, kv, pe, vd, 0.5, kv_lens=lens, causal=(q_pos, 1, 0))
+    full_o, full_l = ref64(AttentionCall(q_lat, q_rope, kv, pe, vd, 0.5, kv_lens=lens, q_pos=q_pos))
     outs, lses = [], []
     for r in range(c):
         kv_r = kv[:, r::c].contiguous()
-        lens_r = torch.div(lens - r + c - 1, c, rounding_mode="floor").clamp(min=0)
         o, lse = poisoned(B, S, H, vd, torch.float16, "cpu")
-        w.mla_attention_wide(q_lat, None, kv_r, None, vd, 0.5, None, lens_r, "e", (q_pos, c, r), out=o,
-                             lse_out=lse, config=_cfg(), num_splits=2)
+        _attend(AttentionCall(q_lat, None, kv_r, None, vd, 0.5, kv_lens=lens, q_pos=q_pos, stripe=(c, r)), out=o,
+                lse_out=lse, config=_cfg(), num_splits=2)
         outs.append(o)
         lses.append(lse)
     mo, ml = merge(torch.stack(outs), torch.stack(lses))
@@ -234,14 +238,13 @@ def check_dcp_striping_merge_fused_fp16():
 
 def check_wrong_result_is_caught():
     """The comparison is sensitive: one key too few, or a wrong scale, must fail it."""
-    w = _wide()
     g = _gen()
     q_lat, q_rope, kv, pe, vd = make_inputs(2, 1, 4, 32, 8, 40, torch.float32, gen=g)
     lens = torch.tensor([40, 23])
-    ro, rl = ref64(q_lat, q_rope, kv, pe, vd, 0.3, kv_lens=lens)
+    ro, rl = ref64(AttentionCall(q_lat, q_rope, kv, pe, vd, 0.3, kv_lens=lens))
     for kw in (dict(kv_lens=lens - torch.tensor([0, 1])), dict(kv_lens=lens, scale=0.31)):
         scale = kw.pop("scale", 0.3)
-        o, l_ = w.mla_attention_wide(q_lat, q_rope, kv, pe, vd, scale, config=_cfg(), num_splits=2, **kw)
+        o, l_ = _attend(AttentionCall(q_lat, q_rope, kv, pe, vd, scale, **kw), config=_cfg(), num_splits=2)
         try:
             check_close(o, l_, ro, rl, TOL[torch.float32])
         except AssertionError:
@@ -273,18 +276,26 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SCALE = 192 ** -0.5
 
 
-def _gpu_case(dtype, B, S, H, T, fused, lens=None, causal=None, mask=None, lse_base="e", tol=2e-2,
+def _chosen(q, kv, lens, q_pos=None, stripe=(1, 0)) -> str:
+    """The kernel the "triton" backend picks for a fused-cache call."""
+    from dcp_pass.runtime.decode.backends import choose_kernel
+
+    return choose_kernel(AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens, q_pos=q_pos, stripe=stripe),
+                         "triton").name
+
+
+def _gpu_case(dtype, B, S, H, T, fused, lens=None, q_pos=None, stripe=(1, 0), mask=None, lse_base="e", tol=2e-2,
               num_splits=None, vs_split=True):
-    m, w = _base(), _wide()
     q_lat, q_rope, kv, pe, vd = make_inputs(B, S, H, 512, 64, T, dtype, "cuda", fused=fused, gen=_gen())
+    call = AttentionCall(q_lat, q_rope, kv, pe, vd, SCALE, mask=mask, q_pos=q_pos, kv_lens=lens, stripe=stripe,
+                         lse_base=lse_base)
     out, lse = poisoned(B, S, H, vd, dtype, "cuda")
-    w.mla_attention_wide(q_lat, q_rope, kv, pe, vd, SCALE, mask, lens, lse_base, causal, out=out, lse_out=lse,
-                         num_splits=num_splits)
-    ro, rl = m._reference_impl(q_lat, q_rope, kv, pe, vd, SCALE, mask, lens, causal, torch.float32)
+    _attend(call, "wide", out, lse, **({} if num_splits is None else dict(num_splits=num_splits)))
+    ro, rl = ref32(call)
     check_close(out, lse, ro, rl, tol, lse_base)
     _nontrivial(out, ro, rl)
     if vs_split:  # the fused split-KV kernel on the same data: both near the reference, near each other
-        so, sl = m.mla_attention_triton(q_lat, q_rope, kv, pe, vd, SCALE, mask, lens, lse_base, causal, path="split")
+        so, sl = _attend(call, "split")
         e_ws, e_sr = rel_err(out, so), rel_err(so, ro)
         assert e_ws < 2 * tol, f"wide vs split rel err {e_ws:.3e}"
         fin = ~torch.isneginf(sl)
@@ -315,16 +326,16 @@ def test_gpu_wide_bf16_64k(num_splits):
 @gpu
 @needs_cuda
 def test_gpu_wide_bf16_b8_auto_route():
-    """B=8, H=128: the dispatcher's automatic choice is the wide path, and it is right."""
-    m, w = _base(), _wide()
+    """B=8, H=128 (fp16: no Gluon): the chooser's automatic choice is the wide kernel, and it is right."""
     B, T = 8, 16384
-    q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.float16)
+    kv = torch.randn(B, T, 576, device="cuda", dtype=torch.float16)
     lens = torch.randint(1, T + 1, (B,), device="cuda")
     if os.environ.get("DCP_MLA_WIDE") != "0":
-        assert w.route_wide(None, None, q, None, kv, None, 512)
-    o, lse = m.mla_attention(q, None, kv, None, 512, SCALE, None, lens)
-    ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
+        assert _chosen(q, kv, lens) == "wide"
+    call = AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens)
+    o, lse = _attend(call, "triton")
+    ro, rl = ref32(call)
     check_close(o, lse, ro, rl, 2e-2)
     _nontrivial(o, ro, rl)
 
@@ -336,18 +347,17 @@ def test_gpu_causal_call_at_64_heads_routes_to_wide():
     split kernel, causal calls on the two-GEMM kernel (the split kernel's 64-row tile costs
     1.27x with a causal cap, path_table.CALL_COST); the dispatcher follows the kind of call,
     and the causal call it routes is right."""
-    m, w = _base(), _wide()
     B, T, c, r = 8, 32768, 2, 1
     q = torch.randn(B, 1, 64, 576, device="cuda", dtype=torch.float16)
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.float16)
     glens = torch.randint(T, 2 * T + 1, (B,), device="cuda")
     q_pos = (glens - 1).view(B, 1)
     if os.environ.get("DCP_MLA_WIDE") is None:
-        assert not w.route_wide(None, None, q, None, kv, None, 512)
-        assert w.route_wide(None, None, q, None, kv, None, 512, "causal")
-    o, lse = m.mla_attention(q, None, kv, None, 512, SCALE, None, glens, "e", (q_pos, c, r), lens_stripe=(c, r))
-    local = torch.div(glens + c - 1 - r, c, rounding_mode="floor").clamp(max=T)
-    ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, local, (q_pos, c, r), torch.float32)
+        assert _chosen(q, kv, glens, stripe=(c, r)) == "split"
+        assert _chosen(q, kv, glens, q_pos=q_pos, stripe=(c, r)) == "wide"
+    call = AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=glens, q_pos=q_pos, stripe=(c, r))
+    o, lse = _attend(call, "triton")
+    ro, rl = ref32(call)
     check_close(o, lse, ro, rl, 2e-2)
     _nontrivial(o, ro, rl)
 
@@ -356,12 +366,13 @@ def test_gpu_causal_call_at_64_heads_routes_to_wide():
 @needs_cuda
 def test_gpu_wide_fp16_base2_mask_causal_multitoken():
     B, S, H, T, c, r = 3, 2, 64, 3000, 2, 1  # 128 rows
-    lens = torch.tensor([3000, 1700, 9], device="cuda")
-    q_pos = lens.view(B, 1) * c - S + torch.arange(S, device="cuda").view(1, S)
-    mask = torch.zeros(B, 1, H, T, device="cuda")
-    mask[..., ::7] = float("-inf")
+    local = torch.tensor([3000, 1700, 9], device="cuda")
+    q_pos = local.view(B, 1) * c - S + torch.arange(S, device="cuda").view(1, S)
+    mask = torch.zeros(B, 1, H, c * T, device="cuda")  # over global positions: rank 1's are the odd ones
+    mask[..., 1::c][..., ::7] = float("-inf")
     mask[0, :, 5, :] = float("-inf")
-    _gpu_case(torch.float16, B, S, H, T, False, lens=lens, causal=(q_pos, c, r), mask=mask, lse_base="2")
+    _gpu_case(torch.float16, B, S, H, T, False, lens=global_counts(local, c, r), q_pos=q_pos, stripe=(c, r), mask=mask,
+              lse_base="2")
 
 
 @gpu
@@ -377,24 +388,23 @@ def test_gpu_wide_mask_128_heads(dtype, tol):
 @gpu
 @needs_cuda
 def test_gpu_wide_cuda_graph_capture():
-    w = _wide()
-    m = _base()
     B, S, H, T = 8, 1, 128, 8192
     q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16)
     lens = torch.randint(1, T, (B,), device="cuda")
-    w.mla_attention_wide(q, None, kv, None, 512, SCALE, None, lens)  # compile outside capture
+    call = AttentionCall(q, None, kv, None, 512, SCALE, kv_lens=lens)
+    _attend(call, "wide")  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, l_ = w.mla_attention_wide(q, None, kv, None, 512, SCALE, None, lens)
+        o, l_ = _attend(call, "wide")
     for _ in range(2):  # new data and new lengths, same graph
         q.copy_(torch.randn_like(q))
         lens.copy_(torch.randint(1, T, (B,), device="cuda"))
         lens[0] = 0
         graph.replay()
         torch.cuda.synchronize()
-        ro, rl = m._reference_impl(q, None, kv, None, 512, SCALE, None, lens, None, torch.float32)
+        ro, rl = ref32(call)
         check_close(o, l_, ro, rl, 2e-2)
         _nontrivial(o, ro, rl)
 

@@ -146,11 +146,11 @@ def test_local_attention_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="multiple of the 3 key/value heads"):
         torch.ops.dcp.local_attention(q, k[:, ::2], v[:, ::2], 6, 2, 0, 0.1, None, "e", "auto")
     q, k, v = _heads_case(g, L=6)
-    with pytest.raises(ValueError, match="k has 2 local rows, rank 0 of 2 owns 3"):
+    with pytest.raises(ValueError, match="the caches have 2 local rows, rank 0 of 2 owns 3"):
         torch.ops.dcp.local_attention(q, k[:, :2], v[:, :2], 6, 2, 0, 0.1, None, "e", "auto")
     with pytest.raises(ValueError, match="0 <= kv_start <= kv_len"):
         torch.ops.dcp.local_attention(q, k, v, 6, 1, 0, 0.1, None, "e", "auto", 7)
-    with pytest.raises(ValueError, match=r"\[kv_start, kv_len\) = \[2, 6\) \(4\)"):
+    with pytest.raises(ValueError, match=r"\[kv_start, kv_lens\) = \[2, 6\) \(4\)"):
         torch.ops.dcp.local_attention(q, k, v, 6, 1, 0, 0.1, torch.zeros(1, 1, 1, 6), "e", "auto", 2)
 
 

@@ -367,13 +367,14 @@ def test_allocator_against_brute_force_model(c, page, pages, ops):
 
 
 # -------------------------------------- bools and negative indices are rejected, not ignored
-# (issue #10 item 7) bool is an int subclass: c=True or rank=False used to pass every
-# check and silently mean 1 / 0. Each call below must raise, naming the argument.
+# bool is an int subclass: c=True or rank=False would pass an int check and silently mean
+# 1 / 0. Each call below must raise, naming the argument.
 
 
 def _bool_calls():
     from dcp_pass.runtime.compose.extend import extend_attention_dcp, gather_prefix, query_positions, write_new_tokens_
     from dcp_pass.runtime.compose.speculative import rank_local_page_table, verify_attention, verify_query_positions
+    from dcp_pass.runtime.decode.call import AttentionCall
 
     cache = torch.zeros(2, 8, 4)
     new = torch.zeros(2, 3, 4)
@@ -399,13 +400,14 @@ def _bool_calls():
     yield "extend query_positions", lambda: query_positions(True, 2, 3)
     yield "extend gather c", lambda: gather_prefix(cache, 2, None, True)
     yield "extend dcp rank", lambda: extend_attention_dcp(
-        q, None, new[:1, :2], None, cache[:1], None, 0, 2, False, 4, 1.0)
+        AttentionCall(q, None, cache[:1], None, 4, 1.0, stripe=(2, False)), new[:1, :2], None, 0)
     yield "verify k_tokens", lambda: verify_query_positions(torch.tensor([5]), True)
     yield "verify page_size", lambda: rank_local_page_table(r2t, [8], 2, 0, True)
     yield "verify rank", lambda: rank_local_page_table(r2t, [8], 2, False, 4)
     yield "verify c", lambda: rank_local_page_table(r2t, [8], True, 0, 4)
     yield "verify_attention c", lambda: verify_attention(
-        torch.zeros(1, 1, 2, 4), None, torch.zeros(1, 8, 4), None, torch.tensor([4]), 1, True, 0, 1.0, v_dim=4)
+        AttentionCall(torch.zeros(1, 1, 2, 4), None, torch.zeros(1, 8, 4), None, 4, 1.0, kv_lens=torch.tensor([4]),
+                      stripe=(True, 0)), 1)
 
 
 _BOOL_CALLS = list(_bool_calls())
@@ -420,6 +422,7 @@ def test_bool_sizes_and_ranks_are_rejected(name):
 
 def test_speculative_rejects_negative_indices_and_sizes():
     from dcp_pass.runtime.compose.speculative import rank_local_page_table, verify_attention
+    from dcp_pass.runtime.decode.call import AttentionCall
 
     r2t = torch.arange(16)
     with pytest.raises(ValueError, match=r"page_size"):
@@ -439,5 +442,5 @@ def test_speculative_rejects_negative_indices_and_sizes():
     q = torch.zeros(1, 1, 2, 4)
     pool = torch.zeros(4, 4, 4)
     with pytest.raises(ValueError, match=r"page_table.*negative"):
-        verify_attention(q, None, pool, None, torch.tensor([4]), 1, 2, 0, 1.0, v_dim=4,
-                         page_table=torch.tensor([[-1]]))
+        verify_attention(AttentionCall(q, None, pool, None, 4, 1.0, kv_lens=torch.tensor([4]), stripe=(2, 0),
+                                       page_table=torch.tensor([[-1]])), 1)

@@ -1,4 +1,4 @@
-"""The measured path table (dcp_pass/runtime/decode/kernels/path_table.py, issue #14 item 3).
+"""The measured path table (dcp_pass/runtime/decode/kernels/path_table.py): the timings the chooser reads.
 
 The committed table must be what benchmarks/make_path_table.py makes of the committed H200
 results, and the choice at every measured shape must be the path measured fastest there.
@@ -42,7 +42,7 @@ def test_nearest_shape_and_what_the_dispatcher_gets():
     assert path_table.fastest(512, 64, 1 << 20, triton) == "wide"
     assert path_table.fastest(128, 8, 32768, ("torch", "split")) is None  # nothing timed both
     # the Gluon one-read kernel measured fastest from 64 rows at every timed shape (under 64
-    # rows mla_gluon.gluon_preferred never offers it: its tile is 64 rows)
+    # rows the registry never offers it: its tile is 64 rows)
     three = ("split", "wide", "gluon")
     assert path_table.fastest(64, 8, 32768, three) == "gluon"
     assert path_table.fastest(128, 32, 1 << 20, three) == "gluon"

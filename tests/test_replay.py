@@ -106,9 +106,9 @@ def test_a_call_that_computes_is_never_replayed():
 
 
 def test_a_backend_that_may_launch_unseen_work_is_never_replayed():
-    """Only backends marked replayable in the table are: a library kernel launched outside
+    """Only kernels marked replayable in the registry are: a library kernel launched outside
     kernels.common.launch would be invisible to the recording and skipped by a replay."""
-    from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS
+    from dcp_pass.runtime.decode.kernels.registry import KERNELS, TRITON_KERNELS
 
     kernel, counter = _Jit(), []
     q, kv = torch.randn(2, 8), torch.randn(2, 6)
@@ -116,7 +116,7 @@ def test_a_backend_that_may_launch_unseen_work_is_never_replayed():
     for _ in range(3):
         replay.run(key, (q, kv), _python_path(kernel, q, kv, counter, replayable=False))
     assert len(counter) == 3
-    assert {n for n, e in ATTENTION_BACKENDS.items() if e.replayable} == {"triton"}
+    assert {n for n, k in KERNELS.items() if k.replayable} == set(TRITON_KERNELS)
 
 
 def test_inputs_sharing_memory_are_not_replayed_and_replay_can_be_turned_off(monkeypatch):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from dcp_pass.runtime.decode.layout import PagedVirtualAllocator, owned_positions, shard_full_cache
 from dcp_pass.runtime.compose.speculative import rank_local_page_table, verify_attention, verify_query_positions
+from dcp_pass.runtime.decode.call import AttentionCall
 from dcp_pass.testing import Checks, run_ranks
 
 DL, DR, H, K = 16, 8, 4, 3
@@ -75,11 +76,11 @@ def _verify_worker(rank, world, seed):
     def run_all(cache):
         striped = shard_full_cache(cache, c, r)
         pool, table = _paged(cache, kv_len, c, r)
-        dense_local = verify_attention(q, None, striped, None, kv_len, K, c, r, SCALE, v_dim=DL)
-        shard = verify_attention(q, None, striped, None, kv_len, K, c, r, SCALE, v_dim=DL,
-                                 exchange="a2a", group=gname)
-        merged = verify_attention(q, None, pool, None, kv_len, K, c, r, SCALE, v_dim=DL,
-                                  page_table=table, exchange="replicated", group=gname)
+        dense = AttentionCall(q, None, striped, None, DL, SCALE, kv_lens=kv_len, stripe=(c, r))
+        dense_local = verify_attention(dense, K)
+        shard = verify_attention(dense, K, exchange="a2a", group=gname)
+        paged = AttentionCall(q, None, pool, None, DL, SCALE, kv_lens=kv_len, stripe=(c, r), page_table=table)
+        merged = verify_attention(paged, K, exchange="replicated", group=gname)
         return dense_local, shard, merged
 
     (o_loc, _), shard, merged = run_all(full)
@@ -110,12 +111,19 @@ def test_verify_single_rank_and_query_positions():
     full = torch.randn(3, 10, D)
     q = torch.randn(3, K, H, D)
     assert torch.equal(verify_query_positions(kv_len, K), torch.tensor([[0, 1, 2], [7, 8, 9], [3, 4, 5]]))
-    o, lse = verify_attention(q, None, _poisoned(full, kv_len, K - 1), None, kv_len, K, 1, 0, SCALE, v_dim=DL)
+    call = AttentionCall(q, None, _poisoned(full, kv_len, K - 1), None, DL, SCALE, kv_lens=kv_len)
+    o, lse = verify_attention(call, K)
     assert (o - _naive_verify(q, full, kv_len).float()).abs().max() < 1e-4
     assert torch.isfinite(lse).all()
+    # the positional form of the last release still works, with a DeprecationWarning
+    with pytest.warns(DeprecationWarning, match="AttentionCall"):
+        o_old, lse_old = verify_attention(q, None, call.kv, None, kv_len, K, 1, 0, SCALE, v_dim=DL)
+    assert torch.equal(o_old, o) and torch.equal(lse_old, lse)
     with pytest.raises(ValueError, match="include the 3 verified tokens"):
         verify_query_positions(torch.tensor([2]), K)
-    with pytest.raises(ValueError, match="v_dim is required"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="v_dim is required"):
         verify_attention(q, None, full, None, kv_len, K, 1, 0, SCALE)
+    with pytest.raises(ValueError, match="causal cap comes from kv_lens"):
+        verify_attention(call.replace(q_pos=torch.zeros(3, K)), K)
     with pytest.raises(ValueError, match="page-contiguous"):
         rank_local_page_table([torch.arange(8).flip(0) * 2], [8], 2, 0, 2)

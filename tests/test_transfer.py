@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
+from dcp_pass.runtime.decode.call import AttentionCall
+from dcp_pass.runtime.decode.kernels.reference import attention_reference
 from dcp_pass.runtime.decode.layout import PagedVirtualAllocator, local_length, owned_positions, shard_full_cache
 from dcp_pass.runtime.decode.merge import merge_partials
 from dcp_pass.runtime.compose.transfer import (
@@ -213,7 +214,7 @@ def _local_attention(q, pool, req_to_token, n, c, r):
     """Decode rank r: attention over its stripe, read back through the allocator's map."""
     pos = owned_positions(0, n, c, r)
     kv = pool[req_to_token[pos] // c].unsqueeze(0)  # [1, n_local, D]
-    return mla_attention_reference(q, None, kv, None, DL, SCALE)
+    return attention_reference(AttentionCall(q, None, kv, None, DL, SCALE))
 
 
 def _decode_attention_check(q, pool, req_to_token, dense, n, c, r, grp):
@@ -223,7 +224,7 @@ def _decode_attention_check(q, pool, req_to_token, dense, n, c, r, grp):
     dist.all_gather(os_, o, group=grp)
     dist.all_gather(ls_, lse, group=grp)
     merged = merge_partials(torch.stack(os_), torch.stack(ls_))
-    ref, _ = mla_attention_reference(q, None, dense.unsqueeze(0), None, DL, SCALE)
+    ref, _ = attention_reference(AttentionCall(q, None, dense.unsqueeze(0), None, DL, SCALE))
     return (merged - ref).abs().max().item()
 
 

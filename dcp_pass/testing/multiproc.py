@@ -23,6 +23,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from dcp_pass import env as dcp_env
+
 
 class Checks:
     """Collects failed checks inside a rank instead of raising: a rank that raised
@@ -66,7 +68,7 @@ def _context(backend: str):
     the server's copies date from its own start. Where CUDA is present (or for NCCL) ranks
     are spawned as before: a process that forked after its parent touched the CUDA driver
     cannot use the device. DCP_TEST_START=spawn spawns everywhere."""
-    if (backend != "gloo" or os.environ.get("DCP_TEST_START") == "spawn"
+    if (backend != "gloo" or dcp_env.ranks_start() == "spawn"
             or "forkserver" not in mp.get_all_start_methods()):
         return mp.get_context("spawn")
     import torch

@@ -1,7 +1,9 @@
-"""Float64 references, inputs and comparisons shared by the attention-kernel tests.
+"""What the attention-kernel tests share: random MLA operands, poisoned outputs, the float64
+reference of an AttentionCall, and the comparison every check uses.
 
 Used both in pytest and in the interpreter worker (a kernel test file run as a script
-under TRITON_INTERPRET=1), so nothing here imports triton at module level.
+under TRITON_INTERPRET=1, tests/ first on sys.path), so nothing here imports triton at
+module level.
 """
 from __future__ import annotations
 
@@ -9,22 +11,55 @@ import os
 
 import torch
 
+from dcp_pass.runtime.decode.call import AttentionCall
 
 LOG2E = 1.4426950408889634
+TOL = {torch.float32: 2e-5, torch.float16: 1e-2}
 
 
-def _mod():
-    from dcp_pass.runtime.decode.kernels import mla_attention as m
+def gen() -> torch.Generator:
+    """A generator with a fresh random seed (every check draws new data)."""
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return g
 
-    return m
+
+def make_inputs(B, S, H, Dl, Dr, T, dtype, device="cpu", fused=False, v_dim=None, gen=None):
+    """Random MLA operands (q_lat, q_rope, kv, pe, v_dim). fused: kv has Dl + Dr columns and
+    q_lat carries both parts."""
+    g = gen
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)  # noqa: E731
+    if fused:
+        q_lat, kv = rnd(B, S, H, Dl + Dr), rnd(B, T, Dl + Dr)
+        return q_lat, None, kv, None, (v_dim or Dl)
+    return rnd(B, S, H, Dl), rnd(B, S, H, Dr), rnd(B, T, Dl), rnd(B, T, Dr), (v_dim or Dl)
 
 
-def ref64(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, causal=None):
-    """float64 reference: (out, lse_e) in float64."""
-    m = _mod()
-    d = lambda t: None if t is None else t.double()  # noqa: E731
-    return m._reference_impl(d(q_lat), d(q_rope), d(kv), d(pe), v_dim, scale, None if mask is None else mask.double(),
-                             kv_lens, causal, torch.float64)
+def poisoned(B, S, H, v_dim, dtype, device):
+    """Output buffers full of NaN: a row the kernel does not write stays NaN."""
+    out = torch.full((B, S, H, v_dim), float("nan"), dtype=dtype, device=device)
+    lse = torch.full((B, S, H), float("nan"), dtype=torch.float32, device=device)
+    return out, lse
+
+
+def global_counts(local: torch.Tensor, c: int, r: int) -> torch.Tensor:
+    """Global key counts whose rank-r share (of c) is `local`: ((L - 1) c + r + 1, or 0)."""
+    local = torch.as_tensor(local).long()
+    return torch.where(local > 0, (local - 1) * c + r + 1, torch.zeros_like(local))
+
+
+def ref64(call: AttentionCall):
+    """float64 reference of a call: (out, lse_e) in float64."""
+    from dcp_pass.runtime.decode.kernels.reference import reference_f64
+
+    return reference_f64(call)
+
+
+def ref32(call: AttentionCall):
+    """fp32 reference of a call (what GPU checks compare bf16 kernels with): (out, lse_e)."""
+    from dcp_pass.runtime.decode.kernels.reference import attention_impl
+
+    return attention_impl(call.replace(lse_base="e"), torch.float32)
 
 
 def rel_err(a, b):
@@ -49,47 +84,8 @@ def check_close(out, lse, ref_out, ref_lse, tol, lse_base="e"):
         assert (out.double()[neg] == 0).all(), "empty rows must have output 0"
 
 
-def poisoned(B, S, H, v_dim, dtype, device):
-    out = torch.full((B, S, H, v_dim), float("nan"), dtype=dtype, device=device)
-    lse = torch.full((B, S, H), float("nan"), dtype=torch.float32, device=device)
-    return out, lse
-
-
-def make_inputs(B, S, H, Dl, Dr, T, dtype, device="cpu", fused=False, v_dim=None, gen=None):
-    """Random MLA operands. fused: kv has Dl + Dr columns and q_lat carries both parts."""
-    g = gen
-    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)  # noqa: E731
-    if fused:
-        q_lat, kv = rnd(B, S, H, Dl + Dr), rnd(B, T, Dl + Dr)
-        return q_lat, None, kv, None, (v_dim or Dl)
-    return rnd(B, S, H, Dl), rnd(B, S, H, Dr), rnd(B, T, Dl), rnd(B, T, Dr), (v_dim or Dl)
-
-
-def local_merge(outs, lses):
-    """Exact LSE merge over the first dim (base e), float64."""
-    lses = lses.double()
-    lse = torch.logsumexp(lses, dim=0)
-    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    w = torch.exp(lses - safe)
-    w = torch.where(torch.isneginf(lses), torch.zeros_like(w), w)
-    return (w.unsqueeze(-1) * outs.double()).sum(0), lse
-
-
 def merge(outs, lses):
-    """Use the project's merge_partials when it exists, else the local one."""
-    try:
-        from dcp_pass.runtime.decode.merge import merge_partials
-    except Exception:
-        return local_merge(outs, lses)
-    o, lse = merge_partials(outs, lses, "e", torch.float64, True)
-    return o, lse
+    """The project's exact LSE merge over the first dim (base e), in float64."""
+    from dcp_pass.runtime.decode.merge import merge_partials
 
-
-TOL = {torch.float32: 2e-5, torch.float16: 1e-2}
-
-
-def _gen():
-    """A generator with a fresh random seed (every check draws new data)."""
-    g = torch.Generator()
-    g.manual_seed(int.from_bytes(os.urandom(4), "little"))
-    return g
+    return merge_partials(outs, lses, "e", torch.float64, True)

@@ -11,20 +11,24 @@ Extend is outside the decode cost model (SPEC.md section 7). Two correct ways:
   (local key ``k`` is global position ``k * c + rank``; query ``i`` of row ``b`` is
   at ``prefix_len[b] + i``) and the partials are merged by the usual DCP exchange.
 
-Caches are per-sequence striped tensors ``[B, Tl, D]`` (see
-:class:`~dcp_pass.runtime.decode.layout.StripedCache`): row ``b``'s position ``p`` owned by
-this rank sits at local row ``p // c``. A fused cache (latent + rope columns) is
-passed as ``local_kv`` with ``local_pe=None``; a split cache passes both.
-``prefix_lens`` may be an int or a length-``B`` sequence / tensor (ragged rows).
+Both take the attention operands as one :class:`~dcp_pass.runtime.decode.call.AttentionCall`:
+the new tokens' queries over this rank's caches, per-sequence striped tensors ``[B, Tl, D]``
+(see :class:`~dcp_pass.runtime.decode.layout.StripedCache`; row ``b``'s position ``p`` owned
+by this rank sits at local row ``p // c``) with ``stripe=(c, rank)``; a fused cache (latent
++ rope columns) is ``kv`` with ``pe=None``, a split cache passes both. The key counts and
+the causal cap are extend's: from ``prefix_lens``, an int or a length-``B`` sequence /
+tensor (ragged rows), in global positions.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from dcp_pass.runtime.decode.backends import resolve_attention_backend
+from dcp_pass.runtime.decode.backends import attend
+from dcp_pass.runtime.decode.call import AttentionCall
 from dcp_pass.runtime.decode.layout import _check_group_size, _check_rank, local_capacity, local_length, striped_write_
 
 __all__ = [
@@ -125,93 +129,115 @@ def _with_new(prefix: torch.Tensor, new: torch.Tensor, lens: torch.Tensor) -> to
     return full
 
 
+def _extend_call(call: AttentionCall, who: str) -> AttentionCall:
+    if call.kv_lens is not None or call.q_pos is not None or call.kv_start or call.mask is not None:
+        raise ValueError(f"{who}: the call's key counts, causal cap and window come from prefix_lens; pass a call "
+                         f"without kv_lens, q_pos, kv_start or mask")
+    if call.paged or call.per_head:
+        raise ValueError(f"{who}: the caches must be per-sequence striped MLA tensors [B, Tl, D]")
+    return call
+
+
+def _legacy(args, kwargs, names, who):
+    """The positional form of the last release: (q_lat, q_rope, new_kv, new_pe, local_kv,
+    local_pe, ...) -> (call, remaining keyword arguments), with a DeprecationWarning."""
+    warnings.warn(f"{who}(q_lat, q_rope, new_kv, new_pe, local_kv, local_pe, ...) is deprecated: pass an "
+                  f"AttentionCall(q_lat, q_rope, local_kv, local_pe, v_dim, scale, stripe=(c, rank), lse_base=...) "
+                  f"and the new tokens", DeprecationWarning, stacklevel=3)
+    bound = dict(zip(names, args), **kwargs)
+    _check_rank(bound["c"], bound["rank"])  # checked before any collective is issued
+    call = AttentionCall(bound.pop("q_lat"), bound.pop("q_rope"), bound.pop("local_kv"), bound.pop("local_pe"),
+                         bound.pop("v_dim"), bound.pop("scale"), stripe=(bound.pop("c"), bound.pop("rank")),
+                         lse_base=bound.pop("lse_base", "e"))
+    return call, bound
+
+
+_GATHER_ARGS = ("q_lat", "q_rope", "new_kv", "new_pe", "local_kv", "local_pe", "prefix_lens", "group", "c", "rank",
+                "v_dim", "scale", "lse_base", "write")
+_DCP_ARGS = ("q_lat", "q_rope", "new_kv", "new_pe", "local_kv", "local_pe", "prefix_lens", "c", "rank", "v_dim",
+             "scale", "lse_base", "exchange", "group", "out_dtype")
+
+
 def extend_attention_gather(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    new_kv: torch.Tensor,
-    new_pe: Optional[torch.Tensor],
-    local_kv: torch.Tensor,
-    local_pe: Optional[torch.Tensor],
-    prefix_lens: Lens,
-    group: Group,
-    c: int,
-    rank: int,
-    v_dim: int,
-    scale: float,
-    lse_base: str = "e",
-    write: bool = True,
-    *,
-    attn_backend: Optional[str] = None,
+    call,
+    *args,
+    **kwargs,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gather path: ordinary causal attention over (gathered prefix + new tokens).
 
-    ``q_lat [B, S, H, Dl]`` / ``q_rope`` are the new tokens' queries (any head set:
-    the result is final for those heads, no merge). Returns ``(out [B, S, H, v_dim],
-    lse [B, S, H])``. With ``write`` the new tokens are then written striped into
-    ``local_kv`` / ``local_pe``. Collective over ``group`` when ``c > 1``.
-    ``attn_backend``: a name of :data:`~dcp_pass.runtime.decode.backends.ATTENTION_BACKENDS`;
-    None runs Triton on CUDA and the torch reference elsewhere.
+    ``extend_attention_gather(call, new_kv, new_pe, prefix_lens, group, *, write=True,
+    attn_backend=None)``. ``call``: an :class:`~dcp_pass.runtime.decode.call.AttentionCall`
+    of the new tokens' queries ``q_lat [B, S, H, Dl]`` / ``q_rope`` (any head set: the result
+    is final for those heads, no merge) over this rank's striped caches ``kv`` / ``pe`` with
+    ``stripe=(c, rank)``, ``v_dim``, ``scale`` and ``lse_base``; the key counts and the causal
+    cap come from ``prefix_lens``. Returns ``(out [B, S, H, v_dim], lse [B, S, H])``. With
+    ``write`` the new tokens ``new_kv [B, S, Dk]`` / ``new_pe`` are then written striped into
+    the caches. Collective over ``group`` when ``c > 1``. ``attn_backend``: a name of
+    :data:`~dcp_pass.runtime.decode.backends.ATTENTION_BACKENDS`; None runs the Triton
+    kernels on CUDA and the torch reference elsewhere. (The positional form of the last
+    release, ``(q_lat, q_rope, new_kv, new_pe, local_kv, local_pe, prefix_lens, group, c,
+    rank, v_dim, scale, lse_base="e", write=True)``, still works, with a DeprecationWarning.)
     """
-    _check_rank(c, rank)  # checked before any collective is issued
+    if isinstance(call, torch.Tensor):
+        call, bound = _legacy((call, *args), kwargs, _GATHER_ARGS, "extend_attention_gather")
+        args, kwargs = (), bound
+    return _extend_gather(_extend_call(call, "extend_attention_gather"), *args, **kwargs)
+
+
+def _extend_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, group: Group, write: bool = True, *,
+                   attn_backend: Optional[str] = None):
+    c, rank = call.stripe
     B, S = new_kv.shape[:2]
     lens = _lens(prefix_lens, B)
-    kv = _with_new(gather_prefix(local_kv, lens, group, c), new_kv, lens)
+    kv = _with_new(gather_prefix(call.kv, lens, group, c), new_kv, lens)
     pe = None
-    if local_pe is not None:
-        pe = _with_new(gather_prefix(local_pe, lens, group, c), new_pe, lens)
-    q_pos = query_positions(lens, B, S, q_lat.device)
-    attend = resolve_attention_backend(attn_backend, q_lat.device, kv.dtype).run
-    out, lse = attend(
-        q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=(lens + S).to(q_lat.device),
-        lse_base=lse_base, causal=(q_pos, 1, 0),
-    )
+    if call.pe is not None:
+        pe = _with_new(gather_prefix(call.pe, lens, group, c), new_pe, lens)
+    device = call.q_lat.device
+    # the gathered prefix is one unstriped sequence: global positions are its rows
+    out, lse = attend(call.replace(kv=kv, pe=pe, kv_lens=(lens + S).to(device), q_pos=query_positions(lens, B, S, device),
+                               stripe=(1, 0)), attn_backend)
     if write:
-        write_new_tokens_(local_kv, new_kv, lens, c, rank)
-        if local_pe is not None:
-            write_new_tokens_(local_pe, new_pe, lens, c, rank)
+        write_new_tokens_(call.kv, new_kv, lens, c, rank)
+        if call.pe is not None:
+            write_new_tokens_(call.pe, new_pe, lens, c, rank)
     return out, lse
 
 
 def extend_attention_dcp(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    new_kv: torch.Tensor,
-    new_pe: Optional[torch.Tensor],
-    local_kv: torch.Tensor,
-    local_pe: Optional[torch.Tensor],
-    prefix_lens: Lens,
-    c: int,
-    rank: int,
-    v_dim: int,
-    scale: float,
-    lse_base: str = "e",
-    exchange: Optional[str] = None,
-    group: Group = None,
-    out_dtype: Optional[torch.dtype] = None,
-    *,
-    attn_backend: Optional[str] = None,
+    call,
+    *args,
+    **kwargs,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """DCP path: write new tokens striped, shard-local attention with global causality.
 
-    ``q_lat`` holds all query heads of the DCP group. ``exchange=None`` returns the
-    rank-local partial ``(out [B,S,H,v_dim], lse [B,S,H])``; ``"a2a"`` / ``"ag_rs"``
-    merge it with the packed all-to-all / reduce-scatter exchange and return this
-    rank's head shard ``[B, S, H/c, v_dim]``; ``"replicated"`` returns all heads
-    merged on every rank. ``attn_backend`` as in :func:`extend_attention_gather`.
+    ``extend_attention_dcp(call, new_kv, new_pe, prefix_lens, *, exchange=None, group=None,
+    out_dtype=None, attn_backend=None)``; ``call`` as in :func:`extend_attention_gather`,
+    its queries holding all query heads of the DCP group. ``exchange=None`` returns the
+    rank-local partial ``(out [B,S,H,v_dim], lse [B,S,H])``; ``"a2a"`` / ``"ag_rs"`` merge it
+    with the packed all-to-all / reduce-scatter exchange and return this rank's head shard
+    ``[B, S, H/c, v_dim]``; ``"replicated"`` returns all heads merged on every rank. (The
+    positional form of the last release, ``(q_lat, q_rope, new_kv, new_pe, local_kv,
+    local_pe, prefix_lens, c, rank, v_dim, scale, lse_base="e", exchange=None, group=None,
+    out_dtype=None)``, still works, with a DeprecationWarning.)
     """
-    _check_rank(c, rank)  # checked before any collective is issued
+    if isinstance(call, torch.Tensor):
+        call, bound = _legacy((call, *args), kwargs, _DCP_ARGS, "extend_attention_dcp")
+        args, kwargs = (), bound
+    return _extend_dcp(_extend_call(call, "extend_attention_dcp"), *args, **kwargs)
+
+
+def _extend_dcp(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, exchange: Optional[str] = None,
+                group: Group = None, out_dtype: Optional[torch.dtype] = None, *, attn_backend: Optional[str] = None):
+    c, rank = call.stripe
     B, S = new_kv.shape[:2]
     lens = _lens(prefix_lens, B)
-    write_new_tokens_(local_kv, new_kv, lens, c, rank)
-    if local_pe is not None:
-        write_new_tokens_(local_pe, new_pe, lens, c, rank)
-    q_pos = query_positions(lens, B, S, q_lat.device)
-    local_lens = local_length((lens + S).to(q_lat.device), c, rank)
-    attend = resolve_attention_backend(attn_backend, q_lat.device, local_kv.dtype).run
-    o, lse = attend(
-        q_lat, q_rope, local_kv, local_pe, v_dim, scale, kv_lens=local_lens,
-        lse_base=lse_base, causal=(q_pos, c, rank),
-    )
+    write_new_tokens_(call.kv, new_kv, lens, c, rank)
+    if call.pe is not None:
+        write_new_tokens_(call.pe, new_pe, lens, c, rank)
+    device = call.q_lat.device
+    # global counts and positions; the kernels take this rank's share (call.stripe)
+    o, lse = attend(call.replace(kv_lens=(lens + S).to(device), q_pos=query_positions(lens, B, S, device)), attn_backend)
     from dcp_pass.runtime.decode import comm
 
-    return comm.exchange_partials(o, lse, exchange, group, c, lse_base, out_dtype)
+    return comm.exchange_partials(o, lse, exchange, group, c, call.lse_base, out_dtype)

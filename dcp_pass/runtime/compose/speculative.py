@@ -13,16 +13,19 @@ DCP group. Each rank attends over its own shard with:
 * causality in GLOBAL positions: query ``i`` of row ``b`` is at
   ``kv_len[b] - k + i`` and sees exactly the keys at global positions ``<=`` that.
 
-It returns the rank-local ``(out, lse)`` for the usual DCP exchange (or, with
-``exchange=...``, the merged result).
+It takes the attention operands as one :class:`~dcp_pass.runtime.decode.call.AttentionCall`
+(global counts, ``stripe=(c, rank)``) and returns the rank-local ``(out, lse)`` for the
+usual DCP exchange (or, with ``exchange=...``, the merged result).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from dcp_pass.runtime.decode.backends import resolve_attention_backend
+from dcp_pass.runtime.decode.backends import attend
+from dcp_pass.runtime.decode.call import AttentionCall
 from dcp_pass.runtime.decode.layout import _check_rank, local_length, owned_positions, whole_page_ids
 
 __all__ = [
@@ -103,34 +106,46 @@ def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+_VERIFY_ARGS = ("q_lat", "q_rope", "local_kv", "local_pe", "global_kv_len", "k_tokens", "c", "rank", "scale", "v_dim",
+                "lse_base", "page_table", "zero_tail", "exchange", "group", "out_dtype")
+
+
+def _legacy(args, kwargs):
+    """The positional form of the last release -> (call, k_tokens, remaining keyword arguments)."""
+    warnings.warn("verify_attention(q_lat, q_rope, local_kv, local_pe, global_kv_len, k_tokens, c, rank, scale, ...) "
+                  "is deprecated: pass AttentionCall(q_lat, q_rope, local_kv, local_pe, v_dim, scale, "
+                  "kv_lens=global_kv_len, stripe=(c, rank), page_table=...) and k_tokens", DeprecationWarning,
+                  stacklevel=3)
+    bound = dict(zip(_VERIFY_ARGS, args), **kwargs)
+    _check_rank(bound["c"], bound["rank"])
+    q_lat, local_pe, v_dim = bound.pop("q_lat"), bound.pop("local_pe"), bound.pop("v_dim", None)
+    if v_dim is None:
+        if local_pe is None:
+            raise ValueError("v_dim is required for a fused cache (local_pe is None)")
+        v_dim = q_lat.shape[-1]
+    kv_len = torch.as_tensor(bound.pop("global_kv_len")).long().to(q_lat.device)
+    call = AttentionCall(q_lat, bound.pop("q_rope"), bound.pop("local_kv"), local_pe, v_dim, bound.pop("scale"),
+                         kv_lens=kv_len, stripe=(bound.pop("c"), bound.pop("rank")),
+                         lse_base=bound.pop("lse_base", "e"), page_table=bound.pop("page_table", None))
+    return call, bound.pop("k_tokens"), bound
+
+
 def verify_attention(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    local_kv: torch.Tensor,
-    local_pe: Optional[torch.Tensor],
-    global_kv_len: torch.Tensor,
-    k_tokens: int,
-    c: int,
-    rank: int,
-    scale: float,
-    v_dim: Optional[int] = None,
-    lse_base: str = "e",
-    page_table: Optional[torch.Tensor] = None,
-    zero_tail: bool = True,
-    exchange: Optional[str] = None,
-    group=None,
-    out_dtype: Optional[torch.dtype] = None,
-    *,
-    attn_backend: Optional[str] = None,
+    call,
+    *args,
+    **kwargs,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Rank-local target verification over a striped MLA cache.
 
-    ``q_lat [B, k, H, Dl]`` / ``q_rope [B, k, H, Dr]``: queries of the ``k`` verified
-    tokens for all heads of the DCP group. The cache is either per-sequence striped
-    (``local_kv [B, Tl, Dk]``, ``local_pe [B, Tl, Dr]`` or None when fused) or paged
-    (``local_kv [pages, P, Dk]`` + ``page_table [B, max_local_pages]`` from
-    :func:`rank_local_page_table`). ``global_kv_len [B]`` counts the prefix and the
-    ``k`` tokens. ``v_dim`` defaults to ``Dl`` for a split cache (required when fused).
+    ``verify_attention(call, k_tokens, *, zero_tail=True, exchange=None, group=None,
+    out_dtype=None, attn_backend=None)``. ``call``: an
+    :class:`~dcp_pass.runtime.decode.call.AttentionCall` of the ``k`` verified tokens'
+    queries ``q_lat [B, k, H, Dl]`` / ``q_rope [B, k, H, Dr]`` (all heads of the DCP group)
+    over this rank's cache, either per-sequence striped (``kv [B, Tl, Dk]``, ``pe [B, Tl, Dr]``
+    or None when fused) or paged (``kv [pages, P, Dk]`` + ``page_table [B, max_local_pages]``
+    from :func:`rank_local_page_table`), with ``stripe=(c, rank)`` and ``kv_lens`` the global
+    count of every row ``[B]``, the prefix and the ``k`` tokens included. The causal cap is
+    verification's: query ``i`` of row ``b`` at global position ``kv_len[b] - k + i``.
 
     ``zero_tail`` zeroes the rows past each row's local length before attending so
     that stale rows (which may hold anything, NaN included) cannot poison the output
@@ -142,40 +157,52 @@ def verify_attention(
     (``"a2a"``/``"ag_rs"``: this rank's head shard; ``"replicated"``: all heads).
 
     ``attn_backend``: a name of :data:`~dcp_pass.runtime.decode.backends.ATTENTION_BACKENDS`;
-    None runs Triton on CUDA and the torch reference elsewhere.
+    None runs the Triton kernels on CUDA and the torch reference elsewhere. (The positional
+    form of the last release, ``(q_lat, q_rope, local_kv, local_pe, global_kv_len, k_tokens,
+    c, rank, scale, v_dim=None, lse_base="e", page_table=None, zero_tail=True, exchange=None,
+    group=None, out_dtype=None)``, still works, with a DeprecationWarning.)
     """
-    _check_rank(c, rank)
+    if isinstance(call, torch.Tensor):
+        call, k_tokens, bound = _legacy((call, *args), kwargs)
+        return _verify(call, k_tokens, **bound)
+    return _verify(call, *args, **kwargs)
+
+
+def _verify(call: AttentionCall, k_tokens: int, zero_tail: bool = True, exchange=None, group=None,
+            out_dtype: Optional[torch.dtype] = None, *, attn_backend: Optional[str] = None):
+    c, rank = call.stripe
     _check_positive_int("k_tokens", k_tokens)
+    if call.q_pos is not None or call.mask is not None or call.kv_start:
+        raise ValueError("verify_attention: the causal cap comes from kv_lens and k_tokens; pass a call without "
+                         "q_pos, mask or kv_start")
+    if not isinstance(call.kv_lens, torch.Tensor):
+        raise ValueError("verify_attention: kv_lens must be the global count of every row, a [B] tensor")
+    page_table = call.page_table
     if page_table is not None and page_table.device.type == "cpu" and page_table.numel() \
             and int(page_table.min()) < 0:
         # checked on CPU only: on a device it would be a host sync per call
         raise ValueError(f"page_table holds a negative page id {int(page_table.min())}")
+    q_lat = call.q_lat
     if q_lat.shape[1] != k_tokens:
         raise ValueError(f"q_lat has {q_lat.shape[1]} query tokens, k_tokens={k_tokens}")
-    if v_dim is None:
-        if local_pe is None:
-            raise ValueError("v_dim is required for a fused cache (local_pe is None)")
-        v_dim = q_lat.shape[-1]
-    kv_len = torch.as_tensor(global_kv_len).long().to(q_lat.device)
-    q_pos = verify_query_positions(kv_len, k_tokens)
-    local_lens = local_length(kv_len, c, rank)
-    backend = resolve_attention_backend(attn_backend, q_lat.device, local_kv.dtype)
+    kv_len = call.kv_lens.long().to(q_lat.device)
+    # global counts and positions throughout; the kernels take this rank's share (call.stripe)
+    call = call.replace(kv_lens=kv_len, q_pos=verify_query_positions(kv_len, k_tokens))
     if page_table is not None and not zero_tail:
-        o, lse = backend.run_paged(q_lat, q_rope, local_kv, local_pe, page_table, local_lens, v_dim, scale,
-                                   lse_base=lse_base, causal=(q_pos, c, rank))
+        o, lse = attend(call, attn_backend)
     else:
-        kv, pe = local_kv, local_pe
+        kv, pe = call.kv, call.pe
         if page_table is not None:
             # gather the rank-local view once, then the same dense path
-            idx = page_table.long().to(local_kv.device)
-            kv = local_kv[idx].flatten(1, 2)
-            pe = local_pe[idx].flatten(1, 2) if local_pe is not None else None
-            assert kv.shape[1] == idx.shape[1] * local_kv.shape[1]
+            idx = page_table.long().to(kv.device)
+            kv = call.kv[idx].flatten(1, 2)
+            pe = call.pe[idx].flatten(1, 2) if call.pe is not None else None
+            assert kv.shape[1] == idx.shape[1] * call.kv.shape[1]
         if zero_tail:
+            local_lens = local_length(kv_len, c, rank)
             kv = _zero_tail(kv, local_lens)
             pe = _zero_tail(pe, local_lens) if pe is not None else None
-        o, lse = backend.run(q_lat, q_rope, kv, pe, v_dim, scale, kv_lens=local_lens,
-                             lse_base=lse_base, causal=(q_pos, c, rank))
+        o, lse = attend(call.replace(kv=kv, pe=pe, page_table=None), attn_backend)
     from dcp_pass.runtime.decode import comm
 
-    return comm.exchange_partials(o, lse, exchange, group, c, lse_base, out_dtype)
+    return comm.exchange_partials(o, lse, exchange, group, c, call.lse_base, out_dtype)

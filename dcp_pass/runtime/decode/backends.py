@@ -3,26 +3,30 @@
 Every chooser reads these tables: option validation (dcp_pass/options.py), plan
 resolution (dcp_pass/backend.py), the rewrite's exchange (rewrites/attention.py),
 the shard-local attention op (runtime/decode/ops.py), extend (runtime/compose/extend.py),
-speculative verification (runtime/compose/speculative.py) and the benchmarks. A new backend
-is one entry here (vLLM's attention backend registry is the model).
+speculative verification (runtime/compose/speculative.py) and the benchmarks.
 
 * ``COMM_BACKENDS``: name -> :class:`CommBackend` (head-sharded exchange, the method
   the replicated-heads exchange uses, what keeps it from running on given platform
   facts, description). Insertion order is the default's preference order. Defined in
   runtime/decode/comm.py beside the exchanges it names, re-exported here.
-* ``ATTENTION_BACKENDS``: name -> :class:`AttentionBackend` (availability check,
-  dense and paged run functions, native LSE base). ``"auto"`` is not an entry: it is
-  resolved per call by :func:`resolve_attention_backend`.
+* ``ATTENTION_BACKENDS``: the names option 'attn_backend' takes -> :class:`AttentionBackend`
+  (availability check, the kernels its chooser picks from, native LSE base, whether it runs
+  under CUDA-graph capture and takes masks). ``"auto"`` is not an entry: it is resolved per
+  call by :func:`resolve_attention_backend`. The kernels themselves are the registry's
+  (kernels/registry.py: what each supports, what it costs, one chooser); :func:`attend` runs
+  an :class:`~dcp_pass.runtime.decode.call.AttentionCall` on the kernel chosen for it.
 
 The runtime never imports the rewrites: this module imports only runtime code.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from dcp_pass.runtime.decode.call import AttentionCall
+from dcp_pass.runtime.decode.kernels.registry import KERNELS, TRITON_KERNELS, Kernel, choose, mark_unusable
 from dcp_pass.runtime.decode.comm import (COMM_BACKENDS, DEFAULT_COMM_PREFERENCE, CommBackend,  # noqa: F401
                                           comm_backend_blockers)
 
@@ -33,8 +37,11 @@ __all__ = [
     "COMM_BACKENDS",
     "ATTENTION_BACKENDS",
     "AUTO",
+    "attend",
+    "attend_with_kernel",
     "attention_backend_names",
     "attention_lse_base",
+    "choose_kernel",
     "comm_backend_blockers",
     "resolve_attention_backend",
 ]
@@ -52,26 +59,19 @@ class AttentionBackendUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class AttentionBackend:
+    """A name option 'attn_backend' takes: the kernels its chooser picks from
+    (kernels/registry.py names, in preference order), with what the pass needs to know."""
+
     name: str
     # (device, dtype) -> None when it can run there, else the reason it cannot
     available: Callable[[torch.device, Optional[torch.dtype]], Optional[str]]
-    # run(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None)
-    #   -> (out [B,S,H,v_dim], lse [B,S,H])
-    run: Optional[Callable[..., Any]]
-    # run_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None,
-    #   lse_base="e", causal=None) -> (out, lse)
-    run_paged: Optional[Callable[..., Any]]
+    kernels: Tuple[str, ...]
     lse_base: str  # the base its LSE comes in natively; the plan's default LSE base
     description: str
     # False: it cannot run inside CUDA-graph capture (the pass turns cudagraphs "auto" off)
     capturable: bool = True
     # False: it refuses an additive score mask (the pass refuses masked layers at compile)
     takes_mask: bool = True
-    # True: its calls only allocate, take views and launch Triton kernels through
-    # kernels.common.launch, so the op may replay them (runtime/decode/replay.py). A backend
-    # that launches anything else (a C++ extension, a library call) must stay False: a
-    # replay would silently skip what the recording cannot see.
-    replayable: bool = False
 
 
 def _triton_available(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
@@ -91,59 +91,20 @@ def _flashinfer_available(device: torch.device, dtype: Optional[torch.dtype] = N
     return flashinfer_unavailable(device, dtype)
 
 
-# Kernel imports stay lazy: importing the tables (options validation) must not import Triton.
-def _triton_run(*args, **kwargs):
-    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention
-
-    # the kernels' dispatcher: Triton where the shapes are supported, the reference otherwise
-    return mla_attention(*args, **kwargs)
-
-
-def _triton_run_paged(*args, **kwargs):
-    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_paged
-
-    return mla_attention_paged(*args, **kwargs)
-
-
-def _torch_run(*args, **kwargs):
-    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
-
-    return mla_attention_reference(*args, **kwargs)
-
-
-def _torch_run_paged(*args, **kwargs):
-    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference_paged
-
-    return mla_attention_reference_paged(*args, **kwargs)
-
-
-def _flashinfer_run(*args, **kwargs):
-    from dcp_pass.runtime.decode.kernels.flashinfer_mla import mla_attention_flashinfer
-
-    return mla_attention_flashinfer(*args, **kwargs)
-
-
-def _flashinfer_run_paged(*args, **kwargs):
-    from dcp_pass.runtime.decode.kernels.flashinfer_mla import mla_attention_flashinfer_paged
-
-    return mla_attention_flashinfer_paged(*args, **kwargs)
-
-
 # Insertion order gives options.ATTN_BACKENDS (after "auto").
 ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
     "triton": AttentionBackend(
-        "triton", _triton_available, _triton_run, _triton_run_paged, "e",
-        "split-KV flash-decoding Triton kernel (runtime/decode/kernels/mla_attention.py)",
-        replayable=True,
+        "triton", _triton_available, TRITON_KERNELS, "e",
+        "the fastest Triton-family kernel for the call (Gluon, two-GEMM or split-KV; kernels/registry.py)",
     ),
     "flashinfer": AttentionBackend(
-        "flashinfer", _flashinfer_available, _flashinfer_run, _flashinfer_run_paged, "2",
+        "flashinfer", _flashinfer_available, ("flashinfer",), "2",
         "FlashInfer's BatchMLAPagedAttentionWrapper (runtime/decode/kernels/flashinfer_mla.py): "
         "host-side plan, no additive masks",
         capturable=False, takes_mask=False,
     ),
     "torch": AttentionBackend(
-        "torch", _torch_available, _torch_run, _torch_run_paged, "e",
+        "torch", _torch_available, ("torch",), "e",
         "torch reference (runs everywhere; the fp32 checking mode)",
     ),
 }
@@ -202,9 +163,62 @@ def resolve_attention_backend(
             f"{', '.join(map(repr, attention_backend_names()))} (or None)")
     entry = ATTENTION_BACKENDS[requested]
     reason = entry.available(torch.device(device), dtype)
-    if reason is None and entry.run is not None:
+    if reason is None:
         return entry
     if strict:
-        raise AttentionBackendUnavailable(
-            f"attention backend {requested!r} {reason or 'cannot run: it has no run function'}")
+        raise AttentionBackendUnavailable(f"attention backend {requested!r} {reason}")
     return ATTENTION_BACKENDS[FALLBACK_ATTENTION]
+
+
+def choose_kernel(call: AttentionCall, backend: Optional[str] = AUTO, *, strict: bool = True,
+                  config=None) -> Kernel:
+    """The kernel that runs `call` for `backend`.
+
+    `backend`: a name of :data:`ATTENTION_BACKENDS`, "auto" or None (as in
+    :func:`resolve_attention_backend`: the backend's kernels, chosen by the registry, the
+    torch reference where none takes the call), or a kernel name of ``registry.KERNELS``
+    (that kernel). ``config`` (a kernel's config: MLAKernelConfig, WideConfig, GluonConfig)
+    names the kernels it configures instead. A kernel or backend that cannot run the call
+    raises :class:`AttentionBackendUnavailable` when ``strict``, else the reference runs.
+    """
+    shape = call.shape
+    if config is not None or backend in KERNELS:
+        names = tuple(config.kernels) if config is not None else (backend,)
+        reasons = []
+        for name in names:
+            reason = KERNELS[name].supports(shape)
+            if reason is None:
+                return KERNELS[name]
+            reasons.append(f"{name}: {reason}")
+        if strict:
+            raise AttentionBackendUnavailable(f"attention kernel {' / '.join(names)} cannot run this call "
+                                              f"({shape.describe()}): " + "; ".join(reasons))
+        return KERNELS[FALLBACK_ATTENTION]
+    entry = resolve_attention_backend(backend, call.kv.device, call.kv.dtype, strict=strict)
+    kernel = choose(shape, entry.kernels)
+    return kernel if kernel is not None else KERNELS[FALLBACK_ATTENTION]
+
+
+def attend_with_kernel(call: AttentionCall, backend: Optional[str] = AUTO, out=None, lse_out=None, *,
+                       strict: bool = True, config=None, num_splits: Optional[int] = None):
+    """:func:`attend`, and the kernel that ran: ``((out, lse), kernel)``."""
+    options = {k: v for k, v in (("config", config), ("num_splits", num_splits)) if v is not None}
+    kernel = choose_kernel(call, backend, strict=strict, config=config)
+    chosen = config is None and backend not in KERNELS
+    while True:
+        try:
+            return kernel.run(call, out, lse_out, **options), kernel
+        except Exception as e:  # noqa: BLE001 - a kernel this Triton cannot build: choose again
+            if not (chosen and kernel.build_errors and isinstance(e, kernel.build_errors)):
+                raise
+            mark_unusable(kernel, e)
+            kernel = choose_kernel(call, backend, strict=strict)
+
+
+def attend(call: AttentionCall, backend: Optional[str] = AUTO, out=None, lse_out=None, *, strict: bool = True,
+           config=None, num_splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Shard-local attention of `call` on the kernel :func:`choose_kernel` picks:
+    ``(out [B,S,H,v_dim] in q's dtype, lse [B,S,H])`` in the call's LSE base; ``out`` /
+    ``lse_out`` receive them when given. A kernel the chooser picked that this Triton cannot
+    build is dropped for the process (with a warning) and the chooser picks again."""
+    return attend_with_kernel(call, backend, out, lse_out, strict=strict, config=config, num_splits=num_splits)[0]

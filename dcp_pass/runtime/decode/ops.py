@@ -3,17 +3,17 @@
 An op (not a plain Python call) because the inner compilers must treat the
 shard-local attention as an opaque kernel: it has a fake implementation for
 tracing, and its real implementation chooses its attention backend (the Triton
-kernel or the torch reference, runtime/decode/backends.py) at run time. (Striped cache
+kernel the registry chooses for the call, runtime/decode/backends.py) at run time. (Striped cache
 writes need no op: they are one strided slice copy in the graph, see
 rewrites/cache.py.)
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from dcp_pass import env
 from dcp_pass.runtime.decode import replay
 
 
@@ -84,8 +84,8 @@ def mla_local_attention(
         inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
         # the kernel switches are part of the key: a recording is only replayed under the
         # routing it was made with
-        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, os.environ.get("DCP_MLA_WIDE"),
-                               os.environ.get("DCP_MLA_GLUON"), tensors=inputs)
+        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(),
+                               tensors=inputs)
         return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
                                                                 lse_base, backend))
     return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
@@ -94,25 +94,19 @@ def mla_local_attention(
 
 def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
                      kv_start=0):
-    """((partial output, lse), whether the backend that ran may be replayed)."""
-    from dcp_pass.runtime.decode.backends import resolve_attention_backend
+    """((partial output, lse), whether the kernel that ran may be replayed)."""
+    from dcp_pass.runtime.decode.backends import attend_with_kernel
+    from dcp_pass.runtime.decode.call import AttentionCall
 
-    # "auto": Triton on CUDA for 16-bit caches, the torch reference for fp32 caches (a
-    # checking mode) and off CUDA; a named backend that cannot run here (refused at
-    # compile) falls back to the reference, as it always did
-    entry = resolve_attention_backend(backend, q_lat.device, kv.dtype, strict=False)
-    fn = entry.run
-    if kv_lens is None:
-        rows = window_rows(kv_len, kv_start, c, rank, kv.shape[1], "kv")
-        kv = kv[:, rows]
-        pe = pe[:, rows] if pe is not None else None
-        mask = window_mask(mask, kv_len, kv_start, c, rank)
-    elif mask is not None and mask.shape[-1] != 1:
-        mask = mask[..., rank::c]
-    # with device counts the shards are whole and the kernels take this rank's share of
-    # the global counts themselves (lens_stripe): no torch ops on the counts per call
-    out, lse = fn(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, None, lens_stripe=(c, rank))
-    return (out.contiguous(), lse.contiguous()), entry.replayable
+    # the graph's global count and mask as they are: the call takes the rank's rows and
+    # columns, and with device counts the kernels take its share (no torch op per call)
+    call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask=mask, kv_lens=kv_len if kv_lens is None else kv_lens,
+                         kv_start=kv_start, stripe=(c, rank), lse_base=lse_base)
+    # "auto": the Triton kernels on CUDA for 16-bit caches, the torch reference for fp32
+    # caches (a checking mode) and off CUDA; a named backend that cannot run here (refused
+    # at compile) falls back to the reference, as it always did
+    (out, lse), kernel = attend_with_kernel(call, backend, strict=False)
+    return (out.contiguous(), lse.contiguous()), kernel.replayable
 
 
 _LIBRARY.impl("mla_local_attention", mla_local_attention, "CompositeExplicitAutograd")
@@ -149,17 +143,15 @@ def local_attention(
     :func:`mla_local_attention` (mask: additive fp32, broadcastable to
     ``[B,S,H,kv_len - kv_start]``; the op keeps its stripe). Returns ``out [B,S,H,Dv]`` (q's
     dtype) and ``lse [B,S,H]`` (fp32, fp64 for fp64 inputs) in ``lse_base``; a rank with no
-    visible key gives 0 and -inf. Every backend name runs the torch reference here (no
-    kernel takes per-head caches yet).
+    visible key gives 0 and -inf. Only the torch reference takes per-head caches so far: every
+    backend name runs it (kernels/registry.py: the kernels' supports()).
     """
-    from dcp_pass.runtime.decode.kernels.reference import heads_attention_reference
+    from dcp_pass.runtime.decode.backends import attend
+    from dcp_pass.runtime.decode.call import AttentionCall
 
-    rows = window_rows(kv_len, kv_start, c, rank, k.shape[1], "k")
-    if v.shape[1] < rows.stop:
-        raise ValueError(f"dcp.local_attention: v has {v.shape[1]} local rows, rank {rank} of {c} needs "
-                         f"{rows.stop} for kv_len={kv_len}")
-    mask = window_mask(mask, kv_len, kv_start, c, rank)
-    out, lse = heads_attention_reference(q, k[:, rows], v[:, rows], scale, mask, lse_base)
+    call = AttentionCall(q, None, k, None, v.shape[-1], scale, mask=mask, kv_lens=kv_len, kv_start=kv_start,
+                         stripe=(c, rank), lse_base=lse_base, v=v)
+    out, lse = attend(call, backend, strict=False)
     return out.contiguous(), lse.contiguous()
 
 
@@ -172,29 +164,3 @@ def _(q, k, v, kv_len, c, rank, scale, mask, lse_base, backend, kv_start=0):
     out = q.new_empty((B, S, H, v.shape[-1]))
     lse = q.new_empty((B, S, H), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     return out, lse
-
-
-def window_rows(kv_len: int, kv_start: int, c: int, rank: int, shard_rows: int, what: str) -> slice:
-    """The local rows of rank `rank`'s owned positions in [kv_start, kv_len): the positions of
-    rank r below n are local rows [0, local_length(n, c, r)), so the window is the difference."""
-    from dcp_pass.runtime.decode.layout import local_length
-
-    if not 0 <= kv_start <= kv_len:
-        raise ValueError(f"the window must satisfy 0 <= kv_start <= kv_len, got kv_start={kv_start}, kv_len={kv_len}")
-    first, end = local_length(kv_start, c, rank), local_length(kv_len, c, rank)
-    if shard_rows < end:
-        raise ValueError(f"{what} has {shard_rows} local rows, rank {rank} of {c} owns {end} positions below "
-                         f"kv_len={kv_len}")
-    return slice(first, end)
-
-
-def window_mask(mask: Optional[torch.Tensor], kv_len: int, kv_start: int, c: int, rank: int):
-    """Rank `rank`'s columns of a mask over the window's global positions [kv_start, kv_len):
-    column j is position kv_start + j, so the rank's first owned position is column
-    (rank - kv_start) mod c and every c-th after it."""
-    if mask is None or mask.shape[-1] == 1:
-        return mask
-    if mask.shape[-1] != kv_len - kv_start:
-        raise ValueError(f"the mask's last dim is {mask.shape[-1]}; it must cover the visible global key positions "
-                         f"[kv_start, kv_len) = [{kv_start}, {kv_len}) ({kv_len - kv_start}), or be 1 to broadcast")
-    return mask[..., (rank - kv_start) % c::c]

@@ -21,12 +21,13 @@ are set (a profiler), and every call with DCP_REPLAY=0.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from dcp_pass import env
 
 aten = torch.ops.aten
 _ALLOCATING = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
@@ -190,7 +191,7 @@ def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[],
     may be replayed at all (the attention backend table's `replayable`; launches the
     recording cannot see would be skipped by a replay).
     """
-    if os.environ.get("DCP_REPLAY") == "0":  # read per call: tests and benchmarks flip it
+    if not env.replay_enabled():  # read per call: tests and benchmarks flip it
         return call()[0]
     replay = _REPLAYS.get(key)
     if replay is not None and replay is not _NOT_REPLAYABLE and not _hooks_set():

@@ -1,6 +1,6 @@
-"""Host-side pieces shared by the MLA attention kernels (``mla_attention``, ``mla_wide``).
+"""Host-side pieces shared by the MLA attention kernels (``mla_attention``, ``mla_wide``, the Gluon ones).
 
-Argument normalisation and checks (including which operands the Triton path takes), the
+Argument checks (including which calls the Triton kernels take: :func:`triton_reason`), the
 operands every launch builds the same way (mask, causal positions, output buffers) and
 small constants, and three device-side helpers both Triton kernels inline (a shard's key
 count, query positions as int32, the keys a position sees). Nothing here launches a
@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
+
+from dcp_pass.runtime.decode.call import (AttentionCall, Causal, Parts, ShardView, check_base,  # noqa: F401
+                                          mask_rows_shared, pow2, split_parts)
 
 try:  # triton is optional at import time (CPU-only installs still get the reference)
     import triton
@@ -32,9 +34,9 @@ __all__ = [
     "LOG2E",
     "LN2",
     "Causal",
-    "as_causal",
     "Parts",
-    "MlaArgs",
+    "AttentionCall",
+    "ShardView",
     "check_base",
     "split_parts",
     "pow2",
@@ -45,9 +47,9 @@ __all__ = [
     "outputs",
     "check_launchable",
     "lse_scale",
-    "triton_supported",
+    "only_reference",
+    "triton_reason",
     "lens_operand",
-    "local_lens",
     "launch",
     "recording_launches",
     "shard_keys",
@@ -72,112 +74,6 @@ else:  # pragma: no cover
     INTERPRETED = False
 
 
-class Causal(NamedTuple):
-    """Causal visibility on a DCP shard: local key k (global position ``k * cp_world + cp_rank``)
-    is visible to a query at global position ``q_pos[b, s]`` when that position is not before it."""
-
-    q_pos: torch.Tensor  # [B, S] (or broadcastable), integer global query positions
-    cp_world: int
-    cp_rank: int
-
-
-def as_causal(causal) -> Optional[Causal]:
-    """None, a ``Causal`` or a plain ``(q_pos, cp_world, cp_rank)`` tuple -> ``Optional[Causal]``."""
-    if causal is None or isinstance(causal, Causal):
-        return causal
-    return Causal(*causal)
-
-
-@dataclass(frozen=True)
-class Parts:
-    """Where the two score terms live: 'main' (also the values) and 'tail' (rope)."""
-
-    q_main: torch.Tensor  # [B, S, H, Dm]
-    k_main: torch.Tensor  # [B, T, Dm]  (a column slice of kv)
-    q_tail: Optional[torch.Tensor]  # [B, S, H, Dt]
-    k_tail: Optional[torch.Tensor]  # [B, T, Dt]
-
-
-@dataclass(frozen=True)
-class MlaArgs:
-    """The attention operands of one call, as the internal launch paths take them.
-
-    The public functions keep their positional signatures and build one of these; ``kv``
-    and ``pe`` are the page pools when ``page_table`` is given (``page_size`` = pool rows
-    per page). ``causal`` is stored as a :class:`Causal` (a plain 3-tuple is converted).
-    """
-
-    q_lat: torch.Tensor
-    q_rope: Optional[torch.Tensor]
-    kv: torch.Tensor
-    pe: Optional[torch.Tensor]
-    v_dim: int
-    scale: float
-    mask: Optional[torch.Tensor] = None
-    kv_lens: Optional[torch.Tensor] = None
-    lse_base: str = "e"
-    causal: Optional[Causal] = None
-    page_table: Optional[torch.Tensor] = None
-    page_size: int = 1
-    # (c, r): kv_lens are GLOBAL key counts and the cache is rank r's stripe of c; the
-    # kernels take r's share, (n + c - 1 - r) // c, themselves (no extra launches)
-    lens_stripe: Tuple[int, int] = (1, 0)
-
-    def __post_init__(self):
-        object.__setattr__(self, "causal", as_causal(self.causal))
-
-    @property
-    def paged(self) -> bool:
-        return self.page_table is not None
-
-    def parts(self) -> "Parts":
-        return split_parts(self.q_lat, self.q_rope, self.kv, self.pe, self.v_dim)
-
-
-def check_base(lse_base) -> str:
-    base = str(lse_base)
-    if base not in ("e", "2"):
-        raise ValueError(f"lse_base must be 'e' or '2', got {lse_base!r}")
-    return base
-
-
-def split_parts(q_lat, q_rope, kv, pe, v_dim) -> Parts:
-    if q_lat.dim() != 4:
-        raise ValueError(f"q_lat must be [B, S, H, D], got shape {tuple(q_lat.shape)}")
-    if kv.dim() != 3:
-        raise ValueError(f"kv must be [B, T, Dk], got shape {tuple(kv.shape)}")
-    dl = q_lat.shape[-1]
-    if pe is None:
-        if q_rope is not None:
-            raise ValueError("q_rope given but pe is None: a fused cache needs the rope part inside q_lat")
-        if kv.shape[-1] < dl:
-            raise ValueError(f"fused cache has {kv.shape[-1]} columns, q_lat needs {dl}")
-        if not 0 < v_dim <= dl:
-            raise ValueError(f"v_dim={v_dim} must be in (0, {dl}] for a fused cache")
-        # fused: the first v_dim columns are latent (keys and values), the rest rope
-        q_main, k_main = q_lat[..., :v_dim], kv[..., :v_dim]
-        if dl > v_dim:
-            q_tail, k_tail = q_lat[..., v_dim:], kv[..., v_dim:dl]
-        else:
-            q_tail = k_tail = None
-    else:
-        if q_rope is None:
-            raise ValueError("pe given but q_rope is None")
-        if kv.shape[-1] < dl:
-            raise ValueError(f"kv has {kv.shape[-1]} columns, q_lat needs {dl}")
-        if q_rope.shape[-1] != pe.shape[-1]:
-            raise ValueError(f"q_rope dim {q_rope.shape[-1]} != pe dim {pe.shape[-1]}")
-        if not 0 < v_dim <= kv.shape[-1]:
-            raise ValueError(f"v_dim={v_dim} must be in (0, {kv.shape[-1]}]")
-        q_main, k_main = q_lat, kv[..., :dl]
-        q_tail, k_tail = (q_rope, pe) if pe.shape[-1] > 0 else (None, None)
-    return Parts(q_main, k_main, q_tail, k_tail)
-
-
-def pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, (int(n) - 1)).bit_length())
-
-
 def _bcast_mask(mask, B, S, H, T, device):
     if mask is None:
         return None
@@ -198,12 +94,6 @@ def mask_operand(mask, B, S, H, T, device):
     mask_b = _bcast_mask(mask, B, S, H, T, device)
     ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
     return mask_b, ms, mask_b is not None and mask_rows_shared(ms, S)
-
-
-def mask_rows_shared(strides, S: int) -> bool:
-    """Whether a [B, S, H, T] mask with these strides is one row per request: the same for
-    every head, and for every query token too unless there is one."""
-    return strides[2] == 0 and (S == 1 or strides[1] == 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,13 +159,6 @@ def lens_operand(kv_lens: Optional[torch.Tensor], stripe: Tuple[int, int], B: in
     return kv_lens, (0 if kv_lens.shape[0] == 1 else kv_lens.stride(0)), c, r
 
 
-def local_lens(kv_lens: torch.Tensor, stripe: Tuple[int, int], B: int) -> torch.Tensor:
-    """The counts `lens_operand` describes, as [B] local counts (for the torch reference)."""
-    from dcp_pass.runtime.decode.layout import local_length
-
-    return local_length(kv_lens.to(torch.long).clamp(min=0), *stripe).expand(B)
-
-
 class _LaunchLog(threading.local):
     entries: Optional[list] = None
 
@@ -314,21 +197,41 @@ def lse_scale(base):
     return LN2 if base == "e" else 1.0
 
 
-def triton_supported(q_lat, q_rope, kv, pe, v_dim) -> bool:
-    """Whether the Triton path handles these operands (else use the reference)."""
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def only_reference(shape) -> Optional[str]:
+    """The calls only the torch reference takes, and why (None for the others)."""
+    if shape.per_head:
+        return "per-head keys and values (GQA / MHA): the torch reference only"
+    if shape.offset_lens:
+        return "a window start (kv_start) with device key counts: the torch reference only"
+    return None
+
+
+def triton_reason(shape) -> Optional[str]:
+    """Why the Triton kernels (split and wide) cannot take a call of this
+    :class:`~dcp_pass.runtime.decode.call.CallShape` (None: they can)."""
     if not HAS_TRITON:
-        return False
-    if kv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False
-    if q_lat.dtype != kv.dtype or (q_rope is not None and q_rope.dtype != kv.dtype):
-        return False
-    if pe is not None and pe.dtype != kv.dtype:
-        return False
-    d_main = v_dim if pe is None else q_lat.shape[-1]
-    if pe is not None and v_dim > d_main:
-        return False  # values wider than the key part: not a decode MLA layout
-    d_tail = (q_lat.shape[-1] - v_dim) if pe is None else pe.shape[-1]
-    return pow2(d_main) <= 1024 and pow2(d_tail) <= 256
+        return "triton is not importable"
+    if shape.per_head or shape.offset_lens:
+        return only_reference(shape)
+    if shape.dtype not in TRITON_DTYPES:
+        return f"the Triton kernels take float16, bfloat16 or float32 caches, not {shape.dtype}"
+    if not shape.same_dtypes:
+        return "the queries and caches are not of one dtype"
+    if not shape.fused and shape.v_dim > shape.d_main:
+        return f"values ({shape.v_dim} columns) wider than the key part ({shape.d_main}): not a decode MLA layout"
+    if pow2(shape.d_main) > 1024 or pow2(shape.d_tail) > 256:
+        return f"{shape.d_main} + {shape.d_tail} score columns: the kernels take up to 1024 + 256"
+    if shape.device != "cuda" and not INTERPRETED:
+        return f"it needs CUDA tensors, or TRITON_INTERPRET=1 set before triton's import for {shape.device} tensors"
+    if shape.device != "cuda" and shape.dtype == torch.bfloat16:
+        # the interpreter keeps bfloat16 as raw 16-bit integers and tl.dot multiplies those
+        # (triton-lang/triton#11584, Triton 3.6 and 3.9 alike): values ~1e9, no error of its own
+        return ("Triton's interpreter computes tl.dot on bfloat16 wrongly; on CPU pass float32 or float16 "
+                "tensors (the GPU path takes bfloat16)")
+    return None
 
 
 # --------------------------------------------------------------------------------------

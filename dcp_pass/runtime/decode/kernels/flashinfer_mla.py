@@ -1,9 +1,10 @@
 """Shard-local MLA attention through FlashInfer's ``BatchMLAPagedAttentionWrapper``.
 
-Same contract as :func:`~dcp_pass.runtime.decode.kernels.mla_attention.mla_attention_reference`
-(dense) and ``mla_attention_reference_paged`` (paged): ``(out [B,S,H,v_dim] in q dtype,
-lse fp32 [B,S,H])`` in the requested ``lse_base``, output 0 and LSE -inf for a row that
-sees no key. Written against flashinfer-python 0.2.x (checked: 0.2.14.post1, whose MLA
+The registry's "flashinfer" kernel: :func:`run` takes an
+:class:`~dcp_pass.runtime.decode.call.AttentionCall` (dense shards or page pools) with the
+torch reference's contract (``kernels/reference.py``): ``(out [B,S,H,v_dim] in q dtype,
+lse fp32 [B,S,H])`` in the call's LSE base, output 0 and LSE -inf for a row that sees no
+key. Written against flashinfer-python 0.2.x (checked: 0.2.14.post1, whose MLA
 kernels are built by nvcc on first use).
 
 How our operands map onto FlashInfer's:
@@ -41,7 +42,6 @@ the requested base is applied here, so the backend table's ``lse_base = "2"`` is
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -53,14 +53,14 @@ import torch
 LN2 = 0.6931471805599453
 
 __all__ = [
+    "supports",
+    "run",
     "CKV_DIM",
     "KPE_DIM",
     "flashinfer_unavailable",
     "visible_counts",
     "row_chunks",
     "paged_request_pages",
-    "mla_attention_flashinfer",
-    "mla_attention_flashinfer_paged",
     "warmup",
 ]
 
@@ -78,8 +78,6 @@ POS_CAP = 2 ** 31 - 1
 SPAN_CAP = 2 ** 32 - 1
 _ROWS_PER_TILE = 64  # smallest query tile of the MLA kernels (packed query x head rows)
 
-_ENV_BACKEND = "DCP_FLASHINFER_MLA_BACKEND"  # "auto" (default), "fa2" or "fa3"
-_ENV_WORKSPACE = "DCP_FLASHINFER_WORKSPACE_MB"  # float workspace per device, default 128
 
 
 # --------------------------------------------------------------------------------------
@@ -103,6 +101,32 @@ def flashinfer_unavailable(device: torch.device, dtype: Optional[torch.dtype] = 
     if major < 8:
         return f"cannot run: FlashInfer's MLA kernels need compute capability 8.0+, this GPU is {major}.{minor}"
     return None
+
+
+def supports(shape) -> Optional[str]:
+    """The registry's check: where FlashInfer can run (:func:`flashinfer_unavailable`, from the
+    call's shape). A mask is refused by the run itself, with its own message (the pass refuses
+    masked layers at compile time, backend table ``takes_mask``)."""
+    if shape.per_head or shape.offset_lens:
+        from .common import only_reference
+
+        return only_reference(shape)
+    if importlib.util.find_spec("flashinfer") is None:
+        return "cannot run: flashinfer is not installed"
+    if shape.device != "cuda":
+        return f"cannot run: it needs CUDA tensors, the model is on {shape.device}"
+    if shape.dtype not in SUPPORTED_DTYPES:
+        return f"cannot run: FlashInfer's MLA kernels take float16/bfloat16 caches, not {shape.dtype}"
+    if shape.capability is not None and shape.capability < 8:
+        return f"cannot run: FlashInfer's MLA kernels need compute capability 8.0+, this GPU is {shape.capability}.x"
+    return None
+
+
+def run(call, out=None, lse_out=None):
+    """The registry's entry: FlashInfer MLA over the call's rank view, its dense shards or
+    page pools (see the module doc)."""
+    view = call.shard()
+    return _run_paged(view, out, lse_out) if view.paged else _run_dense(view, out, lse_out)
 
 
 # --------------------------------------------------------------------------------------
@@ -230,10 +254,10 @@ _LOCK = threading.Lock()
 
 
 def _backend_choice() -> str:
-    choice = os.environ.get(_ENV_BACKEND, "auto")
-    if choice not in ("auto", "fa2", "fa3"):
-        raise ValueError(f"{_ENV_BACKEND} must be 'auto', 'fa2' or 'fa3', got {choice!r}")
-    return choice
+    """DCP_FLASHINFER_MLA_BACKEND: "auto" (default), "fa2" or "fa3" (dcp_pass/env.py)."""
+    from dcp_pass import env
+
+    return env.flashinfer_mla_backend()
 
 
 def _runner(device: torch.device) -> _Runner:
@@ -244,7 +268,9 @@ def _runner(device: torch.device) -> _Runner:
         if runner is None:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-            mb = int(os.environ.get(_ENV_WORKSPACE, "128"))
+            from dcp_pass import env
+
+            mb = env.flashinfer_workspace_mb()  # float workspace per device
             workspace = torch.empty(mb << 20, dtype=torch.uint8, device=torch.device("cuda", index))
             runner = _Runner(BatchMLAPagedAttentionWrapper(workspace, backend=key[1]))
             _RUNNERS[key] = runner
@@ -282,7 +308,9 @@ def warmup(device="cuda", dtype: torch.dtype = torch.bfloat16, heads: int = 16) 
     qr = torch.zeros(1, 1, heads, KPE_DIM, dtype=dtype, device=device)
     kv = torch.zeros(1, 1, CKV_DIM, dtype=dtype, device=device)
     pe = torch.zeros(1, 1, KPE_DIM, dtype=dtype, device=device)
-    mla_attention_flashinfer(q, qr, kv, pe, CKV_DIM, 1.0)
+    from dcp_pass.runtime.decode.call import AttentionCall
+
+    run(AttentionCall(q, qr, kv, pe, CKV_DIM, 1.0))
     torch.cuda.synchronize(device)
 
 
@@ -363,13 +391,10 @@ def _host_counts(kv_lens, causal, B, S, T, lens_stripe=(1, 0)) -> torch.Tensor:
     """[B, S] visible key counts on the host: one device-to-host copy at most.
 
     ``lens_stripe=(c, r)``: ``kv_lens`` are global counts of which rank r of c holds
-    ``(n + c - 1 - r) // c`` (the op's calling convention for device counts).
+    ``(n + c - 1 - r) // c`` (the kernels' convention for device counts).
     """
     from dcp_pass.runtime.decode.layout import local_length
 
-    from .common import as_causal
-
-    causal = as_causal(causal)
     lens = torch.full((B,), T, dtype=torch.int64) if kv_lens is None else kv_lens
     q_pos = causal.q_pos if causal is not None else None
     if isinstance(lens, torch.Tensor) and lens.device.type != "cpu":
@@ -430,27 +455,11 @@ def _work_per_request(H: int) -> int:
 # --------------------------------------------------------------------------------------
 # dense and paged entry points
 # --------------------------------------------------------------------------------------
-def mla_attention_flashinfer(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    kv: torch.Tensor,
-    pe: Optional[torch.Tensor],
-    v_dim: int,
-    scale: float,
-    mask: Optional[torch.Tensor] = None,
-    kv_lens: Optional[torch.Tensor] = None,
-    lse_base: str = "e",
-    causal=None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    lens_stripe: Tuple[int, int] = (1, 0),
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlashInfer MLA over dense shards ``kv [B, T, Dk]`` / ``pe [B, T, 64]`` (see the module doc).
-
-    ``lens_stripe=(c, r)``: ``kv_lens`` are global key counts, rank r of c holds its share.
-    """
-    base, parts = _prepare(q_lat, q_rope, kv, pe, v_dim, mask, lse_base)
+def _run_dense(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer MLA over dense shards ``kv [B, T, Dk]`` / ``pe [B, T, 64]`` (see the module doc)."""
+    q_lat, q_rope, kv, pe, v_dim, scale = view.q_lat, view.q_rope, view.kv, view.pe, view.v_dim, view.scale
+    kv_lens, causal, lens_stripe = view.kv_lens, view.causal, view.lens_stripe
+    base, parts = _prepare(q_lat, q_rope, kv, pe, v_dim, view.mask, view.lse_base)
     B, S, H, _ = q_lat.shape
     T = kv.shape[1]
     if B == 0 or S * H == 0 or T == 0:
@@ -485,25 +494,11 @@ def mla_attention_flashinfer(
     return _finish(out_full, lse_full, counts, B, S, H, v_dim, base, out, lse_out)
 
 
-def mla_attention_flashinfer_paged(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    kv_pool: torch.Tensor,
-    pe_pool: Optional[torch.Tensor],
-    page_table: torch.Tensor,
-    kv_lens: torch.Tensor,
-    v_dim: int,
-    scale: float,
-    mask: Optional[torch.Tensor] = None,
-    lse_base: str = "e",
-    causal=None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    lens_stripe: Tuple[int, int] = (1, 0),
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def _run_paged(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer MLA over page pools ``[num_pages, P, Dk]`` and ``page_table [B, max_pages]``."""
-    base, parts = _prepare(q_lat, q_rope, kv_pool, pe_pool, v_dim, mask, lse_base, page_table)
+    q_lat, q_rope, kv_pool, pe_pool, v_dim, scale = view.q_lat, view.q_rope, view.kv, view.pe, view.v_dim, view.scale
+    page_table, kv_lens, causal, lens_stripe = view.page_table, view.kv_lens, view.causal, view.lens_stripe
+    base, parts = _prepare(q_lat, q_rope, kv_pool, pe_pool, v_dim, view.mask, view.lse_base, page_table)
     B, S, H, _ = q_lat.shape
     P, max_pages = kv_pool.shape[1], page_table.shape[1]
     if B == 0 or S * H == 0 or kv_pool.shape[0] == 0 or max_pages == 0:

@@ -1,8 +1,10 @@
-"""Shard-local absorbed-MLA decode attention: reference, Triton split-KV kernel, dispatcher.
+"""Shard-local absorbed-MLA decode attention: the split-KV Triton kernel (the registry's "split").
 
 Every DCP rank runs attention for all query heads of its DCP group over its own
 stripe of the latent KV cache and returns a partial output plus its log-sum-exp
-(LSE); `dcp_pass.runtime.decode.merge` combines the partials exactly.
+(LSE); `dcp_pass.runtime.decode.merge` combines the partials exactly. The operands
+come as one :class:`~dcp_pass.runtime.decode.call.AttentionCall`; the kernels read its
+rank view (``call.shard()``).
 
 Shapes (canonical layout, any strides):
 
@@ -14,32 +16,30 @@ Shapes (canonical layout, any strides):
 * ``pe``     [B, T, Dr] or None  rotary keys
 * values are ``kv[..., :v_dim]``
 
-``scores = (q_lat . kv[..., :Dl] + q_rope . pe) * scale (+ mask)``; keys past
-``kv_lens[b]`` (``kv_lens`` [B] or [1]; with ``lens_stripe=(c, r)`` they are global counts
-and the cache is rank r's stripe of c, so rank r's share ``(n + c - 1 - r) // c`` is
-taken inside the kernels) and (with ``causal=(q_pos, c, r)``) keys whose global position
-``k * c + r`` is after the query's global position are invisible. A row with no
-visible key returns output 0 and LSE -inf (never NaN). The LSE is returned in base
-e (``lse_base="e"``) or base 2 (``"2"``); the merge must use the same base.
+``scores = (q_lat . kv[..., :Dl] + q_rope . pe) * scale (+ mask)``; keys past the rank's
+share ``(n + c - 1 - r) // c`` of the global count ``n`` (taken inside the kernels) and,
+with a causal cap, keys whose global position ``k * c + r`` is after the query's are
+invisible. A row with no visible key returns output 0 and LSE -inf (never NaN). The LSE
+is returned in base e (``lse_base="e"``) or base 2 (``"2"``); the merge must use the same
+base.
 
-The Triton path is two-stage flash-decoding: stage 1 gives each program a block of
-(query token, head) rows and one split of the row's keys, so each KV tile is read
-once for all rows of the block (the latent tile serves as keys and values); stage 2
-merges the splits (``splits.reduce_launch``, shared with the two-GEMM kernel). Split
-sizes are derived on the device from ``kv_lens``, the number of splits from shapes only
-(``splits.split_count``): no host syncs, CUDA-graph capturable. Nothing is registered
-with ``torch.library`` here: the compile pass wraps these functions in its own custom op.
+Two-stage flash-decoding: stage 1 gives each program a block of (query token, head) rows
+and one split of the row's keys, so each KV tile is read once for all rows of the block
+(the latent tile serves as keys and values); stage 2 merges the splits
+(``splits.reduce_launch``, shared with the two-GEMM kernel). Split sizes are derived on the
+device from the key counts, the number of splits from shapes only (``splits.split_count``):
+no host syncs, CUDA-graph capturable. Nothing is registered with ``torch.library`` here:
+the compile pass wraps the registry in its own custom op (runtime/decode/ops.py).
 
-Module layering: ``common`` and ``splits`` hold what the kernels share; ``mla_wide`` and
-``mla_gluon`` import only those (and the measured ``path_table``); this module, above
-them, holds the dispatchers, and :func:`mla_attention_triton` is the one place that routes
-between the split-KV kernel, ``mla_wide``'s two-GEMM kernel and ``mla_gluon``'s one-read
-kernel.
+Module layering: ``call`` holds the operands, ``common`` and ``splits`` what the kernels
+share; every kernel module (this one, ``mla_wide``, ``mla_gluon``, ``mla_gluon_roles``,
+``flashinfer_mla``, ``reference``) imports only those and says, from a call's shape, whether
+it can run it (``supports``); ``registry`` lists them and chooses.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -53,139 +53,18 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-from . import mla_gluon, mla_wide
-from .common import (INTERPRETED, LN2, LOG2E, Causal, MlaArgs, as_causal, causal_operand, check_base,  # noqa: F401
-                     check_launchable, cuda_properties, keys_up_to, launch, lens_operand, local_lens, mask_operand,
-                     outputs, positions_i32, pow2, shard_keys, split_parts, triton_supported)
-from .path_table import call_kind
+from .common import (LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
+                     cuda_properties, keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2,
+                     shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
-    "mla_attention",
-    "mla_attention_paged",
     "mla_attention_reference",
-    "mla_attention_reference_paged",
-    "mla_attention_triton",
-    "mla_attention_triton_paged",
     "MLAKernelConfig",
     "pick_config",
-    "triton_supported",
+    "supports",
+    "run",
 ]
-
-# --------------------------------------------------------------------------------------
-# reference (torch, fp32 or fp64)
-# --------------------------------------------------------------------------------------
-def _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc_dtype, lens_stripe=(1, 0)):
-    """Returns (out [B,S,H,v_dim], lse_e [B,S,H]) in ``acc_dtype``."""
-    parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
-    B, S, H, _ = q_lat.shape
-    T = kv.shape[1]
-    dev = q_lat.device
-    scores = torch.einsum(
-        "bshd,btd->bsht", parts.q_main.to(acc_dtype), parts.k_main.to(acc_dtype)
-    )
-    if parts.q_tail is not None:
-        scores = scores + torch.einsum(
-            "bshd,btd->bsht", parts.q_tail.to(acc_dtype), parts.k_tail.to(acc_dtype)
-        )
-    scores = scores * scale
-    if mask is not None:
-        scores = scores + mask.to(acc_dtype)
-    visible = torch.ones(B, S, 1, T, dtype=torch.bool, device=dev)
-    t_idx = torch.arange(T, device=dev)
-    if kv_lens is not None:
-        lens = local_lens(kv_lens.to(dev), lens_stripe, B)
-        visible = visible & (t_idx.view(1, 1, 1, T) < lens.view(B, 1, 1, 1))
-    if causal is not None:
-        q_pos, c, r = causal
-        gpos = t_idx * int(c) + int(r)
-        visible = visible & (gpos.view(1, 1, 1, T) <= q_pos.to(dev).long().view(B, S, 1, 1))
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1) if T > 0 else scores.new_full((B, S, H), float("-inf"))
-    # -inf: no visible key (empty shard or every key masked), output 0. A NaN/+inf in
-    # the scores is data and gives NaN here, as the model without DCP would.
-    empty = torch.isneginf(lse)
-    p = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
-    p = p.masked_fill(empty.unsqueeze(-1), 0.0)
-    out = torch.einsum("bsht,btd->bshd", p, kv[..., :v_dim].to(acc_dtype))
-    return out, lse
-
-
-def mla_attention_reference(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    kv: torch.Tensor,
-    pe: Optional[torch.Tensor],
-    v_dim: int,
-    scale: float,
-    mask: Optional[torch.Tensor] = None,
-    kv_lens: Optional[torch.Tensor] = None,
-    lse_base: str = "e",
-    causal: Optional[Causal] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    lens_stripe: Tuple[int, int] = (1, 0),
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch MLA attention in fp32 (fp64 when the query is fp64).
-
-    Returns ``(out [B,S,H,v_dim] in q dtype, lse fp32 [B,S,H])`` in ``lse_base``; the
-    LSE is fp64 for an fp64 query (an fp32 LSE would cost fp64 models ~1e-7 in the merge).
-    """
-    base = check_base(lse_base)
-    causal = as_causal(causal)
-    acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
-    o, lse = _reference_impl(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, causal, acc, lens_stripe)
-    if base == "2":
-        lse = lse * LOG2E
-    return _finish(o, lse, q_lat.dtype, out, lse_out, lse_dtype=acc)
-
-
-def _finish(o, lse, out_dtype, out, lse_out, lse_dtype=torch.float32):
-    if out is None:
-        out = o.to(out_dtype)
-    else:
-        out.copy_(o)
-    if lse_out is None:
-        lse_out = lse.to(lse_dtype)
-    else:
-        lse_out.copy_(lse)
-    return out, lse_out
-
-
-def _gather_pages(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-    """[num_pages, P, D] pool + [B, max_pages] table -> contiguous [B, max_pages * P, D]."""
-    B, max_pages = page_table.shape
-    P = pool.shape[1]
-    idx = page_table.long().clamp(0, max(pool.shape[0] - 1, 0))
-    if pool.shape[0] == 0:
-        return pool.new_zeros(B, max_pages * P, pool.shape[-1])
-    return pool[idx].reshape(B, max_pages * P, pool.shape[-1])
-
-
-def mla_attention_reference_paged(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    kv_pool: torch.Tensor,
-    pe_pool: Optional[torch.Tensor],
-    page_table: torch.Tensor,
-    kv_lens: torch.Tensor,
-    v_dim: int,
-    scale: float,
-    mask: Optional[torch.Tensor] = None,
-    lse_base: str = "e",
-    causal: Optional[Causal] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Paged reference: local token j of row b is ``pool[page_table[b, j // P], j % P]``."""
-    kv = _gather_pages(kv_pool, page_table)
-    pe = _gather_pages(pe_pool, page_table) if pe_pool is not None else None
-    return mla_attention_reference(
-        q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, out=out, lse_out=lse_out
-    )
-
 
 # --------------------------------------------------------------------------------------
 # Triton kernels
@@ -363,6 +242,9 @@ class MLAKernelConfig:
     num_splits: int
     v_split: int = 1
 
+    # the registry's kernels this configures (registry.KERNELS names)
+    kernels = ("split",)
+
 
 # Per head-rows bucket: (block_h, block_n, warps, stages, v_split, waves). Resource use
 # checked offline for sm_90 and timings on an H200 are in docs/kernel_notes.md.
@@ -381,7 +263,9 @@ def _load_tuning_override() -> None:
     import json
     import os
 
-    path = os.environ.get("DCP_MLA_TUNED")
+    from dcp_pass import env
+
+    path = env.mla_tuned()
     if not path or not os.path.exists(path):
         return
     with open(path) as f:
@@ -445,7 +329,28 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
 # --------------------------------------------------------------------------------------
 # Triton entry points
 # --------------------------------------------------------------------------------------
-def _launch(a: MlaArgs, out, lse_out, num_splits, config):
+def supports(shape) -> Optional[str]:
+    """Why the split kernel cannot run a call of this shape (None: it can): any dense or
+    paged call of the Triton layouts (common.triton_reason)."""
+    return triton_reason(shape)
+
+
+def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
+        config: Optional[MLAKernelConfig] = None):
+    """The registry's entry: the fused split-KV path; ``config`` replaces the shape-derived
+    launch parameters, ``num_splits`` the split count."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not importable")
+    view = call.shard()
+    if view.paged:
+        if view.kv.dim() != 3:
+            raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(view.kv.shape)}")
+        if view.page_table.dim() != 2 or view.page_table.shape[0] != view.q_lat.shape[0]:
+            raise ValueError(f"page_table must be [B, max_pages], got {tuple(view.page_table.shape)}")
+    return _launch(view, out, lse_out, num_splits, config)
+
+
+def _launch(a: ShardView, out, lse_out, num_splits, config):
     """The fused split-KV path (contiguous or paged cache): stage 1, then stage 2 when split."""
     base = check_base(a.lse_base)
     q_lat, kv, page_table, page_size, v_dim = a.q_lat, a.kv, a.page_table, a.page_size, a.v_dim
@@ -469,7 +374,7 @@ def _launch(a: MlaArgs, out, lse_out, num_splits, config):
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    check_launchable(device, kv_lens, "mla_attention_triton", kv.dtype)
+    check_launchable(device, kv_lens, "the split kernel", kv.dtype)
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     has_tail = parts.q_tail is not None
@@ -505,123 +410,23 @@ def _launch(a: MlaArgs, out, lse_out, num_splits, config):
     return out, lse_out
 
 
-def mla_attention_triton(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    kv: torch.Tensor,
-    pe: Optional[torch.Tensor],
-    v_dim: int,
-    scale: float,
-    mask: Optional[torch.Tensor] = None,
-    kv_lens: Optional[torch.Tensor] = None,
-    lse_base: str = "e",
-    causal: Optional[Causal] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    num_splits: Optional[int] = None,
-    config=None,
-    path: Optional[str] = None,
-    lens_stripe: Tuple[int, int] = (1, 0),
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Triton split-KV MLA attention; same contract as :func:`mla_attention_reference`.
+def mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None):
+    """The positional torch reference of the last release, kept for one release (its docs
+    example runs it): ``kv_lens`` the shard's own counts, ``causal`` ``(q_pos, c, r)``. Use
+    ``reference.attention_reference(AttentionCall(...))``."""
+    import warnings
 
-    CUDA tensors use the compiled kernel, CPU tensors Triton's interpreter.
-    ``path``: None / "auto" takes the fastest path measured nearest the shape
-    (``path_table.py``): on Hopper, for >= 64 rows of a bf16 512 + 64 cache (fused or two
-    buffers; a mask only if shared by every head and token), the Gluon one-read kernel of
-    ``mla_gluon`` (``mla_gluon.gluon_preferred``); otherwise the two-GEMM
-    kernel of ``mla_wide`` where it measured faster for the kind of call (plain, a mask row, a
-    causal cap: ``mla_wide.wide_preferred``) and the fused split-KV kernel for the rest.
-    "gluon", "wide" or "split" forces one. The environment variable ``DCP_MLA_GLUON=0``
-    turns the automatic Gluon routing off; ``DCP_MLA_WIDE=0`` the automatic wide routing,
-    ``=1`` routes every supported call to it (also in the interpreter). ``config`` is an
-    ``MLAKernelConfig`` (split path), an ``mla_wide.WideConfig`` (wide path) or an
-    ``mla_gluon.GluonConfig`` (Gluon path).
-    """
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not importable")
-    a = MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal, lens_stripe=lens_stripe)
-    if path == "gluon" or isinstance(config, mla_gluon.GluonConfig):
-        if not mla_gluon.gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
-            raise ValueError("path='gluon' needs a Hopper GPU, Triton with Gluon, a bf16 cache of 512 latent + 64 "
-                             "rope columns (fused or two buffers), and a mask (if any) with one row per request "
-                             "shared by every head and query token")
-        return mla_gluon.launch_gluon(a, out, lse_out, num_splits, config)
-    if path in (None, "auto") and config is None and mla_gluon.gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask,
-                                                                                causal):
-        res = mla_gluon.try_launch_gluon(a, out, lse_out, num_splits)
-        if res is not None:
-            return res
-    if mla_wide.route_wide(path, config, q_lat, q_rope, kv, pe, v_dim, call_kind(mask, causal)):
-        return mla_wide.launch_wide(a, out, lse_out, num_splits, config)
-    return _launch(a, out, lse_out, num_splits, config)
+    from .reference import attention_reference
 
-
-def mla_attention_triton_paged(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    kv_pool: torch.Tensor,
-    pe_pool: Optional[torch.Tensor],
-    page_table: torch.Tensor,
-    kv_lens: torch.Tensor,
-    v_dim: int,
-    scale: float,
-    mask: Optional[torch.Tensor] = None,
-    lse_base: str = "e",
-    causal: Optional[Causal] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    num_splits: Optional[int] = None,
-    config: Optional[MLAKernelConfig] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Paged Triton MLA attention over ``kv_pool [num_pages, P, Dk]`` and ``page_table [B, max_pages]``."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not importable")
-    if kv_pool.dim() != 3:
-        raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(kv_pool.shape)}")
-    if page_table.dim() != 2 or page_table.shape[0] != q_lat.shape[0]:
-        raise ValueError(f"page_table must be [B, max_pages], got {tuple(page_table.shape)}")
-    a = MlaArgs(q_lat, q_rope, kv_pool, pe_pool, v_dim, scale, mask, kv_lens, lse_base, causal,
-                page_table=page_table, page_size=kv_pool.shape[1])
-    return _launch(a, out, lse_out, num_splits, config)
-
-
-# --------------------------------------------------------------------------------------
-# dispatcher
-# --------------------------------------------------------------------------------------
-def mla_attention(
-    q_lat: torch.Tensor,
-    q_rope: Optional[torch.Tensor],
-    kv: torch.Tensor,
-    pe: Optional[torch.Tensor],
-    v_dim: int,
-    scale: float,
-    mask: Optional[torch.Tensor] = None,
-    kv_lens: Optional[torch.Tensor] = None,
-    lse_base: str = "e",
-    causal: Optional[Causal] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    lens_stripe: Tuple[int, int] = (1, 0),
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Triton on CUDA when supported, the torch reference otherwise."""
-    if q_lat.is_cuda and triton_supported(q_lat, q_rope, kv, pe, v_dim):
-        return mla_attention_triton(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
-                                    out=out, lse_out=lse_out, lens_stripe=lens_stripe)
-    return mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal,
-                                   out=out, lse_out=lse_out, lens_stripe=lens_stripe)
-
-
-def mla_attention_paged(
-    q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale, mask=None, lse_base="e",
-    causal: Optional[Causal] = None, *, out=None, lse_out=None,
-):
-    """Paged dispatcher: Triton on CUDA when supported, the torch reference otherwise."""
-    if q_lat.is_cuda and triton_supported(q_lat, q_rope, kv_pool, pe_pool, v_dim):
-        return mla_attention_triton_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale,
-                                          mask, lse_base, causal, out=out, lse_out=lse_out)
-    return mla_attention_reference_paged(q_lat, q_rope, kv_pool, pe_pool, page_table, kv_lens, v_dim, scale,
-                                         mask, lse_base, causal, out=out, lse_out=lse_out)
+    warnings.warn("mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, ...) is deprecated: use "
+                  "dcp_pass.runtime.decode.kernels.reference.attention_reference(AttentionCall(...))",
+                  DeprecationWarning, stacklevel=2)
+    q_pos, stripe = None, (1, 0)
+    if causal is not None:
+        q_pos, c, r = causal
+        stripe = (int(c), int(r))
+        if stripe != (1, 0) and (kv_lens is not None or mask is not None):
+            raise ValueError("mla_attention_reference: a striped causal cap with counts or a mask needs the "
+                             "AttentionCall form (its counts and mask are global)")
+    return attention_reference(AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask=mask, q_pos=q_pos,
+                                             kv_lens=kv_lens, stripe=stripe, lse_base=lse_base))

@@ -1,7 +1,7 @@
 """One-read MLA decode kernel in Gluon (Triton's explicit-layout dialect), for Hopper: the
-lock-step form, and the launch of both forms. On Triton 3.6 calls without a mask or a causal
-cap take the role-split form (``mla_gluon_roles.py``, ``ROLES_SCHEDULE``; 2-16 % faster on
-the H200, docs/kernel_notes.md v14); the others take this one.
+lock-step form, the registry's "gluon_lock_step" kernel. On Triton 3.6 calls without a mask
+or a causal cap take the role-split form (``mla_gluon_roles.py``; 2-16 % faster on the H200,
+docs/kernel_notes.md v14); this one takes the others (and all calls on other Tritons).
 
 Each latent KV tile is loaded into shared memory once and serves both GEMMs: as the keys
 of ``q . k`` (read transposed) and as the values of ``p @ v``. One program holds a block
@@ -33,19 +33,12 @@ shapes only, so the call is CUDA-graph capturable.
 """
 from __future__ import annotations
 
-import os
-import warnings
-from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from . import mla_gluon_roles
-from .common import (LOG2E, MlaArgs, causal_operand, check_base, cuda_properties, lens_operand, launch, mask_operand,
-                     mask_rows_shared, outputs, split_parts)
-from .gluon_common import D_LAT, D_ROPE, HAS_GLUON
-from .path_table import call_kind, fastest
-from .splits import partial_outputs, reduce_launch, split_count
+from .common import LOG2E, AttentionCall, causal_operand, launch, mask_operand
+from .gluon_common import (D_LAT, D_ROPE, GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, Schedule,  # noqa: F401
+                           default_q_reg, gluon_offered, gluon_reason, split_frame)
+from .splits import reduce_launch
 
 if HAS_GLUON:
     import triton
@@ -53,13 +46,10 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
 
-    from .gluon_common import _async_load, _barrier, _split_keys
+    from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
 
-__all__ = ["GluonConfig", "HAS_GLUON", "ROLES_SCHEDULE", "default_q_reg", "default_schedule", "lock_step_schedule",
-           "gluon_supported", "gluon_preferred", "launch_gluon", "try_launch_gluon"]
+__all__ = ["GluonConfig", "HAS_GLUON", "Schedule", "lock_step_schedule", "supports", "offered", "run"]
 
 
 def _issue_copies_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat, n_rope, c_rope):
@@ -403,215 +393,56 @@ if HAS_GLUON:
     _mla_gluon_jit = gluon.jit(_mla_gluon_kernel_src)
 
 
-@dataclass(frozen=True)
-class GluonConfig:
-    block_h: int = 64
-    block_n: int = 64
-    stages: int = 2
-    schedule: Optional[int] = None  # None: default_schedule(); ROLES_SCHEDULE: mla_gluon_roles.py
-    # latent columns of q kept in registers (0, 128, 256); None: _q_reg_for (default_q_reg(),
-    # 0 with a mask or a causal cap)
-    q_reg: Optional[int] = None
-    num_splits: Optional[int] = None
-    waves: float = 1.0
-
-    @classmethod
-    def parse(cls, text: str) -> "GluonConfig":
-        """``"block_h,block_n,stages,schedule,q_reg"`` (the benchmarks' spelling)."""
-        return cls(*(int(x) for x in text.split(",")))
-
-    def tag(self) -> str:
-        """The configuration as run on an unmasked call (defaults resolved; the role-split
-        kernel keeps no q columns in registers)."""
-        schedule = _schedule_for(self)
-        q_reg = _q_reg_for(self, masked=False) if schedule != ROLES_SCHEDULE else 0
-        return f"gluon {self.block_h}x{self.block_n}/8w/{self.stages}s/v{schedule}" + (f"/qreg{q_reg}" if q_reg else "")
+# --------------------------------------------------------------------------------------
+# the registry's entry (kernel "gluon_lock_step")
+# --------------------------------------------------------------------------------------
+def supports(shape) -> Optional[str]:
+    """Why the lock-step kernel cannot run a call of this shape (None: it can): see gluon_reason."""
+    return gluon_reason(shape)
 
 
-GLUON_DEFAULT = GluonConfig()
-
-
-def gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None, paged=False) -> bool:
-    """Hopper, bf16, 512 latent (= values) + 64 rope columns, fused in one cache or in two
-    (``pe``), unit feature strides and 16-byte aligned rows; a mask only if one row per
-    request serves every head and token (a decode step's), any causal cap."""
-    if not HAS_GLUON or paged or not kv.is_cuda or kv.dtype != torch.bfloat16 or v_dim != D_LAT:
-        return False
-    if mask is not None:
-        B, S, H, _ = q_lat.shape
-        try:
-            strides = torch.broadcast_to(mask, (B, S, H, kv.shape[1])).stride()
-            if mask.device != kv.device or not mask_rows_shared(strides, S):
-                return False
-        except RuntimeError:  # not broadcastable: the caller's own check reports it
-            return False
-    try:
-        parts = split_parts(q_lat, q_rope, kv, pe, v_dim)
-    except ValueError:
-        return False
-    if parts.q_tail is None or parts.q_main.shape[-1] != D_LAT or parts.q_tail.shape[-1] != D_ROPE:
-        return False
-    for t in (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail):
-        if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.data_ptr() % 16 or any(x % 8 for x in t.stride()[:-1]):
-            return False
-    return cuda_properties(kv.device).major == 9
-
-
-def default_q_reg() -> int:
-    """256 on Triton 3.6 (measured on the H200 beside 128 over three leases: +0.6 % on average
-    over 8 shapes, +0.7 to +1.1 % at 64 heads / B=8 / 32K; no spills since the row sums are
-    kept per warpgroup, kernel_notes v10); 0 elsewhere, where it was not measured (Triton
-    3.9's compiler spills with 128 or 256, offline)."""
-    return 256 if triton.__version__.startswith("3.6") else 0
-
-
-# the schedule number that selects the role-split kernel (mla_gluon_roles.py) for a call
-# without a mask or a causal cap; such calls configured with it take the lock-step default
-ROLES_SCHEDULE = 10
-ROLES_TILES = (64, 64, 2)  # its block_h, block_n, stages: the only tiles it runs
-
-
-def _tiles(cfg: "GluonConfig") -> tuple:
-    return cfg.block_h, cfg.block_n, cfg.stages
-
-
-def default_schedule(masked: bool = False) -> int:
-    """On Triton 3.6: ROLES_SCHEDULE for calls without a mask or a causal cap (the role-split
-    kernel, measured on the H200 2-16 % faster than schedule 6 at the issue's shapes, exact,
-    kernel_notes v14), 6 for the others (2-5 % faster than 3 at 64 and 128 heads, v8, and
-    3-8 % on masked and causal calls, v10). 3 elsewhere: Triton 3.9's compiler spills with 6,
-    offline, and the role-split kernel was not timed there."""
-    if not triton.__version__.startswith("3.6"):
-        return 3
-    return 6 if masked else ROLES_SCHEDULE
-
-
-# why the automatic route no longer offers the kernel (it failed to compile or to launch in
-# this process); the same Triton on every rank makes the same decision
-_UNUSABLE: list = []
-
-
-def gluon_preferred(q_lat, q_rope, kv, pe, v_dim, mask=None, causal=None) -> bool:
-    """The dispatcher's automatic choice: supported, >= 64 rows, and the fastest path measured
-    nearest this shape for this kind of call (path_table.py). ``DCP_MLA_GLUON=0`` turns it
-    off; ``DCP_MLA_WIDE=1`` (every supported call to the two-GEMM kernel) wins over it."""
-    if _UNUSABLE or os.environ.get("DCP_MLA_GLUON") == "0" or os.environ.get("DCP_MLA_WIDE") == "1":
-        return False
-    rows = q_lat.shape[1] * q_lat.shape[2]
-    if rows < 64 or not gluon_supported(q_lat, q_rope, kv, pe, v_dim, mask, causal):
-        return False
-    measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide", "gluon"), call_kind(mask, causal))
-    return measured in (None, "gluon")
-
-
-def try_launch_gluon(a: MlaArgs, out, lse_out, num_splits=None):
-    """The automatic route's launch: None, and the kernel no longer offered in this process,
-    when this Triton cannot compile it or the device cannot launch it (Gluon's API moves
-    between releases); the caller then takes the Triton paths. Other errors propagate."""
-    try:
-        return launch_gluon(a, out, lse_out, num_splits)
-    except (CompilationError, OutOfResources) as e:
-        _UNUSABLE.append(f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
-        warnings.warn(f"dcp_pass: the Gluon MLA kernel is not usable with Triton {triton.__version__} "
-                      f"({_UNUSABLE[-1]}); using the Triton kernels instead", RuntimeWarning, stacklevel=2)
-        return None
-
-
-def _schedule_for(cfg: GluonConfig, masked: bool = False) -> int:
-    """The configured schedule, else the default for this kind of call; a config of other
-    tiles than the role-split kernel's 64 x 64 in 2 stages defaults to the lock-step one."""
-    if cfg.schedule:
-        return cfg.schedule
-    schedule = default_schedule(masked)
-    if schedule == ROLES_SCHEDULE and _tiles(cfg) != ROLES_TILES:
-        return default_schedule(masked=True)
-    return schedule
+def offered(shape) -> Optional[str]:
+    return gluon_offered(shape)
 
 
 def lock_step_schedule(cfg: GluonConfig, masked: bool = False) -> int:
-    """The lock-step kernel's schedule for this config: a masked or causal call configured
-    with ROLES_SCHEDULE takes the lock-step default."""
-    schedule = _schedule_for(cfg, masked)
-    return default_schedule(masked=True) if schedule == ROLES_SCHEDULE else schedule
+    """The schedule this kernel runs under ``cfg`` (the role-split schedule: its default)."""
+    return cfg.lock_step_schedule()
 
 
 def _q_reg_for(cfg: GluonConfig, masked: bool) -> int:
-    """The configured q_reg, else the default: 0 for a call with a mask or a causal cap (128
-    was no faster there on the H200, 256 spills), else default_q_reg()."""
-    if cfg.q_reg is not None:
-        return cfg.q_reg
-    return 0 if masked else default_q_reg()
+    return cfg.q_reg_for(masked)
 
 
-def launch_gluon(a: MlaArgs, out, lse_out, num_splits=None, config: Optional[GluonConfig] = None):
-    """Run the Gluon kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
-    base = check_base(a.lse_base)
-    q, kv = a.q_lat, a.kv
-    parts = a.parts()
-    B, S, H, _ = q.shape
-    T = kv.shape[1]
-    out, lse_out, done = outputs(q, a.v_dim, out, lse_out, T == 0)
+def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
+        config: Optional[GluonConfig] = None):
+    """Run the lock-step kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
+    cfg = config or GLUON_DEFAULT
+    call = call.shard()
+    out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
     if done:
         return out, lse_out
-    SH = S * H
-    cfg = config or GLUON_DEFAULT
-    n_hb = triton.cdiv(SH, cfg.block_h)
-    ns = num_splits or cfg.num_splits or split_count(B, n_hb, T, kv.device, cfg.waves)
-    lens, lens_sb, lens_c, lens_r = lens_operand(a.kv_lens, a.lens_stripe, B, kv)
-    mask_b, ms, _ = mask_operand(a.mask, B, S, H, T, kv.device)  # one row per request (gluon_supported)
-    q_pos, qps, cp_world, cp_rank = causal_operand(a.causal, B, S, kv)
-    o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
-    if ops[4] != 1:
-        raise ValueError("the Gluon MLA kernel writes outputs whose feature stride is 1")
-    masked = mask_b is not None or a.causal is not None
-    if not masked and _schedule_for(cfg, masked) == ROLES_SCHEDULE and _rows_16_aligned(parts):
-        # (it has no mask or causal cap, and copies q by cp.async as well as the cache)
-        _launch_roles(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, o_part, l_part, ops, lps,
-                      l_scale)
-    else:
-        _launch_lock_step(a, cfg, masked, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms,
-                          q_pos, qps, cp_world, cp_rank, o_part, l_part, ops, lps, l_scale)
-    if ns > 1:
-        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, a.v_dim, ns)
-        launch(kernel, grid2, args, consts, warps)
-    return out, lse_out
-
-
-def _rows_16_aligned(parts) -> bool:
-    """Every row stride of q and the caches a multiple of 16 elements: what Triton's launch
-    marks divisible, so that the role-split kernel's cp.async copies of q and of the cache
-    rows are 16 bytes wide (gluon_supported admits multiples of 8, for the lock-step kernel,
-    which loads q with plain loads)."""
-    return all(x % 16 == 0 for t in (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail) for x in t.stride()[:-1])
-
-
-def _launch_roles(a, cfg, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, o_part, l_part, ops, lps,
-                  l_scale):
-    _roles_jit = mla_gluon_roles._roles_jit
-
-    if _tiles(cfg) != ROLES_TILES:
-        raise ValueError(f"the role-split Gluon kernel (schedule {ROLES_SCHEDULE}) runs 64 x 64 tiles in 2 stages, "
-                         f"not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
-    launch(_roles_jit, (n_hb, ns, B), (
-        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
-        T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-        *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
-        ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
-    ), dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-            HAS_LENS=a.kv_lens is not None), 4)
-
-
-def _launch_lock_step(a, cfg, masked, parts, n_hb, ns, B, T, H, SH, lens, lens_sb, lens_c, lens_r, mask_b, ms, q_pos,
-                      qps, cp_world, cp_rank, o_part, l_part, ops, lps, l_scale):
+    parts, n_hb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
+    q, kv = call.q_lat, call.kv
+    B, S, H, _ = q.shape
+    T = kv.shape[1]
+    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, kv.device)  # one row per request (gluon_reason)
+    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, kv)
+    masked = mask_b is not None or call.causal is not None
     launch(_mla_gluon_jit, (n_hb, ns, B), (
-        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else a.kv, q_pos,
+        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else kv, q_pos,
         o_part, l_part,
-        T, H, SH, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
+        T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
         *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], *parts.k_main.stride()[:2], *parts.k_tail.stride()[:2],
         ms[0], ms[3], *qps,
         ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
     ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
-            HAS_LENS=a.kv_lens is not None,
-            SCHEDULE=lock_step_schedule(cfg, masked), Q_REG=_q_reg_for(cfg, masked),
+            HAS_LENS=call.kv_lens is not None,
+            SCHEDULE=cfg.lock_step_schedule(), Q_REG=cfg.q_reg_for(masked),
             HAS_MASK=mask_b is not None,
-            CAUSAL=a.causal is not None), 8)
+            CAUSAL=call.causal is not None), 8)
+    if ns > 1:
+        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim,
+                                                           ns)
+        launch(kernel, grid2, args, consts, warps)
+    return out, lse_out

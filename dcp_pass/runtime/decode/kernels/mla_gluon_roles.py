@@ -20,11 +20,18 @@ kernel_notes v13; written here from that description):
 So the loader's value GEMM of tile j runs under the scorer's scores of tile j + 1. Scope:
 calls without a mask or a causal cap (those take the lock-step kernel), otherwise as
 ``mla_gluon.py``: 512 latent (= values) + 64 rope columns in bf16, one fused cache or two,
-kv_lens with ``lens_stripe``, the split kernel's partials and stage-2 merge.
+kv_lens with ``lens_stripe``, the split kernel's partials and stage-2 merge. The registry's
+"gluon_roles" kernel; it copies q by cp.async as well as the cache, so its operands' row
+strides must be multiples of 16 elements (Triton then marks them divisible).
 """
 from __future__ import annotations
 
-from .gluon_common import HAS_GLUON
+from typing import Optional
+
+from .common import LOG2E, AttentionCall, launch
+from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, gluon_offered, gluon_reason,
+                           roles_preferred, split_frame)
+from .splits import reduce_launch
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -33,9 +40,9 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from .gluon_common import _async_load, _barrier, _split_keys
+    from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
 
-__all__: list = []  # launched by mla_gluon.launch_gluon
+__all__ = ["supports", "offered", "run"]
 if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
     DL, DR = gl.constexpr(512), gl.constexpr(64)
 
@@ -224,3 +231,55 @@ if HAS_GLUON:
     _scorer = gluon.jit(_scorer_src)
     _loader = gluon.jit(_loader_src)
     _roles_jit = gluon.jit(_roles_kernel_src)
+
+
+# --------------------------------------------------------------------------------------
+# the registry's entry (kernel "gluon_roles")
+# --------------------------------------------------------------------------------------
+def supports(shape) -> Optional[str]:
+    """Why the role-split kernel cannot run a call of this shape (None: it can): the Gluon
+    calls (gluon_reason) without a mask or causal cap, row strides of multiples of 16 elements
+    (16-byte cp.async copies of q and of the cache rows)."""
+    reason = gluon_reason(shape)
+    if reason is not None:
+        return reason
+    if shape.mask != "none" or shape.causal:
+        return "it takes no mask and no causal cap"
+    if not shape.rows16:
+        return "its operands' row strides must be multiples of 16 elements"
+    return None
+
+
+def offered(shape) -> Optional[str]:
+    """The Gluon kernels' offer, and only on the Triton where it was timed (roles_preferred)."""
+    if not roles_preferred(shape.triton):
+        return "the role-split kernel is the default on Triton 3.6 only, where it was timed"
+    return gluon_offered(shape)
+
+
+def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
+        config: Optional[GluonConfig] = None):
+    """Run the role-split kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
+    cfg = config or GLUON_DEFAULT
+    if cfg.tiles != ROLES_TILES:
+        raise ValueError(f"the role-split Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
+                         f"{ROLES_TILES[2]} stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
+    call = call.shard()
+    out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
+    if done:
+        return out, lse_out
+    parts, n_hb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
+    B, S, H, _ = call.q_lat.shape
+    T = call.kv.shape[1]
+    launch(_roles_jit, (n_hb, ns, B), (
+        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
+        T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
+        *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
+        ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
+    ), dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
+            HAS_LENS=call.kv_lens is not None), 4)
+    if ns > 1:
+        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim,
+                                                           ns)
+        launch(kernel, grid2, args, consts, warps)
+    return out, lse_out

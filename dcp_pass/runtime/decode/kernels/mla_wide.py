@@ -1,6 +1,6 @@
 """Two-GEMM MLA decode attention for wide head blocks (compute-bound: >= WIDE_MIN_ROWS rows).
 
-Same contract as :func:`mla_attention.mla_attention_triton` (contiguous caches only).
+The registry's "wide" kernel; same contract as the split kernel (contiguous caches only).
 The fused split-KV kernel serialises scores -> softmax -> values in one warpgroup and,
 with its value split, computes the scores twice. Here the two products are separate
 kernels, neither with a chained dot, so Triton gives both full-size wgmma tiles:
@@ -25,15 +25,14 @@ side by side and the second read hits L2.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
-from .common import (HAS_TRITON, LOG2E, MlaArgs, causal_operand, check_base, check_launchable, keys_up_to, launch,
-                     lens_operand, mask_operand, outputs, positions_i32, pow2, shard_keys, triton_supported)
-from .path_table import fastest
+from .common import (HAS_TRITON, LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
+                     keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2, shard_keys,
+                     triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 
 if HAS_TRITON:
@@ -43,7 +42,7 @@ else:  # pragma: no cover
     triton = None
     tl = None
 
-__all__ = ["WideConfig", "pick_wide_config", "wide_supported", "wide_preferred", "route_wide", "mla_attention_wide"]
+__all__ = ["WideConfig", "pick_wide_config", "supports", "offered", "unmeasured", "run", "plan"]
 
 
 # --------------------------------------------------------------------------------------
@@ -268,6 +267,9 @@ class WideConfig:
     num_splits: Optional[int] = None
     waves: float = 1.0
 
+    # the registry's kernels this configures (registry.KERNELS names)
+    kernels = ("wide",)
+
     def tag(self) -> str:
         return (f"A{self.block_m}x{self.block_n}x{self.block_k}/{self.warps_a}w/{self.stages_a}s "
                 f"B{self.block_m}x{self.block_n}x{self.block_v}/{self.warps_b}w/{self.stages_b}s x{self.waves:g}")
@@ -310,54 +312,27 @@ def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, 
                       max(1, int(ns)), cfg.waves)
 
 
-def wide_supported(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False) -> bool:
-    """Whether the two-GEMM path handles these operands (contiguous caches only)."""
-    return not paged and triton_supported(q_lat, q_rope, kv, pe, v_dim)
+def supports(shape) -> Optional[str]:
+    """Why the two-GEMM kernels cannot run a call of this shape (None: they can): the Triton
+    layouts (common.triton_reason), contiguous caches only."""
+    if shape.paged:
+        return "it reads contiguous caches, not page pools"
+    return triton_reason(shape)
 
 
-def wide_preferred(q_lat, q_rope, kv, pe, v_dim, *, paged: bool = False, call: str = "plain") -> bool:
-    """The routing of the dispatcher: on CUDA with 16-bit caches, where the wide path measured
-    faster for this kind of call (path_table.call_kind: plain, a mask row, a causal cap)."""
-    if not (q_lat.is_cuda and kv.dtype in (torch.float16, torch.bfloat16)):
-        return False
-    if not wide_supported(q_lat, q_rope, kv, pe, v_dim, paged=paged):
-        return False
-    d_main = v_dim if pe is None else q_lat.shape[-1]
-    if not (pow2(d_main) == d_main and d_main >= 256):
-        return False
-    rows = q_lat.shape[1] * q_lat.shape[2]
-    # the faster of the two Triton paths at the nearest measured shape (path_table.py,
-    # from the H200 benchmarks); the row threshold where nothing near was measured
-    measured = fastest(rows, q_lat.shape[0], kv.shape[1], ("split", "wide"), call)
-    return measured == "wide" if measured is not None else rows >= WIDE_MIN_ROWS
+def offered(shape) -> Optional[str]:
+    """Why the chooser does not offer it for a call it could run: it is measured on CUDA with
+    16-bit caches whose main part is a power of two of at least 256 columns."""
+    if shape.device != "cuda" or shape.dtype not in (torch.float16, torch.bfloat16):
+        return "it is offered for 16-bit caches on CUDA only"
+    if not (pow2(shape.d_main) == shape.d_main and shape.d_main >= 256):
+        return f"it is offered for main parts of 2^k >= 256 columns, not {shape.d_main}"
+    return None
 
 
-def route_wide(path, config, q_lat, q_rope, kv, pe, v_dim, call: str = "plain") -> bool:
-    """Whether ``mla_attention_triton`` takes the two-GEMM path (see its docstring); `call` as
-    in wide_preferred."""
-    p = "auto" if path is None else str(path)
-    if p not in ("auto", "wide", "split"):
-        raise ValueError(f"path must be 'auto', 'wide' or 'split', got {path!r}")
-    if isinstance(config, WideConfig):
-        if p == "split":
-            raise ValueError("a WideConfig needs the wide path")
-        p = "wide"
-    elif config is not None:
-        if p == "wide":
-            raise ValueError("path='wide' takes a WideConfig, got " + type(config).__name__)
-        return False
-    if p == "wide":
-        if not wide_supported(q_lat, q_rope, kv, pe, v_dim):
-            raise ValueError("the wide path does not support these operands")
-        return True
-    if p == "split":
-        return False
-    env = os.environ.get("DCP_MLA_WIDE", "")
-    if env == "0":
-        return False
-    if env == "1":
-        return wide_supported(q_lat, q_rope, kv, pe, v_dim)
-    return wide_preferred(q_lat, q_rope, kv, pe, v_dim, call=call)
+def unmeasured(shape) -> bool:
+    """Where no timed shape is near: from WIDE_MIN_ROWS rows (the compute-bound side)."""
+    return shape.rows >= WIDE_MIN_ROWS
 
 
 # --------------------------------------------------------------------------------------
@@ -384,12 +359,7 @@ class _Launch:
         launch(self.kernel, self.grid, self.args, self.consts, self.num_warps, self.num_stages)
 
 
-def _plan(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal, out, lse_out, cfg: WideConfig):
-    """:func:`plan` from positional operands (kept for ``benchmarks/offline_wide.py``)."""
-    return plan(MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, base, causal), out, lse_out, cfg)
-
-
-def plan(a: MlaArgs, out, lse_out, cfg: WideConfig):
+def plan(a: ShardView, out, lse_out, cfg: WideConfig):
     """The launches of one call (kernel A, kernel B, and the split merge when splits > 1)."""
     base = check_base(a.lse_base)
     q_lat, kv, v_dim, scale, mask, kv_lens, causal = a.q_lat, a.kv, a.v_dim, a.scale, a.mask, a.kv_lens, a.causal
@@ -461,21 +431,18 @@ def plan(a: MlaArgs, out, lse_out, cfg: WideConfig):
     return launches
 
 
-def mla_attention_wide(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None,
-                       *, out=None, lse_out=None, num_splits=None, config: Optional[WideConfig] = None):
-    """Two-GEMM MLA attention; same contract as ``mla_attention_triton`` (contiguous caches only).
-
-    ``config`` replaces the default tiles (on CUDA still fitted to the shape: block_m to the
-    rows, block_v to the value width); ``num_splits`` overrides the split count.
-    """
+def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
+        config: Optional[WideConfig] = None):
+    """The registry's entry: :func:`plan` and its launches."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
-    return launch_wide(MlaArgs(q_lat, q_rope, kv, pe, v_dim, scale, mask, kv_lens, lse_base, causal),
-                       out, lse_out, num_splits, config)
+    return launch_wide(call.shard(), out, lse_out, num_splits, config)
 
 
-def launch_wide(a: MlaArgs, out, lse_out, num_splits, config: Optional[WideConfig]):
-    """:func:`mla_attention_wide` on bundled operands (also the wide branch of ``mla_attention_triton``)."""
+def launch_wide(a: ShardView, out, lse_out, num_splits, config: Optional[WideConfig]):
+    """The wide kernels' launches over a call's rank view; ``config`` replaces the default tiles
+    (on CUDA still fitted to the shape: block_m to the rows, block_v to the value width),
+    ``num_splits`` the split count."""
     check_base(a.lse_base)
     q_lat, kv, v_dim, kv_lens = a.q_lat, a.kv, a.v_dim, a.kv_lens
     parts = a.parts()
@@ -486,7 +453,7 @@ def launch_wide(a: MlaArgs, out, lse_out, num_splits, config: Optional[WideConfi
     if done:
         return out, lse_out
     SH = S * H
-    check_launchable(device, kv_lens, "mla_attention_wide", kv.dtype)
+    check_launchable(device, kv_lens, "the wide kernel", kv.dtype)
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are

@@ -1,0 +1,118 @@
+"""Every environment variable dcp_pass reads, in one place.
+
+Code reads them only through this module (``env.read(name)`` or the functions below), so
+this table is the whole list. Values are read when asked for, not cached: tests and
+benchmarks set some of them between calls.
+
+==============================  ==========  ==================================================
+variable                        default     meaning
+==============================  ==========  ==================================================
+``DCP_LOGS``                    (unset)     ``info`` (or ``1``) logs what the pass did to each
+                                            graph through the "dcp_pass" logger; ``debug``
+                                            (``+dcp``, ``2``) adds the details
+``DCP_AGREEMENT_TIMEOUT_S``     ``120``     seconds a rank waits at its first compile for the
+                                            other ranks' options (dcp_pass/agreement.py)
+``DCP_REPLAY``                  (unset)     ``0`` turns the attention op's replay of recorded
+                                            launches off (runtime/decode/replay.py)
+``DCP_MLA_WIDE``                (unset)     ``0``: the kernel chooser never offers the
+                                            two-GEMM ("wide") kernel; ``1``: every call it can
+                                            run goes to it (also under Triton's interpreter)
+``DCP_MLA_GLUON``               (unset)     ``0``: the chooser never offers the Gluon kernels
+``DCP_MLA_TUNED``               (unset)     path of a JSON file whose entries replace the split
+                                            kernel's tuned tiles (benchmarks/bench_kernel.py
+                                            writes them); read once, at the kernel's import
+``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
+                                            ``fa2`` or ``fa3``
+``DCP_FLASHINFER_WORKSPACE_MB`` ``128``     FlashInfer's float workspace per device, MiB
+``DCP_TEST_START``              (unset)     ``spawn``: dcp_pass.testing.run_ranks spawns its
+                                            ranks everywhere instead of forking them from a
+                                            server process on CPU-only machines
+==============================  ==========  ==================================================
+
+(The kernel switches are for measuring and for working around a kernel; the option
+``attn_backend`` picks the backend, and the registry, runtime/decode/kernels/registry.py,
+the kernel.)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+__all__ = ["VARIABLES", "Variable", "agreement_timeout_s", "flashinfer_mla_backend", "flashinfer_workspace_mb",
+           "logs_level", "mla_gluon", "mla_tuned", "mla_wide", "ranks_start", "read", "replay_enabled"]
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str  # '' for unset
+    meaning: str
+    choices: Optional[Tuple[str, ...]] = None  # the values it takes ('' = unset), None: any
+
+
+VARIABLES = {v.name: v for v in (
+    Variable("DCP_LOGS", "", "log level of the 'dcp_pass' logger: info, debug"),
+    Variable("DCP_AGREEMENT_TIMEOUT_S", "120", "seconds a rank waits for the others' options at its first compile"),
+    Variable("DCP_REPLAY", "", "0 turns the attention op's launch replay off"),
+    Variable("DCP_MLA_WIDE", "", "0: never offer the two-GEMM kernel; 1: send every call it can run to it"),
+    Variable("DCP_MLA_GLUON", "", "0: never offer the Gluon kernels"),
+    Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
+    Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
+    Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
+    Variable("DCP_TEST_START", "", "spawn: run_ranks spawns its ranks everywhere"),
+)}
+
+
+def read(name: str) -> str:
+    """The value of `name` (stripped; its default when unset or empty). An unknown name is a
+    programming error, and a value outside the variable's choices a user's: both raise
+    ValueError saying what is valid."""
+    var = VARIABLES.get(name)
+    if var is None:
+        raise ValueError(f"{name!r} is not one of dcp_pass's environment variables ({', '.join(VARIABLES)})")
+    value = os.environ.get(name, "").strip() or var.default
+    if var.choices is not None and value not in var.choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, var.choices))}, got {value!r}")
+    return value
+
+
+def logs_level() -> str:
+    """'' (off), or the DCP_LOGS level in lower case."""
+    return read("DCP_LOGS").lower()
+
+
+def agreement_timeout_s() -> float:
+    return float(read("DCP_AGREEMENT_TIMEOUT_S"))
+
+
+def replay_enabled() -> bool:
+    return read("DCP_REPLAY") != "0"
+
+
+def mla_wide() -> str:
+    """DCP_MLA_WIDE: '0' (off), '1' (forced) or '' (the chooser decides)."""
+    return read("DCP_MLA_WIDE")
+
+
+def mla_gluon() -> str:
+    """DCP_MLA_GLUON: '0' (off) or '' (the chooser decides)."""
+    return read("DCP_MLA_GLUON")
+
+
+def mla_tuned() -> str:
+    """DCP_MLA_TUNED: a path, or ''."""
+    return read("DCP_MLA_TUNED")
+
+
+def flashinfer_mla_backend() -> str:
+    return read("DCP_FLASHINFER_MLA_BACKEND")
+
+
+def flashinfer_workspace_mb() -> int:
+    return int(read("DCP_FLASHINFER_WORKSPACE_MB"))
+
+
+def ranks_start() -> str:
+    """DCP_TEST_START: 'spawn', or ''."""
+    return read("DCP_TEST_START")

@@ -1,0 +1,65 @@
+"""dcp_pass/env.py: the one module that reads dcp_pass's environment variables."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from dcp_pass import env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "dcp_pass")
+
+
+def _sources():
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    yield os.path.relpath(path, ROOT), f.read()
+
+
+def test_every_variable_is_in_the_table_and_its_docstring():
+    named = set()
+    for path, text in _sources():
+        named |= set(re.findall(r"\bDCP_[A-Z0-9_]+\b", text))
+    assert named == set(env.VARIABLES), named ^ set(env.VARIABLES)
+    for name in env.VARIABLES:
+        assert f"``{name}``" in env.__doc__, name
+
+
+def test_no_other_module_reads_the_environment_for_them():
+    readers = [path for path, text in _sources() if path != os.path.join("dcp_pass", "env.py")
+               and re.search(r"(environ(\.get)?|getenv)\s*[\[(]\s*[\"']DCP_", text)]
+    assert readers == []
+
+
+def test_defaults_choices_and_unknown_names(monkeypatch):
+    for name in env.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert env.logs_level() == "" and env.replay_enabled() and env.mla_wide() == "" and env.mla_gluon() == ""
+    assert env.agreement_timeout_s() == 120.0 and env.flashinfer_workspace_mb() == 128
+    assert env.flashinfer_mla_backend() == "auto" and env.mla_tuned() == "" and env.ranks_start() == ""
+    monkeypatch.setenv("DCP_LOGS", " INFO ")
+    monkeypatch.setenv("DCP_REPLAY", "0")
+    monkeypatch.setenv("DCP_FLASHINFER_MLA_BACKEND", "fa3")
+    assert env.logs_level() == "info" and not env.replay_enabled() and env.flashinfer_mla_backend() == "fa3"
+    monkeypatch.setenv("DCP_FLASHINFER_MLA_BACKEND", "fa9")
+    with pytest.raises(ValueError, match="DCP_FLASHINFER_MLA_BACKEND must be one of 'auto', 'fa2', 'fa3', got 'fa9'"):
+        env.flashinfer_mla_backend()
+    with pytest.raises(ValueError, match="not one of dcp_pass's environment variables"):
+        env.read("DCP_NOPE")
+
+
+def test_the_kernel_switches_reach_the_chooser(monkeypatch):
+    from dcp_pass.runtime.decode.call import CallShape
+    from dcp_pass.runtime.decode.kernels import registry
+
+    shape = CallShape(heads=128, batch=8, keys=32768, dtype=torch.float16)
+    monkeypatch.delenv("DCP_MLA_WIDE", raising=False)
+    assert registry.choose(shape, registry.TRITON_KERNELS).name == "wide"
+    monkeypatch.setenv("DCP_MLA_WIDE", "0")
+    assert registry.choose(shape, registry.TRITON_KERNELS).name == "split"
