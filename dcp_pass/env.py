@@ -24,6 +24,10 @@ variable                        default     meaning
 ``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
                                             ``fa2`` or ``fa3``
 ``DCP_FLASHINFER_WORKSPACE_MB`` ``128``     FlashInfer's float workspace per device, MiB
+``DCP_TRACE_BROADCAST``         ``1``       ``0``: Dynamo breaks the graph at ``dist.broadcast``
+                                            as it does without dcp_pass (dcp_pass/tracing.py)
+``DCP_TRACE_ASSERTS``           ``1``       ``0``: Dynamo breaks the graph at a tensor assert
+                                            with a run-time message (dcp_pass/tracing.py)
 ``DCP_TEST_START``              (unset)     ``spawn``: dcp_pass.testing.run_ranks spawns its
                                             ranks everywhere instead of forking them from a
                                             server process on CPU-only machines
@@ -60,6 +64,8 @@ VARIABLES = {v.name: v for v in (
     Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
     Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
     Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
+    Variable("DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")),
+    Variable("DCP_TRACE_ASSERTS", "1", "0: Dynamo breaks graphs at tensor asserts with run-time messages", ("0", "1")),
     Variable("DCP_TEST_START", "", "spawn: run_ranks spawns its ranks everywhere"),
 )}
 

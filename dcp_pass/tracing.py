@@ -27,6 +27,7 @@ from __future__ import annotations
 import operator
 import os
 
+from dcp_pass import env
 from dcp_pass.report import log
 
 _INSTALLED: dict[str, bool] = {}
@@ -104,7 +105,7 @@ def install() -> dict[str, bool]:
         return _INSTALLED
     for name, var, fn in (("broadcast", "DCP_TRACE_BROADCAST", install_traced_broadcast),
                           ("asserts", "DCP_TRACE_ASSERTS", install_traced_asserts)):
-        if os.environ.get(var, "1").strip() == "0":
+        if env.read(var) == "0":
             _INSTALLED[name] = False
             continue
         try:
