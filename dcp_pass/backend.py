@@ -237,6 +237,14 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
                          lse_base, attn_backend)
 
 
+def single_rank_plan(opts: DcpOptions, example_inputs: Sequence[Any]) -> AttentionPlan:
+    """The plan of option 'fast_path' at dcp_size=1: the pass's attention kernel, no group, no exchange."""
+    from dcp_pass.runtime.decode.backends import attention_lse_base
+
+    attn_backend = check_attn_backend(opts.attn_backend, _device_of(example_inputs))
+    return AttentionPlan(1, 0, "", "none", False, opts.lse_base or attention_lse_base(attn_backend), attn_backend)
+
+
 def pass_config(opts: DcpOptions, plan: AttentionPlan, example_inputs: Sequence[Any]) -> PassConfig:
     """The pass pipeline's settings, the options' "auto" values resolved for this graph."""
     complex_as_real = opts.complex_as_real if opts.complex_as_real is not None else opts.inner == "inductor"
@@ -344,11 +352,12 @@ class DcpBackend:
         graph_report = GraphReport(len(self.report.graphs))
         self.report.graphs.append(graph_report)
         position, layers, new_caches = None, None, []
-        if not self.topology.enabled:
+        if not self.topology.enabled and not opts.fast_path:
             graph_report.unchanged_reason = "dcp_size=1"
             out, caches, weights = gm, [], []
         else:
-            plan = resolve_plan(opts, self.topology, example_inputs)
+            plan = resolve_plan(opts, self.topology, example_inputs) if self.topology.enabled else single_rank_plan(
+                opts, example_inputs)
             result = apply_dcp(gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report,
                                observer=self.observer)
             out, caches, weights, position = result.graph_module, result.caches, result.weights, result.position

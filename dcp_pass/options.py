@@ -65,6 +65,10 @@ class DcpOptions:
     # sets; torch.compile refuses mode= together with options=). "auto": on for CUDA models
     # compiled by inductor, off otherwise; True needs both (checked at compile)
     cudagraphs: Any = "auto"
+    # dcp_size=1 leaves every graph unchanged; True rewrites MLA attention onto the pass's
+    # attention kernel anyway (no exchange), with device positions and CUDA graphs: the
+    # single-GPU fast path for int-position (reference-style) models
+    fast_path: bool = False
 
     def __post_init__(self) -> None:
         for name in AUTOMATIC:  # "auto" is the default, None
@@ -95,6 +99,8 @@ class DcpOptions:
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_bool_or_auto("static_positions", self.static_positions)
+        if not isinstance(self.fast_path, bool):
+            raise DcpOptionError(f"option 'fast_path' must be True or False, got {self.fast_path!r}")
         if not isinstance(self.strict, bool):
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
         _check_bool_or_auto("complex_as_real", self.complex_as_real)

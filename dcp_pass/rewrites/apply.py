@@ -372,4 +372,6 @@ def _is_decode(match: MlaMatch) -> bool:
 
 
 def _comm_name(plan: AttentionPlan) -> str:
+    if plan.c == 1:
+        return "none (one rank)"
     return plan.comm_backend if plan.head_sharded else f"{plan.comm_backend} (head-replicated)"

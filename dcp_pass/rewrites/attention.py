@@ -160,6 +160,8 @@ def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None
 
 
 def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
+    if plan.c == 1:  # one rank holds every key (the single-GPU fast path): its partial is the output
+        return method(graph, "to", out, match.out_dtype, name="merged")
     common = dict(base=plan.lse_base, out_dtype=match.out_dtype)
     backend = COMM_BACKENDS[plan.comm_backend]
     if not plan.head_sharded:

@@ -160,6 +160,8 @@ class QueryReplicator:
 
     def queries_for(self, match: MlaMatch) -> tuple[Optional[tuple[fx.Node, Optional[fx.Node]]], str]:
         """(override queries or None, description for the report)."""
+        if self.plan.c == 1:
+            return None, "local (one rank)"
         if not self.plan.head_sharded:
             self._check_heads_replicated(match)
             return None, "local (all heads on every rank)"
