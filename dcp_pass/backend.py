@@ -252,7 +252,8 @@ def pass_config(opts: DcpOptions, plan: AttentionPlan, example_inputs: Sequence[
     # from replaying as CUDA graphs
     static_positions = (opts.static_positions if opts.static_positions is not None
                         else _device_of(example_inputs).type == "cuda")
-    return PassConfig(plan, opts.replicate_q_proj, opts.strict, complex_as_real, static_positions)
+    return PassConfig(plan, opts.replicate_q_proj, opts.strict, complex_as_real, static_positions,
+                      opts.project_before_merge)
 
 
 def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str:

@@ -19,7 +19,8 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 LSE_BASES = ("e", "2")
 AUTO = "auto"
 # options whose default (None) is decided at compile time; "auto" is accepted for it
-AUTOMATIC = ("comm_backend", "replicate_q_proj", "lse_base", "static_positions", "complex_as_real")
+AUTOMATIC = ("comm_backend", "replicate_q_proj", "lse_base", "static_positions", "complex_as_real",
+             "project_before_merge")
 
 # Other spellings users reach for; each maps to one canonical key.
 ALIASES = {
@@ -69,6 +70,11 @@ class DcpOptions:
     # attention kernel anyway (no exchange), with device positions and CUDA graphs: the
     # single-GPU fast path for int-position (reference-style) models
     fast_path: bool = False
+    # the value up-projection that follows an attention (w_vc, latent -> v_head_dim per head)
+    # applied to each rank's partial output before the exchange, which then carries
+    # v_head_dim columns instead of the latent width. auto: on for every layer where that
+    # is exact (rewrites/project_merge.py); True: an error names a layer where it is not
+    project_before_merge: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in AUTOMATIC:  # "auto" is the default, None
@@ -104,6 +110,7 @@ class DcpOptions:
         if not isinstance(self.strict, bool):
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
         _check_bool_or_auto("complex_as_real", self.complex_as_real)
+        _check_bool_or_auto("project_before_merge", self.project_before_merge)
         if not isinstance(self.inner_options, Mapping):
             raise DcpOptionError("option 'inner_options' must be a dict of inner-compiler options")
         if not (isinstance(self.cudagraphs, bool) or self.cudagraphs == "auto"):

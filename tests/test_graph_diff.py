@@ -171,7 +171,7 @@ class GraphDiffTest(expecttest.TestCase):
         self.assertRewritten(be.graphs[0])
         # end = 6 positions: rank 0 of 2 owns 0, 2, 4 -> local slice [:2, :3]; no mask for one token
         self.assertExpectedInline(render(be.graphs[0]), """\
-def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_vc_weight_0):
     striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
     striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
@@ -183,14 +183,19 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote kv_cache: decode, softmax form, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto
+    rewrote kv_cache: decode, softmax form, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 6 instead of 8 columns per head)
   KV cache bytes on this rank: 1536 without DCP -> 864 with DCP (1.78x less)
   striped, not to be read outside compiled graphs: kv_cache, pe_cache""")
 
@@ -200,7 +205,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         self.assertEqual(len(be.graphs), 2)
         self.assertRewritten(be.graphs[1])
         self.assertExpectedInline(render(be.graphs[1]), """\
-def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_vc_weight_0):
     add = start_pos + 1
     striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, start_pos, 2, 0, 16, 0)
     striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, start_pos, 2, 0, 16, 0)
@@ -213,9 +218,14 @@ def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = add, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
 
     def test_prefill(self):
@@ -223,7 +233,7 @@ def forward(self, q_lat, start_pos, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv
         self.assertRewritten(be.graphs[0])
         # the [S, T] causal mask is put in [B, S, H, T] order and striped like the keys (columns 0::2)
         self.assertExpectedInline(render(be.graphs[0]), """\
-def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_vc_weight_0):
     striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
     striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
@@ -238,9 +248,14 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
 
     def test_verify(self):
@@ -248,7 +263,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
         be = self.dcp(TinyMLA(), tiny_inputs(3, 5, "additive"), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
-def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_vc_weight_0):
     striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
     striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
@@ -263,9 +278,14 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 8, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
         self.assertIn("multi-token", be.report.summary())
 
@@ -273,13 +293,13 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
 
     def test_head_sharded_a2a(self):
         be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="a2a")
-        self.assertExpectedInline(op_summary(be.graphs[0]), """write_owned_tokens_ write_owned_tokens_ [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a einsum""")
+        self.assertExpectedInline(op_summary(be.graphs[0]), """write_owned_tokens_ write_owned_tokens_ [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] .chunk [] einsum [] einsum cat exchange_a2a .flatten""")
 
     def test_head_sharded_ag_rs(self):
         be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="ag_rs")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
-def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_vc_weight_0):
     striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
     striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
@@ -291,9 +311,14 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_ag_rs(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_ag_rs(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
 
     def test_head_replicated_a2a(self):
@@ -309,9 +334,9 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, w_uv)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
 
     def test_head_replicated_ag_rs(self):
@@ -326,22 +351,22 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, w_uv)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'ag_rs', base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
 
     # ------------------------------------------------------------------ DCP sizes
 
-    def _decode_c(self, c: int) -> fx.GraphModule:
-        be = self.dcp(TinyMLA(max_seq=32), tiny_inputs(1, 13), c=c, comm_backend="a2a")
+    def _decode_c(self, c: int, **options) -> fx.GraphModule:
+        be = self.dcp(TinyMLA(max_seq=32), tiny_inputs(1, 13), c=c, comm_backend="a2a", **options)
         self.assertRewritten(be.graphs[0])
         return be.graphs[0]
 
     def test_dcp_size_2(self):
         # end = 14: rank 0 owns 0, 2, ..., 12 -> 7 local keys
         self.assertExpectedInline(render(self._decode_c(2)), """\
-def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_vc_weight_0):
     striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 13, 2, 0, 32, 0)
     striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 13, 2, 0, 32, 0)
     kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
@@ -353,25 +378,41 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 14, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
 
     def test_dcp_sizes_differ_only_in_constants(self):
         # c = 4 and 8 are pinned through c = 2 (test_dcp_size_2): the same code, with the DCP
-        # size the only constant that changes (batch 2, start 13, capacity 32 stay)
+        # size the only constant that changes (batch 2, start 13, capacity 32 stay). The
+        # projection before the merge takes one weight per DCP rank (below), so the
+        # comparison runs without it
         number = re.compile(r"\b\d+\b")
-        pinned = render(self._decode_c(2))
+        pinned = render(self._decode_c(2, project_before_merge=False))
         torch._dynamo.reset()
         for c in (4, 8):
             with self.subTest(c=c):
-                code = render(self._decode_c(c))
+                code = render(self._decode_c(c, project_before_merge=False))
                 torch._dynamo.reset()
                 self.assertEqual(number.sub("N", code), number.sub("N", pinned))
                 changed = {(a, b) for a, b in zip(number.findall(pinned), number.findall(code)) if a != b}
                 self.assertEqual(changed, {("2", str(c))})
                 self.assertEqual(code.count(f"c = {c}, rank = 0"), 1)
+                # with it: head chunk r projected by rank r's weight, this rank's own for chunk 0
+                projected = render(self._decode_c(c))
+                torch._dynamo.reset()
+                self.assertEqual(projected.count("partial_proj_"), 2 * c)  # defined, then concatenated
+                self.assertIn(f"partial_heads = partial_out.chunk({c}, 2)", projected)
+                self.assertIn("partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)",
+                              projected)
+                for r in range(1, c):
+                    self.assertIn(f"partial_heads_{r}, dcp_vc_weight_{r - 1})", projected)
 
     # ------------------------------------------------------------------ pass-through
 
@@ -410,7 +451,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
         be = self.dcp(TinyMLA(fused=True), tiny_inputs(1, 5), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
-def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
+def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0, dcp_vc_weight_0):
     cat = torch.cat([latent, k_pe], dim = -1)
     striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, cat, 5, 2, 0, 16, 0)
     cat_1 = torch.cat([q_lat, q_pe], dim = -1)
@@ -419,16 +460,21 @@ def forward(self, q_lat, latent, k_pe, kv_cache, q_pe, w_uv, dcp_local_cache_0):
     local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_2 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_2.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
 
     def test_tiny_masked_fill(self):
         be = self.dcp(TinyMLA(mask_fill=True), tiny_inputs(4, 0, "bool"), c=2, comm_backend="a2a")
         self.assertRewritten(be.graphs[0])
         self.assertExpectedInline(render(be.graphs[0]), """\
-def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_vc_weight_0):
     striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 0, 2, 0, 16, 0)
     striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 0, 2, 0, 16, 0)
     unsqueeze = mask.unsqueeze(1)
@@ -444,9 +490,14 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, mask, w_uv, dcp
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
 
     # ------------------------------------------------------------------ example models
@@ -484,17 +535,25 @@ q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
-        self.assertExpectedInline(op_summary(rewritten[0]), """write_owned_tokens_ .squeeze write_owned_tokens_ [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] exchange_a2a [] einsum""")
+wkv_b_1 = dcp_vc_weight_0.view(2, -1, 32)
+getitem_9 = wkv_b_1[(slice(None, None, None), slice(-16, None, None))]
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, getitem_8)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, getitem_9)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+o_2 = merged_proj.flatten(2)""")
+        self.assertExpectedInline(op_summary(rewritten[0]), """write_owned_tokens_ .squeeze write_owned_tokens_ [] [] cat gather_heads [] [] dcp.mla_local_attention [] [] [] .view [] .chunk [] einsum [] einsum cat exchange_a2a .flatten""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 1: 1 MLA layer(s) rewritten
-    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
+    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head)
   graph 2: 1 MLA layer(s) rewritten
-    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
+    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head)
   graph 3: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 4: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 5: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
@@ -517,9 +576,17 @@ q_group = dcp_pass_runtime_decode_comm_gather_heads(q_full, '0', 2)
 local_attention = torch.ops.dcp.mla_local_attention.default(q_group, None, kv_local, None, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_8 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_8)""")
+wkv_b_1 = dcp_vc_weight_0.view(2, -1, 32)
+getitem_9 = wkv_b_1[(slice(None, None, None), slice(-16, None, None))]
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, getitem_8)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, getitem_9)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+o_2 = merged_proj.flatten(2)""")
 
     def test_model_masked_fill(self):
         model = self._model(2, mask_style="masked_fill")
@@ -542,9 +609,17 @@ mask_f32 = getitem.float()
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 4, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = mask_f32, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
+wkv_b_1 = dcp_vc_weight_0.view(2, -1, 32)
+getitem_10 = wkv_b_1[(slice(None, None, None), slice(-16, None, None))]
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, getitem_9)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, getitem_10)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+o_2 = merged_proj.flatten(2)""")
 
     def test_model_matmul_scores(self):
         # score_impl="matmul": matmul/bmm spelling of the scores and the value product
@@ -564,8 +639,19 @@ q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-flatten_6 = merged.flatten(0, 1)""")
+getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
+transpose_5 = getitem_9.transpose(1, 2)
+wkv_b_1 = dcp_vc_weight_0.view(2, -1, 32)
+getitem_10 = wkv_b_1[(slice(None, None, None), slice(-16, None, None))]
+transpose_7 = getitem_10.transpose(1, 2)
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hfv->bshv', partial_heads_0, transpose_5)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hfv->bshv', partial_heads_1, transpose_7)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+permute = merged_proj.permute(2, 0, 1, 3)""")
 
     def test_tensor_positions_static_shapes(self):
         # positions as a tensor, whole-cache reads, boolean mask: the CUDA-graph-friendly form
@@ -594,8 +680,14 @@ mask_f32 = getitem_5.float()
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 16, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = mask_f32, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)""")
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+flatten = merged_proj.flatten(2)""")
 
     def test_replicated_q_on_real_ranks(self):
         from dcp_pass.testing import run_ranks
@@ -626,13 +718,21 @@ pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 local_attention = torch.ops.dcp.mla_local_attention.default(cat, cat_1, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)
+wkv_b_2 = dcp_q_weight_0.view(2, -1, 32)
+getitem_11 = wkv_b_2[(slice(None, None, None), slice(-16, None, None))]
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, getitem_9)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, getitem_11)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+o_2 = merged_proj.flatten(2)
 ---
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote layers.0.attn: decode, softmax form, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto
+    rewrote layers.0.attn: decode, softmax form, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head)
     3 complex product(s) (rotary) computed in real arithmetic
   KV cache bytes on this rank: 30720 without DCP -> 15680 with DCP (1.96x less)
   striped, not to be read outside compiled graphs: layers.0.attn.kv_cache, layers.0.attn.pe_cache""")
@@ -659,9 +759,17 @@ q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
+wkv_b_1 = dcp_vc_weight_0.view(2, -1, 32)
+getitem_10 = wkv_b_1[(slice(None, None, None), slice(-16, None, None))]
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, getitem_9)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, getitem_10)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+o_2 = merged_proj.flatten(2)""")
         # replicate_q_proj=True on the fake process group: the compile-time weight gather returns
         # identical copies, so no q weight looks sharded and the layer keeps the all-gather (the
         # report says why). The replicated graph itself runs on real gloo ranks in
@@ -679,9 +787,17 @@ q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
 getitem_9 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_1 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_9)""")
+wkv_b_1 = dcp_vc_weight_0.view(2, -1, 32)
+getitem_10 = wkv_b_1[(slice(None, None, None), slice(-16, None, None))]
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, getitem_9)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, getitem_10)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.bfloat16)
+o_2 = merged_proj.flatten(2)""")
 
     def test_hybrid(self):
         from dcp_pass.models.hybrid_linear import HybridArgs, build_hybrid
@@ -708,13 +824,21 @@ q_rope_group = q_group[(Ellipsis, slice(32, None, None))]
 local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 32, scale = 0.2041241452319315, mask = None, lse_base = 'e', backend = 'auto')
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
-merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
 getitem_16 = wkv_b[(slice(None, None, None), slice(-16, None, None))]
-o_3 = torch.functional.einsum('bshc,hdc->bshd', merged, getitem_16)""")
+wkv_b_1 = dcp_vc_weight_0.view(2, -1, 32)
+getitem_17 = wkv_b_1[(slice(None, None, None), slice(-16, None, None))]
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, getitem_16)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, getitem_17)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+o_4 = merged_proj.flatten(2)""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote layers.1.attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto
+    rewrote layers.1.attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head)
   KV cache bytes on this rank: 61440 without DCP -> 31360 with DCP (1.96x less)
   striped, not to be read outside compiled graphs: layers.1.attn.kv_cache, layers.1.attn.pe_cache""")
 

@@ -1,7 +1,7 @@
 """The DCP pass over one captured graph: named passes run by one pipeline.
 
-    match -> striped_writes -> query_replication -> attention -> verify_buffers
-          -> complex_as_real -> device_positions
+    match -> striped_writes -> query_replication -> attention -> project_before_merge
+          -> verify_buffers -> complex_as_real -> install_shards -> device_positions
 
 Each pass is a small class whose `run` does one step and returns what it matched
 (`PassOutcome`); the pipeline records every outcome in the graph's report (name, count,
@@ -26,11 +26,14 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
+from dcp_pass.rewrites import axes
 from dcp_pass.rewrites import cache as cache_rw
+from dcp_pass.rewrites.axes import B, H, S
 from dcp_pass.rewrites import complex_product
 from dcp_pass.rewrites import fx_util
+from dcp_pass.rewrites import project_merge
 from dcp_pass.rewrites import q_replicate
-from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan
+from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla
 
 
@@ -45,6 +48,7 @@ class PassConfig:
     strict: bool
     complex_as_real: bool  # resolved from the option's "auto" by the backend
     static_positions: bool = False  # resolved from the option's "auto" by the backend
+    project_before_merge: Optional[bool] = None  # None: where exact; True: required; False: off
 
 
 @dataclass
@@ -71,6 +75,16 @@ class PassOutcome:
 
 
 @dataclass
+class RewrittenLayer:
+    """One attention the attention pass replaced: what the passes after it build on."""
+
+    match: MlaMatch
+    merged: MergedOutput
+    shape: tuple  # the merged output's sizes as [B, S, H, F] (H: the heads this rank ends with)
+    report: LayerReport
+
+
+@dataclass
 class PassState:
     """What the passes of one graph share."""
 
@@ -86,6 +100,7 @@ class PassState:
     local_nodes: dict[fx.Node, fx.Node] = field(default_factory=dict)
     queries: dict[int, tuple[Any, str]] = field(default_factory=dict)  # id(match) -> (override, detail)
     replicator: Optional[q_replicate.QueryReplicator] = None
+    rewritten: list[RewrittenLayer] = field(default_factory=list)
     stopped: Optional[str] = None  # why the DCP rewrite stopped (the original graph is kept)
     caches: list[tuple[int, cache_rw.LocalCache]] = field(default_factory=list)  # (input index, shard)
     position: Any = None
@@ -197,19 +212,78 @@ class AttentionRewrite(GraphPass):
         plan = state.config.plan
         for match in state.found.matches:
             override, q_detail = state.queries.get(id(match), (None, "all-gather"))
+            shape = _merged_shape(match)
             try:
-                match.rewrite(state.gm, plan, state.local_nodes, override)
+                merged = match.rewrite(state.gm, plan, state.local_nodes, override)
             except NearMiss as miss:
                 _striped_already(match, miss)
             kind = "decode" if _is_decode(match) else "multi-token"
             window = ", sliding window" if match.value_cache.windowed else ""
             window += ", paged pool" if match.value_cache.kind == "paged" else ""
-            state.report.layers.append(LayerReport(
+            layer = LayerReport(
                 match.layer, True,
                 f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "
                 f"comm {_comm_name(plan)}, lse base {plan.lse_base}, attention {plan.attn_backend}",
-            ))
+            )
+            state.report.layers.append(layer)
+            state.rewritten.append(RewrittenLayer(match, merged, shape, layer))
         return PassOutcome(len(state.found.matches))
+
+
+class ProjectBeforeMerge(GraphPass):
+    """Per layer: the value up-projection that follows the attention moves before the
+    exchange, which then carries v_head_dim columns instead of the latent width
+    (rewrites/project_merge.py)."""
+
+    name = "project_before_merge"
+
+    def run(self, state: PassState) -> PassOutcome:
+        requested = state.config.project_before_merge
+        if requested is False:
+            return PassOutcome(0, ["off"])
+        count, notes = 0, []
+        for layer in state.rewritten:
+            try:
+                detail = self._project(state, layer)
+                count += 1
+            except project_merge.NotProjected as why:
+                if requested:
+                    raise DcpRewriteError(
+                        f"layer {layer.match.layer}: project_before_merge=True, but {why}; pass "
+                        f"project_before_merge='auto' to keep the projection after the merge where it cannot move"
+                    ) from why
+                detail = f"v-projection after merge ({why})"
+            layer.report.detail += f", {detail}"
+            notes.append(f"{layer.match.layer}: {detail}")
+        return PassOutcome(count, notes)
+
+    @staticmethod
+    def _project(state: PassState, layer: RewrittenLayer) -> str:
+        plan = state.config.plan
+        graph = state.graph
+        exchange = layer.merged.exchange
+        found = project_merge.find_projection(exchange, layer.shape, q_replicate.is_parameter)
+        out_dtype = axes_dtype(found.node)
+        if plan.comm_backend == "fi_a2a" and plan.head_sharded and (found.v_dim * out_dtype.itemsize) % 16:
+            raise project_merge.NotProjected(
+                f"FlashInfer's all-to-all moves rows of 16-byte multiples, and {found.v_dim} "
+                f"{str(out_dtype).replace('torch.', '')} columns are not")
+        if not plan.head_sharded:  # every rank holds every head: the local weight covers them
+            weights = [found.weight]
+        else:
+            # a fingerprint decides which parameters differ across the group (a fake test group
+            # cannot tell: gather); the others are the same on every rank and shared
+            sharded = [p for p in found.params
+                       if q_replicate.weights_differ(state.values[p.name], plan.group_name, plan.c, no_verdict=True)]
+            project_merge.check_gatherable(sharded, lambda p: state.values[p.name].dtype)
+            weights = [
+                found.weight if r == plan.rank or not sharded else project_merge.weight_for_rank(
+                    graph, found, sharded,
+                    lambda p, r=r: state.replicator.weight_input(p, r, prefix="dcp_vc_weight"))
+                for r in range(plan.c)
+            ]
+        project_merge.emit_projection(graph, exchange, found, weights, out_dtype)
+        return f"v-projection before merge (exchanges {found.v_dim} instead of {layer.shape[3]} columns per head)"
 
 
 class VerifyBuffers(GraphPass):
@@ -295,7 +369,7 @@ class DevicePositions(GraphPass):
 
 
 DEFAULT_PASSES: tuple[GraphPass, ...] = (
-    FindAttention(), StripedWrites(), QueryReplication(), AttentionRewrite(), VerifyBuffers(),
+    FindAttention(), StripedWrites(), QueryReplication(), AttentionRewrite(), ProjectBeforeMerge(), VerifyBuffers(),
     ComplexAsReal(), InstallShards(), DevicePositions(),
 )
 
@@ -362,6 +436,18 @@ def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
             f"deferred by dcp_pass.deferred_caches()), but this graph reads them outside an MLA attention "
             f"the pass can rewrite"
         )
+
+
+def axes_dtype(node: fx.Node) -> torch.dtype:
+    return fx_util.node_value(node).dtype
+
+
+def _merged_shape(match: MlaMatch) -> tuple:
+    """[B, S, H, F] of the merged output: the query's batch, positions and heads (this
+    rank's: the exchange gives each rank back the heads its query had), the value width."""
+    term = match.terms[0]
+    shape = axes.shape_of(term.query)
+    return tuple(shape[term.query_roles.index(r)] for r in (B, S, H)) + (match.v_dim,)
 
 
 def _is_decode(match: MlaMatch) -> bool:

@@ -48,6 +48,14 @@ class AttentionPlan:
     attn_backend: str
 
 
+@dataclass(frozen=True)
+class MergedOutput:
+    """What `rewrite_attention` leaves where the attention was."""
+
+    exchange: fx.Node  # the exchange call: the merged output as [B, S, H, F]
+    result: fx.Node  # the merged output in the model's layout (what the model's code reads)
+
+
 def ordered_terms(match: MlaMatch):
     """(latent term, rotary term or None): the latent term reads the value columns."""
     value = match.value_cache
@@ -187,8 +195,9 @@ def rewrite_attention(
     plan: AttentionPlan,
     local_nodes: dict[fx.Node, fx.Node],
     query_override: Optional[tuple[fx.Node, Optional[fx.Node]]] = None,
-) -> fx.Node:
-    """Replace `match` in `gm.graph`; returns the node holding the merged output.
+) -> MergedOutput:
+    """Replace `match` in `gm.graph`; returns the exchange and the merged output in the
+    model's layout.
 
     `query_override` supplies full DCP-group queries computed locally (replicated
     q-projection); without it, head-sharded models all-gather their queries.
@@ -221,4 +230,4 @@ def rewrite_attention(
         result = merged if back == list(range(4)) else method(graph, "permute", merged, *back, name="merged_layout")
     value_node.replace_all_uses_with(result)
     erase_dead_region(graph, [value_node])
-    return result
+    return MergedOutput(merged, result)

@@ -127,9 +127,9 @@ class MlaMatch:
         return self.anchor
 
     def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
-                query_override: Optional[tuple[fx.Node, Optional[fx.Node]]] = None) -> fx.Node:
+                query_override: Optional[tuple[fx.Node, Optional[fx.Node]]] = None):
         """Replace this attention by shard-local attention + merge (`attention.rewrite_attention`);
-        returns the node holding the merged output."""
+        returns its `MergedOutput` (the exchange and the merged output in the model's layout)."""
         from dcp_pass.rewrites.attention import rewrite_attention
 
         return rewrite_attention(gm, self, plan, local_nodes, query_override)

@@ -65,15 +65,16 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int) -> list[torch
     return parts
 
 
-def weights_differ(weight: torch.Tensor, group_name: str, c: int) -> bool:
+def weights_differ(weight: torch.Tensor, group_name: str, c: int, no_verdict: bool = False) -> bool:
     """Whether `weight` differs across the ranks of the group, from a small fingerprint
-    (shape, sums, a few entries), so nothing of weight size is gathered or kept."""
+    (shape, sums, a few entries), so nothing of weight size is gathered or kept.
+    `no_verdict`: the answer on a fake (test) process group, which cannot tell."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
     if dist.get_backend(group) == "fake":  # test process groups return garbage: no verdict
-        return False
+        return no_verdict
     flat = weight.detach().reshape(-1).float()
     head = flat[:8] if flat.numel() >= 8 else torch.nn.functional.pad(flat, (0, 8 - flat.numel()))
     stats = torch.stack([flat.sum(), (flat * flat).sum(), flat.abs().max() if flat.numel() else flat.new_zeros(())])
@@ -83,14 +84,16 @@ def weights_differ(weight: torch.Tensor, group_name: str, c: int) -> bool:
     return not all(torch.equal(parts[0], p) for p in parts[1:])
 
 
-def _is_parameter(node: fx.Node) -> bool:
+def is_parameter(node: fx.Node) -> bool:
+    """Whether a placeholder is a module parameter (by its Dynamo source)."""
     name = buffer_source(node) if node.op == "placeholder" else None
     return bool(name and "_parameters[" in name)
 
 
+
 def _parameters(region: set[fx.Node]) -> list[fx.Node]:
     # sorted: every rank must fingerprint and gather the same weights in the same order
-    return sorted((n for n in region if _is_parameter(n)), key=lambda n: n.name)
+    return sorted((n for n in region if is_parameter(n)), key=lambda n: n.name)
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -200,7 +203,7 @@ class QueryReplicator:
         if not dtypes <= set(REPLICABLE_DTYPES):
             names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
             raise ReplicationRefused(f"q weights are {names}; replication takes unquantized bf16/fp16 only")
-        # a fingerprint decides; only the sharded weights are then gathered whole (_weight_input)
+        # a fingerprint decides; only the sharded weights are then gathered whole (weight_input)
         sharded = [p for p in params if weights_differ(self.values[p.name], self.plan.group_name, self.plan.c)]
         if not sharded:
             raise ReplicationRefused("no q weight differs across DCP ranks")
@@ -208,14 +211,16 @@ class QueryReplicator:
 
     # -- emission ------------------------------------------------------------------
 
-    def _weight_input(self, param: fx.Node, rank: int) -> fx.Node:
+    def weight_input(self, param: fx.Node, rank: int, prefix: str = "dcp_q_weight") -> fx.Node:
+        """The graph input holding DCP rank `rank`'s shard of parameter `param` (one per
+        (parameter, rank), shared by every rewrite that asks for it; gathered once)."""
         key = (param, rank)
         if key not in self._weight_inputs:
             graph = self.gm.graph
             plan = self.plan
             weight = self.values[param.name]
             example = gathered_shards(weight, plan.group_name, plan.c)[rank]
-            node = fx_util.static_placeholder(graph, f"dcp_q_weight_{len(self._weight_inputs)}", axes.example_value(param))
+            node = fx_util.static_placeholder(graph, f"{prefix}_{len(self._weight_inputs)}", axes.example_value(param))
             index = fx_util.placeholders(graph).index(param)
             self.extra.append(ExtraInput(
                 index, lambda w, r=rank: gathered_shards(w, plan.group_name, plan.c)[r], example))
@@ -241,7 +246,7 @@ class QueryReplicator:
                 if rank == self.plan.rank:
                     copies = outputs
                 else:
-                    env: dict[fx.Node, fx.Node] = {p: self._weight_input(p, rank) for p in sharded}
+                    env: dict[fx.Node, fx.Node] = {p: self.weight_input(p, rank) for p in sharded}
                     for node in cloned:
                         env[node] = graph.node_copy(node, lambda n: env.get(n, n))
                     copies = [env[q] for q in outputs]
