@@ -35,7 +35,7 @@ from torch import nn
 
 from dcp_pass.backend import DcpBackend
 from dcp_pass.runtime.decode import comm
-from kit.graphs import TinyMLA, TinyMLP, init_fake_world, render, tiny_inputs
+from kit.graphs import TinyMLA, TinyMLP, ValueUseMLA, init_fake_world, render, tiny_inputs
 
 EXCHANGES = (comm.exchange_a2a, comm.exchange_ag_rs, comm.exchange_replicated, comm.exchange_fi_a2a)
 
@@ -413,6 +413,117 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
                               projected)
                 for r in range(1, c):
                     self.assertIn(f"partial_heads_{r}, dcp_vc_weight_{r - 1})", projected)
+
+    # ------------------------------------------------------------------ project before merge
+
+    def test_project_before_merge_off(self):
+        # off: the graph the attention pass leaves, the exchange carrying the 8 latent columns
+        be = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="a2a", project_before_merge=False)
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(render(be.graphs[0]), """\
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1):
+    striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+    striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+    kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+    pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+    q_packed = torch.cat([q_lat, q_pe], -1)
+    q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
+    q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+    q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+    partial_out = local_attention[0]
+    partial_lse = local_attention[1]
+    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
+    o_1 = einsum_3.flatten(2)
+    return (o_1,)""")
+        self.assertExpectedInline("\n".join(be.report.graphs[0].detail_lines()), """\
+rewrote kv_cache: decode, softmax form, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto
+passes: match 1, striped_writes 2, query_replication 0, attention 1, project_before_merge 0, verify_buffers 2, complex_as_real 0, install_shards 2, device_positions 0""")
+
+    def test_project_before_merge_head_replicated_prefill(self):
+        # tp_size=1, 4 tokens: one einsum over every head, the all-gather of 6 columns per head
+        be = self.dcp(TinyMLA(), tiny_inputs(4, 0, "additive"), c=2, tp_size=1, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(op_summary(be.graphs[0]), """write_owned_tokens_ write_owned_tokens_ .unsqueeze [] [] [] .float dcp.mla_local_attention [] [] einsum exchange_replicated .flatten""")
+
+    def test_project_before_merge_bmm_rows(self):
+        # torch.bmm over flattened (batch, position) rows: the merged projection is laid out
+        # [heads, rows, v] again for the model's own transpose and reshape
+        be = self.dcp(ValueUseMLA("bmm"), tiny_inputs(1, 5), c=2, comm_backend="ag_rs")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(region(be.graphs[0]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent, 5, 2, 0, 16, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+q_packed = torch.cat([q_lat, q_pe], -1)
+q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
+q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
+q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+transpose_1 = w_uv.transpose(1, 2)
+transpose_3 = dcp_vc_weight_0.transpose(1, 2)
+partial_heads = partial_out.chunk(2, 2)
+partial_heads_0 = partial_heads[0]
+partial_proj_0 = torch.functional.einsum('bshf,hfv->bshv', partial_heads_0, transpose_1)
+partial_heads_1 = partial_heads[1]
+partial_proj_1 = torch.functional.einsum('bshf,hfv->bshv', partial_heads_1, transpose_3)
+partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_ag_rs(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+permute = merged_proj.permute(2, 0, 1, 3)""")
+
+    def test_project_before_merge_sdpa_form(self):
+        # SDPA's [b, h, s, r] output, transposed back by the model: the layout ops go with the merge
+        from dcp_pass.models.mla_forms import FormArgs, build_forms_model
+
+        model = build_forms_model(FormArgs(form="sdpa", n_layers=1))
+        be = self.dcp(model, (self._tokens(1), 4), c=2, tp_size=1, comm_backend="a2a")
+        self.assertRewritten(be.graphs[0])
+        self.assertExpectedInline(region(be.graphs[0]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent_1, 4, 2, 0, 48, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe_1, 4, 2, 0, 48, 0)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_abs, q_pe_1, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+getitem_14 = wkv_b[(slice(None, None, None), slice(-8, None, None))]
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_14)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)""")
+
+    def test_project_before_merge_kept_with_reason(self):
+        # where the move is not exact the projection stays after the merge and the report says why
+        details = []
+        for use in ("leak", "relu", "buffer", "none"):
+            torch._dynamo.reset()
+            be = self.dcp(ValueUseMLA(use), tiny_inputs(1, 5), c=2, comm_backend="a2a")
+            self.assertRewritten(be.graphs[0])
+            self.assertIs(_exchange_node(be.graphs[0]).args[0].name, "partial_out")  # the latent columns
+            detail = be.report.graphs[0].layers[0].detail
+            details.append(f"{use}: {detail[detail.index('v-projection'):]}")
+        self.assertExpectedInline("\n".join(details), """\
+leak: v-projection after merge (the merged output has another use (einsum, the graph's output))
+relu: v-projection after merge (the merged output's use (relu) is not a per-head linear projection)
+buffer: v-projection after merge (the projection weight is computed from w_uv, not only from module parameters)
+none: v-projection after merge (the merged output leaves the graph unprojected)""")
+
+    def test_project_before_merge_required(self):
+        # True: a layer where it cannot apply is an error naming the layer
+        with self.assertRaises(Exception) as raised:
+            self.dcp(ValueUseMLA("leak"), tiny_inputs(1, 5), c=2, comm_backend="a2a", project_before_merge=True)
+        message = str(raised.exception)
+        self.assertIn("DcpRewriteError", type(raised.exception).__name__ + message)
+        self.assertExpectedInline(message[message.index("layer "):].splitlines()[0], """layer kv_cache: project_before_merge=True, but the merged output has another use (einsum, the graph's output); pass project_before_merge='auto' to keep the projection after the merge where it cannot move""")
+        # and where it can, True rewrites as "auto" does
+        torch._dynamo.reset()
+        required = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="a2a", project_before_merge=True)
+        torch._dynamo.reset()
+        automatic = self.dcp(TinyMLA(), tiny_inputs(1, 5), c=2, comm_backend="a2a")
+        self.assertEqual(render(required.graphs[0]), render(automatic.graphs[0]))
 
     # ------------------------------------------------------------------ pass-through
 

@@ -68,6 +68,7 @@ Axis = tuple  # the canonical roles one axis holds, outermost first: (B, S) afte
 _RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze"}
 _RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze}
 _NO_OPS = {"contiguous", "clone"}
+_CASTS = {"float", "double", "half", "bfloat16", "to", "type", "type_as"}
 
 
 class NotProjected(Exception):
@@ -149,7 +150,7 @@ def layout_step(node: fx.Node, src: fx.Node, roles: list[Axis], sizes: dict[str,
     target = node.target
     if node.op == "call_method" and target in _NO_OPS:
         return list(roles)
-    if axes.is_dtype_cast(node):
+    if axes.is_dtype_cast(node) or (node.op == "call_method" and target in _CASTS):
         raise NotProjected(f"a dtype cast ({_op_text(node)}) sits between the merge and the projection")
     if any(isinstance(a, torch.dtype) for a in rest):
         raise NotProjected(f"a dtype view ({_op_text(node)}) sits between the merge and the projection")
@@ -272,6 +273,8 @@ def find_projection(start: fx.Node, shape: Sequence[Any], is_parameter: Callable
             uses = ", ".join(_op_text(u) for u in users)
             raise NotProjected(f"the merged output has another use ({uses})")
         user = users[0]
+        if user.op == "output":
+            raise NotProjected("the merged output leaves the graph unprojected")
         contraction = axes.as_contraction(user)
         if contraction is not None:
             break

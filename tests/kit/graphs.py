@@ -69,6 +69,44 @@ class TinyMLA(nn.Module):
         return (o, probs) if self.leak_probs else o
 
 
+class ValueUseMLA(nn.Module):
+    """TinyMLA's decode attention (same inputs, `tiny_inputs`) with the attention output used
+    in other ways than the plain value up-projection (for the project-before-merge pass).
+
+    `use`: "leak" also returns the output before `w_uv`; "relu" projects relu(output);
+    "buffer" projects by a `w_uv` held as a buffer, not a parameter; "none" returns the
+    output unprojected; "bmm" projects by `torch.bmm` over flattened (batch, position) rows.
+    """
+
+    def __init__(self, use: str, heads=4, rank=8, rope=4, v_dim=6, batch=2, max_seq=16):
+        super().__init__()
+        self.use = use
+        w_uv = torch.randn(heads, v_dim, rank)
+        if use == "buffer":
+            self.register_buffer("w_uv", w_uv)
+        else:
+            self.w_uv = nn.Parameter(w_uv)
+        self.register_buffer("kv_cache", torch.zeros(batch, max_seq, rank))
+        self.register_buffer("pe_cache", torch.zeros(batch, max_seq, rope))
+
+    def forward(self, q_lat, q_pe, latent, k_pe, start_pos: int):
+        bsz, seqlen = q_lat.shape[:2]
+        end = start_pos + seqlen
+        self.kv_cache[:bsz, start_pos:end] = latent
+        self.pe_cache[:bsz, start_pos:end] = k_pe
+        scores = torch.einsum("bshc,btc->bsht", q_lat, self.kv_cache[:bsz, :end]) + torch.einsum(
+            "bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end])
+        probs = (scores * 0.25).softmax(dim=-1, dtype=torch.float32).type_as(q_lat)
+        o = torch.einsum("bsht,btc->bshc", probs, self.kv_cache[:bsz, :end])
+        if self.use == "none":
+            return o.flatten(2)
+        if self.use == "bmm":
+            rows = o.flatten(0, 1).transpose(0, 1)  # [h, b*s, rank]
+            return torch.bmm(rows, self.w_uv.transpose(1, 2)).transpose(0, 1).reshape(bsz, seqlen, -1)
+        projected = torch.einsum("bshc,hdc->bshd", torch.relu(o) if self.use == "relu" else o, self.w_uv)
+        return (projected.flatten(2), o) if self.use == "leak" else projected.flatten(2)
+
+
 def causal_mask(seqlen: int, start_pos: int, kind: str = "additive") -> torch.Tensor:
     """Query i (global position start_pos + i) sees keys <= start_pos + i."""
     if kind == "additive":
