@@ -36,7 +36,7 @@ class PositionsGraphTest(expecttest.TestCase):
         gm = be.graphs[1]
         self.assertNotIn("start_pos", [n.name for n in gm.graph.find_nodes(op="placeholder")])
         self.assertExpectedInline(render(gm), """\
-def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_end_pos):
+def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local_cache_0, dcp_local_cache_1, dcp_vc_weight_0, dcp_end_pos):
     sub = torch.sub(dcp_end_pos, 1)
     arange = torch.arange(1, device = device(type='cpu'))
     add_2 = torch.add(sub, arange)
@@ -53,9 +53,14 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 0, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto', kv_lens = dcp_end_pos)
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
-    merged = dcp_pass_runtime_decode_comm_exchange_a2a(partial_out, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
-    einsum_3 = torch.functional.einsum('bshc,hdc->bshd', merged, w_uv)
-    o_1 = einsum_3.flatten(2)
+    partial_heads = partial_out.chunk(2, 2)
+    partial_heads_0 = partial_heads[0]
+    partial_proj_0 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_0, w_uv)
+    partial_heads_1 = partial_heads[1]
+    partial_proj_1 = torch.functional.einsum('bshf,hvf->bshv', partial_heads_1, dcp_vc_weight_0)
+    partial_proj = torch.cat([partial_proj_0, partial_proj_1], 2)
+    merged_proj = dcp_pass_runtime_decode_comm_exchange_a2a(partial_proj, partial_lse, '0', 2, base = 'e', out_dtype = torch.float32)
+    o_1 = merged_proj.flatten(2)
     return (o_1,)""")
         self.assertIn("int step position moved to the device", be.report.summary())
 
