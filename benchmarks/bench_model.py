@@ -11,6 +11,9 @@ and the cache bytes per token at that DCP size.
 
     python benchmarks/bench_model.py --world 2 --dcp 1,2 --ctx 8192,131072 --batch 8 \
         --modes default,reduce-overhead --out model.json
+
+`--project-before-merge 1,0` times each DCP > 1 variant with the value up-projection
+before the exchange (v_head_dim columns exchanged) and after it (the latent width).
 """
 from __future__ import annotations
 
@@ -142,6 +145,10 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
         rec["dcp_options"] = extra
     if replicate is not None and c > 1:
         extra["replicate_q_proj"] = replicate
+    project = cfg.get("project_before_merge")  # None: the option's default (where exact)
+    if project is not None and c > 1:
+        rec["project_before_merge"] = project
+        extra["project_before_merge"] = project
     backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"], inner_options=inner_options,
                          cudagraphs="auto" if mode not in (None, "default") else False, **extra)
     m = torch.compile(model, backend=backend, mode=mode)
@@ -195,6 +202,8 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     med = statistics.median(times)
     rec.update(step_ms_median=med, step_ms_all=times, tokens_per_s=cfg["batch"] * 1e3 / med, tokens=out_tokens,
                rewritten=backend.report.layers_rewritten, graphs=len(backend.report.graphs),
+               projected_rewrites=sum(p.matched_count for g in backend.report.graphs for p in g.passes
+                                    if p.name == "project_before_merge"),
                kv_full=backend.report.kv_bytes_full, kv_local=backend.report.kv_bytes_local)
     if dev.type == "cuda":
         # capacity: what this rank holds besides the cache stays; the rest of 90 % of the
@@ -224,14 +233,18 @@ def worker(rank, world, cfg):
     rows = []
     for ctx in cfg["ctx"]:
         for mode in cfg["modes"]:
-            for c, replicate, inner_options in [(c, r, io) for c in cfg["dcp"] for io in cfg["inner_options"]
-                                                for r in (cfg["replicate"] if c > 1 else [None])]:
+            for c, replicate, project, inner_options in [
+                    (c, r, p, io) for c in cfg["dcp"] for io in cfg["inner_options"]
+                    for r in (cfg["replicate"] if c > 1 else [None])
+                    for p in (cfg["project_before_merge"] if c > 1 else [None])]:
                 try:
-                    rec = run_variant(rank, world, dict(cfg, replicate_q=replicate, inner_options=inner_options), c,
+                    rec = run_variant(rank, world, dict(cfg, replicate_q=replicate, project_before_merge=project,
+                                                        inner_options=inner_options), c,
                                       None if mode == "default" else mode, ctx, dev, dtype)
                 except Exception as e:  # noqa: BLE001
                     rec = dict(c=c, world=world, mode=mode, ctx=ctx, batch=cfg["batch"],
-                               **({"inner_options": inner_options} if inner_options else {}), error=f"{type(e).__name__}: {e}"[:400], trace=traceback.format_exc()[-2000:])
+                               **({"inner_options": inner_options} if inner_options else {}),
+                               **({"project_before_merge": project} if project is not None else {}), error=f"{type(e).__name__}: {e}"[:400], trace=traceback.format_exc()[-2000:])
                 rec["t_end"] = time.strftime("%H:%M:%S")
                 rows.append(rec)
                 # a step ends when its slowest rank ends; rank 0 keeps the row on disk at once,
@@ -272,6 +285,9 @@ def main():
     ap.add_argument("--replicate-q", default="default",
                     help="comma list for DCP > 1 variants: default (the option's choice), 1 (replicated q "
                          "projection), 0 (one all-gather of the query heads)")
+    ap.add_argument("--project-before-merge", default="default",
+                    help="comma list for DCP > 1 variants: default (the option's choice: where exact), 1 (the "
+                         "value projection before the exchange, v_head_dim columns), 0 (after it, the latent width)")
     ap.add_argument("--inner-options", default="{}",
                     help="';'-separated JSON dicts of inner-compiler options, each a variant of every row "
                          "(DCP=1 included), e.g. '{};{\"cpp_wrapper\": true}'")
@@ -296,6 +312,8 @@ def main():
                warmup=a.warmup, batch=a.batch, inner=a.inner, device=a.device, model=model, model_name=a.model,
                dtype=a.dtype, modes=a.modes.split(","), profile=a.profile, positions=a.positions,
                replicate=[{"default": None, "1": True, "0": False}[x] for x in a.replicate_q.split(",")],
+               project_before_merge=[{"default": None, "1": True, "0": False}[x]
+                                     for x in a.project_before_merge.split(",")],
                inner_options=[json.loads(x) for x in a.inner_options.split(";")],
                dcp_options=json.loads(a.dcp_options),
                partial=(a.out + ".partial.jsonl") if a.out else None)
@@ -349,6 +367,8 @@ def main():
     md = fmt_table(rows, [
         ("ctx", "ctx"), ("B", "batch"), ("mode", "mode"), ("dcp", "c"),
         ("replicate q", lambda r: {True: "1", False: "0"}.get(r.get("replicate_q_proj"), "")),
+        ("project before merge", lambda r: {True: "1", False: "0"}.get(r.get("project_before_merge"), "")),
+        ("projected rewrites", lambda r: r.get("projected_rewrites", "")),
         ("inner options", lambda r: json.dumps(r["inner_options"]) if r.get("inner_options") else ""), ("step ms", lambda r: r.get("step_ms_median", "")),
         ("tokens/s", lambda r: r.get("tokens_per_s", "")), ("speedup vs DCP=1", lambda r: r.get("speedup_vs_dcp1", "")),
         ("even ms", lambda r: r.get("step_ms_even") or ""), ("odd ms", lambda r: r.get("step_ms_odd") or ""),

@@ -11,7 +11,9 @@ global key count and the unstriped mask and keeps its stripe itself, so every ra
 graph guards on the same things and recompiles at the same calls.
   exchange             exchange_a2a | exchange_ag_rs | exchange_replicated | exchange_fi_a2a
   output layout        permute back to the model's layout
-The value contraction's users then read the merged output; the old nodes die.
+The value contraction's users then read the merged output; the old nodes die. (The next
+pass, rewrites/project_merge.py, may move the value up-projection that follows before the
+exchange.)
 """
 from __future__ import annotations
 

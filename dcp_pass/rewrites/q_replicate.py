@@ -61,6 +61,8 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int) -> list[torch
     else:
         parts = [torch.empty_like(local) for _ in range(c)]
         dist.all_gather(parts, local, group=group)
+    # this rank's own shard is the weight itself: no second copy of it is kept
+    parts[dist.get_rank(group)] = weight.detach()
     _GATHERED[weight] = parts
     return parts
 
