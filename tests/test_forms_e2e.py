@@ -6,7 +6,8 @@ Each rank compiles the unmodified model with backend "dcp" and runs, per form:
   * a chunked prefill (two multi-token calls at positions 0 and 5) and a static 3-token
     verification call after decode steps, fed the same tokens as the eager model;
 and checks fp32 logits (1e-5 relative), greedy tokens, the report (every layer rewritten,
-~1/c of the KV bytes per rank) and that the module's full-size caches were released.
+its value projection moved before the exchange, ~1/c of the KV bytes per rank) and that
+the module's full-size caches were released.
 
 One spawn per group size runs every form back to back (spawning and compiling dominate on
 two cores). The inductor run covers the forms at c = 2; DCP_TEST_FULL=1 runs every form
@@ -76,6 +77,8 @@ def _check(results: dict, world: int):
         assert r["tokens_equal"] and r["call_tokens_equal"], form
         assert r["kv_local"] * world <= r["kv_full"] * 1.15 and r["kv_local"] > 0, (form, r["summary"])
         assert r["released"], form
+        # every form's value up-projection moves before the exchange (project_before_merge="auto")
+        assert "v-projection before merge" in r["summary"] and "after merge" not in r["summary"], (form, r["summary"])
 
 
 def _forms():

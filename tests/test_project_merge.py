@@ -15,8 +15,6 @@ the exchange of partial results.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch import nn
@@ -60,7 +58,7 @@ USES = {
     "weight_first": lambda m, o, x: torch.einsum("hdc,bshc->hbsd", m.w, o),
     "shared_weight": lambda m, o, x: torch.matmul(o, m.w),
 }
-# the weight's shape per use (rows: where the weight is not [heads, v, latent])
+# the weight's shape where it is not [heads, v, latent]
 WEIGHTS = {"shared_weight": (F_, V_)}
 # each use's result as [B, S, H, V] roles per axis ("B*S": one axis of batch x positions)
 LAYOUTS = {

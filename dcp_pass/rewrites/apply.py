@@ -28,12 +28,12 @@ import torch.fx as fx
 from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites import cache as cache_rw
-from dcp_pass.rewrites.axes import B, H, S
 from dcp_pass.rewrites import complex_product
 from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites import project_merge
 from dcp_pass.rewrites import q_replicate
 from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput
+from dcp_pass.rewrites.axes import B, H, S
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla
 
 
@@ -263,7 +263,7 @@ class ProjectBeforeMerge(GraphPass):
         graph = state.graph
         exchange = layer.merged.exchange
         found = project_merge.find_projection(exchange, layer.shape, q_replicate.is_parameter)
-        out_dtype = axes_dtype(found.node)
+        out_dtype = fx_util.node_value(found.node).dtype  # the projection's
         if plan.comm_backend == "fi_a2a" and plan.head_sharded and (found.v_dim * out_dtype.itemsize) % 16:
             raise project_merge.NotProjected(
                 f"FlashInfer's all-to-all moves rows of 16-byte multiples, and {found.v_dim} "
@@ -436,10 +436,6 @@ def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
             f"deferred by dcp_pass.deferred_caches()), but this graph reads them outside an MLA attention "
             f"the pass can rewrite"
         )
-
-
-def axes_dtype(node: fx.Node) -> torch.dtype:
-    return fx_util.node_value(node).dtype
 
 
 def _merged_shape(match: MlaMatch) -> tuple:
