@@ -3,7 +3,9 @@
 Each case compiles one layer of the forms model through `dcp_pass.testing.graph_stages`
 (the public helper a user pins their own model with: a fake group of 2 ranks, rank 0) with
 a prefill and one decode call, and pins the attention region of the decode graph after the
-`attention` pass: from the first striped write to the merged output in the model's layout.
+`attention` pass: from the first striped write to the merged output in the model's layout;
+one more pins, for every form, the value projection moved before the exchange by the
+`project_before_merge` pass.
 Regenerate after an intended change with EXPECTTEST_ACCEPT=1 and read the diff.
 """
 from __future__ import annotations
@@ -39,9 +41,59 @@ class FormsGraphDiffTest(expecttest.TestCase):
     def test_stages_are_every_pass_in_order(self):
         stages = decode_stages("einsum")
         self.assertEqual(list(stages), ["captured", "match", "striped_writes", "query_replication", "attention",
-                                        "verify_buffers", "complex_as_real", "install_shards", "device_positions"])
+                                        "project_before_merge", "verify_buffers", "complex_as_real",
+                                        "install_shards", "device_positions"])
         self.assertIn("torch.functional.einsum('bsht,btc->bshc'", stages["captured"])
         self.assertNotIn("torch.functional.einsum('bsht,btc->bshc'", stages["attention"])
+
+    def test_every_form_projects_before_the_merge(self):
+        # after the project_before_merge pass: the value up-projection of the partial output,
+        # the exchange of v_head_dim columns, and what the model's code reads
+        from dcp_pass.models.mla_forms import FORMS
+
+        regions = []
+        for form in FORMS:
+            lines = [line.strip() for line in decode_stages(form)["project_before_merge"].splitlines()]
+            first = next(i for i, line in enumerate(lines) if line.startswith("partial_proj"))
+            merged = next(i for i, line in enumerate(lines) if line.startswith("merged_proj = "))
+            regions.append(f"{form}:\n" + "\n".join(lines[first:merged + 2]))
+        self.assertExpectedInline("\n".join(regions), """\
+einsum:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_14)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)
+sdpa:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_18)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)
+sdpa_gqa:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_14)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)
+sdpa_causal:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_18)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)
+mqa_matmul:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_13)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)
+fused_unsqueeze:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_13)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)
+window:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_14)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)
+paged:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_16)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_5 = merged_proj.flatten(2)
+flex:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_18)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+flatten_2 = merged_proj.flatten(2)""")
 
     def test_sdpa(self):
         self.assertExpectedInline(attention_region(decode_stages("sdpa")["attention"]), """\

@@ -241,6 +241,8 @@ class ProjectBeforeMerge(GraphPass):
         requested = state.config.project_before_merge
         if requested is False:
             return PassOutcome(0, ["off"])
+        if state.config.plan.c == 1:  # the single-GPU fast path: nothing is exchanged
+            return PassOutcome(0, ["no exchange at dcp_size=1"])
         count, notes = 0, []
         for layer in state.rewritten:
             try:
