@@ -673,7 +673,7 @@ dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 8: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 9: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   KV cache bytes on this rank: 122880 without DCP -> 62720 with DCP (1.96x less)
-  striped, not to be read outside compiled graphs: attn.kv_cache, attn.pe_cache""")
+  striped, not to be read outside compiled graphs: attn.kv_cache, attn.pe_cache, layers.1.attn.kv_cache, layers.1.attn.pe_cache""")
 
     def test_model_fused_cache(self):
         model = self._model(2, fused_cache=True)

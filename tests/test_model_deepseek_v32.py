@@ -243,8 +243,8 @@ def _dcp_rank(rank: int, world: int, inner: str, prompts: list[int]):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, inner", [(2, "aot_eager"), (4, "aot_eager")]
-                         + ([(2, "inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else []))
+@pytest.mark.parametrize("world, inner", [(2, "aot_eager")] + (
+    [(4, "aot_eager"), (2, "inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else []))
 def test_sparse_mla_under_dcp_equals_eager(world, inner):
     """The MLA caches are striped, the indexer (and its key cache) stays replicated, so its
     top-k, ties included, is the model's own; the index mask is striped like the keys. Three

@@ -148,10 +148,12 @@ class StripedCache(torch.Tensor):
 _METADATA_CALLS = {"size", "dim", "stride", "storage_offset", "numel", "element_size", "is_contiguous",
                    "untyped_storage", "data_ptr", "__len__", "__hash__",
                    "is_floating_point", "is_complex", "get_device", "nelement", "__reduce_ex__", "__deepcopy__",
-                   "__setstate__", "requires_grad_", "_is_view", "__dlpack_device__"}
+                   "__setstate__", "requires_grad_", "_is_view", "__dlpack_device__", "is_inference", "is_pinned",
+                   "is_shared", "is_signed", "is_set_to", "_is_zerotensor", "is_conj", "is_neg", "_nnz"}
 _METADATA_PROPERTIES = {"shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "requires_grad",
                         "layout", "names", "grad_fn", "is_leaf", "grad", "is_sparse", "is_quantized", "_base",
-                        "itemsize", "nbytes", "is_nested", "__class__", "__dict__"}
+                        "itemsize", "nbytes", "is_nested", "__class__", "__dict__", "_version", "is_mps", "is_xpu",
+                        "is_mkldnn", "is_vulkan", "is_ipu", "is_xla", "is_mtia", "is_maia", "is_sparse_csr"}
 
 
 def _is_metadata(func) -> bool:

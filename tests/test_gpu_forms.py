@@ -1,0 +1,93 @@
+"""The ways of writing MLA (dcp_pass.models.mla_forms) on a GPU (skipped without one).
+
+* every form at dcp_size=1 with option fast_path, inductor, CUDA graphs on: the
+  attention goes to the pass's kernels (bf16, teacher-forced against eager within bf16
+  noise) and the fp32 model equals eager;
+* flex_attention, which plain inductor compiles on CUDA: the pass's rewrite against plain
+  torch.compile of the same model;
+* two ranks on one GPU over gloo (heads replicated: the exchange is an all-to-all, which
+  gloo carries for CUDA tensors), every form exact in fp32 against eager.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_pass.testing import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+STEPS = 8
+
+
+def _teacher_forced(model, tokens: torch.Tensor, prompt: int):
+    outs = [model(tokens[:, :prompt], 0).float()]
+    for p in range(prompt, tokens.shape[1]):
+        outs.append(model(tokens[:, p:p + 1], p).float())
+    return torch.stack(outs)
+
+
+def _run(form: str, dtype: torch.dtype, options: dict, device="cuda"):
+    from dcp_pass.models.mla_forms import FormArgs, build_forms_model
+
+    torch._dynamo.reset()
+    args = FormArgs(form=form, n_layers=2, dtype=dtype)
+    tokens = torch.randint(0, args.vocab_size, (3, 6 + STEPS), generator=torch.Generator().manual_seed(5)).to(device)
+    want = _teacher_forced(build_forms_model(args, seed=3, device=device), tokens, 6)
+    model = torch.compile(build_forms_model(args, seed=3, device=device), backend="dcp", options=options)
+    got = _teacher_forced(model, tokens, 6)
+    torch._dynamo.reset()
+    return ((got - want).abs().max() / want.abs().max()).item(), bool(torch.equal(got.argmax(-1), want.argmax(-1)))
+
+
+def _forms():
+    from dcp_pass.models.mla_forms import FORMS
+
+    return FORMS
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", _forms())
+def test_gpu_form_fast_path(form):
+    """fp32 (the torch reference inside the op) exact; bf16 through the GPU kernels."""
+    options = {"dcp_size": 1, "tp_size": 1, "fast_path": True, "inner": "aot_eager"}
+    rel32, same32 = _run(form, torch.float32, options)
+    assert rel32 < 1e-5 and same32, (form, rel32)
+    rel16, _ = _run(form, torch.bfloat16, options)
+    assert rel16 < 3e-2, (form, rel16)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", ["sdpa", "paged"])
+def test_gpu_form_fast_path_inductor_cudagraphs(form):
+    rel16, _ = _run(form, torch.bfloat16, {"dcp_size": 1, "tp_size": 1, "fast_path": True, "cudagraphs": True})
+    assert rel16 < 3e-2, (form, rel16)
+
+
+@torch.no_grad()
+def test_gpu_flex_against_plain_inductor():
+    from dcp_pass.models.mla_forms import FormArgs, build_forms_model
+
+    torch._dynamo.reset()
+    args = FormArgs(form="flex", n_layers=2, dtype=torch.float32)
+    tokens = torch.randint(0, args.vocab_size, (3, 6 + STEPS), generator=torch.Generator().manual_seed(5)).cuda()
+    plain = _teacher_forced(torch.compile(build_forms_model(args, seed=3, device="cuda")), tokens, 6)
+    torch._dynamo.reset()
+    model = torch.compile(build_forms_model(args, seed=3, device="cuda"), backend="dcp",
+                          options={"dcp_size": 1, "tp_size": 1, "fast_path": True})
+    ours = _teacher_forced(model, tokens, 6)
+    rel = ((ours - plain).abs().max() / plain.abs().max()).item()
+    assert rel < 1e-4, rel
+
+
+def _two_ranks(rank, world, forms):
+    torch.set_grad_enabled(False)
+    torch.cuda.set_device(0)
+    options = {"dcp_size": world, "tp_size": 1, "inner": "aot_eager"}
+    return {form: _run(form, torch.float32, options) for form in forms}
+
+
+def test_gpu_forms_on_two_ranks_of_one_gpu():
+    for result in run_ranks(_two_ranks, 2, list(_forms()), timeout=900):
+        for form, (rel, same) in result.items():
+            assert rel < 1e-5 and same, (form, rel)
