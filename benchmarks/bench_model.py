@@ -119,7 +119,7 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from examples.deepseek_mla import ModelArgs
+    from dcp_pass.models.deepseek_mla import ModelArgs
 
     rec = dict(c=c, world=world, mode=mode or "default", ctx=ctx, batch=cfg["batch"], positions=cfg["positions"])
     torch._dynamo.reset()
@@ -145,6 +145,9 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
         rec["dcp_options"] = extra
     if replicate is not None and c > 1:
         extra["replicate_q_proj"] = replicate
+    if cfg.get("fast_path") and c == 1:  # the single-GPU fast path: the pass's kernel at DCP=1
+        rec["fast_path"] = True
+        extra["fast_path"] = True
     project = cfg.get("project_before_merge")  # None: the option's default (where exact)
     if project is not None and c > 1:
         rec["project_before_merge"] = project
@@ -205,6 +208,10 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
                projected_rewrites=sum(p.matched_count for g in backend.report.graphs for p in g.passes
                                     if p.name == "project_before_merge"),
                kv_full=backend.report.kv_bytes_full, kv_local=backend.report.kv_bytes_local)
+    ceilings = cfg.get("ceilings")
+    if ceilings:
+        rec.update(step_floor(model, args, ctx + cfg["warmup"] + cfg["steps"] // 2, cfg["batch"], c, ceilings))
+        rec["floor_frac"] = rec["floor_ms"] / med
     if dev.type == "cuda":
         # capacity: what this rank holds besides the cache stays; the rest of 90 % of the
         # GPU can hold cache rows at this variant's bytes per token (analytic, measured memory)
@@ -223,23 +230,56 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def measure_ceilings(dev) -> dict:
+    """Copy bandwidth (bytes read + written) and the bf16 matmul rate, measured on this GPU."""
+    import triton.testing
+
+    src = torch.empty(2 ** 31, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": 2 * 2 ** 31 / (copy_ms * 1e-3), "matmul_flops_per_s": 2 * 8192 ** 3 / (mm_ms * 1e-3)}
+
+
+def step_floor(model, args, ctx: int, batch: int, c: int, ceilings: dict) -> dict:
+    """The decode step's floor on this rank: every weight byte and this rank's KV bytes read
+    once at the copy bandwidth, the attention's flops at the matmul rate (the larger of the
+    attention's two terms: its reads and its products overlap), the weights' reads added."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    local_ctx = -(-ctx // c)
+    d_lat, d_rope = args.kv_lora_rank, args.qk_rope_head_dim
+    heads = args.n_heads  # every rank of the DCP group attends all the group's heads
+    kv_bytes = args.n_layers * batch * local_ctx * (d_lat + d_rope) * 2
+    attn_flops = args.n_layers * 2 * batch * heads * local_ctx * (d_lat + d_rope + d_lat)
+    bw, mm = ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"]
+    floor_s = weight_bytes / bw + max(kv_bytes / bw, attn_flops / mm)
+    return {"floor_ms": floor_s * 1e3, "weight_bytes": weight_bytes, "kv_bytes_step": kv_bytes,
+            "attn_flops_step": attn_flops, **{f"ceiling_{k}": v for k, v in ceilings.items()}}
+
+
 def worker(rank, world, cfg):
     sys.path.insert(0, ROOT)
     dev = torch.device(f"cuda:{rank}") if cfg["device"] == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        cfg = dict(cfg, ceilings=measure_ceilings(dev))
     dtype = getattr(torch, cfg.get("dtype") or ("bfloat16" if cfg["device"] == "cuda" else "float32"))
     torch.set_grad_enabled(False)
     rows = []
     for ctx in cfg["ctx"]:
         for mode in cfg["modes"]:
-            for c, replicate, project, inner_options in [
-                    (c, r, p, io) for c in cfg["dcp"] for io in cfg["inner_options"]
+            for c, replicate, project, inner_options, fast in [
+                    (c, r, p, io, f) for c in cfg["dcp"] for io in cfg["inner_options"]
                     for r in (cfg["replicate"] if c > 1 else [None])
-                    for p in (cfg["project_before_merge"] if c > 1 else [None])]:
+                    for p in (cfg["project_before_merge"] if c > 1 else [None])
+                    for f in (cfg["fast_path"] if c == 1 else [False])]:
                 try:
                     rec = run_variant(rank, world, dict(cfg, replicate_q=replicate, project_before_merge=project,
-                                                        inner_options=inner_options), c,
+                                                        inner_options=inner_options, fast_path=fast), c,
                                       None if mode == "default" else mode, ctx, dev, dtype)
                 except Exception as e:  # noqa: BLE001
                     rec = dict(c=c, world=world, mode=mode, ctx=ctx, batch=cfg["batch"],
@@ -285,6 +325,9 @@ def main():
     ap.add_argument("--replicate-q", default="default",
                     help="comma list for DCP > 1 variants: default (the option's choice), 1 (replicated q "
                          "projection), 0 (one all-gather of the query heads)")
+    ap.add_argument("--fast-path", default="0",
+                    help="comma list of 0/1: DCP=1 variants without / with option fast_path (the pass's attention "
+                         "kernel, device positions and CUDA graphs at dcp_size=1)")
     ap.add_argument("--project-before-merge", default="default",
                     help="comma list for DCP > 1 variants: default (the option's choice: where exact), 1 (the "
                          "value projection before the exchange, v_head_dim columns), 0 (after it, the latent width)")
@@ -315,6 +358,7 @@ def main():
                project_before_merge=[{"default": None, "1": True, "0": False}[x]
                                      for x in a.project_before_merge.split(",")],
                inner_options=[json.loads(x) for x in a.inner_options.split(";")],
+               fast_path=[x == "1" for x in a.fast_path.split(",")],
                dcp_options=json.loads(a.dcp_options),
                partial=(a.out + ".partial.jsonl") if a.out else None)
     if cfg["partial"] and os.path.exists(cfg["partial"]):
@@ -340,9 +384,10 @@ def main():
             row["tokens_per_s"] = row["batch"] * 1e3 / row["step_ms_median"]
         rows.append(row)
     for r in rows:  # every variant against DCP=1 without CUDA graphs at the same context
-        base = next((b for b in rows if b["c"] == 1 and b["ctx"] == r["ctx"] and "tokens" in b), None)
-        same_mode = next((b for b in rows if b["c"] == 1 and b["ctx"] == r["ctx"] and b["mode"] == r["mode"]
-                          and "step_ms_median" in b), None)
+        base = next((b for b in rows if b["c"] == 1 and not b.get("fast_path") and b["ctx"] == r["ctx"]
+                     and "tokens" in b), None)
+        same_mode = next((b for b in rows if b["c"] == 1 and not b.get("fast_path") and b["ctx"] == r["ctx"]
+                          and b["mode"] == r["mode"] and "step_ms_median" in b), None)
         if base is not None and "tokens" in r:
             r["same_tokens_as_dcp1"] = r["tokens"] == base["tokens"]
         if base is not None and "_logits0" in r and "_logits0" in base:
@@ -353,12 +398,13 @@ def main():
             r["step0_decisive_mismatch"] = sum(
                 int(a != b and g > 2 * d) for a, b, g, d in
                 zip(r["tokens"][0], base["tokens"][0], base["top2_gap_step0"], diff.tolist()))
-        if same_mode is not None and "step_ms_median" in r and r["c"] != 1:
+        if same_mode is not None and "step_ms_median" in r and (r["c"] != 1 or r.get("fast_path")):
             r["speedup_vs_dcp1"] = same_mode["step_ms_median"] / r["step_ms_median"]
         # against the best the user could run without DCP: plain torch.compile (DCP=1 leaves
         # every graph unchanged) in its fastest mode, at its faster end_pos parity
         plain = [min(v for v in (b.get("step_ms_even"), b.get("step_ms_odd"), b["step_ms_median"]) if v)
-                 for b in rows if b["c"] == 1 and b["ctx"] == r["ctx"] and "step_ms_median" in b]
+                 for b in rows if b["c"] == 1 and not b.get("fast_path") and b["ctx"] == r["ctx"]
+                 and "step_ms_median" in b]
         if plain and "step_ms_median" in r:
             r["plain_best_ms"] = min(plain)
             r["speedup_vs_plain"] = min(plain) / r["step_ms_median"]
@@ -367,7 +413,9 @@ def main():
     md = fmt_table(rows, [
         ("ctx", "ctx"), ("B", "batch"), ("mode", "mode"), ("dcp", "c"),
         ("replicate q", lambda r: {True: "1", False: "0"}.get(r.get("replicate_q_proj"), "")),
+        ("fast path", lambda r: "1" if r.get("fast_path") else ""),
         ("project before merge", lambda r: {True: "1", False: "0"}.get(r.get("project_before_merge"), "")),
+        ("floor ms", lambda r: r.get("floor_ms", "")), ("of floor", lambda r: r.get("floor_frac", "")),
         ("projected rewrites", lambda r: r.get("projected_rewrites", "")),
         ("inner options", lambda r: json.dumps(r["inner_options"]) if r.get("inner_options") else ""), ("step ms", lambda r: r.get("step_ms_median", "")),
         ("tokens/s", lambda r: r.get("tokens_per_s", "")), ("speedup vs DCP=1", lambda r: r.get("speedup_vs_dcp1", "")),

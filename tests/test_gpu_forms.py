@@ -34,7 +34,9 @@ def _run(form: str, dtype: torch.dtype, options: dict, device="cuda"):
     args = FormArgs(form=form, n_layers=2, dtype=dtype)
     tokens = torch.randint(0, args.vocab_size, (3, 6 + STEPS), generator=torch.Generator().manual_seed(5)).to(device)
     want = _teacher_forced(build_forms_model(args, seed=3, device=device), tokens, 6)
-    model = torch.compile(build_forms_model(args, seed=3, device=device), backend="dcp", options=options)
+    from dcp_pass.backend import DcpBackend
+
+    model = torch.compile(build_forms_model(args, seed=3, device=device), backend=DcpBackend(options))
     got = _teacher_forced(model, tokens, 6)
     torch._dynamo.reset()
     return ((got - want).abs().max() / want.abs().max()).item(), bool(torch.equal(got.argmax(-1), want.argmax(-1)))
@@ -73,8 +75,10 @@ def test_gpu_flex_against_plain_inductor():
     tokens = torch.randint(0, args.vocab_size, (3, 6 + STEPS), generator=torch.Generator().manual_seed(5)).cuda()
     plain = _teacher_forced(torch.compile(build_forms_model(args, seed=3, device="cuda")), tokens, 6)
     torch._dynamo.reset()
-    model = torch.compile(build_forms_model(args, seed=3, device="cuda"), backend="dcp",
-                          options={"dcp_size": 1, "tp_size": 1, "fast_path": True})
+    from dcp_pass.backend import DcpBackend
+
+    model = torch.compile(build_forms_model(args, seed=3, device="cuda"),
+                          backend=DcpBackend({"dcp_size": 1, "tp_size": 1, "fast_path": True}))
     ours = _teacher_forced(model, tokens, 6)
     rel = ((ours - plain).abs().max() / plain.abs().max()).item()
     assert rel < 1e-4, rel
