@@ -43,3 +43,22 @@ def test_dcp1_without_fast_path_changes_nothing():
     assert backend.report.layers_rewritten == 0
     assert all(g.unchanged_reason == "dcp_size=1" for g in backend.report.graphs)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("form", ["mqa_matmul", "paged", "window"])
+@torch.no_grad()
+def test_fast_path_with_device_positions_on_each_cache_layout(form):
+    """The position moves to the device (the CUDA default) on a 4-D cache, a pool, a window."""
+    from dcp_pass.models.mla_forms import FormArgs, build_forms_model
+
+    torch._dynamo.reset()
+    args = FormArgs(form=form, n_layers=1)
+    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    backend = DcpBackend(dcp_size=1, tp_size=1, inner="aot_eager", fast_path=True, static_positions=True)
+    models = (build_forms_model(args, seed=3), torch.compile(build_forms_model(args, seed=3), backend=backend))
+    outs = [[m(tokens[:, :6], 0)] + [m(tokens[:, p:p + 1], p) for p in range(6, 12)] for m in models]
+    for want, got in zip(*outs):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    notes = [n for g in backend.report.graphs for n in g.notes]
+    assert any("moved to the device" in n for n in notes) or form == "window", notes
+    torch._dynamo.reset()

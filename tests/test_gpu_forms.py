@@ -5,15 +5,11 @@
   noise) and the fp32 model equals eager;
 * flex_attention, which plain inductor compiles on CUDA: the pass's rewrite against plain
   torch.compile of the same model;
-* two ranks on one GPU over gloo (heads replicated: the exchange is an all-to-all, which
-  gloo carries for CUDA tensors), every form exact in fp32 against eager.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-
-from dcp_pass.testing import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -21,9 +17,10 @@ STEPS = 8
 
 
 def _teacher_forced(model, tokens: torch.Tensor, prompt: int):
-    outs = [model(tokens[:, :prompt], 0).float()]
+    # copies: a CUDA-graph replay reuses its output memory
+    outs = [model(tokens[:, :prompt], 0).float().clone()]
     for p in range(prompt, tokens.shape[1]):
-        outs.append(model(tokens[:, p:p + 1], p).float())
+        outs.append(model(tokens[:, p:p + 1], p).float().clone())
     return torch.stack(outs)
 
 
@@ -82,16 +79,3 @@ def test_gpu_flex_against_plain_inductor():
     ours = _teacher_forced(model, tokens, 6)
     rel = ((ours - plain).abs().max() / plain.abs().max()).item()
     assert rel < 1e-4, rel
-
-
-def _two_ranks(rank, world, forms):
-    torch.set_grad_enabled(False)
-    torch.cuda.set_device(0)
-    options = {"dcp_size": world, "tp_size": 1, "inner": "aot_eager"}
-    return {form: _run(form, torch.float32, options) for form in forms}
-
-
-def test_gpu_forms_on_two_ranks_of_one_gpu():
-    for result in run_ranks(_two_ranks, 2, list(_forms()), timeout=900):
-        for form, (rel, same) in result.items():
-            assert rel < 1e-5 and same, (form, rel)

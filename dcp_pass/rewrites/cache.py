@@ -644,6 +644,8 @@ def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: Lo
             index = (slice(None),) * head + (0,)
             shard = fx_util.call(graph, operator.getitem, local, index, name="shard_rows")
             value = fx_util.call(graph, operator.getitem, write.value, index, name="written_rows")
+            for node in (shard, value):  # later passes (device positions) read their shapes
+                fx_util.set_example_value(node)
     args = (shard, value, where, entry.c, entry.rank, entry.virtual_capacity, write.feat[0] if write.feat else 0)
     return fx_util.replace_node(graph, write.node, fn, args, name="striped_write")
 

@@ -217,6 +217,17 @@ class _Rewriter:
                 "_assert_scalar", "sym_constrain_range_for_size"):
             # bounds of the position (checked by the writes' own device assertion instead)
             self.graph.erase_node(user)
+        elif target is torch.arange and len(user.args) == 2 and not set(user.kwargs) - {"device", "dtype"}:
+            # arange(start, start + k) -> start_t + arange(k): the positions of the step's tokens
+            first, stop = user.args
+            length = _static_difference(stop, first)
+            if length is None:
+                raise NotStatic(f"{user.format_node()}: the range's length depends on the position")
+            new = self.positions(first, length)
+            if user.kwargs.get("dtype") not in (None, torch.int64):
+                new = self.call(torch.Tensor.to, new, user.kwargs["dtype"])
+            user.replace_all_uses_with(new)
+            self.graph.erase_node(user)
         elif target is operator.getitem:
             raise NotStatic(f"{user.format_node()} indexes a non-tensor with the position")
         else:

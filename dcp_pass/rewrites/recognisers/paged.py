@@ -27,7 +27,7 @@ import torch.fx as fx
 from dcp_pass.rewrites import attention, axes, cache, cache_reads
 from dcp_pass.rewrites.axes import B, F, T
 from dcp_pass.rewrites.cache_reads import CacheAccess, _Axis, _Piece, cache_layout
-from dcp_pass.rewrites.fx_util import call, method, replace_node
+from dcp_pass.rewrites.fx_util import call, method, replace_node, set_example_value
 from dcp_pass.runtime.decode import layout
 
 TPAGE, TIN = "pages", "slots"
@@ -77,6 +77,8 @@ class PagedWrite(CacheAccess):
                 slots = call(graph, operator.add, call(graph, operator.mul, pages, page), offsets, name="pool_slot")
             shard = method(graph, "unsqueeze", local, 0, name="pool_slots")
             rows = method(graph, "unsqueeze", self.value, 0, name="written_slots")
+            for node in (shard, rows):  # later passes (device positions) read their shapes
+                set_example_value(node)
         args = (shard, rows, slots, entry.c, entry.rank, entry.virtual_capacity, 0)
         return replace_node(graph, self.node, layout.write_tokens_at_, args, name="striped_write")
 
