@@ -17,10 +17,12 @@ COMM_BACKENDS = tuple(_backends.COMM_BACKENDS)
 ATTN_BACKENDS = _backends.attention_backend_names()
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 LSE_BASES = ("e", "2")
+# what option 'kv_cache_dtype' takes besides None / "auto" (the model's cache dtype)
+KV_CACHE_DTYPES = ("fp8_e4m3",)
 AUTO = "auto"
 # options whose default (None) is decided at compile time; "auto" is accepted for it
 AUTOMATIC = ("comm_backend", "replicate_q_proj", "lse_base", "static_positions", "complex_as_real",
-             "project_before_merge")
+             "project_before_merge", "kv_cache_dtype")
 
 # Other spellings users reach for; each maps to one canonical key.
 ALIASES = {
@@ -75,6 +77,10 @@ class DcpOptions:
     # v_head_dim columns instead of the latent width. auto: on for every layer where that
     # is exact (rewrites/project_merge.py); True: an error names a layer where it is not
     project_before_merge: Optional[bool] = None
+    # the striped MLA latent cache's storage: None ("auto") keeps the model's cache dtype;
+    # "fp8_e4m3": the latent columns as float8 e4m3 with one fp32 scale per 128 values, the
+    # rotary columns in the model's dtype (runtime/decode/kv_format.py)
+    kv_cache_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in AUTOMATIC:  # "auto" is the default, None
@@ -111,6 +117,7 @@ class DcpOptions:
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
         _check_bool_or_auto("complex_as_real", self.complex_as_real)
         _check_bool_or_auto("project_before_merge", self.project_before_merge)
+        _check_kv_cache_dtype(self)
         if not isinstance(self.inner_options, Mapping):
             raise DcpOptionError("option 'inner_options' must be a dict of inner-compiler options")
         if not (isinstance(self.cudagraphs, bool) or self.cudagraphs == "auto"):
@@ -161,6 +168,22 @@ def _normalize(name: str, value: Any) -> Any:
             raise DcpOptionError(f"option 'lse_base' must be 'e', 2 or 'auto' (the attention kernel's), got {value!r}")
         return spelled[value]
     return value
+
+
+def _check_kv_cache_dtype(opts: "DcpOptions") -> None:
+    """A quantised cache needs the pass to own the cache (a rewritten graph) and a kernel that reads it."""
+    value = opts.kv_cache_dtype
+    if value is None:
+        return
+    if value not in KV_CACHE_DTYPES:
+        raise DcpOptionError(f"option 'kv_cache_dtype' must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} or "
+                             f"{AUTO!r} (the model's cache dtype); got {value!r}")
+    if opts.dcp_size == 1 and not opts.fast_path:
+        raise DcpOptionError(f"option 'kv_cache_dtype'={value!r} needs the pass to stripe the cache: dcp_size=1 "
+                             f"leaves every graph unchanged; pass dcp_size > 1, or fast_path=True for one rank")
+    if opts.attn_backend == "flashinfer":
+        raise DcpOptionError(f"option 'kv_cache_dtype'={value!r}: attn_backend='flashinfer' reads 16-bit caches "
+                             f"only; use attn_backend 'auto', 'triton' or 'torch'")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 
 __all__ = [
+    "KV_SCALE_BLOCK",
     "AttentionCall",
     "CallShape",
     "ShardView",
@@ -146,6 +147,10 @@ class CallShape:
     rows16: bool = True
     per_head: bool = False  # per-head keys and values (GQA / MHA), not an MLA latent cache
     offset_lens: bool = False  # device key counts over caches that start past row 0 (a window)
+    # "fp8_e4m3": the latent cache is float8 with per-128-column fp32 scales (call.kv_scale);
+    # then ``dtype`` is the latent's float8 dtype and ``query_dtype`` that of the queries and rope
+    kv_quant: str = ""
+    query_dtype: Optional[torch.dtype] = None
 
     @property
     def rows(self) -> int:
@@ -181,7 +186,9 @@ class CallShape:
                     mask = "row"
             except RuntimeError:  # not broadcastable: the kernels' own checks report it
                 pass
-        dtypes = {t.dtype for t in (q, view.q_rope, kv, view.pe, view.v) if t is not None}
+        # an fp8 latent is read with its scales into the queries' dtype: the others must agree
+        dtypes = {t.dtype for t in (q, view.q_rope, None if view.kv_scale is not None else kv, view.pe, view.v)
+                  if t is not None}
         aligned = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 8 == 0 for x in t.stride()[:-1])
                       for t in tensors)
         is_cuda = kv.is_cuda
@@ -194,12 +201,14 @@ class CallShape:
             mask=mask, causal=view.causal is not None, paged=view.paged, lens=view.kv_lens is not None,
             gluon_aligned=aligned, rows16=all(x % 16 == 0 for t in tensors for x in t.stride()[:-1]),
             per_head=view.v is not None, offset_lens=view.first_row > 0 and view.kv_lens is not None,
+            kv_quant="fp8_e4m3" if view.kv_scale is not None else "", query_dtype=q.dtype,
         )
 
     def describe(self) -> str:
         """One line for reasons and test ids."""
         layout = "per-head K/V" if self.per_head else "fused" if self.fused else "two caches"
-        return (f"{self.device} sm{self.capability} {str(self.dtype).replace('torch.', '')} B={self.batch} "
+        dtype = str(self.dtype).replace('torch.', '') + (f" ({self.kv_quant} latent)" if self.kv_quant else "")
+        return (f"{self.device} sm{self.capability} {dtype} B={self.batch} "
                 f"S={self.tokens} H={self.heads} T={self.keys} {self.d_main}+{self.d_tail} v={self.v_dim} "
                 f"{layout} {self.kind}{' paged' if self.paged else ''}")
 
@@ -247,10 +256,13 @@ class AttentionCall:
     lse_base: str = "e"
     page_table: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
+    kv_scale: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         check_base(self.lse_base)
+        if self.kv_scale is not None:
+            check_fp8_operands(self)
         from dcp_pass.runtime.decode.layout import _check_rank
 
         if len(self.stripe) != 2:
@@ -298,6 +310,26 @@ class AttentionCall:
         return _replace(self, _cache={}, **changes)
 
 
+KV_SCALE_BLOCK = 128  # latent columns per scale of an fp8 cache (kv_format.SCALE_BLOCK)
+
+
+def check_fp8_operands(call: "AttentionCall") -> None:
+    """An fp8 latent cache's operands: fp8 rows, fp32 scales of matching rows, 16-bit rope."""
+    kv, ks = call.kv, call.kv_scale
+    if call.v is not None:
+        raise ValueError("kv_scale (an fp8 latent cache) is for MLA calls, not per-head keys and values")
+    if kv.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kv_scale given, so kv must be a float8_e4m3fn latent cache; got {kv.dtype}")
+    if ks.dtype != torch.float32:
+        raise ValueError(f"kv_scale must be float32, got {ks.dtype}")
+    want = tuple(kv.shape[:-1]) + (-(-kv.shape[-1] // KV_SCALE_BLOCK),)
+    if tuple(ks.shape) != want:
+        raise ValueError(f"kv_scale must be {list(want)} (one scale per {KV_SCALE_BLOCK} columns of each kv row), "
+                         f"got {list(ks.shape)}")
+    if ks.device != kv.device:
+        raise ValueError("kv_scale must be on kv's device")
+
+
 def _local_length(n, c: int, r: int):
     """Positions of rank r of c below global position n (layout.local_length, without its checks)."""
     return (n + (c - 1 - r)) // c
@@ -331,6 +363,7 @@ class ShardView:
     lse_base: str
     page_table: Optional[torch.Tensor]
     page_size: int
+    kv_scale: Optional[torch.Tensor] = None  # the fp8 latent's scales, rows as kv's
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -348,7 +381,7 @@ class ShardView:
     def of(cls, call: AttentionCall) -> "ShardView":
         c, r = call.stripe
         first = _local_length(call.kv_start, c, r)
-        kv, pe, v, mask, lens = call.kv, call.pe, call.v, call.mask, call.kv_lens
+        kv, pe, v, mask, lens, ks = call.kv, call.pe, call.v, call.mask, call.kv_lens, call.kv_scale
         page_size = kv.shape[1] if call.paged else 1
         if not call.paged:
             if kv.dim() < 3:
@@ -367,6 +400,7 @@ class ShardView:
                 kv = kv[:, rows]
                 pe = pe[:, rows] if pe is not None else None
                 v = v[:, rows] if v is not None else None
+                ks = ks[:, rows] if ks is not None else None
         if mask is not None and mask.shape[-1] != 1:
             if isinstance(call.kv_lens, int) and mask.shape[-1] != call.kv_lens - call.kv_start:
                 raise ValueError(f"the mask's last dim is {mask.shape[-1]}; it must cover the visible global key "
@@ -376,4 +410,4 @@ class ShardView:
             mask = mask[..., (r - call.kv_start) % c::c] if c > 1 else mask
         causal = None if call.q_pos is None else Causal(call.q_pos, c, r + first * c)
         return cls(call.q_lat, call.q_rope, kv, pe, v, call.v_dim, call.scale, mask, lens, causal, (c, r), first,
-                   call.lse_base, call.page_table, page_size)
+                   call.lse_base, call.page_table, page_size, ks)

@@ -26,8 +26,8 @@ LIB = "dcp"
 _LIBRARY = torch.library.Library(LIB, "FRAGMENT")
 _LIBRARY.define(
     "mla_local_attention(Tensor q_lat, Tensor? q_rope, Tensor kv, Tensor? pe, SymInt kv_len, int c, int rank, "
-    "int v_dim, float scale, Tensor? mask, str lse_base, str backend, Tensor? kv_lens=None, SymInt kv_start=0) "
-    "-> (Tensor, Tensor)"
+    "int v_dim, float scale, Tensor? mask, str lse_base, str backend, Tensor? kv_lens=None, SymInt kv_start=0, "
+    "str kv_format='') -> (Tensor, Tensor)"
 )
 _LIBRARY.define(
     "local_attention(Tensor q, Tensor k, Tensor v, SymInt kv_len, int c, int rank, float scale, Tensor? mask, "
@@ -50,6 +50,7 @@ def mla_local_attention(
     backend: str,
     kv_lens: Optional[torch.Tensor] = None,
     kv_start: int = 0,
+    kv_format: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of all query heads over this rank's KV shard only.
 
@@ -74,6 +75,11 @@ def mla_local_attention(
     rank attends its owned positions p (p % c == rank) with kv_start <= p < kv_len, and
     `mask` then covers the window's positions [kv_start, kv_len) (last dim kv_len - kv_start,
     or 1 to broadcast). Device counts take no window (kv_start must be 0).
+
+    `kv_format` (runtime/decode/kv_format.py; "" for a cache in the model's dtype): `kv` holds
+    packed fp8 rows of that layout, read as the fp8 latent, its scales and (if the layout
+    has them) the rotary columns, which then stand for `pe`; a query that carries both parts
+    (q_rope None) is split at the latent width.
     """
     if kv_lens is not None and kv_start != 0:
         raise ValueError(f"dcp.mla_local_attention: kv_start={kv_start} with device key counts (kv_lens); a "
@@ -84,24 +90,42 @@ def mla_local_attention(
         inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
         # the kernel switches are part of the key: a recording is only replayed under the
         # routing it was made with
-        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(),
+        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(), kv_format,
                                tensors=inputs)
         return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
-                                                                lse_base, backend))
+                                                                lse_base, backend, 0, kv_format))
     return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                            kv_start)[0]
+                            kv_start, kv_format)[0]
+
+
+def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
+    """(q_lat, q_rope, fp8 latent, pe, scales) of a call on packed fp8 cache rows."""
+    from dcp_pass.runtime.decode.kv_format import Fp8Layout, views
+
+    layout = Fp8Layout.parse(kv_format)
+    latent, scales, rope = views(kv, layout)
+    if rope is not None:
+        if pe is not None:
+            raise ValueError(f"kv_format {kv_format!r} holds the rotary columns in the packed rows; pe must be None")
+        pe = rope
+        if q_rope is None:
+            q_lat, q_rope = q_lat[..., :layout.latent], q_lat[..., layout.latent:]
+    return q_lat, q_rope, latent, pe, scales
 
 
 def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                     kv_start=0):
+                     kv_start=0, kv_format=""):
     """((partial output, lse), whether the kernel that ran may be replayed)."""
     from dcp_pass.runtime.decode.backends import attend_with_kernel
     from dcp_pass.runtime.decode.call import AttentionCall
 
+    kv_scale = None
+    if kv_format:
+        q_lat, q_rope, kv, pe, kv_scale = unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format)
     # the graph's global count and mask as they are: the call takes the rank's rows and
     # columns, and with device counts the kernels take its share (no torch op per call)
     call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask=mask, kv_lens=kv_len if kv_lens is None else kv_lens,
-                         kv_start=kv_start, stripe=(c, rank), lse_base=lse_base)
+                         kv_start=kv_start, stripe=(c, rank), lse_base=lse_base, kv_scale=kv_scale)
     # "auto": the Triton kernels on CUDA for 16-bit caches, the torch reference for fp32
     # caches (a checking mode) and off CUDA; a named backend that cannot run here (refused
     # at compile) falls back to the reference, as it always did
@@ -113,7 +137,8 @@ _LIBRARY.impl("mla_local_attention", mla_local_attention, "CompositeExplicitAuto
 
 
 @torch.library.register_fake(f"{LIB}::mla_local_attention")
-def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend, kv_lens=None, kv_start=0):
+def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend, kv_lens=None, kv_start=0,
+      kv_format=""):
     B, S, H, _ = q_lat.shape
     out = q_lat.new_empty((B, S, H, v_dim))
     lse = q_lat.new_empty((B, S, H), dtype=torch.float64 if q_lat.dtype == torch.float64 else torch.float32)

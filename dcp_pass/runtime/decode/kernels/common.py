@@ -10,6 +10,7 @@ merge), neither from the other.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from typing import Optional, Tuple
@@ -48,6 +49,7 @@ __all__ = [
     "check_launchable",
     "lse_scale",
     "only_reference",
+    "fp8_reason",
     "triton_reason",
     "lens_operand",
     "launch",
@@ -209,13 +211,30 @@ def only_reference(shape) -> Optional[str]:
     return None
 
 
-def triton_reason(shape) -> Optional[str]:
+FP8_KERNELS = "the split-KV Triton kernel and the torch reference"
+
+
+def fp8_reason(shape) -> Optional[str]:
+    """Why a kernel that reads 16-bit caches only cannot take this call (None: not an fp8 call)."""
+    if shape.kv_quant:
+        return f"it reads 16-bit caches, not an {shape.kv_quant} latent ({FP8_KERNELS} do)"
+    return None
+
+
+def triton_reason(shape, fp8: bool = False) -> Optional[str]:
     """Why the Triton kernels (split and wide) cannot take a call of this
-    :class:`~dcp_pass.runtime.decode.call.CallShape` (None: they can)."""
+    :class:`~dcp_pass.runtime.decode.call.CallShape` (None: they can); ``fp8``: the kernel
+    reads fp8 latent caches (an fp8 call is then judged by its queries' dtype)."""
     if not HAS_TRITON:
         return "triton is not importable"
     if shape.per_head or shape.offset_lens:
         return only_reference(shape)
+    if shape.kv_quant:
+        if not fp8:
+            return fp8_reason(shape)
+        if shape.dtype != torch.float8_e4m3fn:
+            return f"an {shape.kv_quant} latent cache must be float8_e4m3fn, not {shape.dtype}"
+        shape = dataclasses.replace(shape, dtype=shape.query_dtype, kv_quant="")
     if shape.dtype not in TRITON_DTYPES:
         return f"the Triton kernels take float16, bfloat16 or float32 caches, not {shape.dtype}"
     if not shape.same_dtypes:

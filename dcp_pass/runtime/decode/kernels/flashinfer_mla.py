@@ -115,6 +115,10 @@ def supports(shape) -> Optional[str]:
         return "cannot run: flashinfer is not installed"
     if shape.device != "cuda":
         return f"cannot run: it needs CUDA tensors, the model is on {shape.device}"
+    if shape.kv_quant:
+        from .common import fp8_reason
+
+        return f"cannot run: {fp8_reason(shape)}"
     if shape.dtype not in SUPPORTED_DTYPES:
         return f"cannot run: FlashInfer's MLA kernels take float16/bfloat16 caches, not {shape.dtype}"
     if shape.capability is not None and shape.capability < 8:

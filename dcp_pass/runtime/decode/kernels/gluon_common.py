@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .common import lens_operand, only_reference, outputs
+from .common import fp8_reason, lens_operand, only_reference, outputs
 
 try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
     import triton
@@ -158,6 +158,8 @@ def gluon_reason(shape) -> Optional[str]:
         return "this Triton has no Gluon"
     if shape.per_head or shape.offset_lens:
         return only_reference(shape)
+    if shape.kv_quant:
+        return fp8_reason(shape)
     if shape.paged:
         return "it reads contiguous caches, not page pools"
     if shape.device != "cuda" or shape.capability != 9:

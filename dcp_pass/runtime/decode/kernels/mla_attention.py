@@ -70,12 +70,13 @@ __all__ = [
 # Triton kernels
 # --------------------------------------------------------------------------------------
 def _stage1_kernel_src(
-    Q, QT, KV, KT, PT, LENS, MASK, QPOS, O, L,
+    Q, QT, KV, KT, PT, LENS, MASK, QPOS, O, L, KS,
     T, H, SH, cp_world, cp_rank, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
     sq_b, sq_s, sq_h, sq_d,
     sqt_b, sqt_s, sqt_h, sqt_d,
     skv_b, skv_t, skv_d,
     skt_b, skt_t, skt_d,
+    sks_b, sks_t, sks_d,
     spt_b, spt_p,
     sm_b, sm_s, sm_h, sm_t,
     sqp_b, sqp_s,
@@ -87,6 +88,7 @@ def _stage1_kernel_src(
     NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     PAGED: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
+    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
 ):
     """One (row block, value chunk, split, batch row): online softmax over the split's keys.
 
@@ -144,6 +146,7 @@ def _stage1_kernel_src(
 
     kv_row = KV + b * skv_b
     kt_row = KT + b * skt_b
+    ks_row = KS + b * sks_b
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
@@ -152,12 +155,18 @@ def _stage1_kernel_src(
             in_page = (offs_n % PAGE).to(tl.int64)
             k_off = page * skv_b + in_page * skv_t
             kv_base = KV
+            if KV_FP8:
+                ks_off = page * sks_b + in_page * sks_t
+                ks_base = KS
             if HAS_TAIL:
                 kt_off = page * skt_b + in_page * skt_t
                 kt_base = KT
         else:
             k_off = offs_n.to(tl.int64) * skv_t
             kv_base = kv_row
+            if KV_FP8:
+                ks_off = offs_n.to(tl.int64) * sks_t
+                ks_base = ks_row
             if HAS_TAIL:
                 kt_off = offs_n.to(tl.int64) * skt_t
                 kt_base = kt_row
@@ -166,6 +175,10 @@ def _stage1_kernel_src(
             mask=n_ok[:, None] & dm_ok[None, :],
             other=0.0,
         )
+        if KV_FP8:  # the latent tile in the queries' dtype: fp8 * its block's fp32 scale
+            k_scale = tl.load(ks_base + ks_off[:, None] + (offs_dm[None, :] // SCALE_BLOCK) * sks_d,
+                              mask=n_ok[:, None] & dm_ok[None, :], other=0.0)
+            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -176,6 +189,10 @@ def _stage1_kernel_src(
                 mask=n_ok[:, None] & do_ok[None, :],
                 other=0.0,
             )
+            if KV_FP8:
+                ko_scale = tl.load(ks_base + ks_off[:, None] + (offs_do[None, :] // SCALE_BLOCK) * sks_d,
+                                   mask=n_ok[:, None] & do_ok[None, :], other=0.0)
+                ko = (ko.to(tl.float32) * ko_scale).to(Q.dtype.element_ty)
             if IEEE:
                 qk = tl.dot(qo, tl.trans(ko), qk, input_precision="ieee")
             else:
@@ -331,8 +348,8 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
     """Why the split kernel cannot run a call of this shape (None: it can): any dense or
-    paged call of the Triton layouts (common.triton_reason)."""
-    return triton_reason(shape)
+    paged call of the Triton layouts (common.triton_reason), fp8 latent caches too."""
+    return triton_reason(shape, fp8=True)
 
 
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
@@ -374,7 +391,7 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    check_launchable(device, kv_lens, "the split kernel", kv.dtype)
+    check_launchable(device, kv_lens, "the split kernel", q_lat.dtype if a.kv_scale is not None else kv.dtype)
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     has_tail = parts.q_tail is not None
@@ -387,15 +404,18 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     q_pos, qps, cp_world, cp_rank = causal_operand(causal, B, S, dummy)
 
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
-    is_f32 = kv.dtype == torch.float32
+    fp8 = a.kv_scale is not None
+    # an fp8 latent is dequantised into the queries' dtype: the dots run in that dtype
+    is_f32 = (q_lat.dtype if fp8 else kv.dtype) == torch.float32
+    ks, kss = (a.kv_scale, a.kv_scale.stride()) if fp8 else (dummy, (0, 0, 0))
 
     v_split = cfg.v_split if (pow2(d_main) == d_main and d_main >= 32) else 1
     grid = (triton.cdiv(SH, cfg.block_h) * v_split, ns, B)
     launch(_stage1_jit, grid, (
         parts.q_main, qt, parts.k_main, kt, pt, lens, mask_b if mask_b is not None else dummy, q_pos,
-        o_part, l_part,
+        o_part, l_part, ks,
         T, H, SH, cp_world, cp_rank, float(scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-        *parts.q_main.stride(), *qts, *parts.k_main.stride(), *kts, *pts, *ms, *qps, *ops, *lps,
+        *parts.q_main.stride(), *qts, *parts.k_main.stride(), *kts, *kss, *pts, *ms, *qps, *ops, *lps,
     ), dict(
         D_MAIN=d_main, D_TAIL=d_tail, D_V=v_dim,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
@@ -403,6 +423,7 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
         NUM_SPLITS=ns, PAGE=page_size if paged else 1,
         PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
+        KV_FP8=fp8,
     ), cfg.num_warps, cfg.num_stages)
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)

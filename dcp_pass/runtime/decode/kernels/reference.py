@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape, ShardView, check_base
+from dcp_pass.runtime.decode.kv_format import dequantize
 
 LOG2E = 1.4426950408889634
 
@@ -78,10 +79,14 @@ def _softmax(scores: torch.Tensor, visible: torch.Tensor):
 
 
 def _mla(view: ShardView, acc: torch.dtype):
-    kv, pe = view.kv, view.pe
+    kv, pe, ks = view.kv, view.pe, view.kv_scale
     if view.paged:
         kv = gather_pages(kv, view.page_table)
         pe = gather_pages(pe, view.page_table) if pe is not None else None
+        ks = gather_pages(ks, view.page_table) if ks is not None else None
+    if ks is not None:  # an fp8 latent: its rows as values, in the accumulation dtype
+        kv = dequantize(kv, ks, acc)
+    if view.paged or ks is not None:
         view = ShardView(view.q_lat, view.q_rope, kv, pe, None, view.v_dim, view.scale, view.mask, view.kv_lens,
                          view.causal, view.lens_stripe, view.first_row, view.lse_base, None, 1)
     parts = view.parts()
@@ -128,10 +133,11 @@ def attention_impl(call: AttentionCall, acc: torch.dtype) -> Tuple[torch.Tensor,
 
 def reference_f64(call: AttentionCall) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse_e) of `call` computed in float64 from float64 copies of its operands: what tests
-    compare kernels with."""
+    compare kernels with. An fp8 latent is dequantised in float64 (exactly)."""
     d = lambda t: None if t is None or not t.is_floating_point() else t.double()  # noqa: E731
-    return attention_impl(call.replace(q_lat=d(call.q_lat), q_rope=d(call.q_rope), kv=d(call.kv), pe=d(call.pe),
-                                   mask=d(call.mask), v=d(call.v)), torch.float64)
+    kv = call.kv if call.kv_scale is None else dequantize(call.kv, call.kv_scale, torch.float64)
+    return attention_impl(call.replace(q_lat=d(call.q_lat), q_rope=d(call.q_rope), kv=d(kv), pe=d(call.pe),
+                                       mask=d(call.mask), v=d(call.v), kv_scale=None), torch.float64)
 
 
 def attention_reference(call: AttentionCall, out: Optional[torch.Tensor] = None,
