@@ -253,7 +253,7 @@ def pass_config(opts: DcpOptions, plan: AttentionPlan, example_inputs: Sequence[
     static_positions = (opts.static_positions if opts.static_positions is not None
                         else _device_of(example_inputs).type == "cuda")
     return PassConfig(plan, opts.replicate_q_proj, opts.strict, complex_as_real, static_positions,
-                      opts.project_before_merge)
+                      opts.project_before_merge, opts.kv_cache_dtype)
 
 
 def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str:
@@ -311,13 +311,14 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
     compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode)
     layers = list(layers) if layers is not None else [None] * len(caches)
-    specs = [(index, entry.c, entry.rank, entry.name, entry.kind, layer) for (index, entry), layer in zip(caches, layers)]
+    specs = [(index, entry.c, entry.rank, entry.name, entry.kind, entry.kv_format, layer)
+             for (index, entry), layer in zip(caches, layers)]
 
     def run(*args):
         shards = []
-        for index, c, rank, name, kind, layer in specs:
+        for index, c, rank, name, kind, kv_format, layer in specs:
             buffer = args[index]
-            entry = local_for(buffer, c, rank, name, kind)
+            entry = local_for(buffer, c, rank, name, kind, kv_format)
             if id(buffer) not in report.caches:  # a layer first seen at run time (one graph, several layers)
                 report.add_cache(id(buffer), name, entry.full_nbytes, entry.local_nbytes, layer)
             shards.append(entry.local)

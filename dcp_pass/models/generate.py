@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["greedy_generate", "speculative_greedy_generate"]
+__all__ = ["greedy_generate", "speculative_greedy_generate", "teacher_forced"]
 
 
 def _unwrap(model) -> nn.Module:
@@ -166,3 +166,19 @@ def speculative_greedy_generate(
     if stats is not None:
         stats.update(counts)
     return results
+
+
+@torch.no_grad()
+def teacher_forced(model: nn.Module, prompts: list[list[int]], generated: list[list[int]]) -> list[torch.Tensor]:
+    """`greedy_generate`'s calls, fed `generated` (e.g. another model's greedy tokens) instead
+    of this model's own predictions: the logits of every call ([B, vocab] float32), so that
+    two models are compared on the same tokens at every step."""
+    lens = [len(p) for p in prompts]
+    rows = [p + g for p, g in zip(prompts, generated)]
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=_device(model))
+    logits, prev = [], 0
+    for cur in range(min(lens), max(lens) + len(generated[0])):
+        logits.append(model(tokens[:, prev:cur], prev).float().clone())
+        prev = cur
+    return logits

@@ -49,6 +49,7 @@ class PassConfig:
     complex_as_real: bool  # resolved from the option's "auto" by the backend
     static_positions: bool = False  # resolved from the option's "auto" by the backend
     project_before_merge: Optional[bool] = None  # None: where exact; True: required; False: off
+    kv_cache_dtype: Optional[str] = None  # None: the model's; "fp8_e4m3": packed fp8 latent shards
 
 
 @dataclass
@@ -169,20 +170,28 @@ class StripedWrites(GraphPass):
                 state.stop(why)
                 state.report.unchanged_reason = why
                 return PassOutcome(0, [why])
+        formats = _fp8_formats(state) if state.config.kv_cache_dtype else {}
         for index, buf in enumerate(sorted(state.buffers, key=lambda n: n.name)):
             kind = kinds[buf].kind if buf in kinds else "flat"
-            entry = cache_rw.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf), kind)
+            entry = cache_rw.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf), kind,
+                                       formats.get(buf, ""))
             state.entries[buf] = entry
             state.local_nodes[buf] = cache_rw.local_cache_placeholder(state.graph, index, entry.local)
+            # the attention rewrite reads the shard's row format from its input
+            state.local_nodes[buf].meta["dcp_kv_format"] = entry.kv_format
         count = 0
         for buf, writes in state.found.writes.items():
             if buf in state.local_nodes:
                 for write in writes:
                     feeding = list(write.node.all_input_nodes)
-                    write.rewrite_write(state.graph, state.local_nodes[buf], state.entries[buf])
+                    try:
+                        write.rewrite_write(state.graph, state.local_nodes[buf], state.entries[buf])
+                    except cache_rw.Fp8Refused as why:
+                        raise DcpRewriteError(f"{_FP8_REFUSED}: {why}") from why
                     fx_util.erase_dead_region(state.graph, feeding)  # e.g. the pool's flat view
                     count += 1
-        return PassOutcome(count)
+        notes = [f"{buffer_name(b)}: {f}" for b, f in sorted(formats.items(), key=lambda bf: bf[0].name)]
+        return PassOutcome(count, notes)
 
 
 class QueryReplication(GraphPass):
@@ -220,6 +229,8 @@ class AttentionRewrite(GraphPass):
             kind = "decode" if _is_decode(match) else "multi-token"
             window = ", sliding window" if match.value_cache.windowed else ""
             window += ", paged pool" if match.value_cache.kind == "paged" else ""
+            kv_format = state.local_nodes[match.value_cache.buffer].meta.get("dcp_kv_format", "")
+            window += f", kv cache {kv_format}" if kv_format else ""
             layer = LayerReport(
                 match.layer, True,
                 f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "
@@ -338,7 +349,7 @@ class InstallShards(GraphPass):
         for buf, entry in state.entries.items():
             # the same cache of the other layers a shared graph will be called with
             for other, name in cache_rw.sibling_buffers(state.values[buf.name]):
-                cache_rw.local_for(other, plan.c, plan.rank, name, entry.kind)
+                cache_rw.local_for(other, plan.c, plan.rank, name, entry.kind, entry.kv_format)
                 siblings += 1
         placeholders = fx_util.placeholders(state.graph)
         state.caches = [(placeholders.index(buf), state.entries[buf]) for buf in state.local_nodes]
@@ -404,6 +415,25 @@ def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassCon
 
 
 # ----------------------------------------------------------------------------- helpers
+
+_FP8_REFUSED = "kv_cache_dtype='fp8_e4m3' cannot store this graph's cache as fp8"
+
+
+def _fp8_formats(state: PassState) -> dict:
+    """Buffer node -> the packed fp8 layout spec of every latent cache of the graph's matches
+    (the same for every layer reading it); DcpRewriteError naming the layer where one cannot be."""
+    formats: dict = {}
+    for match in state.found.matches:
+        try:
+            spec = cache_rw.fp8_layout_of(match, state.values).spec()
+        except cache_rw.Fp8Refused as why:
+            raise DcpRewriteError(f"{_FP8_REFUSED}: layer {match.layer}: {why}; pass kv_cache_dtype=None to "
+                                  f"keep the model's cache dtype") from why
+        buf = match.value_cache.buffer
+        if formats.setdefault(buf, spec) != spec:
+            raise DcpRewriteError(f"{_FP8_REFUSED}: layers read {buffer_name(buf)} as {formats[buf]} and {spec}")
+    return formats
+
 
 
 def _striped_already(match: MlaMatch, miss: NearMiss):

@@ -18,7 +18,7 @@ exchange.)
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -209,9 +209,17 @@ def rewrite_attention(
     check_mask_heads(match, plan)
     check_backend_mask(match, plan)
     value_node = match.output
+    kv_local = local_nodes[latent.cache.buffer]
+    kv_format = kv_local.meta.get("dcp_kv_format", "")
     with graph.inserting_before(match.anchor):
-        kv = local_slice(graph, local_nodes[latent.cache.buffer], latent.cache, "kv_local", plan.c)
-        pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local", plan.c) if rope else None
+        if kv_format:  # packed fp8 rows, read whole (the op takes latent, scales and packed rope apart)
+            kv = local_slice(graph, kv_local, replace(latent.cache, feat=None), "kv_local", plan.c)
+            rope_packed = rope is not None and rope.cache.buffer is latent.cache.buffer
+            pe = None if rope is None or rope_packed else local_slice(
+                graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local", plan.c)
+        else:
+            kv = local_slice(graph, kv_local, latent.cache, "kv_local", plan.c)
+            pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local", plan.c) if rope else None
         if query_override is not None:
             q_lat, q_rope = query_override
         else:
@@ -222,6 +230,8 @@ def rewrite_attention(
                 q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, d_lat)
         mask = score_mask(graph, match, q_lat)
         window = {"kv_start": match.value_cache.start} if match.value_cache.windowed else {}
+        if kv_format:
+            window["kv_format"] = kv_format
         attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
                      kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
                      backend=plan.attn_backend, name="local_attention", **window)

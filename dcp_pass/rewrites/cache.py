@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dcp_pass.report import log
 from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites.cache_reads import CacheAccess, cache_layout
+from dcp_pass.runtime.decode import kv_format as fp8
 from dcp_pass.runtime.decode import layout
 
 
@@ -49,6 +50,9 @@ class LocalCache:
     full_nbytes: int
     name: str
     kind: str = "flat"  # "flat": rows by position; "paged": a pool's slots (rewrites/recognisers/paged.py)
+    # "" (the buffer's dtype) or a packed fp8 layout's spec (runtime/decode/kv_format.py): then
+    # `local` is uint8 [..., row_bytes], one packed row per owned position
+    kv_format: str = ""
 
     @property
     def local_nbytes(self) -> int:
@@ -86,10 +90,19 @@ def is_released(buffer: torch.Tensor) -> bool:
 SHARD_MAKERS: dict[str, Any] = {}
 
 
-def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat") -> LocalCache:
-    """This rank's shard of `buffer`: the one installed earlier, or a new copy (nothing released yet)."""
+def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",
+              kv_format: str = "") -> LocalCache:
+    """This rank's shard of `buffer`: the one installed earlier, or a new copy (nothing released yet).
+
+    `kv_format` (a packed fp8 layout's spec): the shard is allocated as packed fp8 rows
+    directly (a deferred buffer never has any other storage) and rows already written are
+    quantised into it.
+    """
     entry = lookup_local_cache(buffer)
     if entry is None and kind != "flat":
+        if kv_format:
+            raise DcpCacheError(f"cache {name}: kv_cache_dtype fp8 takes caches with rows by position, not a "
+                                f"{kind} pool; pass kv_cache_dtype=None")
         return SHARD_MAKERS[kind](buffer, c, rank, name)
     if entry is not None:
         if (entry.c, entry.rank) != (c, rank):
@@ -97,7 +110,15 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "f
                 f"cache {name} is already striped with dcp_size={entry.c}, rank {entry.rank}; "
                 f"it cannot be recompiled with dcp_size={c}, rank {rank}"
             )
+        if entry.kv_format != kv_format and kv_format:
+            raise DcpCacheError(
+                f"cache {name} is already striped as {entry.kv_format or str(entry.local.dtype)} rows (an earlier "
+                f"compile or dcp_pass.materialize); it cannot be read as {kv_format}: let the first compile with "
+                f"kv_cache_dtype='fp8_e4m3' stripe it"
+            )
         return entry
+    if kv_format:
+        return _fp8_shard_for(buffer, c, rank, name, fp8.Fp8Layout.parse(kv_format))
     axis = 1 if buffer.dim() == 3 or buffer.shape[1] != 1 else 2  # the position axis (cache_reads.cache_layout)
     tokens = buffer.shape[axis]
     # One spare row: a windowed write (symbolic start) may touch row (start + n) // c,
@@ -205,7 +226,8 @@ def owns_storage(buffer: torch.Tensor) -> bool:
     return buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() * buffer.element_size()
 
 
-def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat") -> LocalCache:
+def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",
+              kv_format: str = "") -> LocalCache:
     """The shard to pass for `buffer` on this call; installs one on first sight.
 
     One compiled graph serves every layer whose module shares the code (Dynamo passes
@@ -213,9 +235,90 @@ def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "f
     """
     entry = lookup_local_cache(buffer)
     if entry is None:
-        entry = shard_for(buffer, c, rank, name, kind)
+        entry = shard_for(buffer, c, rank, name, kind, kv_format)
         install(buffer, entry)
     return entry
+
+
+def _fp8_shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, layout: "fp8.Fp8Layout") -> LocalCache:
+    """A packed fp8 shard (uint8 [..., capacity + 1, row_bytes]) of a cache with rows by position."""
+    if buffer.shape[-1] != layout.columns:
+        raise DcpCacheError(f"cache {name} has {buffer.shape[-1]} columns; its fp8 layout {layout.spec()} stores "
+                            f"{layout.columns}")
+    axis = 1 if buffer.dim() == 3 or buffer.shape[1] != 1 else 2
+    tokens = buffer.shape[axis]
+    shape = list(buffer.shape)
+    shape[axis] = _local_rows(tokens, c)
+    shape[-1] = layout.row_bytes
+    local = torch.zeros(shape, dtype=torch.uint8, device=buffer.device)
+    if buffer not in _DEFERRED:  # rows written before the compile are quantised into the shard
+        owned = buffer.detach()[(slice(None),) * axis + (slice(rank, None, c),)]
+        local.narrow(axis, 0, owned.shape[axis]).copy_(fp8.pack(owned, layout))
+    full_nbytes = buffer.numel() * buffer.element_size()
+    return LocalCache(local, tokens, c, rank, full_nbytes, name, kv_format=layout.spec())
+
+
+def _local_rows(tokens: int, c: int) -> int:
+    """Rows of a shard: the rank's capacity and one spare row (see shard_for)."""
+    return layout.local_capacity(tokens, c) + 1
+
+
+def fp8_layout_of(match, values: dict) -> "fp8.Fp8Layout":
+    """The packed fp8 layout of the cache buffer holding `match`'s values (latent), or
+    :class:`Fp8Refused` saying why its cache cannot be stored as fp8.
+
+    The latent is the value columns [0, L); rotary columns are packed into the row when
+    the rotary keys are read from the same buffer at [L, width) (a fused cache), and the
+    buffer must hold nothing else.
+    """
+    from dcp_pass.rewrites.attention import ordered_terms
+
+    read = match.value_cache
+    if read.kind != "flat":
+        raise Fp8Refused(f"its cache is a {read.kind} pool; kv_cache_dtype fp8 takes caches with rows by position")
+    buffer = values[read.buffer.name]
+    width = buffer.shape[-1]
+    if (read.feat or (0,))[0] != 0:
+        raise Fp8Refused(f"its values start at column {read.feat[0]} of the cache, not 0")
+    latent, rope = ordered_terms(match)
+    if latent.cache.buffer is not read.buffer:
+        raise Fp8Refused("its latent keys and values come from different caches")
+    fused_term = rope is None and latent.cache.width == width and match.v_dim < width
+    L = match.v_dim if fused_term else latent.cache.width
+    if rope is not None and rope.cache.buffer is read.buffer:
+        if (rope.cache.feat or (0, width)) != (L, width):
+            raise Fp8Refused(f"its rotary keys are columns {rope.cache.feat} of the latent cache, not [{L}, {width})")
+    elif not fused_term and L != width:
+        raise Fp8Refused(f"its latent cache has {width} columns and the attention reads {L} of them")
+    if match.v_dim > L or L % 4:
+        raise Fp8Refused(f"{L} latent columns ({match.v_dim} values): fp8 needs values within the latent and a "
+                         f"multiple of 4 latent columns")
+    return fp8.Fp8Layout(L, width - L, buffer.dtype)
+
+
+class Fp8Refused(Exception):
+    """Why a layer's cache cannot be stored as fp8 (the message says so)."""
+
+
+def fp8_write_value(graph: fx.Graph, write: CacheAccess, value: fx.Node, feat_start: int, entry: LocalCache):
+    """(packed bytes of `value`, their byte offset in the row) for a write of columns
+    [feat_start, feat_start + width) into an fp8 shard; Fp8Refused for columns that are not
+    the whole latent (quantisation blocks need every column of a row), the rope, or both."""
+    spec = fp8.Fp8Layout.parse(entry.kv_format)
+    width = fx_util.node_value(value).shape[-1]
+    cols = (feat_start, feat_start + width)
+    if cols in ((0, spec.latent), (0, spec.columns)):
+        packed = fx_util.call(graph, fp8.pack_columns, value, spec.latent, spec.rope, spec.rope_dtype,
+                              name="fp8_rows")
+        offset = 0
+    elif spec.rope and cols == (spec.latent, spec.columns):
+        packed = fx_util.call(graph, fp8.rope_bytes_of, value, spec.rope_dtype, name="rope_bytes")
+        offset = spec.rope_offset
+    else:
+        raise Fp8Refused(f"a write of columns [{cols[0]}, {cols[1]}) of {entry.name}: an fp8 cache is written "
+                         f"whole latent rows (columns [0, {spec.latent})) or its rotary columns")
+    fx_util.set_example_value(packed)
+    return packed, offset
 
 
 # --------------------------------------------------------------------------- no memory behind
@@ -646,7 +749,11 @@ def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: Lo
             value = fx_util.call(graph, operator.getitem, write.value, index, name="written_rows")
             for node in (shard, value):  # later passes (device positions) read their shapes
                 fx_util.set_example_value(node)
-    args = (shard, value, where, entry.c, entry.rank, entry.virtual_capacity, write.feat[0] if write.feat else 0)
+    feat_start = write.feat[0] if write.feat else 0
+    if entry.kv_format:  # quantised in the graph: the write stores packed bytes
+        with graph.inserting_before(write.node):
+            value, feat_start = fp8_write_value(graph, write, value, feat_start, entry)
+    args = (shard, value, where, entry.c, entry.rank, entry.virtual_capacity, feat_start)
     return fx_util.replace_node(graph, write.node, fn, args, name="striped_write")
 
 

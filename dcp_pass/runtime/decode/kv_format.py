@@ -33,8 +33,8 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["FP8_E4M3", "FP8_MAX", "SCALE_BLOCK", "Fp8Layout", "dequantize", "pack", "quantize", "rope_bytes",
-           "scale_columns", "views"]
+__all__ = ["FP8_E4M3", "FP8_MAX", "SCALE_BLOCK", "Fp8Layout", "dequantize", "layout_of", "pack", "pack_columns",
+           "quantize", "rope_bytes", "rope_bytes_of", "scale_columns", "views"]
 
 FP8_E4M3 = "fp8_e4m3"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -133,7 +133,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 def rope_bytes(rope: torch.Tensor, layout: Fp8Layout) -> torch.Tensor:
     """The rotary columns of a packed row, as bytes."""
-    return rope.to(layout.rope_dtype).contiguous().view(torch.uint8)
+    return rope_bytes_of(rope, layout.rope_dtype)
 
 
 def pack(values: torch.Tensor, layout: Fp8Layout) -> torch.Tensor:
@@ -151,6 +151,16 @@ def pack(values: torch.Tensor, layout: Fp8Layout) -> torch.Tensor:
     if end % 4:  # the row's padding (odd rope widths of a 16-bit dtype)
         pieces.append(values.new_zeros(values.shape[:-1] + (4 - end % 4,), dtype=torch.uint8))
     return torch.cat(pieces, dim=-1)
+
+
+def pack_columns(values: torch.Tensor, latent: int, rope: int, rope_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`pack` with the layout as plain numbers (what a graph node carries)."""
+    return pack(values, Fp8Layout(latent, rope, rope_dtype))
+
+
+def rope_bytes_of(rope: torch.Tensor, rope_dtype: torch.dtype) -> torch.Tensor:
+    """The rotary columns of packed rows as bytes (a graph node's form of :func:`rope_bytes`)."""
+    return rope.to(rope_dtype).contiguous().view(torch.uint8)
 
 
 def views(packed: torch.Tensor, layout: Fp8Layout) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
