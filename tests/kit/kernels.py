@@ -89,3 +89,18 @@ def merge(outs, lses):
     from dcp_pass.runtime.decode.merge import merge_partials
 
     return merge_partials(outs, lses, "e", torch.float64, True)
+
+
+def fp8_call(B, S, H, Dl, Dr, T, dtype, device="cpu", gen=None, spread=4.0, **call_kwargs) -> AttentionCall:
+    """An MLA call over an fp8 latent cache (its per-block scales in ``kv_scale``), quantised from
+    random values whose rows span `spread` decades of magnitude (so blocks get different scales)."""
+    from dcp_pass.runtime.decode.kv_format import quantize
+
+    g = gen
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)  # noqa: E731
+    magnitude = 10 ** (spread * (torch.rand(B, T, 1, generator=g) - 0.5))
+    kv8, scales = quantize(rnd(B, T, Dl) * magnitude)
+    q_lat, q_rope, pe = rnd(B, S, H, Dl), rnd(B, S, H, Dr), rnd(B, T, Dr)
+    to = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    call_kwargs.setdefault("scale", 0.5 / (Dl + Dr) ** 0.5)
+    return AttentionCall(to(q_lat), to(q_rope), kv8.to(device), to(pe), Dl, kv_scale=scales.to(device), **call_kwargs)
