@@ -186,6 +186,10 @@ def extend_attention_gather(
 
 def _extend_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, group: Group, write: bool = True, *,
                    attn_backend: Optional[str] = None):
+    if call.kv_scale is not None:
+        raise ValueError("extend_attention_gather: the gather path restores a 16-bit prefix; an fp8 latent cache "
+                         "(call.kv_scale) extends through extend_attention_dcp, which writes the new tokens "
+                         "quantised and attends over the fp8 shards")
     c, rank = call.stripe
     B, S = new_kv.shape[:2]
     lens = _lens(prefix_lens, B)
@@ -232,7 +236,14 @@ def _extend_dcp(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, exchange
     c, rank = call.stripe
     B, S = new_kv.shape[:2]
     lens = _lens(prefix_lens, B)
-    write_new_tokens_(call.kv, new_kv, lens, c, rank)
+    if call.kv_scale is not None:  # an fp8 latent: the new tokens quantised, values and scales striped alike
+        from dcp_pass.runtime.decode.kv_format import quantize
+
+        new_q, new_scale = quantize(new_kv)
+        write_new_tokens_(call.kv, new_q, lens, c, rank)
+        write_new_tokens_(call.kv_scale, new_scale, lens, c, rank)
+    else:
+        write_new_tokens_(call.kv, new_kv, lens, c, rank)
     if call.pe is not None:
         write_new_tokens_(call.pe, new_pe, lens, c, rank)
     device = call.q_lat.device

@@ -155,6 +155,10 @@ class HostKVTier:
             )
         if device_pool.dtype != self.dtype:
             raise HostTierError(f"device pool dtype {device_pool.dtype} != host tier dtype {self.dtype}")
+        if device_pool.element_size() == 1 and device_pool.dtype.is_floating_point:
+            raise HostTierError(f"device pool of {device_pool.dtype}: an fp8 striped cache moves as its packed uint8 "
+                                f"rows (latent, scales and rope together; runtime/decode/kv_format.py), not as the "
+                                f"fp8 latent alone")
         if unit == "page":
             dev = widened_page_indices(device_indices, self.page_size, self.c)
             host = widened_page_indices(host_indices, self.page_size, self.c)

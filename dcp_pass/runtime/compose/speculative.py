@@ -100,8 +100,17 @@ def rank_local_page_table(
     return table
 
 
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]``; float8 rows through their bytes (indexing is not implemented for float8 on every device)."""
+    if x.element_size() == 1 and x.dtype.is_floating_point:
+        return x.view(torch.uint8)[idx].view(x.dtype)
+    return x[idx]
+
+
 def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Zero the rows at or past each sequence's local length of a [B, T, D] view."""
+    if x.element_size() == 1 and x.dtype.is_floating_point:  # float8: zero bytes are +0.0
+        return _zero_tail(x.view(torch.uint8), lens).view(x.dtype)
     keep = torch.arange(x.shape[1], device=x.device).view(1, -1, 1) < lens.view(-1, 1, 1)
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
@@ -191,18 +200,20 @@ def _verify(call: AttentionCall, k_tokens: int, zero_tail: bool = True, exchange
     if page_table is not None and not zero_tail:
         o, lse = attend(call, attn_backend)
     else:
-        kv, pe = call.kv, call.pe
+        kv, pe, ks = call.kv, call.pe, call.kv_scale
         if page_table is not None:
             # gather the rank-local view once, then the same dense path
             idx = page_table.long().to(kv.device)
-            kv = call.kv[idx].flatten(1, 2)
+            kv = _rows(call.kv, idx).flatten(1, 2)
             pe = call.pe[idx].flatten(1, 2) if call.pe is not None else None
+            ks = call.kv_scale[idx].flatten(1, 2) if ks is not None else None
             assert kv.shape[1] == idx.shape[1] * call.kv.shape[1]
         if zero_tail:
             local_lens = local_length(kv_len, c, rank)
             kv = _zero_tail(kv, local_lens)
             pe = _zero_tail(pe, local_lens) if pe is not None else None
-        o, lse = attend(call.replace(kv=kv, pe=pe, page_table=None), attn_backend)
+            ks = _zero_tail(ks, local_lens) if ks is not None else None
+        o, lse = attend(call.replace(kv=kv, pe=pe, kv_scale=ks, page_table=None), attn_backend)
     from dcp_pass.runtime.decode import comm
 
     return comm.exchange_partials(o, lse, exchange, group, c, call.lse_base, out_dtype)

@@ -221,6 +221,12 @@ def _check_pair(prefill: PageLayout, decode: PageLayout, pool_kind: str) -> str:
             f"physical page size mismatch: prefill page_size={prefill.page_size} != decode "
             f"page_size={decode.page_size}"
         )
+    if prefill.kv_dtype != decode.kv_dtype and torch.uint8 in (prefill.kv_dtype, decode.kv_dtype):
+        raise TransferPlanError(
+            f"KV dtype mismatch: prefill kv_dtype={prefill.kv_dtype} != decode kv_dtype={decode.kv_dtype}; "
+            f"an fp8 striped cache (kv_cache_dtype='fp8_e4m3') stores packed uint8 rows: quantise the prefill "
+            f"rows with dcp_pass.runtime.decode.kv_format.pack before the transfer, so both sides move the same rows"
+        )
     if prefill.kv_dtype != decode.kv_dtype:
         raise TransferPlanError(
             f"KV dtype mismatch: prefill kv_dtype={prefill.kv_dtype} != decode kv_dtype={decode.kv_dtype}"
