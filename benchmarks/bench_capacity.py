@@ -16,6 +16,8 @@ construction through the last decode step.
     python benchmarks/bench_capacity.py --what headline --out benchmarks/results/capacity_h200x2.json
     # CPU rehearsal (gloo, tiny model, the cap emulated from the bytes a rank holds)
     python benchmarks/bench_capacity.py --dry-cpu --out /tmp/capacity_dry.json
+    # the fp8 stripe (kv_cache_dtype="fp8_e4m3"), DCP=1 on each GPU (through fast_path)
+    python benchmarks/bench_capacity.py --what search --dcp 1 --kv-cache-dtype fp8_e4m3 --out capacity_fp8.json
 
 Results merge into --out (one call per step fits the device tool's 10-minute limit):
 `probes` (every run: ok / oom and the phase it failed in, peak bytes), `max_ctx`,
@@ -99,12 +101,16 @@ def probe(rank, world, cfg):
     rec = dict(c=c, ctx=ctx, batch=cfg["batch"], cap_bytes=cfg["cap_bytes"], rank=rank)
 
     model, error = None, None
+    fp8 = cfg.get("kv_cache_dtype") is not None
     try:  # construction: weights and this rank's caches (full for DCP=1, its stripe for DCP>1)
         if cuda and cfg.get("check_allocs"):
             torch.cuda.memory._record_memory_history(max_entries=100000)
-        with dcp_pass.deferred_caches(min_bytes=cfg["defer_min_bytes"]) if c > 1 else contextlib.nullcontext():
+        # an fp8 cache is never allocated in the model's dtype: deferred, its first compile gives it
+        # the fp8 stripe (DCP=1 too, through fast_path)
+        deferred = c > 1 or fp8
+        with dcp_pass.deferred_caches(min_bytes=cfg["defer_min_bytes"]) if deferred else contextlib.nullcontext():
             model = random_model(args, rank, dev, seed=1)
-        if c > 1:
+        if c > 1 and not fp8:
             dcp_pass.materialize(model, dcp_size=c, rank=topology_from_world(c, world, 1).dcp_rank)
         if not cuda and _held_bytes(model) > cfg["cap_bytes"]:
             raise torch.OutOfMemoryError(f"CPU dry run: {_held_bytes(model)} bytes held > emulated cap {cfg['cap_bytes']}")
@@ -120,12 +126,16 @@ def probe(rank, world, cfg):
 
     phase = "compile + first step"
     try:  # past here collectives run: an OOM raises, and run_ranks ends the peer
-        backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"], cudagraphs=False)  # no graph pools
+        backend = DcpBackend(dcp_size=c, tp_size=world, inner=cfg["inner"], cudagraphs=False,  # no graph pools
+                             kv_cache_dtype=cfg.get("kv_cache_dtype"), fast_path=fp8 and c == 1)
         compiled = torch.compile(model, backend=backend)
         tok = torch.randint(0, args.vocab_size, (cfg["batch"], 1), generator=torch.Generator().manual_seed(5)).to(dev)
         t0 = time.time()
         tok = compiled(tok, torch.tensor(0, device=dev)).argmax(-1, keepdim=True)
         rec["first_call_s"] = time.time() - t0
+        rec["kv_bytes_rank"] = _cache_bytes(model)  # a deferred cache's stripe exists from the first call
+        if not cuda and _held_bytes(model) > cfg["cap_bytes"]:
+            raise torch.OutOfMemoryError(f"CPU dry run: {_held_bytes(model)} bytes held > emulated cap {cfg['cap_bytes']}")
         if cuda and cfg.get("check_allocs"):  # every allocation from construction through the first step
             big = max(_full_cache_sizes(model))
             trace = torch.cuda.memory._snapshot()["device_traces"][dev.index]
@@ -219,6 +229,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=None, help="headline context (default: from the search results)")
     ap.add_argument("--check-allocs", action="store_true", help="record CUDA allocations: count full-cache-size ones")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["fp8_e4m3"],
+                    help="the striped cache's storage (option kv_cache_dtype); DCP=1 runs it through fast_path")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--dry-cpu", action="store_true", help="CPU rehearsal: gloo, tiny model, emulated cap")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "capacity_h200x2.json"))
@@ -226,7 +238,7 @@ def main():
 
     cfg = dict(world=a.world, batch=a.batch, steps=a.steps, model=a.model, inner=a.inner, timeout=a.timeout,
                cap_bytes=int(a.cap_gib * 2 ** 30), resolution=a.resolution, search_start=a.search_start,
-               check_allocs=a.check_allocs, device="cuda", defer_min_bytes=1 << 20)
+               check_allocs=a.check_allocs, device="cuda", defer_min_bytes=1 << 20, kv_cache_dtype=a.kv_cache_dtype)
     if a.dry_cpu:  # ~300 KB of weights per rank, 640 B of cache per position at DCP=1: the cap binds near 450
         cfg.update(device="cpu", model="tiny", batch=2, steps=min(a.steps, 5), cap_bytes=600 * 1024, search_start=64,
                    defer_min_bytes=0)  # its caches are smaller than deferred_caches' default threshold

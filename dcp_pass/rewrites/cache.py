@@ -663,9 +663,9 @@ def _tracing_backend() -> tuple[Optional[str], Any]:
     while fn is not None and not any(fn is s for s in seen):
         seen.append(fn)
         if isinstance(fn, DcpBackend):
-            return "dcp", fn.options.dcp_size
+            return "dcp", _striping_size(fn.options)
         if fn is dcp_backend:
-            return "dcp", DcpOptions.from_mapping(options).dcp_size
+            return "dcp", _striping_size(DcpOptions.from_mapping(options))
         name = getattr(fn, "compiler_name", name)
         kwargs = getattr(fn, "kwargs", None)
         if isinstance(kwargs, dict) and kwargs.get("options") is not None:
@@ -674,6 +674,13 @@ def _tracing_backend() -> tuple[Optional[str], Any]:
     if isinstance(name, str) and name != "dcp" and name in fx_util.registered_backends():
         return "other", name
     return None, None
+
+
+def _striping_size(options) -> int:
+    """The DCP size the compile stripes caches with; 0 when dcp_size=1 still rewrites (fast_path):
+    then the pass owns the caches (their first shard is the only storage they get, in the
+    kv_cache_dtype asked for), as for dcp_size > 1."""
+    return 0 if options.dcp_size == 1 and options.fast_path else options.dcp_size
 
 
 @torch.compiler.assume_constant_result

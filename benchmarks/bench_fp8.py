@@ -1,0 +1,172 @@
+"""The fp8 latent cache (kv_cache_dtype="fp8_e4m3") beside the bf16 cache in the shard-local decode kernel.
+
+DeepSeek-V3 shapes (512 latent + 64 rope columns, scale 192**-0.5, one query token, device
+key counts as in a decode step), on one GPU, timed as bench_kernel.py times them: CUDA-graph
+replay of one call per rotated input set, the median of triton's do_bench. Per shape:
+
+* ``bf16 split``: a fused bf16 cache [B, T, 576] (1152 B per token) on the split-KV kernel;
+* ``bf16 auto``: the same operands on the kernel the chooser picks (Gluon / two-GEMM / split);
+* ``fp8_e4m3 split``: packed fp8 rows [B, T, 656] (latent e4m3, 4 fp32 scales, bf16 rope),
+  read through their views (runtime/decode/kv_format.py) by the split-KV kernel, the only
+  Triton kernel that takes fp8 so far.
+
+Each row: H, B, T, dtype, kernel, ms, the floor max(bytes / copy bandwidth, flops / matmul
+rate) with both ceilings measured in the run, mm_frac and bw_frac (the share of each
+ceiling the kernel reaches), rel_err against the fp32 reference of the cache it reads (the
+dequantised values for fp8) and, for fp8, rel_err_vs_bf16 against the fp32 reference of the
+unquantised values (the quantisation's own error).
+
+    python benchmarks/bench_fp8.py --out $OUT/fp8_kernel_h200.json
+    TRITON_INTERPRET=1 python benchmarks/bench_fp8.py --shapes 16x2x256 --out /tmp/fp8_dry.json  # CPU dry run
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table, matmul_rate, write_json  # noqa: E402,E501
+
+from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
+from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
+from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E402
+from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack, views  # noqa: E402
+
+D = KV_LORA + ROPE
+L2_BYTES = 60 << 20
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16  # the interpreter's bf16 tl.dot is wrong
+LAYOUT = Fp8Layout(KV_LORA, ROPE, DTYPE)
+SHAPES = "16x8x32768,16x8x131072,16x32x32768,16x32x131072,128x8x32768,128x8x131072,128x32x32768,128x32x131072"
+
+
+def counts(B, H, T, row_bytes):
+    kv_bytes = B * T * row_bytes
+    io_bytes = B * H * (D + KV_LORA) * 2 + B * H * 4
+    flops = 2 * B * H * T * (D + KV_LORA)
+    return kv_bytes + io_bytes, flops
+
+
+def bf16_call(q, kv, lens):
+    return AttentionCall(q, None, kv, None, KV_LORA, SCALE, kv_lens=lens)
+
+
+def fp8_call(q, rows, lens):
+    """The op's unpacking of packed rows (ops.unpack_fp8_operands), spelled out."""
+    latent, scales, rope = views(rows, LAYOUT)
+    return AttentionCall(q[..., :KV_LORA], q[..., KV_LORA:], latent, rope, KV_LORA, SCALE, kv_lens=lens,
+                         kv_scale=scales)
+
+
+def make_sets(B, H, T, fp8: bool):
+    """Random inputs; several copies when one set would sit in L2 (rotated per call)."""
+    one = B * T * (LAYOUT.row_bytes if fp8 else 2 * D)
+    n = max(1, min(16, math.ceil(4 * L2_BYTES / max(one, 1)))) if one < 2 * L2_BYTES else 1
+    lens = torch.full((B,), T, dtype=torch.long, device=DEV)
+    sets = []
+    for _ in range(n):
+        q = torch.randn(B, 1, H, D, dtype=DTYPE, device=DEV)
+        kv = torch.randn(B, T, D, dtype=DTYPE, device=DEV)
+        sets.append((q, pack(kv, LAYOUT) if fp8 else kv, lens))
+        del kv
+    return sets
+
+
+def graph_replay(calls):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    return g.replay
+
+
+def time_calls(make_call, kernel, sets):
+    calls = [(lambda s=s: attend(make_call(*s), kernel)) for s in sets]
+    if DEV != "cuda":
+        return bench(calls[0])
+    return bench(graph_replay(calls)) / len(calls)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def one_shape(H, B, T, ceil):
+    rows = []
+    for fp8 in (False, True):
+        sets = make_sets(B, H, T, fp8)
+        make_call = fp8_call if fp8 else bf16_call
+        call0 = make_call(*sets[0])
+        ro, _ = attention_impl(call0.replace(q_lat=call0.q_lat[:1], q_rope=None if call0.q_rope is None
+                                             else call0.q_rope[:1], kv=call0.kv[:1],
+                                             pe=None if call0.pe is None else call0.pe[:1],
+                                             kv_scale=None if call0.kv_scale is None else call0.kv_scale[:1],
+                                             kv_lens=call0.kv_lens[:1]), torch.float32)
+        for kernel in (("split",) if fp8 else ("split", "auto")):
+            name = choose_kernel(call0, kernel).name
+            rec = dict(H=H, B=B, T=T, dtype="fp8_e4m3" if fp8 else "bf16", kernel=f"{kernel} ({name})")
+            try:
+                ms = time_calls(make_call, kernel, sets)
+                nbytes, flops = counts(B, H, T, LAYOUT.row_bytes if fp8 else 2 * D)
+                out, _ = attend(call0, kernel)
+                rec.update(ms=ms, floor_ms=floor_ms(nbytes, flops, ceil), kv_bytes=B * T * (LAYOUT.row_bytes if fp8
+                                                                                            else 2 * D),
+                           mm_frac=flops / ceil["mm_rate"] * 1e3 / ms, bw_frac=nbytes / ceil["copy_bw"] * 1e3 / ms,
+                           rel_err=rel_err(out[:1], ro))
+            except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
+                rec["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(rec)
+        if fp8:  # the quantisation's own error: against the unquantised values of the same draw
+            torch.manual_seed(H * 1000 + B)
+            q = torch.randn(1, 1, H, D, dtype=DTYPE, device=DEV)
+            kv = torch.randn(1, T, D, dtype=DTYPE, device=DEV)
+            lens = torch.full((1,), T, dtype=torch.long, device=DEV)
+            out, _ = attend(fp8_call(q, pack(kv, LAYOUT), lens), "split")
+            rows[-1]["rel_err_vs_bf16"] = rel_err(out, attention_impl(bf16_call(q, kv, lens), torch.float32)[0])
+        del sets, call0
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+COLUMNS = [("H", "H"), ("B", "B"), ("T", "T"), ("cache", "dtype"), ("kernel", "kernel"), ("ms", "ms"),
+           ("floor ms", "floor_ms"), ("mm frac", "mm_frac"), ("bw frac", "bw_frac"), ("rel err", "rel_err"),
+           ("rel err vs bf16 values", "rel_err_vs_bf16")]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=SHAPES, help="HxBxT,...")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "fp8_kernel_h200.json"))
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    results = dict(env=env_info(), layout=LAYOUT.spec(), row_bytes=LAYOUT.row_bytes)
+    ceil = dict(copy_bw=copy_bandwidth(device=DEV), mm_rate=matmul_rate(device=DEV))
+    results["ceilings"] = ceil
+    rows = []
+    for sh in a.shapes.split(","):
+        H, B, T = (int(x) for x in sh.split("x"))
+        for rec in one_shape(H, B, T, ceil):
+            rows.append(rec)
+            print("row", rec, flush=True)
+        results["rows"] = rows
+        write_json(a.out, results)
+    results["table_md"] = fmt_table(rows, COLUMNS)
+    write_json(a.out, results)
+    print(results["table_md"], flush=True)
+
+
+if __name__ == "__main__":
+    main()
