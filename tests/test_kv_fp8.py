@@ -149,3 +149,77 @@ def test_example_model_c2_fp8_cache(fused):
         # (docs/kernels.md, fp8 accuracy table); the bounds leave room for other random data
         assert fp8["mean"] <= 6 * bf16["mean"] and fp8["max"] <= 0.5, (fp8, bf16)
         assert fp8["agree"] >= 0.9, (fp8, bf16)
+
+
+# ----------------------------------------------------------------------------- the attention forms
+
+FORMS_CI = ("sdpa", "mqa_matmul", "window", "paged")
+
+
+@pytest.mark.parametrize("form", [f if f in FORMS_CI else pytest.param(
+    f, marks=pytest.mark.skipif(not FULL, reason="DCP_TEST_FULL=1")) for f in
+    ("einsum", "sdpa", "sdpa_gqa", "sdpa_causal", "mqa_matmul", "fused_unsqueeze", "window", "paged", "flex")])
+@torch.no_grad()
+def test_forms_fast_path_fp8(form):
+    """Every spelling of the attention (dcp_pass/models/mla_forms.py) at dcp_size=1 through
+    fast_path with the fp8 cache: within e4m3's error of the fp32 model; a paged pool is
+    refused with the reason (the pool recogniser's shards are not quantised)."""
+    from dcp_pass.backend import DcpBackend
+    from dcp_pass.models.mla_forms import FormArgs, build_forms_model
+    from dcp_pass.rewrites.apply import DcpRewriteError
+
+    torch._dynamo.reset()
+    args = FormArgs(form=form, n_layers=1)
+    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    backend = DcpBackend(dcp_size=1, tp_size=1, inner="aot_eager", fast_path=True, kv_cache_dtype="fp8_e4m3")
+    models = (build_forms_model(args, seed=3), torch.compile(build_forms_model(args, seed=3), backend=backend))
+    if form == "paged":
+        with pytest.raises(Exception, match="cannot store this graph's cache as fp8: .*paged pool") as raised:
+            models[1](tokens[:, :6], 0)  # Dynamo wraps the backend's error
+        chain = [raised.value, raised.value.__cause__, getattr(raised.value, "inner_exception", None)]
+        assert any(isinstance(e, DcpRewriteError) for e in chain), [type(e) for e in chain]
+        torch._dynamo.reset()
+        return
+    outs = [[m(tokens[:, :6], 0)] + [m(tokens[:, p:p + 1], p) for p in range(6, 12)] for m in models]
+    for want, got in zip(*outs):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
+    assert all("fp8_e4m3" in layer.detail for g in backend.report.graphs for layer in g.layers), backend.report.summary()
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["two_caches", "fused"])
+@torch.no_grad()
+def test_gpu_example_model_fast_path_fp8(fused):
+    """One GPU, dcp_size=1 through fast_path, inductor with CUDA graphs and device positions (the
+    defaults on CUDA): the bf16 model with the fp8 cache against the fp32 model, beside the same
+    compile with the bf16 cache; the fp8 stripe is the caches' only storage."""
+    from dcp_pass.backend import DcpBackend
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.generate import greedy_generate, teacher_forced
+    from dcp_pass.rewrites import cache
+
+    shape = dict(kv_lora_rank=512, qk_rope_head_dim=64, max_seq_len=64, n_layers=2, n_dense_layers=2, tp_size=1,
+                 fused_cache=fused)
+    spread = max(map(len, PROMPTS)) - min(map(len, PROMPTS))
+    ref = build_model(ModelArgs(dtype=torch.float32, **shape), seed=1, device="cuda")
+    tokens, ref_logits = greedy_generate(ref, PROMPTS, STEPS + spread)
+    ref_logits = torch.stack(ref_logits[:STEPS + spread])
+    errs = {}
+    for kv_dtype in (None, "fp8_e4m3"):
+        torch._dynamo.reset()
+        with dcp_pass.deferred_caches(min_bytes=0):
+            model = build_model(ModelArgs(dtype=torch.bfloat16, **shape), seed=1, device="cuda")
+        backend = DcpBackend(dcp_size=1, tp_size=1, fast_path=True, kv_cache_dtype=kv_dtype)
+        logits = torch.stack(teacher_forced(torch.compile(model, backend=backend), PROMPTS, tokens, STEPS))
+        errs[kv_dtype] = (logits - ref_logits).abs().mean().item()
+        held = sum(cache.held_nbytes(b) for n, b in model.named_buffers() if n.endswith("_cache"))
+        assert held == 0 or kv_dtype is None, held
+    assert errs["fp8_e4m3"] <= 6 * errs[None] + 1e-3, errs
+    torch._dynamo.reset()
