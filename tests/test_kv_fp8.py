@@ -12,13 +12,21 @@ logits stay close to the fp32 model's (within 6x the bf16 cache's mean error, wh
 from __future__ import annotations
 
 import os
+import sys
 
+import expecttest
 import pytest
 import torch
 
 import dcp_pass
 from dcp_pass.runtime.decode.kv_format import FP8_MAX, Fp8Layout, dequantize, pack, quantize, views
 from dcp_pass.testing import run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from kit.graphs import TinyMLA, tiny_inputs  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the format
@@ -223,3 +231,35 @@ def test_gpu_example_model_fast_path_fp8(fused):
         assert held == 0 or kv_dtype is None, held
     assert errs["fp8_e4m3"] <= 6 * errs[None] + 1e-3, errs
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- graph pins
+
+class Fp8GraphTest(expecttest.TestCase):
+    """What the pass emits for an fp8 cache (TinyMLA, c = 2 on a fake group): the written token
+    packed in the graph, the packed shard read whole, the op told the layout."""
+
+    def _attention(self, fused: bool) -> str:
+        from dcp_pass.testing import graph_stages
+
+        (stages,) = graph_stages(TinyMLA(fused=fused), [tiny_inputs(1, 5)], {"dcp_size": 2, "kv_cache_dtype": "fp8_e4m3"})
+        lines = [line.strip() for line in stages["attention"].splitlines()]
+        return "\n".join(lines[1:lines.index(next(line for line in lines if line.startswith("partial_out")))])
+
+    def test_fused_cache(self):
+        self.assertExpectedInline(self._attention(True), """\
+cat = torch.cat([latent, k_pe], dim = -1)
+fp8_rows = dcp_pass_runtime_decode_kv_format_pack_columns(cat, 8, 4, torch.float32)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, fp8_rows, 5, 2, 0, 16, 0)
+cat_1 = torch.cat([q_lat, q_pe], dim = -1)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(cat_1, None, kv_local, None, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto', kv_format = 'fp8_e4m3:8+4:float32')""")
+
+    def test_two_caches(self):
+        self.assertExpectedInline(self._attention(False), """\
+fp8_rows = dcp_pass_runtime_decode_kv_format_pack_columns(latent, 8, 0, torch.float32)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, fp8_rows, 5, 2, 0, 16, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe, 5, 2, 0, 16, 0)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_pe, kv_local, pe_local, kv_len = 6, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto', kv_format = 'fp8_e4m3:8+0:float32')""")
