@@ -57,6 +57,7 @@ from .common import (LOG2E, AttentionCall, ShardView, causal_operand, check_base
                      cuda_properties, keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2,
                      shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
+from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
 
 __all__ = [
     "mla_attention_reference",
@@ -69,6 +70,21 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------
+def _fp8_tile_src(k, KS, ks_off, sks_d, col0, n_ok, N_SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
+                  WIDTH: tl.constexpr, SCALE_W: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """An fp8 tile [BLOCK_N, WIDTH] (columns col0, col0 + 1, ...) times its scales, in fp32.
+
+    The scales are loaded once per (row, block of SCALE_BLOCK columns), [BLOCK_N, WIDTH /
+    SCALE_W], and broadcast over their columns by a reshape (SCALE_W = min(SCALE_BLOCK, WIDTH);
+    a tile narrower than a block lies inside one): one load per block rather than per value."""
+    N_W: tl.constexpr = WIDTH // SCALE_W
+    block = (col0 + tl.arange(0, N_W) * SCALE_W) // SCALE_BLOCK
+    scale = tl.load(KS + ks_off[:, None] + block[None, :] * sks_d, mask=n_ok[:, None] & (block[None, :] < N_SCALES),
+                    other=0.0)
+    x = tl.reshape(k.to(tl.float32), (BLOCK_N, N_W, SCALE_W)) * scale[:, :, None]
+    return tl.reshape(x, (BLOCK_N, WIDTH))
+
+
 def _stage1_kernel_src(
     Q, QT, KV, KT, PT, LENS, MASK, QPOS, O, L, KS,
     T, H, SH, cp_world, cp_rank, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
@@ -88,7 +104,8 @@ def _stage1_kernel_src(
     NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     PAGED: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
-    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
+    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128, SCALE_W: tl.constexpr = 128,
+    N_SCALES: tl.constexpr = 1,
 ):
     """One (row block, value chunk, split, batch row): online softmax over the split's keys.
 
@@ -176,9 +193,8 @@ def _stage1_kernel_src(
             other=0.0,
         )
         if KV_FP8:  # the latent tile in the queries' dtype: fp8 * its block's fp32 scale
-            k_scale = tl.load(ks_base + ks_off[:, None] + (offs_dm[None, :] // SCALE_BLOCK) * sks_d,
-                              mask=n_ok[:, None] & dm_ok[None, :], other=0.0)
-            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
+            k = _fp8_tile(k, ks_base, ks_off, sks_d, vc * BLOCK_DV, n_ok, N_SCALES, BLOCK_N, BLOCK_DV, SCALE_W,
+                          SCALE_BLOCK).to(Q.dtype.element_ty)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -190,9 +206,8 @@ def _stage1_kernel_src(
                 other=0.0,
             )
             if KV_FP8:
-                ko_scale = tl.load(ks_base + ks_off[:, None] + (offs_do[None, :] // SCALE_BLOCK) * sks_d,
-                                   mask=n_ok[:, None] & do_ok[None, :], other=0.0)
-                ko = (ko.to(tl.float32) * ko_scale).to(Q.dtype.element_ty)
+                ko = _fp8_tile(ko, ks_base, ks_off, sks_d, (1 - vc) * BLOCK_DV, n_ok, N_SCALES, BLOCK_N, BLOCK_DV,
+                               SCALE_W, SCALE_BLOCK).to(Q.dtype.element_ty)
             if IEEE:
                 qk = tl.dot(qo, tl.trans(ko), qk, input_precision="ieee")
             else:
@@ -244,6 +259,7 @@ def _stage1_kernel_src(
 
 
 if HAS_TRITON:
+    _fp8_tile = triton.jit(_fp8_tile_src)
     _stage1_jit = triton.jit(_stage1_kernel_src)
 
 
@@ -423,7 +439,7 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
         NUM_SPLITS=ns, PAGE=page_size if paged else 1,
         PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
-        KV_FP8=fp8,
+        KV_FP8=fp8, SCALE_W=min(SCALE_BLOCK, pow2(d_main) // v_split), N_SCALES=-(-d_main // SCALE_BLOCK),
     ), cfg.num_warps, cfg.num_stages)
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
