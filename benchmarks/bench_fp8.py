@@ -6,9 +6,9 @@ replay of one call per rotated input set, the median of triton's do_bench. Per s
 
 * ``bf16 split``: a fused bf16 cache [B, T, 576] (1152 B per token) on the split-KV kernel;
 * ``bf16 auto``: the same operands on the kernel the chooser picks (Gluon / two-GEMM / split);
-* ``fp8_e4m3 split``: packed fp8 rows [B, T, 656] (latent e4m3, 4 fp32 scales, bf16 rope),
-  read through their views (runtime/decode/kv_format.py) by the split-KV kernel, the only
-  Triton kernel that takes fp8 so far.
+* ``fp8_e4m3 split`` / ``wide`` / ``auto``: packed fp8 rows [B, T, 656] (latent e4m3, 4 fp32
+  scales, bf16 rope), read through their views (runtime/decode/kv_format.py) by the split-KV
+  kernel, the two-GEMM kernel and the chooser's pick among them (the Gluon kernels refuse fp8).
 
 Each row: H, B, T, dtype, kernel, ms, the floor max(bytes / copy bandwidth, flops / matmul
 rate) with both ceilings measured in the run, mm_frac and bw_frac (the share of each
@@ -113,7 +113,7 @@ def one_shape(H, B, T, ceil):
                                              pe=None if call0.pe is None else call0.pe[:1],
                                              kv_scale=None if call0.kv_scale is None else call0.kv_scale[:1],
                                              kv_lens=call0.kv_lens[:1]), torch.float32)
-        for kernel in (("split",) if fp8 else ("split", "auto")):
+        for kernel in ("split", "wide", "auto") if fp8 else ("split", "auto"):
             name = choose_kernel(call0, kernel).name
             rec = dict(H=H, B=B, T=T, dtype="fp8_e4m3" if fp8 else "bf16", kernel=f"{kernel} ({name})")
             try:

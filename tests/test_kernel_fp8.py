@@ -1,5 +1,5 @@
-"""The fp8 latent cache in the attention kernels: the torch reference and the split-KV Triton
-kernel read float8_e4m3fn latent rows with one fp32 scale per 128 columns (AttentionCall.kv_scale).
+"""The fp8 latent cache in the attention kernels: the torch reference, the split-KV and the two-GEMM
+Triton kernels read float8_e4m3fn latent rows with one fp32 scale per 128 columns (AttentionCall.kv_scale).
 
 Both are compared with the float64 reference of the dequantised cache (every fp8 value times
 its scale, exact in float64): the kernels dequantise in fp32, so they agree to fp32 rounding
@@ -86,6 +86,15 @@ def check_split_fp32_matches_dequantised_f64():
 def check_split_fp16_matches_dequantised_f64():
     for call in _cases(torch.float16):
         _compare(call, "split", torch.float16)
+
+
+def check_wide_fp32_and_fp16_match_dequantised_f64():
+    for dtype in (torch.float32, torch.float16):
+        for call in _cases(dtype):
+            _compare(call, "wide", dtype)
+    g = _gen()  # 256 value columns: two value chunks, each inside one scale block
+    _compare(fp8_call(2, 1, 4, 256, 8, 50, torch.float32, gen=g, kv_lens=torch.tensor([50, 9])), "wide",
+             torch.float32, num_splits=2)
 
 
 def check_split_value_split_and_paged():
@@ -179,8 +188,9 @@ def test_fp8_operands_are_checked():
         call.replace(kv=call.kv.float())
 
 
-def test_only_the_split_kernel_and_the_reference_take_fp8():
-    """The chooser sees an fp8 call's format: the other kernels give a reason, auto picks the split kernel."""
+def test_which_kernels_take_fp8():
+    """The chooser sees an fp8 call's format: the Gluon kernels give a reason, the split and
+    two-GEMM kernels take it, and the chooser picks between those two as for bf16 caches."""
     from dcp_pass.runtime.decode.call import CallShape
     from dcp_pass.runtime.decode.kernels.registry import KERNELS, TRITON_KERNELS, choose
 
@@ -188,11 +198,16 @@ def test_only_the_split_kernel_and_the_reference_take_fp8():
                       batch=8, heads=128, keys=32768, fused=False)
     if KERNELS["split"].supports(shape) is not None:
         pytest.skip(f"no Triton here: {KERNELS['split'].supports(shape)}")
-    for name in ("gluon_roles", "gluon_lock_step", "wide"):
+    for name in ("gluon_roles", "gluon_lock_step"):
         reason = KERNELS[name].supports(shape)
         assert reason is not None and "fp8" in reason, (name, reason)
-    assert KERNELS["torch"].supports(shape) is None
-    assert choose(shape, TRITON_KERNELS).name == "split"
+    for name in ("split", "wide", "torch"):
+        assert KERNELS[name].supports(shape) is None, name
+    bf16 = CallShape(batch=8, heads=128, keys=32768, fused=False)
+    assert choose(shape, TRITON_KERNELS).name == choose(bf16, ("wide", "split")).name
+    narrow = CallShape(dtype=torch.float8_e4m3fn, query_dtype=torch.bfloat16, kv_quant="fp8_e4m3", batch=8, heads=16,
+                       keys=32768, fused=False)
+    assert choose(narrow, TRITON_KERNELS).name == "split"
     unscaled = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=False, fused=False)
     assert "float16, bfloat16 or float32" in KERNELS["split"].supports(unscaled)
 
@@ -218,8 +233,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("paged", [False, True])
 def test_gpu_fp8_real_shapes(H, paged):
-    """DeepSeek-V3 shapes, bf16 queries and rope: the split kernel against the fp32 reference
-    of the dequantised cache (the kernel rounds the dequantised tile to bf16)."""
+    """DeepSeek-V3 shapes, bf16 queries and rope: the split and two-GEMM kernels against the fp32
+    reference of the dequantised cache (the kernels round the dequantised values to bf16)."""
     g = _gen()
     lens = torch.tensor([4096, 1, 0, 2500], device="cuda")
     call = fp8_call(4, 1, H, 512, 64, 4096, torch.bfloat16, "cuda", gen=g, kv_lens=lens, scale=192 ** -0.5)
@@ -228,13 +243,14 @@ def test_gpu_fp8_real_shapes(H, paged):
                                    pe=call.pe.cpu(), kv_scale=call.kv_scale.cpu(), kv_lens=lens.cpu()), 64, g)
         call = call.replace(q_lat=call.q_lat.cuda(), q_rope=call.q_rope.cuda(), kv=call.kv.cuda(), pe=call.pe.cuda(),
                             kv_scale=call.kv_scale.cuda(), page_table=call.page_table.cuda(), kv_lens=lens)
-    out, lse = poisoned(4, 1, H, 512, torch.bfloat16, "cuda")
-    _attend(call, "split", out, lse)
     ro, rl = ref32(call)
-    check_close(out, lse, ro, rl, 2e-2)
+    for kernel in ("split",) if paged else ("split", "wide"):
+        out, lse = poisoned(4, 1, H, 512, torch.bfloat16, "cuda")
+        _attend(call, kernel, out, lse)
+        check_close(out, lse, ro, rl, 2e-2)
     from dcp_pass.runtime.decode.backends import choose_kernel
 
-    assert choose_kernel(call, "auto").name == "split"
+    assert choose_kernel(call, "auto").name in ("split", "wide")
 
 
 @gpu

@@ -34,6 +34,7 @@ from .common import (HAS_TRITON, LOG2E, AttentionCall, ShardView, causal_operand
                      keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2, shard_keys,
                      triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
+from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
 
 if HAS_TRITON:
     import triton
@@ -68,12 +69,13 @@ def _visible_end_src(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, le
 
 
 def _scores_kernel_src(
-    Q, QT, K, KT, LENS, MASK, QPOS, P, MT, LT,
+    Q, QT, K, KT, LENS, MASK, QPOS, P, MT, LT, KS,
     T, H, SH, S, cp_world, cp_rank, sm_scale_log2, lens_sb, lens_c, lens_r,
     sq_b, sq_s, sq_h, sq_d,
     sqt_b, sqt_s, sqt_h, sqt_d,
     sk_b, sk_t, sk_d,
     skt_b, skt_t, skt_d,
+    sks_b, sks_t, sks_d,
     sm_b, sm_s, sm_h, sm_t,
     sqp_b, sqp_s,
     sp_b, sp_t, sp_r,
@@ -83,8 +85,12 @@ def _scores_kernel_src(
     BLOCK_S: tl.constexpr, N_RB: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
     IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
+    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
 ):
     """One (row block, key tile, batch row): P = exp2(s - m_tile), m_tile, l_tile.
+
+    KV_FP8: K is an fp8 latent; each BLOCK_K column chunk lies inside one block of
+    SCALE_BLOCK columns, so it is read as k * its rows' scale of that block ([BLOCK_N] per chunk).
 
     MASK_SHARED: all rows read one mask row (a mask broadcast over heads and query
     tokens), loaded once as a [BLOCK_N] vector.
@@ -119,6 +125,10 @@ def _scores_kernel_src(
             d_ok = (d0 + offs_k) < D_MAIN
             q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if KV_FP8:
+            k_scale = tl.load(KS + b * sks_b + offs_n.to(tl.int64) * sks_t + (d0 // SCALE_BLOCK) * sks_d, mask=n_ok,
+                              other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(Q.dtype.element_ty)
         if IEEE:
             acc = tl.dot(q, tl.trans(k), acc, input_precision="ieee")
         else:
@@ -167,11 +177,12 @@ def _scores_kernel_src(
 
 
 def _values_kernel_src(
-    P, MT, LT, V, LENS, QPOS, O, L,
+    P, MT, LT, V, LENS, QPOS, O, L, KS,
     T, H, SH, S, cp_world, cp_rank, lse_scale, lens_sb, lens_c, lens_r,
     sp_b, sp_t, sp_r,
     sml_b, sml_t,
     sv_b, sv_t, sv_d,
+    sks_b, sks_t, sks_d,
     sqp_b, sqp_s,
     so_b, so_sp, so_s, so_h, so_d,
     sl_b, sl_sp, sl_s, sl_h,
@@ -179,8 +190,13 @@ def _values_kernel_src(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_MT: tl.constexpr,
     BLOCK_S: tl.constexpr, N_RB: tl.constexpr, N_VC: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_LENS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
 ):
-    """One (row block, value chunk, split, batch row): sum_t (P_t * exp2(m_t - m)) @ V_t."""
+    """One (row block, value chunk, split, batch row): sum_t (P_t * exp2(m_t - m)) @ V_t.
+
+    KV_FP8: V is an fp8 latent whose BLOCK_V value chunk lies inside one block of SCALE_BLOCK
+    columns: each token's scale multiplies its column of P instead of its row of V
+    (``(P * s) @ V8 = P @ (s * V8)``), and the fp8 values enter the dot exactly as 16-bit."""
     pid = tl.program_id(0)
     rb = pid % N_RB
     vc = (pid // N_RB) % N_VC
@@ -229,6 +245,11 @@ def _values_kernel_src(
         offs_n = t * BLOCK_N + offs_c
         v = tl.load(v_row + offs_n[:, None].to(tl.int64) * sv_t, mask=(offs_n < end)[:, None] & v_ok[None, :],
                     other=0.0)
+        if KV_FP8:
+            v_scale = tl.load(KS + b * sks_b + offs_n.to(tl.int64) * sks_t + ((vc * BLOCK_V) // SCALE_BLOCK) * sks_d,
+                              mask=offs_n < end, other=0.0)
+            p = p * v_scale[None, :]
+            v = v.to(O.dtype.element_ty)
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -286,11 +307,14 @@ WIDE_MIN_ROWS = 128
 
 def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, t_cap: int,
                      device: torch.device, num_splits: Optional[int] = None, *, elem_bytes: int = 2,
-                     base: Optional[WideConfig] = None) -> WideConfig:
-    """From shapes only. The interpreter gets small tiles and a few splits (tests)."""
+                     base: Optional[WideConfig] = None, fp8: bool = False) -> WideConfig:
+    """From shapes only. The interpreter gets small tiles and a few splits (tests). ``fp8``:
+    value chunks of at most one scale block (the values kernel scales P per chunk)."""
     if device.type != "cuda":
         block_m = max(16, min(pow2(rows), 32))
         block_v = max(16, pow2(d_v) // 2)
+        if fp8:
+            block_v = min(block_v, SCALE_BLOCK)
         ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), 16)))
         return WideConfig(block_m, 16, 16, 4, 1, block_v, 4, 1, ns)
     cfg = base or WIDE_DEFAULT
@@ -299,6 +323,8 @@ def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, 
     if block_m <= 64:  # one warpgroup covers 64 rows of scores
         warps_a = 4
     block_v = max(16, min(cfg.block_v, pow2(d_v)))
+    if fp8:
+        block_v = min(block_v, SCALE_BLOCK)
     stages_a, stages_b = cfg.stages_a, cfg.stages_b
     block_n = cfg.block_n
     if elem_bytes == 4:  # fp32 caches: halve what is pipelined
@@ -317,14 +343,15 @@ def supports(shape) -> Optional[str]:
     layouts (common.triton_reason), contiguous caches only."""
     if shape.paged:
         return "it reads contiguous caches, not page pools"
-    return triton_reason(shape)
+    return triton_reason(shape, fp8=True)
 
 
 def offered(shape) -> Optional[str]:
     """Why the chooser does not offer it for a call it could run: it is measured on CUDA with
     16-bit caches whose main part is a power of two of at least 256 columns."""
-    if shape.device != "cuda" or shape.dtype not in (torch.float16, torch.bfloat16):
-        return "it is offered for 16-bit caches on CUDA only"
+    dtype = shape.query_dtype if shape.kv_quant else shape.dtype  # fp8 latent: read into the queries' dtype
+    if shape.device != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "it is offered for 16-bit caches on CUDA only (an fp8 latent with 16-bit queries counts as one)"
     if not (pow2(shape.d_main) == shape.d_main and shape.d_main >= 256):
         return f"it is offered for main parts of 2^k >= 256 columns, not {shape.d_main}"
     return None
@@ -387,43 +414,49 @@ def plan(a: ShardView, out, lse_out, cfg: WideConfig):
     n_vc = triton.cdiv(v_dim, cfg.block_v)
     NT = triton.cdiv(T, BN)
     rows_pad = n_rb * BM
-    p_buf = torch.empty(B, NT, rows_pad, BN, dtype=kv.dtype, device=device)
+    fp8 = a.kv_scale is not None
+    if fp8 and (SCALE_BLOCK % cfg.block_k or SCALE_BLOCK % cfg.block_v):
+        raise ValueError(f"the wide kernel reads an fp8 latent in column chunks inside one scale block of "
+                         f"{SCALE_BLOCK}: block_k={cfg.block_k} and block_v={cfg.block_v} must divide it")
+    # P in the dtype of the dots: the queries' for an fp8 latent
+    p_buf = torch.empty(B, NT, rows_pad, BN, dtype=q_lat.dtype if fp8 else kv.dtype, device=device)
     m_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
     l_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
 
     mask_b, ms, mask_shared = mask_operand(mask, B, S, H, T, device)
     q_pos, qps, cp_world, cp_rank = causal_operand(causal, B, S, dummy)
     lens, lens_sb, lens_c, lens_r = lens_operand(kv_lens, a.lens_stripe, B, dummy)
-    is_f32 = kv.dtype == torch.float32
+    is_f32 = (q_lat.dtype if fp8 else kv.dtype) == torch.float32
     block_s = pow2(S, 2)
+    ks, kss = (a.kv_scale, a.kv_scale.stride()) if fp8 else (dummy, (0, 0, 0))
 
     launches = [_Launch(
         _scores_jit, (n_rb * NT, B),
         [q_a, qt if has_tail else dummy, k_a, kt if has_tail else dummy, lens,
-         mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf,
+         mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf, ks,
          T, H, SH, S, cp_world, cp_rank, float(scale) * LOG2E, lens_sb, lens_c, lens_r,
-         *q_a.stride(), *qts, *k_a.stride(), *kts, *ms, *qps,
+         *q_a.stride(), *qts, *k_a.stride(), *kts, *kss, *ms, *qps,
          p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
          m_buf.stride(0), m_buf.stride(1)],
         dict(D_MAIN=d_a, D_TAIL=d_t,
              BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=cfg.block_k, BLOCK_KT=max(16, min(cfg.block_k, pow2(max(d_t, 1)))),
              BLOCK_S=block_s, N_RB=n_rb,
              HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None, HAS_MASK=mask_b is not None,
-             CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared),
+             CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared, KV_FP8=fp8),
         cfg.warps_a, cfg.stages_a)]
 
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     v = kv  # values: the first v_dim columns of the cache
     launches.append(_Launch(
         _values_jit, (n_rb * n_vc * ns, B),
-        [p_buf, m_buf, l_buf, v, lens, q_pos, o_part, l_part,
+        [p_buf, m_buf, l_buf, v, lens, q_pos, o_part, l_part, ks,
          T, H, SH, S, cp_world, cp_rank, l_scale, lens_sb, lens_c, lens_r,
          p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
          m_buf.stride(0), m_buf.stride(1),
-         *v.stride(), *qps, *ops, *lps],
+         *v.stride(), *kss, *qps, *ops, *lps],
         dict(D_V=v_dim, BLOCK_M=BM, BLOCK_N=BN, BLOCK_V=cfg.block_v, BLOCK_MT=32,
              BLOCK_S=block_s, N_RB=n_rb, N_VC=n_vc, NUM_SPLITS=ns,
-             HAS_LENS=kv_lens is not None, CAUSAL=causal is not None, IEEE=is_f32),
+             HAS_LENS=kv_lens is not None, CAUSAL=causal is not None, IEEE=is_f32, KV_FP8=fp8),
         cfg.warps_b, cfg.stages_b))
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
@@ -453,7 +486,8 @@ def launch_wide(a: ShardView, out, lse_out, num_splits, config: Optional[WideCon
     if done:
         return out, lse_out
     SH = S * H
-    check_launchable(device, kv_lens, "the wide kernel", kv.dtype)
+    fp8 = a.kv_scale is not None
+    check_launchable(device, kv_lens, "the wide kernel", q_lat.dtype if fp8 else kv.dtype)
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are
@@ -461,7 +495,7 @@ def launch_wide(a: ShardView, out, lse_out, num_splits, config: Optional[WideCon
         cfg = replace(config, num_splits=ns)
     else:
         cfg = pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device, num_splits,
-                               elem_bytes=kv.element_size(), base=config)
+                               elem_bytes=kv.element_size(), base=config, fp8=fp8)
     for step in plan(a, out, lse_out, cfg):
         step()
     return out, lse_out
