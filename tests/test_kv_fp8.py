@@ -140,6 +140,7 @@ def _rank_e2e(rank, world, fused):
 FULL = os.environ.get("DCP_TEST_FULL") == "1"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [
     pytest.param(False, marks=pytest.mark.skipif(not FULL, reason="DCP_TEST_FULL=1 (CI runs the fused cache)")),
     True,
