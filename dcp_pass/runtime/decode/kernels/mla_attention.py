@@ -402,8 +402,11 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     mask_b, ms, mask_shared = mask_operand(mask, B, S, H, T, device)
     if config is None:
+        # an fp8 tile is dequantised into the queries' dtype on the way to the dots: size the
+        # tiles as for a cache of that dtype
+        elem = q_lat.element_size() if a.kv_scale is not None else kv.element_size()
         cfg = pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
-                          mask_shared=mask_shared, paged=paged, elem_bytes=kv.element_size())
+                          mask_shared=mask_shared, paged=paged, elem_bytes=elem)
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
