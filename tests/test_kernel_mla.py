@@ -141,7 +141,7 @@ def _striped_lens_case(kernel):
     """Global counts with stripe=(c, r) give what the rank's own counts give.
 
     Counts 0, 1, c-1, c, 2c+1 and past the shard, as [B] and as one broadcast [1] count:
-    the kernels take (n + c - 1 - r) // c themselves (the op no longer does it in torch)."""
+    the kernels take (n + c - 1 - r) // c themselves (the op passes global counts through)."""
     B, S, H, T = 4, 1, 4, 24
     for c, r in ((2, 0), (2, 1), (3, 2), (4, 1)):
         g = _gen()
