@@ -3,7 +3,8 @@
 `TinyMLA`: absorbed MLA reduced to its attention, short enough to pin a whole rewritten
 graph. `StaticPosMLA`: the same with tensor positions and whole-cache reads (the
 static-shape form). `render`: a graph's code, normalized for pinning. `init_fake_world`:
-an in-process fake process group of any size.
+an in-process fake process group of any size. `matches_of`: what the recognisers find in
+each graph Dynamo captures (no rewrite, no process group).
 """
 from __future__ import annotations
 
@@ -16,7 +17,31 @@ import torch.fx as fx
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from dcp_pass.rewrites.match import GraphMatches, find_mla
 from dcp_pass.testing.graphs import readable_code
+
+
+def matches_of(model: nn.Module, calls) -> list[GraphMatches]:
+    """`find_mla` of each graph Dynamo captures over the calls `model(*args)` for `args` in `calls`.
+
+    The matcher runs inside the recording backend, as in the pass: Dynamo drops the
+    placeholders' `grapharg` (where buffer sources come from) once the backend returns.
+    """
+    torch._dynamo.reset()
+    graphs: list[GraphMatches] = []
+
+    def record(gm, example_inputs):
+        graphs.append(find_mla(gm.graph))
+        return gm.forward
+
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=record)
+            for args in calls:
+                compiled(*args)
+    finally:
+        torch._dynamo.reset()
+    return graphs
 
 
 # ----------------------------------------------------------------------------- a tiny MLA
