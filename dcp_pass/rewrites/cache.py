@@ -425,13 +425,19 @@ def _is_module_method(frame) -> bool:
     return isinstance(owner, type) and issubclass(owner, torch.nn.Module)
 
 
-def _learn_owners_from_stack() -> None:
-    roots, frame = {}, sys._getframe(1)
+def _modules_on_stack(frame) -> dict[int, torch.nn.Module]:
+    """The modules whose methods run in `frame` and the frames that called it, by id."""
+    roots = {}
     while frame is not None:
         owner = frame.f_locals.get("self") if _is_module_method(frame) else None
         if isinstance(owner, torch.nn.Module):
             roots[id(owner)] = owner
         frame = frame.f_back
+    return roots
+
+
+def _learn_owners_from_stack() -> None:
+    roots = _modules_on_stack(sys._getframe(1))
     seen: set[int] = set()
     for root in roots.values():
         for module in root.modules():
@@ -459,12 +465,7 @@ def sibling_buffers(buffer: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
     names = {(type(m), key) for m in owners for key, b in m._buffers.items() if b is buffer}
     if not names:
         return []
-    roots, frame = {}, sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if _is_module_method(frame) else None
-        if isinstance(owner, torch.nn.Module):
-            roots[id(owner)] = owner
-        frame = frame.f_back
+    roots = _modules_on_stack(sys._getframe(1))
     found: dict[int, tuple[torch.Tensor, str]] = {}
     for root in roots.values():
         for path, module in root.named_modules():
