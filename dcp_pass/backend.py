@@ -20,7 +20,7 @@ from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.report import DcpReport, GraphReport, cache_layers, log
 from dcp_pass.rewrites.apply import PassConfig, apply_dcp
-from dcp_pass.rewrites import fx_util
+from dcp_pass.rewrites import cache, fx_util
 from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
 
@@ -431,3 +431,6 @@ def last_backend() -> Optional[DcpBackend]:
     """The `dcp` backend instance that compiled most recently (its graphs, diffs, report);
     None once its compiled model has been freed."""
     return _LAST_BACKEND[0]() if _LAST_BACKEND else None
+
+
+cache.register_dcp_compilers(DcpBackend, dcp_backend)  # the cache guards' test for a DCP compile

@@ -1,4 +1,4 @@
-"""What happens to a cache buffer after DCP released its full-size storage (issue #10 items 5, 6).
+"""What happens to a cache buffer after DCP released its full-size storage.
 
 Every ordinary path that would read the missing data either works or raises
 `DcpCacheError` naming DCP and the buffer: deepcopy, dtype/device conversion, pickling,
@@ -6,7 +6,8 @@ state_dict save/load, calling the original module, a plain `torch.compile` of it
 Dynamo's eager fallback at the recompile limit. None of the guards may cost a recompile.
 And a deleted compiled model frees its shards.
 
-Cases that crashed the process before (segfault) run in a child process.
+Cases that could crash the process (a segfault on a read of released storage) run in a
+child process.
 """
 import copy
 import gc

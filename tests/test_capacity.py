@@ -1,4 +1,4 @@
-"""Construction without full-size caches (issue #12): `dcp_pass.deferred_caches()`.
+"""Construction without full-size caches: `dcp_pass.deferred_caches()`.
 
 A model built under the context holds its KV caches as full-shape tensors with no
 memory; the first DCP compile gives each rank only its stripe. Checked on 2 gloo ranks

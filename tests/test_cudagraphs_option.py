@@ -1,4 +1,4 @@
-"""Option 'cudagraphs' (issue #11 item 3): CUDA graphs from the options dict.
+"""Option 'cudagraphs': CUDA graphs from the options dict.
 
 `torch.compile(m, backend="dcp", options={...}, mode="reduce-overhead")` is refused by
 torch.compile itself, so a backend reached by name gets CUDA graphs only through its

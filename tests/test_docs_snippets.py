@@ -4,15 +4,19 @@ Each block runs on its own, as a script under `torchrun --nproc-per-node 2` woul
 gloo CPU ranks (dcp_pass.testing.run_ranks), torch.distributed initialised, RANK /
 WORLD_SIZE / LOCAL_RANK set, the repository root as working directory, `__name__` set
 to "__main__", nothing shared with the file's other blocks. A block right after a line
-`<!-- not run: <reason> -->` is skipped with that reason. A failing block is reported
-with its file, its first line and each failed rank's traceback (whose line numbers are
-the markdown file's).
+`<!-- not run: <reason> -->` is skipped with that reason; one right after
+`<!-- plain process: <reason> -->` runs in one fresh Python process without
+torch.distributed (code that makes its own process group, such as graph_stages). A failing
+block is reported with its file, its first line and each failed rank's traceback (whose
+line numbers are the markdown file's).
 """
 from __future__ import annotations
 
 import glob
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +30,7 @@ TIMEOUT_S = 300
 
 _FENCE = re.compile(r"^(\s*)```\s*python\s*$")
 _NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(.*?)\s*-->\s*$")
+_PLAIN = re.compile(r"^\s*<!--\s*plain process:\s*(.*?)\s*-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Block:
     line: int  # 1-based line of the block's first code line
     source: str
     skip: Optional[str]  # the reason of a preceding `<!-- not run: ... -->`, else None
+    plain: bool = False  # after `<!-- plain process: ... -->`: one process, no torch.distributed
 
     @property
     def where(self) -> str:
@@ -54,7 +60,8 @@ def python_blocks(text: str, path: str) -> list[Block]:
         marker = _NOT_RUN.match(before)
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), len(lines))
         body = [line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines[i + 1:end]]
-        blocks.append(Block(path, i + 2, "\n".join(body) + "\n", marker.group(1) if marker else None))
+        blocks.append(Block(path, i + 2, "\n".join(body) + "\n", marker.group(1) if marker else None,
+                            _PLAIN.match(before) is not None))
         i = end + 1
     return blocks
 
@@ -87,6 +94,16 @@ def run_block(block: Block, root: str = ROOT, ranks: int = RANKS, timeout: float
         raise AssertionError(f"python block at {block.where} failed on {ranks} gloo ranks:\n{failed}") from None
 
 
+def run_plain(block: Block, root: str = ROOT, timeout: float = TIMEOUT_S) -> None:
+    """Run one block as `python -c` in the repository root; AssertionError with its output when it fails."""
+    code = "\n" * (block.line - 1) + block.source  # tracebacks give the markdown file's lines
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EXPECTTEST_ACCEPT")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode != 0:
+        raise AssertionError(f"python block at {block.where} failed in a plain process:\n{done.stdout}\n{done.stderr}")
+
+
 # ----------------------------------------------------------------------------- the docs' blocks
 
 BLOCKS = all_blocks()
@@ -97,7 +114,10 @@ BLOCKS = all_blocks()
 def test_doc_block_runs(block):
     if block.skip is not None:
         pytest.skip(f"{block.where}: not run: {block.skip}")
-    run_block(block)
+    if block.plain:
+        run_plain(block)
+    else:
+        run_block(block)
 
 
 # ----------------------------------------------------------------------------- the harness itself
@@ -117,6 +137,13 @@ x = 1
 raise SystemExit("never")
 ```
 
+<!-- plain process: makes its own process group -->
+
+```python
+import torch.distributed as dist
+assert not dist.is_initialized()
+```
+
 - a list item:
 
   ```python
@@ -127,8 +154,11 @@ raise SystemExit("never")
 
 def test_blocks_are_found_with_lines_and_skips():
     blocks = python_blocks(SAMPLE, "X.md")
-    assert [(b.line, b.source, b.skip) for b in blocks] == [
-        (4, "import os\nx = 1\n", None), (11, 'raise SystemExit("never")\n', "needs a GPU"), (17, "y = 2\n", None)]
+    assert [(b.line, b.source, b.skip, b.plain) for b in blocks] == [
+        (4, "import os\nx = 1\n", None, False), (11, 'raise SystemExit("never")\n', "needs a GPU", False),
+        (17, "import torch.distributed as dist\nassert not dist.is_initialized()\n", None, True),
+        (24, "y = 2\n", None, False)]
+    run_plain(blocks[2], timeout=120)
     assert all_blocks() and {b.path for b in all_blocks()} <= {os.path.relpath(f, ROOT) for f in doc_files()}
     assert not any(b.path.startswith(os.path.join("docs", "archive")) for b in all_blocks())
 

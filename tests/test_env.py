@@ -31,6 +31,12 @@ def test_every_variable_is_in_the_table_and_its_docstring():
         assert f"``{name}``" in env.__doc__, name
 
 
+def test_the_usage_page_lists_every_variable():
+    with open(os.path.join(ROOT, "docs", "usage.md")) as f:
+        rows = set(re.findall(r"^\| `(DCP_[A-Z0-9_]+)` \|", f.read(), re.M))
+    assert rows == set(env.VARIABLES), rows ^ set(env.VARIABLES)
+
+
 def test_no_other_module_reads_the_environment_for_them():
     readers = [path for path, text in _sources() if path != os.path.join("dcp_pass", "env.py")
                and re.search(r"(environ(\.get)?|getenv)\s*[\[(]\s*[\"']DCP_", text)]

@@ -1,4 +1,4 @@
-"""A rank that fails makes its peers fail within seconds (issue #10 item 8).
+"""A rank that fails makes its peers fail within seconds.
 
 Two gloo ranks run the DCP output exchange (the functional all-to-all a compiled
 graph issues once per MLA layer). Rank 1 fails right before it:

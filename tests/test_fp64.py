@@ -1,9 +1,8 @@
-"""fp64 models under DCP (issue #10 item 7): exact to fp64 rounding, every comm path.
+"""fp64 models under DCP: exact to fp64 rounding, every comm path.
 
-The packed all-to-all used to refuse fp64 outputs ("cannot pack an fp32 LSE into
-columns of torch.float64"). Now an fp64 output carries its LSE as one fp64 column
-(converted, exact), the shard-local attention returns an fp64 LSE for fp64 queries,
-and the merge (a2a, ag_rs and head-replicated) runs in fp64.
+In the packed all-to-all an fp64 output carries its LSE as one fp64 column (converted,
+exact), the shard-local attention returns an fp64 LSE for fp64 queries, and the merge
+(a2a, ag_rs and head-replicated) runs in fp64.
 
 The eager example model computes its attention softmax with `dtype=torch.float32`
 (DeepSeek's reference code does), so an fp64 eager run rounds its attention

@@ -28,7 +28,8 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import TOL, check_close, fp8_call, gen as _gen, global_counts, poisoned, ref32, ref64  # noqa: E402
+from kit.kernels import (TOL, check_close, fp8_call, gen as _gen, global_counts, interpreter_tests, poisoned,  # noqa: E402
+                         ref32, ref64)
 
 
 def _attend(call, kernel, out=None, lse_out=None, **options):
@@ -212,15 +213,7 @@ def test_which_kernels_take_fp8():
     assert "float16, bfloat16 or float32" in KERNELS["split"].supports(unscaled)
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    return interpreter.run_worker(__file__, ROOT)
-
-
-@pytest.mark.parametrize("name", CPU_CHECKS)
-def test_cpu_interpreter(cpu_results, name):
-    res = cpu_results[name]
-    assert res["ok"], res["msg"]
+cpu_results, test_cpu_interpreter = interpreter_tests(__file__, ROOT, CPU_CHECKS)
 
 
 # ---------------------------------------------------------------- GPU (real shapes, bf16)

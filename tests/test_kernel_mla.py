@@ -27,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import TOL, check_close, gen as _gen, global_counts, make_inputs, merge, poisoned, ref32, ref64  # noqa: E402,F401
+from kit.kernels import TOL, check_close, gen as _gen, global_counts, interpreter_tests, make_inputs, merge, poisoned, ref32, ref64  # noqa: E402,F401,E501
 
 
 def _mod():
@@ -141,7 +141,7 @@ def _striped_lens_case(kernel):
     """Global counts with stripe=(c, r) give what the rank's own counts give.
 
     Counts 0, 1, c-1, c, 2c+1 and past the shard, as [B] and as one broadcast [1] count:
-    the kernels take (n + c - 1 - r) // c themselves (the op no longer does it in torch)."""
+    the kernels take (n + c - 1 - r) // c themselves (the op passes global counts through)."""
     B, S, H, T = 4, 1, 4, 24
     for c, r in ((2, 0), (2, 1), (3, 2), (4, 1)):
         g = _gen()
@@ -383,15 +383,7 @@ CPU_CHECKS = interpreter.check_names(globals())
 # ======================================================================================
 # pytest side
 # ======================================================================================
-@pytest.fixture(scope="module")
-def cpu_results():
-    return interpreter.run_worker(__file__, ROOT)
-
-
-@pytest.mark.parametrize("name", CPU_CHECKS)
-def test_cpu_interpreter(cpu_results, name):
-    res = cpu_results[name]
-    assert res["ok"], res["msg"]
+cpu_results, test_cpu_interpreter = interpreter_tests(__file__, ROOT, CPU_CHECKS)
 
 
 # ---------------------------------------------------------------- GPU (real shapes, bf16)

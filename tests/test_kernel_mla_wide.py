@@ -27,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import TOL, check_close, gen as _gen, global_counts, make_inputs, merge, poisoned, ref32, ref64, rel_err  # noqa: E402,F401,E501
+from kit.kernels import TOL, check_close, gen as _gen, global_counts, interpreter_tests, make_inputs, merge, poisoned, ref32, ref64, rel_err  # noqa: E402,F401,E501
 
 
 def _wide():
@@ -259,15 +259,7 @@ CPU_CHECKS = interpreter.check_names(globals())
 # ======================================================================================
 # pytest side
 # ======================================================================================
-@pytest.fixture(scope="module")
-def cpu_results():
-    return interpreter.run_worker(__file__, ROOT)
-
-
-@pytest.mark.parametrize("name", CPU_CHECKS)
-def test_cpu_interpreter(cpu_results, name):
-    res = cpu_results[name]
-    assert res["ok"], res["msg"]
+cpu_results, test_cpu_interpreter = interpreter_tests(__file__, ROOT, CPU_CHECKS)
 
 
 # ---------------------------------------------------------------- GPU (real shapes, bf16)

@@ -16,28 +16,12 @@ from torch import nn
 
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, find_mla
-from kit.graphs import TinyMLA, TinyMLP, tiny_inputs
+from kit.graphs import TinyMLA, TinyMLP, matches_of, tiny_inputs
 
 
 def capture(model: nn.Module, *args) -> list[GraphMatches]:
-    """`find_mla` of each graph Dynamo captures for one call of `model`.
-
-    The matcher runs inside the recording backend, as in the pass: Dynamo drops the
-    placeholders' `grapharg` (where buffer sources come from) once the backend returns.
-    """
-    torch._dynamo.reset()
-    graphs: list[GraphMatches] = []
-
-    def record(gm, example_inputs):
-        graphs.append(find_mla(gm.graph))
-        return gm.forward
-
-    try:
-        with torch.no_grad():
-            torch.compile(model, backend=record)(*args)
-    finally:
-        torch._dynamo.reset()
-    return graphs
+    """`find_mla` of each graph Dynamo captures for one call of `model`."""
+    return matches_of(model, [args])
 
 
 def buffer_name(node: fx.Node) -> str:

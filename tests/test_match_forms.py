@@ -14,25 +14,8 @@ from torch import nn
 
 from dcp_pass.models.mla_forms import FORMS, FormArgs, build_forms_model
 from dcp_pass.rewrites.axes import B, F, H, S, T
-from dcp_pass.rewrites.match import GraphMatches, find_mla
-
-
-def capture(model: nn.Module, calls) -> list[GraphMatches]:
-    torch._dynamo.reset()
-    graphs: list[GraphMatches] = []
-
-    def record(gm, example_inputs):
-        graphs.append(find_mla(gm.graph))
-        return gm.forward
-
-    try:
-        with torch.no_grad():
-            compiled = torch.compile(model, backend=record)
-            for args in calls:
-                compiled(*args)
-    finally:
-        torch._dynamo.reset()
-    return graphs
+from dcp_pass.rewrites.match import GraphMatches
+from kit.graphs import matches_of as capture
 
 
 def form_matches(form: str, start: int = 12) -> list[GraphMatches]:

@@ -1,4 +1,4 @@
-"""dcp_pass.testing.run_ranks reports dead or failing ranks promptly (issue #10 item 7).
+"""dcp_pass.testing.run_ranks reports dead or failing ranks promptly.
 
 Every test gives run_ranks a generous timeout and asserts that it returned in a
 small fraction of it: a harness that only waits on its result queue would sit out

@@ -4,24 +4,12 @@ graph's lines once, when that graph compiles."""
 import dataclasses
 import logging
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dcp_pass.backend import DcpBackend
 from dcp_pass.report import DcpReport, GraphReport, LayerReport, cache_layers
-from kit.graphs import TinyMLA, init_fake_world, tiny_inputs
-
-
-@pytest.fixture
-def world2():
-    torch._dynamo.reset()
-    init_fake_world(2)
-    yield
-    torch._dynamo.reset()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+from kit.graphs import TinyMLA, tiny_inputs
 
 
 def _run(model, calls, **options):
@@ -33,7 +21,7 @@ def _run(model, calls, **options):
     return be
 
 
-def test_layers_sharing_one_graph_count_once_each(world2, caplog):
+def test_layers_sharing_one_graph_count_once_each(fake_world, caplog):
     # three MLA layers; the MoE blocks' data-dependent expert loop makes each Block its own
     # frame, so layers 1 and 2 run one compiled graph (layer 2 is known only at run time),
     # and prefill and decode compile that graph twice
@@ -70,7 +58,7 @@ class TwoLayers(nn.Module):
         return self.first(q_lat, q_pe, latent, k_pe, start_pos) + self.second(q_lat, q_pe, latent, k_pe, start_pos)
 
 
-def test_layers_of_one_graph_and_recompiles(world2):
+def test_layers_of_one_graph_and_recompiles(fake_world):
     be = _run(TwoLayers(), [tiny_inputs(3, 0), tiny_inputs(1, 3), tiny_inputs(1, 4)])
     report = be.report
     assert report.layers_rewritten == 2 and report.graph_rewrites == 2 * len(report.graphs), report.summary()

@@ -151,7 +151,7 @@ def test_state_transfer_keeps_attention_tp_mapping_and_ignores_dcp():
 
 
 def test_state_transfer_rejects_negative_and_bool_indices():
-    # dst_slot=-1 used to write the pool's LAST slot: another request's state
+    # dst_slot=-1 would index the pool's LAST slot by Python rules: another request's state
     for kw, name in [({"dst_slot": -1}, "dst_slot=-1"), ({"src_slot": -2}, "src_slot=-2"),
                      ({"dst_slot": True}, "dst_slot=True"), ({"src_slot": False}, "src_slot=False"),
                      ({"decode_attn_tp_rank": -1}, "decode_attn_tp_rank=-1"),

@@ -184,10 +184,13 @@ class StripedWrites(GraphPass):
             if buf in state.local_nodes:
                 for write in writes:
                     feeding = list(write.node.all_input_nodes)
-                    try:
-                        write.rewrite_write(state.graph, state.local_nodes[buf], state.entries[buf])
-                    except cache_rw.Fp8Refused as why:
-                        raise DcpRewriteError(f"{_FP8_REFUSED}: {why}") from why
+                    entry = state.entries[buf]
+                    if entry.kv_format:  # quantised in the graph: the striped write stores packed bytes
+                        try:
+                            write = cache_rw.fp8_packed_write(state.graph, write, entry)
+                        except cache_rw.Fp8Refused as why:
+                            raise DcpRewriteError(f"{_FP8_REFUSED}: {why}") from why
+                    write.rewrite_write(state.graph, state.local_nodes[buf], entry)
                     fx_util.erase_dead_region(state.graph, feeding)  # e.g. the pool's flat view
                     count += 1
         notes = [f"{buffer_name(b)}: {f}" for b, f in sorted(formats.items(), key=lambda bf: bf[0].name)]

@@ -1,4 +1,4 @@
-"""Striped cache writes and installation of the rank-local cache storage.
+"""The rank-local cache storage: shards, their installation, and the guards of released buffers.
 
 The model's full-size cache buffer stays a module buffer (so Dynamo's guards and the
 model code are untouched), but its storage is released: the backend owns a compacted
@@ -13,11 +13,14 @@ A buffer without full-size data must not be read outside a DCP graph. Ordinary
 operations that would (deepcopy, pickling, `Module.to`/`.half()`/..., eager calls of the
 owning module, another backend compiling it, state_dict save/load) raise `DcpCacheError`
 naming the buffer instead of copying garbage or crashing; see `guard` below.
+
+The rewrite of a cache write into a striped write is `cache_reads.rewrite_write` (also
+importable from here).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import operator
 import gc
 import sys
 import weakref
@@ -30,7 +33,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.report import log
 from dcp_pass.rewrites import fx_util
-from dcp_pass.rewrites.cache_reads import CacheAccess, cache_layout
+from dcp_pass.rewrites.cache_reads import CacheAccess
+from dcp_pass.rewrites.cache_reads import rewrite_write  # noqa: F401 - the striped write, kept importable from here
 from dcp_pass.runtime.decode import kv_format as fp8
 from dcp_pass.runtime.decode import layout
 
@@ -300,25 +304,29 @@ class Fp8Refused(Exception):
     """Why a layer's cache cannot be stored as fp8 (the message says so)."""
 
 
-def fp8_write_value(graph: fx.Graph, write: CacheAccess, value: fx.Node, feat_start: int, entry: LocalCache):
-    """(packed bytes of `value`, their byte offset in the row) for a write of columns
-    [feat_start, feat_start + width) into an fp8 shard; Fp8Refused for columns that are not
-    the whole latent (quantisation blocks need every column of a row), the rope, or both."""
+def fp8_packed_write(graph: fx.Graph, write: CacheAccess, entry: LocalCache) -> CacheAccess:
+    """`write` as the striped write of an fp8 shard takes it: its value packed in the graph
+    (kv_format.pack_columns, or the rotary columns' bytes), its columns the bytes of the row
+    they fill. Fp8Refused for columns that are not the whole latent (a quantisation block
+    needs every column of a row), the rotary columns, or both."""
     spec = fp8.Fp8Layout.parse(entry.kv_format)
-    width = fx_util.node_value(value).shape[-1]
+    width = fx_util.node_value(write.value).shape[-1]
+    feat_start = write.feat[0] if write.feat else 0
     cols = (feat_start, feat_start + width)
-    if cols in ((0, spec.latent), (0, spec.columns)):
-        packed = fx_util.call(graph, fp8.pack_columns, value, spec.latent, spec.rope, spec.rope_dtype,
-                              name="fp8_rows")
-        offset = 0
-    elif spec.rope and cols == (spec.latent, spec.columns):
-        packed = fx_util.call(graph, fp8.rope_bytes_of, value, spec.rope_dtype, name="rope_bytes")
-        offset = spec.rope_offset
-    else:
-        raise Fp8Refused(f"a write of columns [{cols[0]}, {cols[1]}) of {entry.name}: an fp8 cache is written "
-                         f"whole latent rows (columns [0, {spec.latent})) or its rotary columns")
+    with graph.inserting_before(write.node):
+        if cols in ((0, spec.latent), (0, spec.columns)):
+            packed = fx_util.call(graph, fp8.pack_columns, write.value, spec.latent, spec.rope, spec.rope_dtype,
+                                  name="fp8_rows")
+            offset = 0
+        elif spec.rope and cols == (spec.latent, spec.columns):
+            packed = fx_util.call(graph, fp8.rope_bytes_of, write.value, spec.rope_dtype, name="rope_bytes")
+            offset = spec.rope_offset
+        else:
+            raise Fp8Refused(f"a write of columns [{cols[0]}, {cols[1]}) of {entry.name}: an fp8 cache is written "
+                             f"whole latent rows (columns [0, {spec.latent})) or its rotary columns")
     fx_util.set_example_value(packed)
-    return packed, offset
+    nbytes = fx_util.node_value(packed).shape[-1]
+    return dataclasses.replace(write, value=packed, feat=(offset, offset + nbytes))
 
 
 # --------------------------------------------------------------------------- no memory behind
@@ -526,13 +534,19 @@ def _is_module_method(frame) -> bool:
     return isinstance(owner, type) and issubclass(owner, torch.nn.Module)
 
 
-def _learn_owners_from_stack() -> None:
-    roots, frame = {}, sys._getframe(1)
+def _modules_on_stack(frame) -> dict[int, torch.nn.Module]:
+    """The modules whose methods run in `frame` and the frames that called it, by id."""
+    roots = {}
     while frame is not None:
         owner = frame.f_locals.get("self") if _is_module_method(frame) else None
         if isinstance(owner, torch.nn.Module):
             roots[id(owner)] = owner
         frame = frame.f_back
+    return roots
+
+
+def _learn_owners_from_stack() -> None:
+    roots = _modules_on_stack(sys._getframe(1))
     seen: set[int] = set()
     for root in roots.values():
         for module in root.modules():
@@ -560,12 +574,7 @@ def sibling_buffers(buffer: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
     names = {(type(m), key) for m in owners for key, b in m._buffers.items() if b is buffer}
     if not names:
         return []
-    roots, frame = {}, sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if _is_module_method(frame) else None
-        if isinstance(owner, torch.nn.Module):
-            roots[id(owner)] = owner
-        frame = frame.f_back
+    roots = _modules_on_stack(sys._getframe(1))
     found: dict[int, tuple[torch.Tensor, str]] = {}
     for root in roots.values():
         for path, module in root.named_modules():
@@ -645,6 +654,18 @@ def _owner_pre_hook(module: torch.nn.Module, args: Any) -> None:
     raise DcpCacheError(msg)
 
 
+# The DCP compilers, (the DcpBackend class, the dcp_backend entry function), registered by
+# dcp_pass.backend when it loads. The guards recognise a DCP compile by them without
+# importing the backend, which imports the rewrites: nothing can trace for a DCP backend
+# before that module is loaded.
+_DCP_COMPILERS: list = []
+
+
+def register_dcp_compilers(backend_class: type, entry: Any) -> None:
+    """Called once by dcp_pass.backend: the class and the function a DCP compile runs."""
+    _DCP_COMPILERS[:] = [(backend_class, entry)]
+
+
 def _tracing_backend() -> tuple[Optional[str], Any]:
     """The backend Dynamo is tracing for: ("dcp", dcp_size), ("other", name) or (None, None) if unknown.
 
@@ -652,9 +673,9 @@ def _tracing_backend() -> tuple[Optional[str], Any]:
     -> the backend). Only a backend registered under another name counts as "other", so a
     wrapper we do not know is never refused.
     """
-    from dcp_pass.backend import DcpBackend, dcp_backend
     from dcp_pass.options import DcpOptions
 
+    backend_class, entry = _DCP_COMPILERS[0] if _DCP_COMPILERS else (type(None), None)
     try:
         fn = fx_util.tracing_compiler_fn()
     except Exception:  # noqa: BLE001 - internals moved: do not guess
@@ -662,9 +683,9 @@ def _tracing_backend() -> tuple[Optional[str], Any]:
     name, options, seen = None, None, []
     while fn is not None and not any(fn is s for s in seen):
         seen.append(fn)
-        if isinstance(fn, DcpBackend):
+        if isinstance(fn, backend_class):
             return "dcp", _striping_size(fn.options)
-        if fn is dcp_backend:
+        if fn is entry:
             return "dcp", _striping_size(DcpOptions.from_mapping(options))
         name = getattr(fn, "compiler_name", name)
         kwargs = getattr(fn, "kwargs", None)
@@ -733,37 +754,3 @@ def _owner_load_hook(module, state_dict, prefix, *args: Any) -> None:
 def local_cache_placeholder(graph: fx.Graph, index: int, example: torch.Tensor) -> fx.Node:
     """A new trailing graph input carrying the local shard of one cache buffer."""
     return fx_util.static_placeholder(graph, f"dcp_local_cache_{index}", example)
-
-
-def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry: LocalCache) -> fx.Node:
-    """`buffer[:b, s:e(, f0:f1)] = v` -> `write_owned_tokens_(shard, v, s, c, rank, capacity, f0)`,
-    `buffer[:b, positions(, f0:f1)] = v` -> `write_tokens_at_(shard, v, positions, ...)`.
-
-    Traceable runtime functions, not custom ops: the inner compiler sees (and fuses) the
-    plain tensor ops inside, with no opaque call on the decode path. Both check the
-    capacity themselves (a constant start fails while the graph is traced).
-    """
-    if write.positions is not None:
-        fn, where = layout.write_tokens_at_, write.positions
-    else:
-        fn, where = layout.write_owned_tokens_, write.start
-    shard, value = local, write.value
-    head = _singleton_head_axis(write.buffer)
-    if head is not None:  # [B, T, 1, F] / [B, 1, T, F]: the write is on the [B, T, F] view
-        with graph.inserting_before(write.node):
-            index = (slice(None),) * head + (0,)
-            shard = fx_util.call(graph, operator.getitem, local, index, name="shard_rows")
-            value = fx_util.call(graph, operator.getitem, write.value, index, name="written_rows")
-            for node in (shard, value):  # later passes (device positions) read their shapes
-                fx_util.set_example_value(node)
-    feat_start = write.feat[0] if write.feat else 0
-    if entry.kv_format:  # quantised in the graph: the write stores packed bytes
-        with graph.inserting_before(write.node):
-            value, feat_start = fp8_write_value(graph, write, value, feat_start, entry)
-    args = (shard, value, where, entry.c, entry.rank, entry.virtual_capacity, feat_start)
-    return fx_util.replace_node(graph, write.node, fn, args, name="striped_write")
-
-
-def _singleton_head_axis(buffer: fx.Node) -> Optional[int]:
-    roles = cache_layout(buffer)
-    return roles.index(None) if roles is not None and None in roles else None

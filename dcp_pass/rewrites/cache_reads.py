@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes, fx_util
 from dcp_pass.rewrites.axes import B, F, T
+from dcp_pass.runtime.decode import layout
 
 SizeArg = Union[int, fx.Node]
 BUFFER_SOURCE = re.compile(r"_buffers\[")
@@ -559,9 +560,7 @@ class CacheAccess:
     positions: Optional[fx.Node] = None  # a LongTensor of positions, for `buffer[:b, pos] = v`
 
     def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
-        """Replace this write by a striped write into the shard `local` (`cache.rewrite_write`)."""
-        from dcp_pass.rewrites.cache import rewrite_write
-
+        """Replace this write by a striped write into the shard `local` (:func:`rewrite_write`)."""
         return rewrite_write(graph, self, local, entry)
 
 
@@ -649,3 +648,34 @@ def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
         if access is not None:
             writes.setdefault(access.buffer, []).append(access)
     return writes
+
+
+def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry) -> fx.Node:
+    """`buffer[:b, s:e(, f0:f1)] = v` -> `write_owned_tokens_(shard, v, s, c, rank, capacity, f0)`,
+    `buffer[:b, positions(, f0:f1)] = v` -> `write_tokens_at_(shard, v, positions, ...)`.
+
+    Traceable runtime functions, not custom ops: the inner compiler sees (and fuses) the
+    plain tensor ops inside, with no opaque call on the decode path. Both check the
+    capacity themselves (a constant start fails while the graph is traced). `entry`: the
+    shard's cache.LocalCache (its c, rank and virtual capacity).
+    """
+    if write.positions is not None:
+        fn, where = layout.write_tokens_at_, write.positions
+    else:
+        fn, where = layout.write_owned_tokens_, write.start
+    shard, value = local, write.value
+    head = _singleton_head_axis(write.buffer)
+    if head is not None:  # [B, T, 1, F] / [B, 1, T, F]: the write is on the [B, T, F] view
+        with graph.inserting_before(write.node):
+            index = (slice(None),) * head + (0,)
+            shard = fx_util.call(graph, operator.getitem, local, index, name="shard_rows")
+            value = fx_util.call(graph, operator.getitem, write.value, index, name="written_rows")
+            for node in (shard, value):  # later passes (device positions) read their shapes
+                fx_util.set_example_value(node)
+    args = (shard, value, where, entry.c, entry.rank, entry.virtual_capacity, write.feat[0] if write.feat else 0)
+    return fx_util.replace_node(graph, write.node, fn, args, name="striped_write")
+
+
+def _singleton_head_axis(buffer: fx.Node) -> Optional[int]:
+    roles = cache_layout(buffer)
+    return roles.index(None) if roles is not None and None in roles else None

@@ -181,3 +181,32 @@ def _inputs(step_positions, g, heads=4, rank=8, rope=4, batch=2):
     return (torch.randn(batch, s, heads, rank, generator=g), torch.randn(batch, s, heads, rope, generator=g),
             torch.randn(batch, s, rank, generator=g), torch.randn(batch, s, rope, generator=g),
             torch.tensor(step_positions))
+
+
+# ----------------------------------------------------------------------------- matcher captures
+
+
+def matches_of(model: nn.Module, calls) -> list:
+    """`find_mla` (a GraphMatches) of each graph Dynamo captures over the calls `model(*args)`,
+    `args` in `calls`: no rewrite, no process group.
+
+    The matcher runs inside the recording backend, as in the pass: Dynamo drops the
+    placeholders' `grapharg` (where buffer sources come from) once the backend returns.
+    """
+    from dcp_pass.rewrites.match import find_mla
+
+    torch._dynamo.reset()
+    graphs: list = []
+
+    def record(gm, example_inputs):
+        graphs.append(find_mla(gm.graph))
+        return gm.forward
+
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=record)
+            for args in calls:
+                compiled(*args)
+    finally:
+        torch._dynamo.reset()
+    return graphs

@@ -91,6 +91,26 @@ def merge(outs, lses):
     return merge_partials(outs, lses, "e", torch.float64, True)
 
 
+def interpreter_tests(test_file: str, root: str, names: list):
+    """The pytest side of a kernel test file's interpreter checks: a module fixture that runs
+    the file once as an interpreter worker (dcp_pass.testing.interpreter) and one test per
+    check name. Assign both in the test file: ``cpu_results, test_cpu_interpreter = ...``."""
+    import pytest
+
+    from dcp_pass.testing import interpreter
+
+    @pytest.fixture(scope="module")
+    def cpu_results():
+        return interpreter.run_worker(test_file, root)
+
+    @pytest.mark.parametrize("name", names)
+    def test_cpu_interpreter(cpu_results, name):
+        res = cpu_results[name]
+        assert res["ok"], res["msg"]
+
+    return cpu_results, test_cpu_interpreter
+
+
 def fp8_call(B, S, H, Dl, Dr, T, dtype, device="cpu", gen=None, spread=4.0, **call_kwargs) -> AttentionCall:
     """An MLA call over an fp8 latent cache (its per-block scales in ``kv_scale``), quantised from
     random values whose rows span `spread` decades of magnitude (so blocks get different scales)."""

@@ -76,6 +76,36 @@ else:  # pragma: no cover
     INTERPRETED = False
 
 
+def _squeeze_scalar_index() -> None:
+    """Let older Triton interpreters index with computed scalars under NumPy >= 2.4.
+
+    The interpreter holds a scalar as a one-element array, and Triton < 3.7 turns it into
+    an int with ``int(array)``, which NumPy 2.4 refuses for an array of one dimension:
+    every kernel loop over a computed bound (``range(start, end, BLOCK_N)``) then fails
+    under TRITON_INTERPRET=1 with "only 0-dimensional arrays can be converted to Python
+    scalars" (torch 2.11 ships Triton 3.6). Later Tritons squeeze first; this installs the
+    same conversion on the older ones, in the interpreter's own patching step, so compiled
+    kernels are untouched.
+    """
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7):
+        return
+    interp = getattr(triton.runtime, "interpreter", None)
+    patch = getattr(interp, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_dcp_squeezes", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._dcp_squeezes = True
+    interp._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRETED:
+    _squeeze_scalar_index()
+
+
 def _bcast_mask(mask, B, S, H, T, device):
     if mask is None:
         return None

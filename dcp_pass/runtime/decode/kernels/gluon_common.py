@@ -7,7 +7,7 @@ column counts, the calls both forms take (:func:`gluon_reason`), their configura
 both fill (:func:`split_frame`), and the device-side helper both inline for a split's keys.
 
 The registry (``registry.py``) lists the two forms as two kernels; on Triton 3.6, where it
-was measured 2-16 % faster on the H200 (docs/kernel_notes.md v14), the role-split form is
+was measured 2-16 % faster on the H200 (docs/kernels.md), the role-split form is
 preferred for the calls it takes (no mask, no causal cap), the lock-step form runs the rest.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ MIN_ROWS = 64  # one program's row block: the chooser offers the kernels from on
 
 class Schedule(enum.IntEnum):
     """How the lock-step kernel orders a tile's copies, GEMMs and barriers (its SCHEDULE
-    constexpr; docs/kernel_notes.md v6-v10), and, as a config's schedule, the role-split kernel."""
+    constexpr), and, as a config's schedule, the role-split kernel."""
 
     BARRIER_PER_TILE = 1  # a barrier before the next tile's copies and one after the value GEMM
     ONE_BARRIER = 2  # the next tile's copies after the probabilities' barrier: one barrier fewer
@@ -69,7 +69,7 @@ def _on_triton_36() -> bool:
 
 def lock_step_default() -> Schedule:
     """TWO_BUFFERS on Triton 3.6 (2-5 % faster than COPIES_UNDER_SCORES at 64 and 128 heads,
-    kernel_notes v8, and 3-8 % on masked and causal calls, v10); COPIES_UNDER_SCORES elsewhere:
+    and 3-8 % on masked and causal calls, on the H200); COPIES_UNDER_SCORES elsewhere:
     Triton 3.9's compiler spills with TWO_BUFFERS, offline."""
     return Schedule.TWO_BUFFERS if _on_triton_36() else Schedule.COPIES_UNDER_SCORES
 
@@ -77,7 +77,7 @@ def lock_step_default() -> Schedule:
 def roles_preferred(version: Optional[str] = None) -> bool:
     """Whether the role-split kernel is the default for the calls it takes under Triton
     `version` (None: the installed one): on 3.6, where it was timed (2-16 % faster than
-    TWO_BUFFERS at the issue's shapes, exact, kernel_notes v14); elsewhere it was not."""
+    TWO_BUFFERS at 64 and 128 heads, outputs exact); elsewhere it was not."""
     if version is None:
         return _on_triton_36()
     return version.startswith("3.6")
@@ -86,7 +86,7 @@ def roles_preferred(version: Optional[str] = None) -> bool:
 def default_q_reg() -> int:
     """256 on Triton 3.6 (measured on the H200 beside 128 over three leases: +0.6 % on average
     over 8 shapes, +0.7 to +1.1 % at 64 heads / B=8 / 32K; no spills since the row sums are
-    kept per warpgroup, kernel_notes v10); 0 elsewhere, where it was not measured (Triton
+    kept per warpgroup); 0 elsewhere, where it was not measured (Triton
     3.9's compiler spills with 128 or 256, offline)."""
     return 256 if _on_triton_36() else 0
 

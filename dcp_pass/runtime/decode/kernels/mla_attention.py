@@ -280,7 +280,7 @@ class MLAKernelConfig:
 
 
 # Per head-rows bucket: (block_h, block_n, warps, stages, v_split, waves). Resource use
-# checked offline for sm_90 and timings on an H200 are in docs/kernel_notes.md.
+# is checked offline for sm_90 (docs/kernels.md, "Checking a kernel offline").
 # rows <= 16 is memory-bound (mma.sync tile, no spills); wider blocks are compute-bound:
 # a 64-row wgmma tile, its [64, 512] fp32 accumulator split over two programs
 # (v_split=2) so that one warpgroup holds it without spilling.
@@ -319,7 +319,7 @@ def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, e
     """Upper estimate of stage 1's shared memory: pipelined KV (+mask, +page ids) tiles and Q.
 
     Matches the compiler's figure for the 512 + 64 bf16 configs checked offline
-    (docs/kernel_notes.md) and errs high when a mask is pipelined too.
+    and errs high when a mask is pipelined too.
     """
     kv = stages * block_n * (bdm + bdt) * elem
     q = block_h * (bdm + bdt) * elem

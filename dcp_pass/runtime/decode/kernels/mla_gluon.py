@@ -1,7 +1,7 @@
 """One-read MLA decode kernel in Gluon (Triton's explicit-layout dialect), for Hopper: the
 lock-step form, the registry's "gluon_lock_step" kernel. On Triton 3.6 calls without a mask
 or a causal cap take the role-split form (``mla_gluon_roles.py``; 2-16 % faster on the H200,
-docs/kernel_notes.md v14); this one takes the others (and all calls on other Tritons).
+docs/kernels.md); this one takes the others (and all calls on other Tritons).
 
 Each latent KV tile is loaded into shared memory once and serves both GEMMs: as the keys
 of ``q . k`` (read transposed) and as the values of ``p @ v``. One program holds a block
@@ -19,7 +19,7 @@ of 64 rows (query token x head) and all 512 value columns over two warpgroups:
   tile (copied into a small buffer beside it, in the same commit group): read from global
   memory after the score GEMM it waited behind the cache stream for about a tile's time.
 
-Plain Triton cannot express this (docs/kernel_notes.md, v5): it gives a dot whose
+Plain Triton cannot express this: it gives a dot whose
 result reaches another dot all warps along the rows (both warpgroups compute the same
 scores), and a hand-off through memory needs a barrier that turns off its pipelining.
 
@@ -75,7 +75,7 @@ def _issue_ring_copies_src(slot, k_lat_s, k_rope_s, mk_s, t0, end, kv_row, kt_ro
     """Schedules 1-3: the tile at key t0 into ring slot `slot`, with its mask row (when there
     is one) in the same commit group, so it lands with the tile: a mask read straight from
     global memory after the score GEMM waits in the same queues as the cache stream (about
-    a tile's load time at 64 heads; 20-25 % of the call, kernel_notes v10)."""
+    a tile's load time at 64 heads; 20-25 % of the call on the H200)."""
     if HAS_MASK:
         _issue_mask_copy(mk_s.index(slot), mk_row, t0, end, sm_t, n_mk)
     _issue_copies(k_lat_s.index(slot), k_rope_s.index(slot), t0, end, kv_row, kt_row, skv_t, skt_t, n_lat, c_lat,

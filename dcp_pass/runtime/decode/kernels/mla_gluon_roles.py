@@ -2,9 +2,9 @@
 
 The lock-step kernel (``mla_gluon.py``) splits each tile's columns between its two
 warpgroups; both then wait for the softmax at once and the tensor cores idle through it
-(docs/kernel_notes.md v13). Here the two warpgroups are partitions with roles
-(``gl.warp_specialize``), the arrangement FlashInfer's Hopper MLA kernel uses (described in
-kernel_notes v13; written here from that description):
+(docs/kernels.md, "role-split form"). Here the two warpgroups are partitions with roles
+(``gl.warp_specialize``), the arrangement FlashInfer's Hopper MLA kernel uses (written here
+from a description of it):
 
 * the *scorer* (the default partition) computes each 64-key tile's whole score block over
   all 576 columns (m64n64 wgmmas, q read once per tile) and its online softmax, with no
@@ -49,7 +49,7 @@ if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as 
 
 def _opaque_src(x):
     """x through an opaque mov: a buffer index LLVM cannot prove constant per partition (else it
-    hoists the score GEMM's per-step descriptors out of the loop and ptxas spills them, v11)."""
+    hoists the score GEMM's per-step descriptors out of the loop and ptxas spills them)."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 

@@ -297,7 +297,7 @@ class WideConfig:
 
 
 # Default for the compute-bound case (16-bit caches). Resource use checked offline for sm_90
-# (docs/kernel_notes.md, "v4: two-GEMM wide-head path").
+# (benchmarks/offline_wide.py).
 WIDE_DEFAULT = WideConfig()
 # Fewest (query token, head) rows for which the dispatcher prefers this path. At 64 rows
 # (64 heads, between the two regimes) the wide path measured 0.95x the fused kernel on an

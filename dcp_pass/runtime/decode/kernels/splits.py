@@ -92,7 +92,8 @@ def partial_outputs(out, lse_out, ns, H, base):
 
     One split writes the final output and LSE directly (LSE in ``base``); more splits
     write fp32 partials with base-2 LSEs into scratch, merged by :func:`reduce_launch`'s kernel
-    (partials in bf16 were measured slower on the H200, not faster: docs/kernel_notes.md).
+    (partials in bf16 were measured slower on the H200, not faster: the wgmma accumulator
+    layout makes their stores half-sector writes, and the stage-2 merge of them is slower).
     Returns (o_part, l_part, o_strides, l_strides, lse_scale).
     """
     if ns == 1:
