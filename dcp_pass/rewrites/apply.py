@@ -159,6 +159,10 @@ class StripedWrites(GraphPass):
 
     def run(self, state: PassState) -> PassOutcome:
         plan = state.config.plan
+        for match in state.found.matches:
+            why = match.check_plan(plan)
+            if why is not None:
+                raise DcpRewriteError(why)
         kinds = {read.buffer: read for m in state.found.matches for read in [t.cache for t in m.terms] + [m.value_cache]}
         for read in kinds.values():
             check = STRIPE_CHECKS.get(read.kind)

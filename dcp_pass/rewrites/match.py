@@ -126,6 +126,10 @@ class MlaMatch:
         """The insertion point (the softmax for softmax-spelled attention)."""
         return self.anchor
 
+    def check_plan(self, plan) -> Optional[str]:
+        """Why this layer cannot run under `plan` (an error raised before any cache is striped), or None."""
+        return None
+
     def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
                 query_override: Optional[tuple[fx.Node, Optional[fx.Node]]] = None):
         """Replace this attention by shard-local attention + merge (`attention.rewrite_attention`);
@@ -237,6 +241,9 @@ class Recogniser:
     """One way of writing MLA attention. Subclasses set `name` and implement both methods."""
 
     name = "?"
+    # lower runs first: a form whose anchors overlap another's (a softmax, an SDPA call) and
+    # that accepts fewer graphs claims its anchors before the more general recogniser sees them
+    priority = 0
 
     def anchors(self, graph: fx.Graph) -> Iterable[fx.Node]:
         """The nodes a match of this form is anchored on (softmax calls, SDPA calls, ...)."""
@@ -281,7 +288,7 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
     near: list[tuple[str, str]] = []
     notes: list[str] = []
     claimed: set[fx.Node] = set()
-    for recogniser in recognisers.values():
+    for recogniser in sorted(recognisers.values(), key=lambda r: r.priority):
         for node in list(recogniser.anchors(graph)):
             if node in claimed:
                 continue
