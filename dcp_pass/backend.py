@@ -176,7 +176,8 @@ def check_inference_only(gm: fx.GraphModule, example_inputs: Sequence[Any], grap
     backward through a rewritten graph would silently drop the other ranks' share of
     every attention gradient. Decode runs without gradients; say how to get there.
     """
-    if not graph_report.rewritten or not _grad_enabled_at(gm, torch.ops.dcp.mla_local_attention.default):
+    attention_ops = (torch.ops.dcp.mla_local_attention.default, torch.ops.dcp.local_attention.default)
+    if not graph_report.rewritten or not any(_grad_enabled_at(gm, op) for op in attention_ops):
         return
     needing = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not needing:
