@@ -235,7 +235,7 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
     attn_backend = check_attn_backend(opts.attn_backend, device)
     lse_base = opts.lse_base or attention_lse_base(attn_backend)
     return AttentionPlan(topo.dcp_size, topo.dcp_rank, group.group_name, comm_backend, topo.head_sharded,
-                         lse_base, attn_backend)
+                         lse_base, attn_backend, opts.absorb_kv_b_proj)
 
 
 def single_rank_plan(opts: DcpOptions, example_inputs: Sequence[Any]) -> AttentionPlan:

@@ -9,8 +9,9 @@ ceil(T / c) + 1 of the T cache positions (the cache tensor's own storage release
 Kimi's linear-attention states stay as they are and equal eager. Matcher-only tests read
 the captured graphs without a process group; one pin shows the rewritten DeepseekV3 attention.
 
-CI runs c=2 end to end for DeepseekV3 sdpa, Kimi eager and Llama eager (inner "eager") and
-the matcher on the other three; DCP_TEST_FULL=1 runs every model and attention
+Option absorb_kv_b_proj (DeepseekV3, Kimi): the same checks, every layer absorbed and its
+value projection applied before the exchange. CI runs c=2 end to end for DeepseekV3 sdpa,
+Kimi eager absorbed and Llama eager (inner "eager") and the matcher on the other forms; DCP_TEST_FULL=1 runs every model and attention
 implementation at c=2 and c=4 under aot_eager, and the matcher on all of them.
 """
 from __future__ import annotations
@@ -31,8 +32,10 @@ from dcp_pass.testing import run_ranks  # noqa: E402
 
 FULL = os.environ.get("DCP_TEST_FULL") == "1"
 ALL_CONFIGS = [(m, a) for m in ("deepseek_v3", "kimi_linear", "llama_gqa") for a in ("eager", "sdpa")]
+# end-to-end: (model, attention implementation, option absorb_kv_b_proj)
+ALL_RUNS = [(m, a, False) for m, a in ALL_CONFIGS] + [(m, a, True) for m, a in ALL_CONFIGS if m != "llama_gqa"]
 # CI: every model and both attention implementations between the end-to-end run and the matcher tests
-CI_CONFIGS = [("deepseek_v3", "sdpa"), ("kimi_linear", "eager")]  # and Llama eager in _reuse_and_reset
+CI_RUNS = [("deepseek_v3", "sdpa", False), ("kimi_linear", "eager", True)]  # and Llama eager in _reuse_and_reset
 MATCHER_CONFIGS = ALL_CONFIGS if FULL else [("deepseek_v3", "eager"), ("kimi_linear", "sdpa"), ("llama_gqa", "sdpa")]
 
 
@@ -61,11 +64,11 @@ def _generate_configs(rank: int, world: int, configs: list, inner: str):
     from dcp_pass.rewrites.cache import StripedCache
 
     results = []
-    for name, impl in configs:
+    for name, impl, absorb in configs:
         torch._dynamo.reset()
         ref = hf.generate(hf_tiny.tiny_model(name, impl))
         model = hf_tiny.tiny_model(name, impl)
-        backend = DcpBackend(dcp_size=world, tp_size=1, inner=inner)
+        backend = DcpBackend(dcp_size=world, tp_size=1, inner=inner, absorb_kv_b_proj=absorb)
         model.compile(backend=backend)
         out = hf.generate(model)
         caches = []
@@ -77,11 +80,13 @@ def _generate_configs(rank: int, world: int, configs: list, inner: str):
         state_err = max([((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in states],
                         default=0.0)
         results.append(dict(
-            config=(name, impl), tokens_equal=torch.equal(out.sequences, ref.sequences),
+            config=(name, impl, absorb), tokens_equal=torch.equal(out.sequences, ref.sequences),
             logits_err=hf.logits_error(out, ref), graphs=len(backend.graphs),
             rewritten=[g.rewritten for g in backend.report.graphs],
             families=sorted({layer.detail.split(", ")[1] for g in backend.report.graphs for layer in g.layers
                              if layer.rewritten}),
+            absorbed=[("kv_b_proj absorbed" in layer.detail, "v-projection before merge" in layer.detail)
+                      for g in backend.report.graphs for layer in g.layers if layer.rewritten],
             caches=caches, states=len(states), state_err=state_err))
     return results
 
@@ -89,13 +94,15 @@ def _generate_configs(rank: int, world: int, configs: list, inner: str):
 def _check(results, c: int, configs: list):
     assert [r["config"] for r in results] == list(configs)
     for r in results:
-        name, impl = r["config"]
+        name, impl, absorb = r["config"]
         assert r["tokens_equal"], r
         assert r["logits_err"] < 1e-5, r
         assert r["graphs"] == 2, r  # prefill + decode, no graph break
         attention_layers = 1 if name == "kimi_linear" else hf_tiny.LAYERS
         assert r["rewritten"] == [0, attention_layers], r  # the prefill graph creates the cache: unchanged
         assert r["families"] == [f"per-head {impl} form"], r
+        # absorbed: no re-expansion, and the value half of kv_b_proj moves before the exchange
+        assert r["absorbed"] == [(absorb, absorb)] * attention_layers, r
         assert len(r["caches"]) == 2 * attention_layers, r
         for entry in r["caches"]:
             positions = entry["positions"]
@@ -157,7 +164,7 @@ def test_generate_static_c2():
     generate and a reset cache reused (Llama), equal eager; tp_size left at its default (the world
     size) for an unsharded model refused with an error that says to pass tp_size=1 (not run
     with a query all-gather over heads every rank already has)."""
-    configs = ALL_CONFIGS if FULL else CI_CONFIGS
+    configs = ALL_RUNS if FULL else CI_RUNS
     for result in run_ranks(_ci_run, 2, configs, "aot_eager" if FULL else "eager"):
         _check(result["configs"], 2, configs)
         reuse = result["reuse"]
@@ -173,8 +180,8 @@ def test_generate_static_c2():
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="DCP_TEST_FULL=1 runs c=4")
 def test_generate_static_c4():
-    for rank_results in run_ranks(_generate_configs, 4, ALL_CONFIGS, "aot_eager"):
-        _check(rank_results, 4, ALL_CONFIGS)
+    for rank_results in run_ranks(_generate_configs, 4, ALL_RUNS, "aot_eager"):
+        _check(rank_results, 4, ALL_RUNS)
 
 
 # ----------------------------------------------------------------------------- no process group
@@ -219,6 +226,31 @@ def test_matcher_finds_static_cache_attention(decode_graphs, config):
             (v_latent,) = match.values.pieces
             assert v_latent.projection.cols == (nope, nope + v)
             assert v_latent.projection.weight is k_latent.projection.weight
+
+
+@pytest.mark.parametrize("config", MATCHER_CONFIGS, ids=lambda c: "-".join(c))
+def test_absorbable(decode_graphs, config):
+    """DeepseekV3 / Kimi keys and values are the two halves of one kv_b_proj over the latent
+    cache beside the rotary key cache; Llama's per-head caches have nothing to absorb."""
+    from dcp_pass.rewrites.match import find_mla
+    from dcp_pass.rewrites.recognisers.per_head import Absorbed, absorbable
+
+    found = find_mla(decode_graphs[config][1].graph).matches
+    for match in found:
+        ab = absorbable(match)
+        if config[0] == "llama_gqa":
+            assert not isinstance(ab, Absorbed) and "kv_b_proj" in ab, ab
+        else:
+            assert (ab.nope, ab.rope, ab.v_dim, ab.rank) == (hf_tiny.QK_NOPE_HEAD_DIM, hf_tiny.QK_ROPE_HEAD_DIM,
+                                                               hf_tiny.V_HEAD_DIM, hf_tiny.KV_LORA_RANK)
+
+
+def test_absorb_option_is_a_bool():
+    from dcp_pass.options import DcpOptionError, DcpOptions
+
+    assert DcpOptions.from_mapping({"absorb_kv_b_proj": True}).absorb_kv_b_proj is True
+    with pytest.raises(DcpOptionError, match="absorb_kv_b_proj"):
+        DcpOptions.from_mapping({"absorb_kv_b_proj": "yes"})
 
 
 def test_matcher_leaves_linear_attention_states_alone(decode_graphs):

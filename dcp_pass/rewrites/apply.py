@@ -227,7 +227,8 @@ class AttentionRewrite(GraphPass):
             layer = LayerReport(
                 match.layer, True,
                 f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "
-                f"comm {_comm_name(plan)}, lse base {plan.lse_base}, attention {plan.attn_backend}",
+                f"comm {_comm_name(plan)}, lse base {plan.lse_base}, attention {plan.attn_backend}"
+                + "".join(f", {note}" for note in match.rewrite_notes),
             )
             state.report.layers.append(layer)
             state.rewritten.append(RewrittenLayer(match, merged, shape, layer))

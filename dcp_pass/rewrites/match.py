@@ -112,6 +112,7 @@ class MlaMatch:
     # over global key positions, or None), for forms whose mask is a function (flex_attention)
     mask_builder: Optional[Any] = None
     mask_per_head: bool = False  # whether that mask differs per query head
+    rewrite_notes: list[str] = field(default_factory=list)  # what the rewrite chose, for the layer's report
 
     @property
     def buffers(self) -> list[fx.Node]:

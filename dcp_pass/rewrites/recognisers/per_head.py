@@ -42,7 +42,7 @@ import torch.fx as fx
 from dcp_pass.rewrites import axes, cache_reads
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.cache_reads import CacheAccess, CacheRead, buffer_name, buffer_source, cache_layout
-from dcp_pass.rewrites.fx_util import call, erase_dead_region, method, replace_node
+from dcp_pass.rewrites.fx_util import call, erase_dead_region, method, replace_node, set_example_value
 from dcp_pass.rewrites.match import (
     MaskTerm, MatchContext, MlaMatch, NearMiss, NotAttention, Recogniser, ScoreTerm, register,
 )
@@ -352,8 +352,20 @@ class PerHeadMatch(MlaMatch):
     values: Optional[KvOperand] = None
     kv_len: int = 0
 
+    absorbed: Optional["Absorbed"] = None  # set for a plan with absorb_kv_b_proj, where it applies
+    absorb_decided: bool = False
+
     def check_plan(self, plan) -> Optional[str]:
-        """Why `plan` cannot run this layer (before anything is striped), or None."""
+        """Why `plan` cannot run this layer (before anything is striped), or None. With
+        absorb_kv_b_proj it also settles whether this layer is absorbed: the merged output is
+        then the latent width wide (what the passes after the attention read as `v_dim`)."""
+        if plan.absorb_kv_b_proj and not self.absorb_decided:
+            self.absorb_decided = True
+            found = absorbable(self)
+            if isinstance(found, Absorbed):
+                self.absorbed, self.v_dim = found, found.rank
+            else:
+                self.rewrite_notes.append(f"kv_b_proj not absorbed ({found})")
         if plan.head_sharded:
             return (f"layer {self.layer}: attention over per-head keys and values ({self.family} form) with "
                     f"tp_size > 1: the pass would all-gather the query heads of the DCP group, but this model's "
@@ -371,6 +383,8 @@ class PerHeadMatch(MlaMatch):
         why = self.check_plan(plan)
         if why is not None:
             raise NearMiss(why)
+        if self.absorbed is not None:
+            return self._rewrite_absorbed(graph, plan, local_nodes, self.absorbed)
         with graph.inserting_before(self.anchor):
             memo: dict = {}
             k = local_kv(graph, self.keys, local_nodes, memo, "k_local")
@@ -388,6 +402,95 @@ class PerHeadMatch(MlaMatch):
         self.output.replace_all_uses_with(result)
         erase_dead_region(graph, [self.output] + self.keys.copies + self.values.copies)
         return MergedOutput(merged, result)
+
+    def _rewrite_absorbed(self, graph: fx.Graph, plan, local_nodes: dict, ab: "Absorbed"):
+        """Absorbed MLA: q_lat = q_nope . W_k per head attends over the latent rows and the
+        rotary key as they are cached, and W_v applies to the merged latent output. Exact:
+        q_nope . (W_k c_t) = (q_nope W_k) . c_t, and sum_t p_t W_v c_t = W_v sum_t p_t c_t; a
+        key bias adds one constant per query row (the softmax and the merge ignore it), a
+        value bias is added after the merge (the probabilities sum to 1)."""
+        from dcp_pass.rewrites.attention import CANON_Q, MergedOutput, emit_exchange, score_mask
+
+        proj, nope, rope, v = ab.projection, ab.nope, ab.rope, ab.v_dim
+        with graph.inserting_before(self.anchor):
+            w = method(graph, "view", proj.weight, proj.heads, proj.head_dim, -1, name="kv_b_heads")
+            w_k = call(graph, operator.getitem, w, (slice(None), slice(0, nope)), name="w_k")
+            w_v = call(graph, operator.getitem, w, (slice(None), slice(nope, nope + v)), name="w_v")
+            for node in (w, w_k, w_v):  # the value projection's weight is read by project_before_merge
+                set_example_value(node)
+            q = method(graph, "transpose", self.query, 1, 2, name="q_bshd")
+            q_nope = call(graph, operator.getitem, q, (Ellipsis, slice(0, nope)), name="q_nope")
+            q_rope = call(graph, operator.getitem, q, (Ellipsis, slice(nope, nope + rope)), name="q_rope")
+            q_lat = call(graph, torch.einsum, "bshd,hdr->bshr", q_nope, w_k, name="q_lat")
+            kv = call(graph, operator.getitem, local_nodes[ab.latent], (slice(None), 0), name="kv_local")
+            pe = call(graph, operator.getitem, local_nodes[ab.rotary], (slice(None), 0), name="pe_local")
+            mask = score_mask(graph, self, q_lat)
+            attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
+                        kv_len=self.kv_len, c=plan.c, rank=plan.rank, v_dim=ab.rank, scale=float(self.scale),
+                        mask=mask, lse_base=plan.lse_base, backend=plan.attn_backend, name="local_attention")
+            out = call(graph, operator.getitem, attn, 0, name="partial_out")
+            lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
+            merged = emit_exchange(graph, out, lse, self, plan)
+            result = call(graph, torch.einsum, "bshr,hvr->bshv", merged, w_v, name="merged_v")
+            # [B, S, H, v]: the model's attention output, reordered (project_before_merge reads it)
+            result.meta["example_value"] = axes.example_value(self.output).permute(
+                *[self.out_roles.index(r) for r in CANON_Q])
+            if proj.bias is not None:
+                b = method(graph, "view", proj.bias, proj.heads, proj.head_dim)
+                b_v = call(graph, operator.getitem, b, (slice(None), slice(nope, nope + v)), name="b_v")
+                for node in (b, b_v):
+                    set_example_value(node)
+                result = call(graph, operator.add, result, b_v, name="merged_v_bias")
+            back = [CANON_Q.index(r) for r in self.out_roles]
+            if back != list(range(4)):
+                result = method(graph, "permute", result, *back, name="merged_layout")
+        self.output.replace_all_uses_with(result)
+        erase_dead_region(graph, [self.output] + self.keys.copies + self.values.copies)
+        self.rewrite_notes.append(f"kv_b_proj absorbed ({flops_note(self, ab, local_nodes)})")
+        return MergedOutput(merged, result)
+
+
+@dataclass
+class Absorbed:
+    """K = W_k(latent) || rotary broadcast, V = W_v(latent), both halves of one kv_b_proj."""
+
+    projection: Projection
+    latent: fx.Node
+    rotary: fx.Node
+    nope: int
+    rope: int
+    v_dim: int
+    rank: int  # the latent width
+
+
+def absorbable(match: PerHeadMatch):
+    """The `Absorbed` structure of `match`'s keys and values, or why it has none."""
+    k, v = match.keys.pieces, match.values.pieces
+    if len(k) != 2 or len(v) != 1 or k[0].projection is None or k[1].projection is not None or v[0].projection is None:
+        return "keys and values are not one kv_b_proj's halves over a latent cache beside a rotary key cache"
+    pk, pv = k[0].projection, v[0].projection
+    if (k[0].buffer, pk.weight, pk.bias) != (v[0].buffer, pv.weight, pv.bias):
+        return "keys and values come from different projections"
+    nope, rope = pk.cols[1] - pk.cols[0], k[1].cols[1] - k[1].cols[0]
+    if pk.cols != (0, nope) or pv.cols != (nope, pk.head_dim) or k[0].broadcast or v[0].broadcast:
+        return "the projection's columns are not the key half then the value half"
+    if not k[1].broadcast or k[1].feat is not None or static_cache_layout(k[1].buffer)[1] is not None:
+        return "the rotary key is not one cached head broadcast over the query heads"
+    rank = int(axes.shape_of(k[0].buffer)[-1])
+    return Absorbed(pk, k[0].buffer, k[1].buffer, nope, rope, pk.head_dim - nope, rank)
+
+
+def flops_note(match: PerHeadMatch, ab: Absorbed, local_nodes: dict) -> str:
+    """Multiply-add flops a step on this rank with and without the absorption (this layer)."""
+    q_shape = axes.shape_of(match.query)
+    rows = axes.shape_of(local_nodes[ab.latent])[POSITION_AXIS]
+    try:
+        b, h, s, rows = int(q_shape[0]), int(q_shape[1]), int(q_shape[2]), int(rows)
+    except TypeError:
+        return "flops: symbolic shapes"
+    expanded = 2 * b * rows * ab.rank * h * (ab.nope + ab.v_dim) + 2 * b * s * h * rows * (ab.nope + ab.rope + ab.v_dim)
+    folded = 2 * b * s * h * ab.rank * (ab.nope + ab.v_dim) + 2 * b * s * h * rows * (2 * ab.rank + ab.rope)
+    return f"{expanded} -> {folded} flops a step on this rank"
 
 
 def local_kv(graph: fx.Graph, operand: KvOperand, local_nodes: dict, memo: dict, name: str) -> fx.Node:
