@@ -146,10 +146,17 @@ def _reuse_and_reset(world: int):
     cache = first.cache
     cache.reset()  # zeroes the shards of the striped tensors
     third = hf.generate(model, cache=cache)
+    from dcp_pass.rewrites.cache import DcpCacheError
+
+    try:  # any other eager read of a striped cache tensor is refused, naming it
+        cache.layers[0].keys.sum()
+        refused = None
+    except DcpCacheError as e:
+        refused = str(e)
     return dict(equal=[torch.equal(first.sequences, ref.sequences), torch.equal(second.sequences, ref_second.sequences),
                        torch.equal(third.sequences, ref.sequences)],
                 err=max(hf.logits_error(first, ref), hf.logits_error(second, ref_second), hf.logits_error(third, ref)),
-                graphs=len(backend.graphs), rewritten=[g.rewritten for g in backend.report.graphs])
+                graphs=len(backend.graphs), rewritten=[g.rewritten for g in backend.report.graphs], refused=refused)
 
 
 def _ci_run(rank: int, world: int, configs: list, inner: str):
@@ -173,6 +180,7 @@ def test_generate_static_c2():
         # (rewritten too: multi-token attention over the striped cache) and a decode recompile
         assert reuse["graphs"] == 4 and reuse["rewritten"][:2] == [0, hf_tiny.LAYERS], reuse
         assert reuse["rewritten"][2:] == [hf_tiny.LAYERS, hf_tiny.LAYERS], reuse
+        assert reuse["refused"] is not None and "cache.layers.0.keys" in reuse["refused"], reuse
         message = result["default_tp"]
         assert message is not None and "tp_size': 1" in message and "not sharded" in message, message
 

@@ -86,6 +86,9 @@ def is_released(buffer: torch.Tensor) -> bool:
 
 # kind -> (buffer, c, rank, name) -> LocalCache, for cache layouts other than "flat"
 SHARD_MAKERS: dict[str, Any] = {}
+# kinds whose striped tensors take an eager zero_() (a reset of the cache object that holds
+# them, outside any graph) by zeroing the rank's shard; any other eager use raises
+RESETTABLE: set[str] = set()
 
 
 def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat") -> LocalCache:
@@ -123,7 +126,8 @@ class StripedCache(torch.Tensor):
     pass that sees the buffer striped: no compiled graph ever writes or reads the released
     storage. And any eager torch call that would read or write its data raises
     `DcpCacheError` naming it (its metadata stays readable: shape, dtype, device, ...),
-    except `zero_()`, which zeroes this rank's shard (a cache reset between generations).
+    except `zero_()` on the kinds in RESETTABLE, which zeroes this rank's shard (a Hugging Face
+    cache reset between generations).
     While Dynamo traces, calls pass through as on a plain tensor (the pass rewrites them).
     """
 
@@ -141,7 +145,7 @@ class StripedCache(torch.Tensor):
         touched = next((a for a in _tensors_in(args, kwargs) if type(a) is StripedCache), None)
         what = getattr(func, "__name__", str(func))
         entry = lookup_local_cache(touched) if touched is not None else None
-        if what == "zero_" and args and args[0] is touched and entry is not None:
+        if what == "zero_" and args and args[0] is touched and entry is not None and entry.kind in RESETTABLE:
             # a cache reset (Hugging Face's Cache.reset() between generations) clears this rank's rows
             entry.local.zero_()
             return touched

@@ -709,9 +709,10 @@ cache_reads.WRITE_FORMS.append(index_copy_write)
 
 
 def _register_shards() -> None:
-    from dcp_pass.rewrites.cache import SHARD_MAKERS
+    from dcp_pass.rewrites.cache import RESETTABLE, SHARD_MAKERS
 
     SHARD_MAKERS[KIND] = static_cache_shard
+    RESETTABLE.add(KIND)  # Cache.reset() zeroes its tensors between generations
 
 
 _register_shards()
