@@ -192,6 +192,49 @@ def test_generate_static_c4():
         _check(rank_results, 4, ALL_RUNS)
 
 
+def _gpu_generate(rank: int, world: int, runs: list):
+    """On cuda:rank under inductor: each run's tokens and logit error against the fp32 eager
+    model, and the same error of the eager model in the run's dtype (bf16's own noise)."""
+    import torch._dynamo
+
+    from dcp_pass.backend import DcpBackend
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    prompts = hf.PROMPTS.to(device)
+    results = []
+    for name, impl, absorb, dtype in runs:
+        torch._dynamo.reset()
+        dtype = getattr(torch, dtype)
+        want = hf.generate(hf_tiny.tiny_model(name, impl).to(device), prompts)
+        eager = hf.generate(hf_tiny.tiny_model(name, impl, dtype=dtype).to(device), prompts)
+        model = hf_tiny.tiny_model(name, impl, dtype=dtype).to(device)
+        model.compile(backend=DcpBackend(dcp_size=world, tp_size=1, inner="inductor", absorb_kv_b_proj=absorb))
+        got = hf.generate(model, prompts)
+        results.append(dict(run=(name, impl, absorb, str(dtype)), err=hf.logits_error(got, want),
+                            eager_err=hf.logits_error(eager, want),
+                            tokens_equal=torch.equal(got.sequences, want.sequences)))
+    return results
+
+
+GPU_RUNS = [("deepseek_v3", "sdpa", absorb, dtype) for absorb in (False, True) for dtype in ("float32", "bfloat16")] \
+    + [("llama_gqa", "sdpa", False, "bfloat16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+def test_gpu_generate_static():
+    """2 GPUs, NCCL, inductor (CUDA graphs as 'auto' sets them): fp32 exact to 1e-4 with equal
+    tokens; bf16 within a few times the bf16 eager model's own error."""
+    for rank_results in run_ranks(_gpu_generate, 2, GPU_RUNS, backend="nccl", timeout=900):
+        for r in rank_results:
+            if r["run"][3] == "torch.float32":
+                assert r["err"] < 1e-4 and r["tokens_equal"], r
+            else:
+                assert r["err"] < 4 * r["eager_err"] + 1e-2, r
+
+
 # ----------------------------------------------------------------------------- no process group
 
 
@@ -341,6 +384,43 @@ partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
 merged_layout = merged.permute(0, 2, 1, 3)
+transpose_3 = merged_layout.transpose(1, 2)
+attn_output_1 = transpose_3.contiguous()
+reshape = attn_output_1.reshape(1, 1, -1)
+attn_output_2 = reshape.contiguous()
+attn_output_3 = torch._C._nn.linear(attn_output_2, model_model_layers_0_self_attn_o_proj_weight, None)""")
+
+    def test_deepseek_v3_decode_attention_absorbed(self):
+        """The same with absorb_kv_b_proj: the key half of kv_b_proj folded into the query,
+        absorbed-MLA attention over the latent and rotary rows, the value half per rank's
+        partial before the exchange (project_before_merge)."""
+        from dcp_pass.testing import graph_stages
+
+        model = hf.DecodeCall(hf_tiny.tiny_model("deepseek_v3", "eager", num_hidden_layers=1,
+                                                 first_k_dense_replace=1))
+        ids = hf.PROMPTS[:1]
+        cache = hf.static_cache(model.model, 1, 8)
+        stages = graph_stages(model, [(ids[:, :5], cache), (ids[:, 5:6], cache)],
+                              {"dcp_size": 2, "tp_size": 1, "absorb_kv_b_proj": True})
+        code = hf.lines_between(stages[1]["install_shards"], "kv_b_heads", "o_proj")
+        self.assertExpectedInline(code, """\
+kv_b_heads = model_model_layers_0_self_attn_kv_b_proj_weight.view(4, 32, -1)
+w_k = kv_b_heads[(slice(None, None, None), slice(0, 16, None))]
+w_v = kv_b_heads[(slice(None, None, None), slice(16, 32, None))]
+q_bshd = query_states.transpose(1, 2)
+q_nope = q_bshd[(Ellipsis, slice(0, 16, None))]
+q_rope = q_bshd[(Ellipsis, slice(16, 32, None))]
+q_lat = torch.functional.einsum('bshd,hdr->bshr', q_nope, w_k)
+kv_local = dcp_local_cache_0[(slice(None, None, None), 0)]
+pe_local = dcp_local_cache_1[(slice(None, None, None), 0)]
+permute = mask.permute(0, 2, 1, 3)
+mask_f32 = permute.float()
+local_attention = torch.ops.dcp.mla_local_attention.default(q_lat, q_rope, kv_local, pe_local, kv_len = 8, c = 2, rank = 0, v_dim = 32, scale = 0.1767766952966369, mask = mask_f32, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, w_v)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+merged_layout = merged_proj.permute(0, 2, 1, 3)
 transpose_3 = merged_layout.transpose(1, 2)
 attn_output_1 = transpose_3.contiguous()
 reshape = attn_output_1.reshape(1, 1, -1)

@@ -299,7 +299,7 @@ def _filled_pieces(node: fx.Node, reader: fx.Node) -> Optional[tuple[list[Piece]
         fills = list(user.users)
         if ranged is None or len(fills) != 1 or not axes.is_method(fills[0], "copy_") or fills[0].args[0] is not user:
             raise NearMiss("a key tensor filled by something other than column copies", user)
-        if order[fills[0]] > order[reader]:
+        if reader is not None and order[fills[0]] > order[reader]:
             raise NearMiss("a key tensor is filled after the attention reads it", fills[0])
         pieces.append(_trace_piece(fills[0].args[1], ranged[1]))
         copies.append(fills[0])
