@@ -190,10 +190,15 @@ def _repeat_kv_base(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
     if len(entries) != 5 or entries[2] is not None or not all(_whole(e) for i, e in enumerate(entries) if i != 2):
         return None
     base = index.args[0]
-    shape, big = axes.shape_of(base), axes.shape_of(expand)
-    if shape is None or big is None or len(big) != 5:
+    shape, big, out = axes.shape_of(base), axes.shape_of(expand), axes.shape_of(node)
+    if shape is None or big is None or out is None or len(big) != 5 or len(out) != 4:
         return None
-    return base, int(big[2])
+    repeat = int(big[2])
+    # the kv-head and repeat axes merged, in that order: query head h reads kv head h // repeat
+    if not (axes.known_equal(out[1], shape[1] * repeat) and all(axes.known_equal(a, b) for a, b in
+                                                               zip((out[0], *out[2:]), (shape[0], *shape[2:])))):
+        return None
+    return base, repeat
 
 
 def _column_range(node: fx.Node) -> Optional[tuple[fx.Node, tuple[int, int]]]:
@@ -252,6 +257,8 @@ def _projection(node: fx.Node) -> Optional[tuple[fx.Node, Projection]]:
                                             and axes.known_equal(out[1], cache_shape[POSITION_AXIS])):
         raise NearMiss("the projected latent cache is not viewed as [batch, position, heads, head_dim]", view)
     heads, head_dim = int(out[2]), int(out[3])
+    if heads * head_dim != axes.shape_of(weight)[0]:
+        raise NearMiss("the projected latent cache is not split into [heads, head_dim] of its features", view)
     return cache, Projection(weight, bias, heads, head_dim, (0, head_dim))
 
 
