@@ -22,6 +22,13 @@ with `dcp.local_attention` over them (global positions, the model's mask over gl
 positions: the op keeps the rank's columns), and the partials merge exactly through their
 log-sum-exp (`attention.emit_exchange`, as for absorbed MLA).
 
+With option `absorb_kv_b_proj` a layer whose K and V are the two halves of one kv_b_proj
+over the latent cache, beside a rotary cache broadcast over the heads (DeepseekV3, Kimi),
+runs as absorbed MLA instead (`PerHeadMatch._rewrite_absorbed`): the key half folds into
+the query, `dcp.mla_local_attention` attends over the cached latent and rotary rows as they
+are, and the value half applies after the merge (before it, per rank, where
+project_before_merge moves it), so no step re-expands the context.
+
 The cache tensors are striped like module buffers (rewrites/cache.py): each rank keeps a
 shard `[batch, kv heads, ceil(T / c) + 1, feature]` (one spare row that no read covers), the
 full-size storage is released and the tensor's class becomes `StripedCache`. Only the
