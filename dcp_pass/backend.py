@@ -176,7 +176,8 @@ def check_inference_only(gm: fx.GraphModule, example_inputs: Sequence[Any], grap
     backward through a rewritten graph would silently drop the other ranks' share of
     every attention gradient. Decode runs without gradients; say how to get there.
     """
-    if not graph_report.rewritten or not _grad_enabled_at(gm, torch.ops.dcp.mla_local_attention.default):
+    attention_ops = (torch.ops.dcp.mla_local_attention.default, torch.ops.dcp.local_attention.default)
+    if not graph_report.rewritten or not any(_grad_enabled_at(gm, op) for op in attention_ops):
         return
     needing = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not needing:
@@ -234,7 +235,7 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
     attn_backend = check_attn_backend(opts.attn_backend, device)
     lse_base = opts.lse_base or attention_lse_base(attn_backend)
     return AttentionPlan(topo.dcp_size, topo.dcp_rank, group.group_name, comm_backend, topo.head_sharded,
-                         lse_base, attn_backend)
+                         lse_base, attn_backend, opts.absorb_kv_b_proj)
 
 
 def single_rank_plan(opts: DcpOptions, example_inputs: Sequence[Any]) -> AttentionPlan:

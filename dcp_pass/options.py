@@ -81,6 +81,10 @@ class DcpOptions:
     # "fp8_e4m3": the latent columns as float8 e4m3 with one fp32 scale per 128 values, the
     # rotary columns in the model's dtype (runtime/decode/kv_format.py)
     kv_cache_dtype: Optional[str] = None
+    # per-head attention over keys and values re-expanded from a latent cache by kv_b_proj
+    # (Hugging Face DeepseekV3 / Kimi): fold the key half into the query and apply the
+    # value half after the merge, so no step re-expands the context (absorbed MLA); opt-in
+    absorb_kv_b_proj: bool = False
 
     def __post_init__(self) -> None:
         for name in AUTOMATIC:  # "auto" is the default, None
@@ -113,6 +117,8 @@ class DcpOptions:
         _check_bool_or_auto("static_positions", self.static_positions)
         if not isinstance(self.fast_path, bool):
             raise DcpOptionError(f"option 'fast_path' must be True or False, got {self.fast_path!r}")
+        if not isinstance(self.absorb_kv_b_proj, bool):
+            raise DcpOptionError(f"option 'absorb_kv_b_proj' must be True or False, got {self.absorb_kv_b_proj!r}")
         if not isinstance(self.strict, bool):
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
         _check_bool_or_auto("complex_as_real", self.complex_as_real)

@@ -160,6 +160,10 @@ class StripedWrites(GraphPass):
 
     def run(self, state: PassState) -> PassOutcome:
         plan = state.config.plan
+        for match in state.found.matches:
+            why = match.check_plan(plan)
+            if why is not None:
+                raise DcpRewriteError(why)
         kinds = {read.buffer: read for m in state.found.matches for read in [t.cache for t in m.terms] + [m.value_cache]}
         for read in kinds.values():
             check = STRIPE_CHECKS.get(read.kind)
@@ -237,7 +241,8 @@ class AttentionRewrite(GraphPass):
             layer = LayerReport(
                 match.layer, True,
                 f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "
-                f"comm {_comm_name(plan)}, lse base {plan.lse_base}, attention {plan.attn_backend}",
+                f"comm {_comm_name(plan)}, lse base {plan.lse_base}, attention {plan.attn_backend}"
+                + "".join(f", {note}" for note in match.rewrite_notes),
             )
             state.report.layers.append(layer)
             state.rewritten.append(RewrittenLayer(match, merged, shape, layer))

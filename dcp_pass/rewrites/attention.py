@@ -48,6 +48,7 @@ class AttentionPlan:
     head_sharded: bool
     lse_base: str
     attn_backend: str
+    absorb_kv_b_proj: bool = False  # per-head attention over a re-expanded latent (recognisers/per_head.py)
 
 
 @dataclass(frozen=True)

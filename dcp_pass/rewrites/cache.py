@@ -92,6 +92,9 @@ def is_released(buffer: torch.Tensor) -> bool:
 
 # kind -> (buffer, c, rank, name) -> LocalCache, for cache layouts other than "flat"
 SHARD_MAKERS: dict[str, Any] = {}
+# kinds whose striped tensors take an eager zero_() (a reset of the cache object that holds
+# them, outside any graph) by zeroing the rank's shard; any other eager use raises
+RESETTABLE: set[str] = set()
 
 
 def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",
@@ -145,7 +148,9 @@ class StripedCache(torch.Tensor):
     write-only prefill graph, say) fails its guards and is compiled again, this time by a
     pass that sees the buffer striped: no compiled graph ever writes or reads the released
     storage. And any eager torch call that would read or write its data raises
-    `DcpCacheError` naming it (its metadata stays readable: shape, dtype, device, ...).
+    `DcpCacheError` naming it (its metadata stays readable: shape, dtype, device, ...),
+    except `zero_()` on the kinds in RESETTABLE, which zeroes this rank's shard (a Hugging Face
+    cache reset between generations).
     While Dynamo traces, calls pass through as on a plain tensor (the pass rewrites them).
     """
 
@@ -161,8 +166,13 @@ class StripedCache(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         touched = next((a for a in _tensors_in(args, kwargs) if type(a) is StripedCache), None)
-        name, why = _describe(touched) if touched is not None else ("?", "?")
         what = getattr(func, "__name__", str(func))
+        entry = lookup_local_cache(touched) if touched is not None else None
+        if what == "zero_" and args and args[0] is touched and entry is not None and entry.kind in RESETTABLE:
+            # a cache reset (Hugging Face's Cache.reset() between generations) clears this rank's rows
+            entry.local.zero_()
+            return touched
+        name, why = _describe(touched) if touched is not None else ("?", "?")
         raise DcpCacheError(
             f"dcp_pass: eager code called {what} on cache buffer {name}, but {why}. Only graphs compiled "
             f"with backend='dcp' can read or write it; call the compiled model (a graph break inside the "

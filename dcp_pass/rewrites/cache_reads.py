@@ -52,9 +52,20 @@ def module_path(source: Optional[str]) -> str:
     if not source:
         return "?"
     keys = re.findall(r"\['([^']*)'\]", source)
+    # attributes and list indices after the last subscript: a graph input reached through
+    # an object (`L['kwargs']['cache'].layers[0].keys`, a Hugging Face cache) -> cache.layers.0.keys
+    tail = source[source.rfind("']") + 2:] if "']" in source else ""
+    attrs = re.findall(r"\.(\w+)|\[(\d+)\]", tail)
+    if attrs and keys:
+        keys = [k for k in keys if k not in ("kwargs", "args")] + [a or i for a, i in attrs]
     while keys and keys[0] in ("self", "fn"):
         keys = keys[1:]
     return ".".join(keys) or source
+
+
+# Hooks of caches that are not module buffers (graph inputs reached through a cache object,
+# recognisers/per_head.py): each takes a placeholder and returns its layout, or None.
+CACHE_LAYOUTS: list = []
 
 
 def cache_layout(node: Any) -> Optional[tuple[Optional[str], ...]]:
@@ -68,7 +79,8 @@ def cache_layout(node: Any) -> Optional[tuple[Optional[str], ...]]:
     name = buffer_source(node)
     shape = axes.shape_of(node)
     if not (name and BUFFER_SOURCE.search(name)) or shape is None:
-        return None
+        # graph inputs that are caches by another convention (CACHE_LAYOUTS)
+        return next((lay for lay in (hook(node) for hook in CACHE_LAYOUTS) if lay is not None), None)
     if len(shape) == 3:
         return (B, T, F)
     if len(shape) == 4:

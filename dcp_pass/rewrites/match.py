@@ -112,6 +112,7 @@ class MlaMatch:
     # over global key positions, or None), for forms whose mask is a function (flex_attention)
     mask_builder: Optional[Any] = None
     mask_per_head: bool = False  # whether that mask differs per query head
+    rewrite_notes: list[str] = field(default_factory=list)  # what the rewrite chose, for the layer's report
 
     @property
     def buffers(self) -> list[fx.Node]:
@@ -125,6 +126,10 @@ class MlaMatch:
     def softmax(self) -> fx.Node:
         """The insertion point (the softmax for softmax-spelled attention)."""
         return self.anchor
+
+    def check_plan(self, plan) -> Optional[str]:
+        """Why this layer cannot run under `plan` (an error raised before any cache is striped), or None."""
+        return None
 
     def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
                 query_override: Optional[tuple[fx.Node, Optional[fx.Node]]] = None):
@@ -237,6 +242,9 @@ class Recogniser:
     """One way of writing MLA attention. Subclasses set `name` and implement both methods."""
 
     name = "?"
+    # lower runs first: a form whose anchors overlap another's (a softmax, an SDPA call) and
+    # that accepts fewer graphs claims its anchors before the more general recogniser sees them
+    priority = 0
 
     def anchors(self, graph: fx.Graph) -> Iterable[fx.Node]:
         """The nodes a match of this form is anchored on (softmax calls, SDPA calls, ...)."""
@@ -281,7 +289,7 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
     near: list[tuple[str, str]] = []
     notes: list[str] = []
     claimed: set[fx.Node] = set()
-    for recogniser in recognisers.values():
+    for recogniser in sorted(recognisers.values(), key=lambda r: r.priority):
         for node in list(recogniser.anchors(graph)):
             if node in claimed:
                 continue

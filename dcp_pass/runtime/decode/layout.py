@@ -492,3 +492,24 @@ def write_tokens_at_(
     spare = torch.full_like(positions, shard.shape[1] - 1)
     rows = torch.where(positions % c == r, positions // c, spare)
     cols.index_copy_(1, rows, values.to(shard.dtype))
+
+
+def write_rows_at_(
+    shard: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    axis: int,
+    c: int,
+    r: int,
+    capacity: int,
+) -> None:
+    """`cache.index_copy_(axis, positions, values)` for rank r's shard, whose position axis
+    is `axis` (a per-head cache [B, H, T, D] has it at 2).
+
+    As `write_tokens_at_`: static shapes, no host sync; tokens this rank does not own go to
+    the shard's spare last row, which no read covers.
+    """
+    torch._assert_async(((positions >= 0) & (positions < capacity)).all())
+    spare = torch.full_like(positions, shard.shape[axis] - 1)
+    rows = torch.where(positions % c == r, positions // c, spare)
+    shard.index_copy_(axis, rows, values.to(shard.dtype))
