@@ -10,6 +10,8 @@ inner compiler. Two failure modes are pinned here:
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -91,8 +93,10 @@ def test_c2_same_graphs_on_every_rank_and_exact():
     _check(run_ranks(_rank_fn, 2, C2, timeout=600), C2)
 
 
-C3 = [dict(dtype=torch.float32, tp=3, inner="aot_eager", dense=True),
-      dict(dtype=torch.float32, tp=3, inner="inductor", dense=True)]
+# inductor at c=3 under DCP_TEST_FULL=1 only (three ranks compiling C++ on CI's two cores
+# take minutes); CI runs inductor under DCP at c=2 (pass_numerics, forms_e2e)
+C3 = [dict(dtype=torch.float32, tp=3, inner="aot_eager", dense=True)] + (
+    [dict(dtype=torch.float32, tp=3, inner="inductor", dense=True)] if os.environ.get("DCP_TEST_FULL") == "1" else [])
 
 
 @pytest.mark.slow
