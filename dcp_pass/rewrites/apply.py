@@ -352,7 +352,10 @@ class InstallShards(GraphPass):
     def run(self, state: PassState) -> PassOutcome:
         plan = state.config.plan
         for buf, entry in state.entries.items():
-            cache_rw.install(state.values[buf.name], entry)
+            if entry.kind in cache_rw.INSTALLED_AT_FIRST_CALL:
+                cache_rw.install_at_first_call(state.values[buf.name], entry)
+            else:
+                cache_rw.install(state.values[buf.name], entry)
         siblings = 0
         for buf, entry in state.entries.items():
             # the same cache of the other layers a shared graph will be called with

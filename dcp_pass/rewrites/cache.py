@@ -105,7 +105,7 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "f
     directly (a deferred buffer never has any other storage) and rows already written are
     quantised into it.
     """
-    entry = lookup_local_cache(buffer)
+    entry = lookup_local_cache(buffer) or _PENDING.get(buffer)
     if entry is None and kind != "flat":
         if kv_format:
             raise DcpCacheError(f"cache {name}: kv_cache_dtype fp8 takes caches with rows by position, not a "
@@ -249,7 +249,7 @@ def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "f
     """
     entry = lookup_local_cache(buffer)
     if entry is None:
-        entry = shard_for(buffer, c, rank, name, kind, kv_format)
+        entry = _PENDING.pop(buffer, None) or shard_for(buffer, c, rank, name, kind, kv_format)
         install(buffer, entry)
     return entry
 
@@ -337,6 +337,21 @@ def fp8_packed_write(graph: fx.Graph, write: CacheAccess, entry: LocalCache) -> 
     fx_util.set_example_value(packed)
     nbytes = fx_util.node_value(packed).shape[-1]
     return dataclasses.replace(write, value=packed, feat=(offset, offset + nbytes))
+
+
+# Kinds whose tensors are new objects for every generation (a Hugging Face Cache's): a graph
+# compiled for them must guard on the plain tensor class they arrive with, else every new
+# generation's first call would compile the graph again. Their shards are installed (storage
+# released, class changed) at the graph's first call, after Dynamo has built its guards,
+# instead of during the compile; the next call then compiles once for the striped class.
+INSTALLED_AT_FIRST_CALL: set[str] = set()
+_PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()  # buffer -> its shard, made, not installed
+
+
+def install_at_first_call(buffer: torch.Tensor, entry: LocalCache) -> None:
+    """Keep `entry` for `buffer` until the compiled graph's first call installs it (local_for)."""
+    if lookup_local_cache(buffer) is None:
+        _PENDING[buffer] = entry
 
 
 # --------------------------------------------------------------------------- no memory behind

@@ -1,0 +1,132 @@
+"""Hugging Face DeepseekV3 generate(cache_implementation="static") under backend "dcp".
+
+Every rank builds the same random DeepseekV3ForCausalLM (dense layers, MLA at DeepSeek-V3's
+attention sizes by default), compiles it in place with DcpBackend and times greedy decode:
+the time of a generate of `--steps` + 2 new tokens minus one of 2 new tokens, per step
+(prefill and compiles excluded: both lengths are warmed first). Variants, back to back in one
+process group: plain inductor (dcp_size=1: graphs unchanged), DCP over all ranks with the
+per-step kv_b_proj re-expansion, and DCP with option absorb_kv_b_proj. Rank 0's tokens are
+compared with the dcp_size=1 run's; each variant's cache bytes per rank are recorded.
+
+    python benchmarks/bench_hf.py --world 2 --prompt 8192 --batch 4 --out $OUT/hf.json
+
+On CPU (gloo, a tiny model) it runs as a smoke test: `--device cpu --tiny`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def config(tiny: bool, layers: int):
+    from transformers import DeepseekV3Config
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, kv_lora_rank=32, q_lora_rank=48,
+                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, vocab_size=128) if tiny else dict(
+        hidden_size=2048, intermediate_size=4096, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=4096)
+    return DeepseekV3Config(num_hidden_layers=layers, first_k_dense_replace=layers, n_routed_experts=4,
+                            num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
+                            num_key_value_heads=sizes["num_attention_heads"], max_position_embeddings=1 << 20,
+                            bos_token_id=None, eos_token_id=None, pad_token_id=None, **sizes)
+
+
+def _generate(model, prompts, new):
+    with torch.no_grad():
+        return model.generate(prompts, max_new_tokens=new, do_sample=False, cache_implementation="static",
+                              return_dict_in_generate=True)
+
+
+def _timed(model, prompts, new, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = _generate(model, prompts, new)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def _rank(rank: int, world: int, args):
+    import torch._dynamo
+    from transformers import DeepseekV3ForCausalLM
+
+    # the two timed lengths give two static cache sizes: two static graphs each, warmed first
+    torch._dynamo.config.automatic_dynamic_shapes = False
+
+    from dcp_pass.backend import DcpBackend
+    from dcp_pass.rewrites.cache import lookup_local_cache
+
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    cfg = config(args.tiny, args.layers)
+    cfg._attn_implementation = args.attn
+    prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
+    prompts = prompts.to(device)
+    variants = [("inductor", 1, False), (f"dcp{world}", world, False), (f"dcp{world} absorbed", world, True)]
+    rows, reference = [], None
+    for label, c, absorb in variants:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = DeepseekV3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+        backend = DcpBackend(dcp_size=c, tp_size=1, inner=args.inner, absorb_kv_b_proj=absorb)
+        model.compile(backend=backend)
+        for new in (2, args.steps + 2, 2, args.steps + 2):  # every compile of both cache lengths
+            _generate(model, prompts, new)
+        warmed = len(backend.graphs)
+        short, _ = _timed(model, prompts, 2, device)
+        long, out = _timed(model, prompts, args.steps + 2, device)
+        cache_bytes = 0
+        for layer in out.cache.layers:
+            for t in (layer.keys, layer.values):
+                entry = lookup_local_cache(t)
+                cache_bytes += t.untyped_storage().nbytes() + (entry.local.untyped_storage().nbytes() if entry else 0)
+        if reference is None:
+            reference = out.sequences
+        rows.append(dict(variant=label, step_ms=1e3 * (long - short) / args.steps, cache_bytes_per_rank=cache_bytes,
+                         tokens_equal_inductor=bool(torch.equal(out.sequences, reference)),
+                         graphs=len(backend.graphs), compiled_while_timed=len(backend.graphs) - warmed, layers=[layer.detail for g in backend.report.graphs
+                                                              for layer in g.layers if layer.rewritten][:1]))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--inner", default="inductor")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from dcp_pass.testing import run_ranks
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    results = run_ranks(_rank, args.world, args, backend=backend, timeout=3000)
+    for row in results[0]:
+        print(f"{row['variant']:>16}: {row['step_ms']:8.2f} ms/step, cache {row['cache_bytes_per_rank'] / 2**20:8.2f} "
+              f"MiB/rank, tokens == inductor: {row['tokens_equal_inductor']}, graphs {row['graphs']} "
+              f"({row['compiled_while_timed']} while timed)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), ranks=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
