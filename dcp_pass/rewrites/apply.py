@@ -32,7 +32,7 @@ from dcp_pass.rewrites import complex_product
 from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites import project_merge
 from dcp_pass.rewrites import q_replicate
-from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput
+from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput, rewrite_attention
 from dcp_pass.rewrites.axes import B, H, S
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla
 
@@ -219,6 +219,14 @@ class QueryReplication(GraphPass):
         return PassOutcome(count)
 
 
+def _rewrite(match: MlaMatch, gm: fx.GraphModule, plan, local_nodes, override) -> MergedOutput:
+    """The match's own rewrite where its kind defines one (per-head attention), else the MLA one."""
+    own = getattr(match, "rewrite", None)
+    if own is not None:
+        return own(gm, plan, local_nodes, override)
+    return rewrite_attention(gm, match, plan, local_nodes, override)
+
+
 class AttentionRewrite(GraphPass):
     """Each match becomes shard-local attention + the exchange that merges the partials."""
 
@@ -230,7 +238,7 @@ class AttentionRewrite(GraphPass):
             override, q_detail = state.queries.get(id(match), (None, "all-gather"))
             shape = _merged_shape(match)
             try:
-                merged = match.rewrite(state.gm, plan, state.local_nodes, override)
+                merged = _rewrite(match, state.gm, plan, state.local_nodes, override)
             except NearMiss as miss:
                 _striped_already(match, miss)
             kind = "decode" if _is_decode(match) else "multi-token"

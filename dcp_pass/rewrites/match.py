@@ -4,7 +4,8 @@ A recogniser finds one way of writing absorbed-MLA attention (softmax over einsu
 matmul scores, `scaled_dot_product_attention`, ...) and fills one `MlaMatch`: which
 query parts meet which cache reads, the values, the scale, the masks and causality,
 where new nodes go and which node's users read the result. The record says nothing of
-how the attention was spelled; one rewrite (`attention.rewrite_attention`) consumes it.
+how the attention was spelled; one rewrite (`attention.rewrite_attention`) consumes it,
+unless a record of its own kind defines `rewrite` (per-head attention does).
 
 Recognisers live one per module in `dcp_pass/rewrites/recognisers/` and register
 themselves with `register`; `find_mla` runs every registered recogniser over a graph.
@@ -130,14 +131,6 @@ class MlaMatch:
     def check_plan(self, plan) -> Optional[str]:
         """Why this layer cannot run under `plan` (an error raised before any cache is striped), or None."""
         return None
-
-    def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
-                query_override: Optional[tuple[fx.Node, Optional[fx.Node]]] = None):
-        """Replace this attention by shard-local attention + merge (`attention.rewrite_attention`);
-        returns its `MergedOutput` (the exchange and the merged output in the model's layout)."""
-        from dcp_pass.rewrites.attention import rewrite_attention
-
-        return rewrite_attention(gm, self, plan, local_nodes, query_override)
 
 
 # ----------------------------------------------------------------------------- user terms
