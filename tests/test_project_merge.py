@@ -15,6 +15,8 @@ the exchange of partial results.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -274,11 +276,13 @@ def test_c2_projected_before_merge_exact():
     _check(C2, run_ranks(_run_configs, 2, C2, timeout=900), 2)
 
 
+# CI runs the first (four ranks on two cores cost about 20 s a config); DCP_TEST_FULL=1 all three
 C4 = [
     dict(model="deepseek", tp=4, comm="ag_rs", variant=DENSE),
+] + ([
     dict(model="deepseek", tp=1, comm="a2a", variant=DENSE),
     dict(model="hybrid", tp=4, comm="a2a"),
-]
+] if os.environ.get("DCP_TEST_FULL") == "1" else [])
 
 
 @pytest.mark.slow
