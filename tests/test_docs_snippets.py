@@ -114,6 +114,8 @@ BLOCKS = all_blocks()
 def test_doc_block_runs(block):
     if block.skip is not None:
         pytest.skip(f"{block.where}: not run: {block.skip}")
+    if "transformers" in block.source:  # the optional extra 'hf'
+        pytest.importorskip("transformers")
     if block.plain:
         run_plain(block)
     else:
