@@ -29,7 +29,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table, matmul_rate, write_json  # noqa: E402,E501
+from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table, graph_of,  # noqa: E402
+                    matmul_rate, write_json)
 
 from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
@@ -76,26 +77,11 @@ def make_sets(B, H, T, fp8: bool):
     return sets
 
 
-def graph_replay(calls):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return g.replay
-
-
 def time_calls(make_call, kernel, sets):
     calls = [(lambda s=s: attend(make_call(*s), kernel)) for s in sets]
     if DEV != "cuda":
         return bench(calls[0])
-    return bench(graph_replay(calls)) / len(calls)
+    return bench(graph_of(calls)) / len(calls)
 
 
 def rel_err(out, ref):

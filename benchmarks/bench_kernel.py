@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor_ms, fmt_table,  # noqa: E402
-                    matmul_rate, write_json)
+                    graph_of, matmul_rate, write_json)
 
 from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
@@ -83,22 +83,6 @@ def einsum_mla(q, kv, scale=SCALE):
 def rotating(fn, sets):
     it = itertools.cycle(sets)
     return lambda: fn(*next(it))
-
-
-def graph_of(calls):
-    """Capture the calls (one per rotated input set) in one CUDA graph; returns replay fn."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return g.replay
 
 
 def time_fn(fn, sets, graph=True, **kw):

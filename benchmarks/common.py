@@ -63,6 +63,22 @@ def matmul_rate(n=8192, device="cuda"):
     return 2 * n ** 3 / (t * 1e-3)
 
 
+def graph_of(calls):
+    """Capture the calls (one per rotated input set) in one CUDA graph; returns replay fn."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    return g.replay
+
+
 def floor_ms(nbytes, flops, ceil):
     """Roofline floor in ms: max(bytes / copy bandwidth, flops / matmul rate) of ``ceil``."""
     return max(nbytes / ceil["copy_bw"], flops / ceil["mm_rate"]) * 1e3

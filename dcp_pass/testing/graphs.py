@@ -111,12 +111,19 @@ def graph_stages(model: torch.nn.Module, calls: Sequence[Sequence[Any]], options
         stages.append({"captured": readable_code(gm)})
         return original_call(gm, example_inputs, **kwargs)
 
+    with fake_process_group(world, rank):
+        run_compiled(work, record, calls)
+    return stages
+
+
+def run_compiled(model: torch.nn.Module, backend, calls: Sequence[tuple]) -> None:
+    """Compile `model` with `backend` and make each call of `calls` under no_grad, between two
+    Dynamo resets (so neither earlier nor later compiles see this one's graphs)."""
     torch._dynamo.reset()
     try:
-        with fake_process_group(world, rank), torch.no_grad():
-            compiled = torch.compile(work, backend=record)
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=backend)
             for args in calls:
                 compiled(*args)
     finally:
         torch._dynamo.reset()
-    return stages

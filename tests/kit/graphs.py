@@ -195,18 +195,13 @@ def matches_of(model: nn.Module, calls) -> list:
     """
     from dcp_pass.rewrites.match import find_mla
 
-    torch._dynamo.reset()
+    from dcp_pass.testing.graphs import run_compiled
+
     graphs: list = []
 
     def record(gm, example_inputs):
         graphs.append(find_mla(gm.graph))
         return gm.forward
 
-    try:
-        with torch.no_grad():
-            compiled = torch.compile(model, backend=record)
-            for args in calls:
-                compiled(*args)
-    finally:
-        torch._dynamo.reset()
+    run_compiled(model, record, calls)
     return graphs
