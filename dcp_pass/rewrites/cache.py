@@ -124,20 +124,31 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "f
                 f"kv_cache_dtype='fp8_e4m3' stripe it"
             )
         return entry
-    if kv_format:
-        return _fp8_shard_for(buffer, c, rank, name, fp8.Fp8Layout.parse(kv_format))
+    return _flat_shard(buffer, c, rank, name, fp8.Fp8Layout.parse(kv_format) if kv_format else None)
+
+
+def _flat_shard(buffer: torch.Tensor, c: int, rank: int, name: str,
+                packed: Optional[fp8.Fp8Layout] = None) -> LocalCache:
+    """A new shard of a cache with rows by position: the rank's rows in the buffer's dtype, or,
+    with a `packed` fp8 layout, as packed rows (uint8 [..., row_bytes]); rows already written
+    are copied (quantised) into it."""
+    if packed is not None and buffer.shape[-1] != packed.columns:
+        raise DcpCacheError(f"cache {name} has {buffer.shape[-1]} columns; its fp8 layout {packed.spec()} stores "
+                            f"{packed.columns}")
     axis = 1 if buffer.dim() == 3 or buffer.shape[1] != 1 else 2  # the position axis (cache_reads.cache_layout)
     tokens = buffer.shape[axis]
     # One spare row: a windowed write (symbolic start) may touch row (start + n) // c,
     # one past the last owned row when max_seq is a multiple of c. Never read.
     shape = list(buffer.shape)
     shape[axis] = layout.local_capacity(tokens, c) + 1
-    local = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
+    if packed is not None:
+        shape[-1] = packed.row_bytes
+    local = torch.zeros(shape, dtype=torch.uint8 if packed is not None else buffer.dtype, device=buffer.device)
     if buffer not in _DEFERRED:  # a deferred buffer has no rows yet: its shard starts zeroed
         owned = buffer.detach()[(slice(None),) * axis + (slice(rank, None, c),)]  # keeps rows already written
-        local.narrow(axis, 0, owned.shape[axis]).copy_(owned)
+        local.narrow(axis, 0, owned.shape[axis]).copy_(fp8.pack(owned, packed) if packed is not None else owned)
     full_nbytes = buffer.numel() * buffer.element_size()
-    return LocalCache(local, tokens, c, rank, full_nbytes, name)
+    return LocalCache(local, tokens, c, rank, full_nbytes, name, kv_format=packed.spec() if packed is not None else "")
 
 
 class StripedCache(torch.Tensor):
@@ -252,29 +263,6 @@ def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "f
         entry = _PENDING.pop(buffer, None) or shard_for(buffer, c, rank, name, kind, kv_format)
         install(buffer, entry)
     return entry
-
-
-def _fp8_shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, layout: "fp8.Fp8Layout") -> LocalCache:
-    """A packed fp8 shard (uint8 [..., capacity + 1, row_bytes]) of a cache with rows by position."""
-    if buffer.shape[-1] != layout.columns:
-        raise DcpCacheError(f"cache {name} has {buffer.shape[-1]} columns; its fp8 layout {layout.spec()} stores "
-                            f"{layout.columns}")
-    axis = 1 if buffer.dim() == 3 or buffer.shape[1] != 1 else 2
-    tokens = buffer.shape[axis]
-    shape = list(buffer.shape)
-    shape[axis] = _local_rows(tokens, c)
-    shape[-1] = layout.row_bytes
-    local = torch.zeros(shape, dtype=torch.uint8, device=buffer.device)
-    if buffer not in _DEFERRED:  # rows written before the compile are quantised into the shard
-        owned = buffer.detach()[(slice(None),) * axis + (slice(rank, None, c),)]
-        local.narrow(axis, 0, owned.shape[axis]).copy_(fp8.pack(owned, layout))
-    full_nbytes = buffer.numel() * buffer.element_size()
-    return LocalCache(local, tokens, c, rank, full_nbytes, name, kv_format=layout.spec())
-
-
-def _local_rows(tokens: int, c: int) -> int:
-    """Rows of a shard: the rank's capacity and one spare row (see shard_for)."""
-    return layout.local_capacity(tokens, c) + 1
 
 
 def fp8_layout_of(match, values: dict) -> "fp8.Fp8Layout":
