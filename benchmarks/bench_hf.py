@@ -74,24 +74,31 @@ def _rank(rank: int, world: int, args):
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
     prompts = prompts.to(device)
     # on one GPU (world 1) the pass runs through option fast_path: no exchange, the same rewrite
-    variants = [("inductor", 1, False), (f"dcp{world}", world, False), (f"dcp{world} absorbed", world, True)]
+    variants = [("hf", 1, False), ("inductor", 1, False), (f"dcp{world}", world, False),
+                (f"dcp{world} absorbed", world, True)]
     if world == 1:
-        variants = [("inductor", 1, False), ("fast path", 1, False), ("fast path absorbed", 1, True)]
+        variants = [("hf", 1, False), ("inductor", 1, False), ("fast path", 1, False), ("fast path absorbed", 1, True)]
+    if args.variants:
+        variants = [variants[int(i)] for i in args.variants.split(",")]
     rows, reference = [], None
     for label, c, absorb in variants:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = DeepseekV3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-        backend = DcpBackend(dcp_size=c, tp_size=1, inner=args.inner, absorb_kv_b_proj=absorb,
-                             fast_path=label.startswith("fast path"))
-        model.compile(backend=backend)
+        backend = None
+        if label != "hf":  # "hf": no model.compile, generate's own (inductor, CUDA graphs on CUDA)
+            cudagraphs = {"auto": "auto", "on": True, "off": False}[args.cudagraphs]
+            backend = DcpBackend(dcp_size=c, tp_size=1, inner=args.inner, absorb_kv_b_proj=absorb,
+                                 fast_path=label.startswith("fast path"), cudagraphs=cudagraphs)
+            model.compile(backend=backend)
         for new in (2, args.steps + 2, 2, args.steps + 2):  # every compile of both cache lengths
             _generate(model, prompts, new)
-        warmed = len(backend.graphs)
+        warmed = len(backend.graphs) if backend else 0
         short, _ = _timed(model, prompts, 2, device)
         long, out = _timed(model, prompts, args.steps + 2, device)
         cache_bytes = 0
-        for layer in out.cache.layers:
+        cache = getattr(out, "cache", None) or out.past_key_values  # transformers 5.17 names it past_key_values
+        for layer in cache.layers:
             for t in (layer.keys, layer.values):
                 entry = lookup_local_cache(t)
                 cache_bytes += t.untyped_storage().nbytes() + (entry.local.untyped_storage().nbytes() if entry else 0)
@@ -99,8 +106,10 @@ def _rank(rank: int, world: int, args):
             reference = out.sequences
         rows.append(dict(variant=label, step_ms=1e3 * (long - short) / args.steps, cache_bytes_per_rank=cache_bytes,
                          tokens_equal_inductor=bool(torch.equal(out.sequences, reference)),
-                         graphs=len(backend.graphs), compiled_while_timed=len(backend.graphs) - warmed, layers=[layer.detail for g in backend.report.graphs
-                                                              for layer in g.layers if layer.rewritten][:1]))
+                         graphs=len(backend.graphs) if backend else 0,
+                         compiled_while_timed=len(backend.graphs) - warmed if backend else 0,
+                         layers=[layer.detail for g in backend.report.graphs for layer in g.layers
+                                 if layer.rewritten][:1] if backend else []))
     return rows
 
 
@@ -116,6 +125,8 @@ def main():
     parser.add_argument("--prompt", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--variants", default="", help="comma-separated indices into the variant list")
+    parser.add_argument("--cudagraphs", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 

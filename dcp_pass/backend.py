@@ -95,6 +95,45 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
 
 def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str]) -> Callable:
     patches = inner_config_patches(opts, _device_of(example_inputs), mode)
+    if patches.get("triton.cudagraphs") and opts.cudagraphs == "auto" and "triton.cudagraphs" not in opts.inner_options:
+        state = fx_util.state_built_in_graph(gm.graph)
+        if state:
+            # CUDA graphs allocate a graph's outputs in their private pool and reuse that
+            # memory at the next replay; state the model keeps (a lazily allocated cache,
+            # as a Hugging Face StaticCache is in the prefill) would be overwritten there.
+            log.info("dcp_pass: a graph builds state it returns (%s): compiled without CUDA graphs",
+                     ", ".join(state[:4]))
+            patches["triton.cudagraphs"] = False
+            return _marking_static(_compile_with(gm, example_inputs, opts, patches), _output_indices(gm, state))
+    return _compile_with(gm, example_inputs, opts, patches)
+
+
+def _output_indices(gm: fx.GraphModule, names: list[str]) -> list[int]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    return [i for i, node in enumerate(flat) if isinstance(node, fx.Node) and node.name in names]
+
+
+def _marking_static(compiled: Callable, indices: list[int]) -> Callable:
+    """`compiled`, marking the state it returns as a static address, as the model marks it when
+    it allocates that state eagerly (a StaticCache does): the later graphs that update it
+    then keep their CUDA graphs. Unguarded: a new generation's state is a new tensor, and
+    the CUDA graphs re-record for its address instead of Dynamo recompiling."""
+
+    def run(*args):
+        out = compiled(*args)
+        for i in indices:
+            if isinstance(out[i], torch.Tensor):
+                torch._dynamo.mark_static_address(out[i], guard=False)
+        return out
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _compile_with(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions,
+                  patches: dict[str, Any]) -> Callable:
     if opts.inner == "eager":
         return gm.forward
     if opts.inner == "aot_eager":
@@ -243,7 +282,8 @@ def single_rank_plan(opts: DcpOptions, example_inputs: Sequence[Any]) -> Attenti
     from dcp_pass.runtime.decode.backends import attention_lse_base
 
     attn_backend = check_attn_backend(opts.attn_backend, _device_of(example_inputs))
-    return AttentionPlan(1, 0, "", "none", False, opts.lse_base or attention_lse_base(attn_backend), attn_backend)
+    return AttentionPlan(1, 0, "", "none", False, opts.lse_base or attention_lse_base(attn_backend), attn_backend,
+                         opts.absorb_kv_b_proj)
 
 
 def pass_config(opts: DcpOptions, plan: AttentionPlan, example_inputs: Sequence[Any]) -> PassConfig:

@@ -216,9 +216,12 @@ class DcpReport:
         # their full-size storage is released (or, when shared, no longer written):
         # eager code outside compiled graphs must not read these buffers any more
         names = sorted({name for name, _, _ in self.caches.values()})
+        full, local = self.kv_bytes_full, max(self.kv_bytes_local, 1)
+        # at dcp_size=1 (option fast_path) a shard's spare row makes it a little larger
+        ratio = f"{full / local:.2f}x less" if full >= local else f"{local / max(full, 1):.2f}x more: no DCP"
         return [
             f"KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "
-            f"({self.kv_bytes_full / max(self.kv_bytes_local, 1):.2f}x less)",
+            f"({ratio})",
             f"striped, not to be read outside compiled graphs: {', '.join(names)}",
         ]
 

@@ -121,3 +121,58 @@ def test_cudagraphs_auto_on_cpu_compiles_with_inductor():
     x = torch.randn(5)
     torch.testing.assert_close(fn(x), (x * 3).cos())
     torch._dynamo.reset()
+
+
+class _LazyCache(torch.nn.Module):
+    """Allocates its cache on the first call, inside the compiled region, as a Hugging Face
+    StaticCache does in the prefill; later calls only write into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = torch.zeros(4, x.shape[-1])
+        self.cache[: x.shape[0]] = x
+        return self.cache.sum(0) * 2
+
+
+@pytest.mark.parametrize("options,want", [
+    ({}, [{"triton.cudagraphs": False}, {"triton.cudagraphs": True}]),  # auto: not for the allocating call
+    ({"cudagraphs": True}, [{"triton.cudagraphs": True}] * 2),  # forced stays forced
+])
+def test_graph_that_builds_state_runs_without_cudagraphs(monkeypatch, options, want):
+    import torch._dynamo
+
+    seen = _stub_inductor(monkeypatch, "cuda")
+    torch._dynamo.reset()
+    model = _LazyCache()
+    fn = torch.compile(model, backend="dcp", options={"inner": "inductor", **options})
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(fn(x), 2 * x.sum(0))
+    # the state is marked as the model would mark it when allocated eagerly (HF's StaticCache
+    # does), so the graphs that later update it keep CUDA graphs
+    marked = getattr(model.cache, "_dynamo_static_input_type", None)
+    assert marked == ("unguarded" if not options else None)
+    torch.testing.assert_close(fn(x + 1), 2 * (x + 1).sum(0))
+    assert seen == want
+    torch._dynamo.reset()
+
+
+def test_state_built_in_graph():
+    import torch.fx as fx
+
+    from dcp_pass.rewrites.fx_util import state_built_in_graph
+
+    def lazy(x, counter):
+        cache = x.new_zeros(4, 3)
+        cache[:2].copy_(x)  # written through a view
+        step = counter.to(torch.float64)
+        step.add_(1)
+        counter.add_(1)  # an input: the caller's state, not built here
+        logits = x * 2  # computed, never written: not state
+        return cache, step, logits, counter
+
+    graph = fx.symbolic_trace(lazy).graph
+    assert state_built_in_graph(graph) == ["new_zeros", "to"]

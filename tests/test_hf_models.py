@@ -254,6 +254,19 @@ def decode_graphs():
 
 
 @pytest.mark.parametrize("config", MATCHER_CONFIGS, ids=lambda c: "-".join(c))
+def test_prefill_builds_the_cache_state(decode_graphs, config):
+    """The prefill allocates the StaticCache's tensors in the graph: under "auto" it gets no
+    CUDA graphs (their pool would own the cache); the decode graphs only write inputs."""
+    from dcp_pass.rewrites.fx_util import state_built_in_graph
+
+    prefill, decode = decode_graphs[config]
+    built = state_built_in_graph(prefill.graph)
+    caches = 1 if config[0] == "kimi_linear" else hf_tiny.LAYERS
+    assert sum(name.startswith(("keys", "values")) for name in built) == 2 * caches, built
+    assert state_built_in_graph(decode.graph) == []
+
+
+@pytest.mark.parametrize("config", MATCHER_CONFIGS, ids=lambda c: "-".join(c))
 def test_matcher_finds_static_cache_attention(decode_graphs, config):
     from dcp_pass.rewrites.match import find_mla
 
@@ -430,3 +443,52 @@ attn_output_1 = transpose_3.contiguous()
 reshape = attn_output_1.reshape(1, 1, -1)
 attn_output_2 = reshape.contiguous()
 attn_output_3 = torch._C._nn.linear(attn_output_2, model_model_layers_0_self_attn_o_proj_weight, None)""")
+
+
+# ----------------------------------------------------------------------------- one device, option fast_path
+
+
+def _fast_path_generates(device: torch.device, dtype: torch.dtype, inner: str, absorb: bool) -> dict:
+    """Option fast_path at dcp_size=1 over several generate calls, each with a new StaticCache
+    (equal and different lengths: the prefill allocates the cache inside its graph, the decode
+    graphs then take the new tensors): the logit error of each against the fp32 eager model."""
+    import torch._dynamo
+
+    from dcp_pass.backend import DcpBackend
+
+    torch._dynamo.reset()
+    prompts = hf.PROMPTS.to(device)
+    want = {n: hf.generate(hf_tiny.tiny_model("deepseek_v3", "sdpa").to(device), prompts, n) for n in (6, 10)}
+    model = hf_tiny.tiny_model("deepseek_v3", "sdpa", dtype=dtype).to(device)
+    backend = DcpBackend(dcp_size=1, tp_size=1, fast_path=True, inner=inner, absorb_kv_b_proj=absorb)
+    model.compile(backend=backend)
+    errors, tokens_equal = [], []
+    for n in (10, 10, 6, 10):
+        got = hf.generate(model, prompts, n)
+        errors.append(hf.logits_error(got, want[n]))
+        tokens_equal.append(torch.equal(got.sequences, want[n].sequences))
+    details = [layer.detail for g in backend.report.graphs for layer in g.layers if layer.rewritten]
+    torch._dynamo.reset()
+    return dict(errors=errors, tokens_equal=tokens_equal, details=details)
+
+
+def test_fast_path_absorbs_at_one_rank():
+    """Option absorb_kv_b_proj holds at dcp_size=1 under fast_path, exact over new caches."""
+    r = _fast_path_generates(torch.device("cpu"), torch.float32, "aot_eager", absorb=True)
+    assert r["details"] and all("kv_b_proj absorbed" in d for d in r["details"]), r["details"]
+    assert max(r["errors"]) < 1e-5 and all(r["tokens_equal"]), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fast_path_generates_over_new_caches(absorb):
+    """One GPU, inductor with CUDA graphs ("auto"): the prefill that allocates the cache runs
+    without them (their pool would own the cache), the decode graphs with them, re-recorded
+    for each new cache; fp32 exact over four generate calls, bf16 within bf16's own noise."""
+    device = torch.device("cuda")
+    r = _fast_path_generates(device, torch.float32, "inductor", absorb)
+    assert max(r["errors"]) < 1e-4 and all(r["tokens_equal"]), r
+    assert all(("kv_b_proj absorbed" in d) == absorb for d in r["details"]), r["details"]
+    r = _fast_path_generates(device, torch.bfloat16, "inductor", absorb)
+    assert max(r["errors"]) < 5e-2, r

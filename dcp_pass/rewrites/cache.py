@@ -241,7 +241,9 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
                     entry.name)
         entry.full_nbytes = entry.local_nbytes  # report no saving that did not happen
     _LOCAL_CACHES[buffer] = entry
-    guard(buffer, _owners_of(buffer))
+    # A kind installed at first call is a graph input held by a Cache object, never a module
+    # buffer: there is no owner to find, and the gc scan would cost each generation's first step.
+    guard(buffer, [] if entry.kind in INSTALLED_AT_FIRST_CALL else _owners_of(buffer))
     _mark_striped(buffer)
 
 

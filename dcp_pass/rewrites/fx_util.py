@@ -85,6 +85,30 @@ def mutates_input(node: fx.Node) -> bool:
     return node.target in INPLACE_FUNCTIONS or node.target is operator.setitem
 
 
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "narrow", "select", "unsqueeze", "squeeze",
+                 "expand", "as_strided", "__getitem__", "t", "flatten", "unflatten"}
+
+
+def _view_base(node: Any) -> Any:
+    """The tensor `node` is a view of, through getitem and the view methods (itself if none)."""
+    while isinstance(node, fx.Node) and node.args and (
+            node.target is operator.getitem or (node.op == "call_method" and node.target in _VIEW_METHODS)):
+        node = node.args[0]
+    return node
+
+
+def state_built_in_graph(graph: fx.Graph) -> list[str]:
+    """Graph outputs the graph allocated and then wrote in place: state made inside the
+    graph that lives on after it (a cache a model allocates on its first call, a step
+    counter moved to the device and advanced). Returned tensors that are only computed
+    (logits) are not state; tensors written in place that came in as inputs are the
+    caller's and not listed."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    returned = {n for n in output.all_input_nodes if n.op != "placeholder"}
+    written = {_view_base(n.args[0]) for n in graph.nodes if n.args and mutates_input(n)}
+    return [n.name for n in graph.nodes if n in returned and n in written]
+
+
 def erase_dead_region(graph: fx.Graph, roots: list[fx.Node]) -> None:
     """Erase the nodes that only fed the replaced attention, walking back from `roots`.
 
