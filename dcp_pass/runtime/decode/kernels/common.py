@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from dcp_pass import env
 from dcp_pass.runtime.decode.call import (AttentionCall, Causal, Parts, ShardView, check_base,  # noqa: F401
                                           mask_rows_shared, pow2, split_parts)
 
@@ -59,6 +60,7 @@ __all__ = [
     "fp8_read",
     "fold_dtype",
     "fold_operand",
+    "fp8_dots_dtype",
     "row_alignment",
     "shard_keys",
     "positions_i32",
@@ -230,7 +232,7 @@ def recording_launches():
         _LAUNCH_LOG.entries = saved
 
 
-FP8_READS = ("fold", "fold_qdtype", "dequant")  # how the Triton kernels read an fp8 latent (env DCP_FP8_READ)
+FP8_READS = env.VARIABLES["DCP_FP8_READ"].choices  # how the Triton kernels read an fp8 latent (the default first)
 
 
 def fp8_read() -> str:
@@ -241,8 +243,6 @@ def fp8_read() -> str:
     scores and the probabilities instead of the values; ``fold_qdtype``: the same with the
     dots in the queries' dtype; ``dequant``: every value times its scale in fp32, then
     rounded to the queries' dtype (the first read, kept to measure beside the others)."""
-    from dcp_pass import env
-
     return env.fp8_read()
 
 
@@ -253,6 +253,14 @@ def fold_dtype(read: str, query_dtype: torch.dtype) -> torch.dtype:
     if query_dtype == torch.float32 or read != "fold":
         return query_dtype
     return torch.float16
+
+
+def fp8_dots_dtype(read: str, query_dtype: torch.dtype, has_tail: bool) -> torch.dtype:
+    """The dtype of every dot a Triton kernel runs for an fp8 call (what the interpreter's
+    bf16 check must see): a fold read's latent dots in :func:`fold_dtype`, a rope part's in
+    the queries' dtype."""
+    dots = fold_dtype(read, query_dtype) if read.startswith("fold") else query_dtype
+    return query_dtype if has_tail else dots
 
 
 def row_alignment(t: torch.Tensor, paged: bool) -> int:

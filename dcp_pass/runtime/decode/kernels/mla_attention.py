@@ -54,8 +54,8 @@ except Exception:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
 from .common import (LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
-                     cuda_properties, fold_operand, fp8_read, keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32,
-                     pow2, row_alignment, shard_keys, triton_reason)
+                     cuda_properties, fold_operand, fp8_dots_dtype, fp8_read, keys_up_to, launch, lens_operand,
+                     mask_operand, outputs, positions_i32, pow2, row_alignment, shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
 
@@ -564,7 +564,8 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    check_launchable(device, kv_lens, "the split kernel", q_lat.dtype if a.kv_scale is not None else kv.dtype)
+    check_launchable(device, kv_lens, "the split kernel",
+                     fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if a.kv_scale is not None else kv.dtype)
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     has_tail = parts.q_tail is not None

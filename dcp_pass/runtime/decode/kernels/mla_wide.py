@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 
 from .common import (HAS_TRITON, LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
-                     fold_dtype, fold_operand, fp8_read, keys_up_to, launch, lens_operand, mask_operand, outputs,
-                     positions_i32, pow2, row_alignment, shard_keys, triton_reason)
+                     fold_dtype, fold_operand, fp8_dots_dtype, fp8_read, keys_up_to, launch, lens_operand,
+                     mask_operand, outputs, positions_i32, pow2, row_alignment, shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
 
@@ -584,10 +584,11 @@ def launch_wide(a: ShardView, out, lse_out, num_splits, config: Optional[WideCon
         return out, lse_out
     SH = S * H
     fp8 = a.kv_scale is not None
-    check_launchable(device, kv_lens, "the wide kernel", q_lat.dtype if fp8 else kv.dtype)
+    read = fp8_read() if fp8 else ""
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
-    read = fp8_read() if fp8 else ""
+    check_launchable(device, kv_lens, "the wide kernel", fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if fp8
+                     else kv.dtype)
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are
         ns = num_splits or config.num_splits or pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device).num_splits
         cfg = replace(config, num_splits=ns)
