@@ -110,7 +110,7 @@ def fp8_read(read: Optional[str], tiles: Optional[tuple] = None):
     if read is not None:
         os.environ["DCP_FP8_READ"] = read
     if tiles is not None:
-        mla_attention._TUNED_FP8_FOLD[16] = tiles
+        mla_attention._TUNED_FP8_FOLD[16] = tiles  # (the 16-row bucket has no fold entry of its own)
     try:
         yield
     finally:

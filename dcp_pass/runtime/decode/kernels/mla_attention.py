@@ -144,38 +144,29 @@ def _fold_scores_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off
     return qk, s_own
 
 
-def _fold_values_src(accs, c_run, p, alpha, s_own, kv_base, k_off, skv_d, n_ok, vc, DOT_DTYPE: tl.constexpr,
+def _max_pair_src(a0, a1, b0, b1):
+    return tl.maximum(a0, b0), tl.maximum(a1, b1)
+
+
+def _fold_values_src(accs, p, factor, s_own, kv_base, k_off, skv_d, n_ok, vc, DOT_DTYPE: tl.constexpr,
                      D_MAIN: tl.constexpr, N_OWN: tl.constexpr, BLOCK_DV: tl.constexpr, SCALE_W: tl.constexpr,
                      IEEE: tl.constexpr):
-    """One tile's values per own column block j, the keys' scales on the columns of P
-    (``(P s) V8 = P (s V8)``), the fp8 tile entering the dot as it came.
-
-    Block j's accumulator is kept in units of ``c_j``, the largest scale of its keys seen so
-    far (a scalar), so that the weights ``p * s / c_j`` lie in [0, 1] (fp16's range whatever
-    the scales); a new largest scale rescales the accumulator by ``c_old / c_new`` together
-    with the softmax's ``alpha``. The tile is loaded here as [keys, columns], the values
-    dot's layout (the scores read the same bytes as [columns, keys]; this read hits L2)."""
+    """One tile's values per own column block j: ``acc_j * factor + dot(p * s_j, k8_j)``, the
+    keys' scales on the columns of P (``(P s) V8 = P (s V8)``), the fp8 tile entering the dot
+    as it came. It is loaded here as [keys, columns], the values dot's layout (the scores read
+    the same bytes as [columns, keys]; this read hits L2)."""
     new = ()
-    c_new = ()
     for j in tl.static_range(N_OWN):
         cols = vc * BLOCK_DV + j * SCALE_W + tl.arange(0, SCALE_W)
         k = tl.load(kv_base + k_off[:, None] + cols[None, :] * skv_d, mask=n_ok[:, None] & (cols[None, :] < D_MAIN),
                     other=0.0).to(DOT_DTYPE)
-        if DOT_DTYPE == tl.float16:
-            c = tl.maximum(c_run[j], tl.max(s_own[j], axis=0))
-            inv = 1.0 / tl.where(c > 0.0, c, 1.0)
-            pj = (p * (s_own[j] * inv)[None, :]).to(DOT_DTYPE)
-            acc = accs[j] * (alpha * (c_run[j] * inv))[:, None]
-        else:  # fp32 and bf16 have the range of every product p * s
-            c = c_run[j]
-            pj = (p * s_own[j][None, :]).to(DOT_DTYPE)
-            acc = accs[j] * alpha[:, None]
+        pj = (p * s_own[j][None, :]).to(DOT_DTYPE)
+        acc = accs[j] * factor[:, None]
         if IEEE:
             new = new + (tl.dot(pj, k, acc, input_precision="ieee"),)
         else:
             new = new + (tl.dot(pj, k, acc),)
-        c_new = c_new + (c,)
-    return new, c_new
+    return new
 
 
 def _stage1_kernel_src(
@@ -246,11 +237,15 @@ def _stage1_kernel_src(
             FOLD_DTYPE: tl.constexpr = Q.dtype.element_ty
         q_blocks, q_factors = _fold_q(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, FOLD_DTYPE, D_MAIN,
                                       N_OWN * V_SPLIT, N_OWN, BLOCK_DV, SCALE_W)
+        # fp16 weights p * s need a unit: the accumulators count in units of c_run, the largest
+        # key scale of the own blocks so far, so that p * s / c_run lies in [0, 1] (fp16's
+        # range whatever the scales); a larger scale rescales them by c_old / c_new together
+        # with the softmax's alpha. fp32 and bf16 have the range of any p * s.
+        FOLD_UNITS: tl.constexpr = FOLD_DTYPE == tl.float16
+        c_run = tl.full([BLOCK_H], 0.0 if FOLD_UNITS else 1.0, dtype=tl.float32)
         accs = ()
-        c_run = ()  # per own block: the largest key scale so far (its accumulator's unit)
         for j in tl.static_range(N_OWN):
             accs = accs + (tl.zeros([BLOCK_H, SCALE_W], dtype=tl.float32),)
-            c_run = c_run + (tl.full((), 0.0 if FOLD_DTYPE == tl.float16 else 1.0, tl.float32),)
     else:
         q_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_dm[None, :] * sq_d
         q = tl.load(q_ptrs, mask=row_ok[:, None] & dm_ok[None, :], other=0.0)
@@ -365,14 +360,30 @@ def _stage1_kernel_src(
         if CAUSAL:
             valid = valid & ((offs_n[None, :] * cp_world + cp_rank) <= qpos[:, None])
         qk = tl.where(valid, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        if FOLD and FOLD_UNITS:
+            # the largest key scale of the tile's own blocks comes out of the softmax's own
+            # reduction over the keys (one cross-warp reduction, not one more per block)
+            s_big = s_own[0]
+            for j in tl.static_range(1, N_OWN):
+                s_big = tl.maximum(s_big, s_own[j])
+            m_tile, c_tile = tl.reduce((qk, tl.broadcast_to(s_big[None, :], qk.shape)), 1, _max_pair)
+            m_new = tl.maximum(m_i, m_tile)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FOLD:
-            accs, c_run = _fold_values(accs, c_run, p, alpha, s_own, kv_base, k_off, skv_d, n_ok, vc, FOLD_DTYPE,
-                                       D_MAIN, N_OWN, BLOCK_DV, SCALE_W, IEEE)
+            if FOLD_UNITS:
+                c_new = tl.maximum(c_run, c_tile)
+                inv = 1.0 / tl.where(c_new > 0.0, c_new, 1.0)
+                accs = _fold_values(accs, p * inv[:, None], alpha * (c_run * inv), s_own, kv_base, k_off, skv_d, n_ok,
+                                    vc, FOLD_DTYPE, D_MAIN, N_OWN, BLOCK_DV, SCALE_W, IEEE)
+                c_run = c_new
+            else:
+                accs = _fold_values(accs, p, alpha, s_own, kv_base, k_off, skv_d, n_ok, vc, FOLD_DTYPE, D_MAIN, N_OWN,
+                                    BLOCK_DV, SCALE_W, IEEE)
         else:
             acc = acc * alpha[:, None]
             if IEEE:
@@ -388,7 +399,7 @@ def _stage1_kernel_src(
     if FOLD:
         for j in tl.static_range(N_OWN):
             cols = vc * BLOCK_DV + j * SCALE_W + tl.arange(0, SCALE_W)
-            o = accs[j] * (c_run[j] / l_safe)[:, None]
+            o = accs[j] * (c_run / l_safe)[:, None]
             tl.store(o_row + cols[None, :] * so_d, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < D_V))
     else:
         o = acc / l_safe[:, None]
@@ -402,6 +413,7 @@ if HAS_TRITON:
     _fold_q = triton.jit(_fold_q_src)
     _fold_scores = triton.jit(_fold_scores_src)
     _fold_values = triton.jit(_fold_values_src)
+    _max_pair = triton.jit(_max_pair_src)
     _stage1_jit = triton.jit(_stage1_kernel_src)
 
 
@@ -434,11 +446,11 @@ _TUNED = {  # winners of bench_kernel.py --sweep on an H200 (benchmarks/results/
 
 
 # An fp8 latent read by folding its scales (FP8_FOLD) holds per column block an accumulator
-# and the block's partial scores; at 16 and 64 rows the tiles above then spill on sm_90
-# (offline, benchmarks/offline_fp8.py: 96 and 968 bytes of stack), these fit (no stack).
+# and the block's partial scores: at 64 rows the tile above then spills on sm_90 (offline,
+# benchmarks/offline_fp8.py: 1184 bytes of stack), this one fits (none); the 16- and 32-row
+# tiles fit as they are (255 registers, no stack: two programs per SM, as for bf16).
 _TUNED_FP8_FOLD = {
-    16: (16, 64, 8, 2, 1, 2.0),
-    64: (64, 32, 8, 3, 2, 1.0),
+    64: (64, 32, 8, 2, 2, 1.0),
 }
 
 
@@ -506,7 +518,7 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
                  (16, 32, 2), (16, 16, 2), (16, 16, 1)]
         block_h, block_n, stages = next((c for c in cands if c[0] <= block_h and fits(*c)), cands[-1])
         if block_h == 16:
-            v_split, warps = 1, (8 if fp8_fold else 4)
+            v_split, warps = 1, 4
     n_hb = triton.cdiv(rows, block_h) * v_split
     ns = num_splits if num_splits is not None else split_count(batch, n_hb, t_cap, device, waves)
     return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)), v_split)
