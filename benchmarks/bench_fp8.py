@@ -11,7 +11,9 @@ replay of one call per rotated input set, the median of triton's do_bench. Per s
   bf16 rope), read through their views (runtime/decode/kv_format.py) by the split-KV kernel
   and the two-GEMM kernel; ``auto``: the chooser's pick among them with the default read (the
   Gluon kernels refuse fp8). ``--fold-tiles``: more split rows of the ``fold`` read with the
-  16-row bucket's tiles replaced (block_h, block_n, warps, stages, v_split, waves).
+  16-row bucket's tiles replaced (block_h, block_n, warps, stages, v_split, waves; at 16 heads);
+  ``--fold-wide-tiles``: more two-GEMM rows of the ``fold`` read with these WideConfig tiles
+  (at 64 heads and more).
 
 Each row: H, B, T, dtype, kernel, read, ms, the floor max(bytes / copy bandwidth, flops /
 matmul rate) with both ceilings measured in the run, mm_frac and bw_frac (the share of each
@@ -43,6 +45,7 @@ from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_attention  # noqa: E402
 from dcp_pass.runtime.decode.kernels.common import FP8_READS  # noqa: E402
+from dcp_pass.runtime.decode.kernels.mla_wide import WideConfig  # noqa: E402
 from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E402
 from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack, views  # noqa: E402
 
@@ -86,8 +89,8 @@ def make_sets(B, H, T, fp8: bool):
     return sets
 
 
-def time_calls(make_call, kernel, sets):
-    calls = [(lambda s=s: attend(make_call(*s), kernel)) for s in sets]
+def time_calls(make_call, kernel, sets, config=None):
+    calls = [(lambda s=s: attend(make_call(*s), None if config else kernel, config=config)) for s in sets]
     if DEV != "cuda":
         return bench(calls[0])
     return bench(graph_of(calls)) / len(calls)
@@ -104,12 +107,12 @@ def lse_err(lse, ref):
 
 @contextlib.contextmanager
 def fp8_read(read: Optional[str], tiles: Optional[tuple] = None):
-    """DCP_FP8_READ set to `read` (None: as it is) and, with `tiles`, the split kernel's fold
-    tiles of the 16-row bucket replaced, inside."""
+    """DCP_FP8_READ set to `read` (None: as it is) and, with split `tiles` (6 numbers), the
+    split kernel's fold tiles of the 16-row bucket replaced, inside."""
     saved_env, saved_tiles = os.environ.get("DCP_FP8_READ"), dict(mla_attention._TUNED_FP8_FOLD)
     if read is not None:
         os.environ["DCP_FP8_READ"] = read
-    if tiles is not None:
+    if tiles is not None and len(tiles) == 6:
         mla_attention._TUNED_FP8_FOLD[16] = tiles  # (the 16-row bucket has no fold entry of its own)
     try:
         yield
@@ -129,16 +132,16 @@ def first_row(call):
                         kv_scale=one(call.kv_scale), kv_lens=call.kv_lens[:1])
 
 
-def variants(fp8: bool, reads, fold_tiles):
+def variants(fp8: bool, reads, fold_tiles, fold_wide_tiles):
     """(kernel, read, tiles) of the rows timed for one cache."""
     if not fp8:
         return [("split", None, None), ("auto", None, None)]
     rows = [(kernel, read, None) for read in reads for kernel in ("split", "wide")]
-    rows += [("split", "fold", t) for t in fold_tiles]
+    rows += [("split", "fold", t) for t in fold_tiles] + [("wide", "fold", t) for t in fold_wide_tiles]
     return rows + [("auto", None, None)]
 
 
-def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=()):
+def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=(), fold_wide_tiles=()):
     rows = []
     bf16_auto_ms = None
     for fp8 in (False, True):
@@ -147,17 +150,19 @@ def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=()):
         call0 = make_call(*sets[0])
         ro, rl = attention_impl(first_row(call0), torch.float32)
         row_bytes = LAYOUT.row_bytes if fp8 else 2 * D
-        for kernel, read, tiles in variants(fp8, reads, fold_tiles):
+        extra_split, extra_wide = (fold_tiles if H <= 16 else ()), (fold_wide_tiles if H >= 64 else ())
+        for kernel, read, tiles in variants(fp8, reads, extra_split, extra_wide):
             with fp8_read(read, tiles):
                 name = choose_kernel(call0, kernel).name
                 rec = dict(H=H, B=B, T=T, dtype="fp8_e4m3" if fp8 else "bf16", kernel=f"{kernel} ({name})",
                            read=(read or os.environ.get("DCP_FP8_READ", "") or FP8_READS[0]) if fp8 else "")
                 if tiles is not None:
                     rec["tiles"] = list(tiles)
+                config = WideConfig(*tiles) if tiles is not None and len(tiles) == 8 else None
                 try:
-                    ms = time_calls(make_call, kernel, sets)
+                    ms = time_calls(make_call, kernel, sets, config)
                     nbytes, flops = counts(B, H, T, row_bytes)
-                    out, lse = attend(first_row(call0), kernel)
+                    out, lse = attend(first_row(call0), None if config else kernel, config=config)
                     rec.update(ms=ms, floor_ms=floor_ms(nbytes, flops, ceil), kv_bytes=B * T * row_bytes,
                                mm_frac=flops / ceil["mm_rate"] * 1e3 / ms, bw_frac=nbytes / ceil["copy_bw"] * 1e3 / ms,
                                rel_err=rel_err(out, ro), lse_err=lse_err(lse, rl))
@@ -193,6 +198,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "fp8_kernel_h200.json"))
     ap.add_argument("--reads", default=",".join(FP8_READS), help="fp8 reads to time (DCP_FP8_READ values)")
+    ap.add_argument("--fold-wide-tiles", default="",
+                    help="semicolon-separated WideConfig tiles (block_m,block_n,block_k,warps_a,stages_a,block_v,"
+                         "warps_b,stages_b): more fold rows of the two-GEMM kernel at 64 heads and more")
     ap.add_argument("--fold-tiles", default="",
                     help="semicolon-separated block_h,block_n,warps,stages,v_split,waves: more fold rows of the split "
                          "kernel with these 16-row tiles")
@@ -203,6 +211,7 @@ def main(argv=None):
         ap.error(f"--reads: {bad} are not fp8 reads ({', '.join(FP8_READS)})")
     fold_tiles = [tuple(float(x) if i == 5 else int(x) for i, x in enumerate(t.split(",")))
                   for t in a.fold_tiles.split(";") if t]
+    fold_wide_tiles = [tuple(int(x) for x in t.split(",")) for t in a.fold_wide_tiles.split(";") if t]
     torch.manual_seed(0)
     results = dict(env=env_info(), layout=LAYOUT.spec(), row_bytes=LAYOUT.row_bytes)
     ceil = dict(copy_bw=copy_bandwidth(device=DEV), mm_rate=matmul_rate(device=DEV))
@@ -210,7 +219,7 @@ def main(argv=None):
     rows = []
     for sh in a.shapes.split(","):
         H, B, T = (int(x) for x in sh.split("x"))
-        for rec in one_shape(H, B, T, ceil, reads, fold_tiles):
+        for rec in one_shape(H, B, T, ceil, reads, fold_tiles, fold_wide_tiles):
             rows.append(rec)
             print("row", rec, flush=True)
         results["rows"] = rows

@@ -110,8 +110,10 @@ def wide_launches(call, fp8_read: str, tiles=None):
         cfg = W.WideConfig(*tiles, num_splits=2)
     else:  # pick_wide_config's CUDA tiles for the call (it needs a CUDA device to count SMs)
         block_m = max(16, min(W.WIDE_DEFAULT.block_m, rows))
-        cfg = W.WideConfig(block_m=block_m, block_n=64 if fp8 and fp8_read.startswith("fold") else 128,
-                           warps_a=4 if block_m <= 64 else 8, block_v=128 if fp8 else 256, num_splits=2)
+        fold = fp8 and fp8_read.startswith("fold")
+        cfg = W.WideConfig(block_m=block_m, block_n=64 if fold else 128, warps_a=4 if block_m <= 64 else 8,
+                           stages_a=4 if fold else 3, block_v=128 if fp8 else 256, stages_b=3 if fold else 2,
+                           num_splits=2)
     with fp8_read_env(fp8_read):
         launches = W.plan(call.shard(), out, lse, cfg)
     names = {W._fold_queries_jit: ("wide_Q", W._fold_queries_kernel_src), W._scores_jit: ("wide_A", W._scores_kernel_src),

@@ -396,8 +396,9 @@ def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, 
     block_n = cfg.block_n
     if fp8_fold and base is None:
         # kernel A holds a block's partial scores beside the accumulator: [128, 128] fp32
-        # twice spills on sm_90, 64-key tiles fit (offline, benchmarks/offline_fp8.py)
-        block_n = min(block_n, 64)
+        # twice spills on sm_90, 64-key tiles fit (offline, benchmarks/offline_fp8.py), with
+        # the stages of the fastest 64-key bf16 tiles (benchmarks/results/kernel_v4_wide_h200.json)
+        block_n, stages_a, stages_b = min(block_n, 64), 4, 3
     if elem_bytes == 4:  # fp32 caches: halve what is pipelined
         block_v, block_n = min(block_v, 128), min(block_n, 64)
         stages_a, stages_b = min(stages_a, 2), min(stages_b, 2)
