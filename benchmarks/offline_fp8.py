@@ -88,10 +88,12 @@ def ttgir_counts(ttgir: str) -> dict:
 
 def split_launch(call, H: int, fp8_read: str, tiles=None):
     """The split kernel's stage 1; `tiles` (block_h, block_n, warps, stages, v_split) replaces
-    the tuned entry of the call's row bucket."""
+    the tuned entry of the call's row bucket (the fold read's own where it has one)."""
     rows = call.q_lat.shape[2]
     bucket = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    bh, bn, warps, stages, v_split = tiles or M._TUNED[bucket][:5]
+    fold = call.kv_scale is not None and fp8_read.startswith("fold")
+    tuned = (M._TUNED_FP8_FOLD.get(bucket) if fold else None) or M._TUNED[bucket]
+    bh, bn, warps, stages, v_split = tiles or tuned[:5]
     cfg = M.MLAKernelConfig(bh, bn, warps, stages, 2, v_split)
     out = torch.empty(call.q_lat.shape[:3] + (LAT,), dtype=torch.bfloat16)
     lse = torch.empty(call.q_lat.shape[:3])
@@ -116,8 +118,8 @@ def wide_launches(call, fp8_read: str, tiles=None):
                            num_splits=2)
     with fp8_read_env(fp8_read):
         launches = W.plan(call.shard(), out, lse, cfg)
-    names = {W._fold_queries_jit: ("wide_Q", W._fold_queries_kernel_src), W._scores_jit: ("wide_A", W._scores_kernel_src),
-             W._values_jit: ("wide_B", W._values_kernel_src)}
+    names = {W._fold_queries_jit: ("wide_Q", W._fold_queries_kernel_src),
+             W._scores_jit: ("wide_A", W._scores_kernel_src), W._values_jit: ("wide_B", W._values_kernel_src)}
     return [(names[x.kernel][0], x, names[x.kernel][1]) for x in launches if x.kernel in names]
 
 
@@ -127,7 +129,8 @@ def main():
     ap.add_argument("--fp8-reads", default=",".join(FP8_READS))
     ap.add_argument("--kernels", default="split,wide")
     ap.add_argument("--split-tiles", default=None,
-                    help="semicolon-separated block_h,block_n,warps,stages,v_split of the split kernel (default: tuned)")
+                    help="semicolon-separated block_h,block_n,warps,stages,v_split of the split kernel "
+                         "(default: the tuned ones)")
     ap.add_argument("--wide-tiles", default=None,
                     help="semicolon-separated block_m,block_n,block_k,warps_a,stages_a,block_v,warps_b,stages_b")
     ap.add_argument("--ttgir", default=None, help="directory to write the TTGIR of each kernel")
@@ -136,20 +139,20 @@ def main():
     rows = []
     for H in (int(h) for h in a.heads.split(",")):
         for name, call in calls(H):
-            for read in a.fp8_reads.split(",") if name == "fp8" else ("-",):
+            for read in a.fp8_reads.split(",") if name == "fp8" else (FP8_READS[0],):  # (bf16: no fp8 read)
                 todo = []
                 if "split" in a.kernels:
                     for t in (a.split_tiles.split(";") if a.split_tiles else [None]):
                         tiles = tuple(int(x) for x in t.split(",")) if t else None
-                        todo += [(f"split{list(tiles) if tiles else ''}", launch, src)
+                        todo += [("split" + (f"_{'x'.join(map(str, tiles))}" if tiles else ""), launch, src)
                                  for _, launch, src in split_launch(call, H, read, tiles)]
                 if "wide" in a.kernels:
                     for t in (a.wide_tiles.split(";") if a.wide_tiles else [None]):
                         tiles = tuple(int(x) for x in t.split(",")) if t else None
-                        todo += [(f"{n}{list(tiles) if tiles else ''}", launch, src)
+                        todo += [(n + (f"_{'x'.join(map(str, tiles))}" if tiles else ""), launch, src)
                                  for n, launch, src in wide_launches(call, read, tiles)]
                 for kname, launch, src in todo:
-                    rec = dict(H=H, cache=name, fp8_read=read, kernel=kname, warps=launch.num_warps,
+                    rec = dict(H=H, cache=name, fp8_read=read if name == "fp8" else "", kernel=kname, warps=launch.num_warps,
                                stages=launch.num_stages)
                     try:
                         r = compile_launch(launch, src)

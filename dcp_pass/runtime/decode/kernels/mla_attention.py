@@ -111,8 +111,8 @@ def _fold_q_src(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, DOT_DTYP
     return blocks, factors
 
 
-def _fold_scores_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc, DOT_DTYPE: tl.constexpr,
-                     D_MAIN: tl.constexpr, N_SCALES: tl.constexpr, N_BLOCKS: tl.constexpr, N_OWN: tl.constexpr,
+def _fold_scores_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
+                     DOT_DTYPE: tl.constexpr, D_MAIN: tl.constexpr, N_SCALES: tl.constexpr, N_BLOCKS: tl.constexpr, N_OWN: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                      SCALE_W: tl.constexpr, SCALE_BLOCK: tl.constexpr, IEEE: tl.constexpr):
     """Scores of an fp8 latent tile with the scales folded in: the sum over the column blocks
@@ -306,9 +306,9 @@ def _stage1_kernel_src(
                 kt_off = tl.multiple_of(kt_off, KT_ALIGN)
                 kt_base = kt_row
         if FOLD:
-            qk, s_own = _fold_scores(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc, FOLD_DTYPE,
-                                     D_MAIN, N_SCALES, N_OWN * V_SPLIT, N_OWN, BLOCK_H, BLOCK_N, BLOCK_DV, SCALE_W,
-                                     SCALE_BLOCK, IEEE)
+            qk, s_own = _fold_scores(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
+                                     FOLD_DTYPE, D_MAIN, N_SCALES, N_OWN * V_SPLIT, N_OWN, BLOCK_H, BLOCK_N, BLOCK_DV,
+                                     SCALE_W, SCALE_BLOCK, IEEE)
         else:
             k = tl.load(
                 kv_base + k_off[:, None] + offs_dm[None, :] * skv_d,
@@ -400,10 +400,12 @@ def _stage1_kernel_src(
         for j in tl.static_range(N_OWN):
             cols = vc * BLOCK_DV + j * SCALE_W + tl.arange(0, SCALE_W)
             o = accs[j] * (c_run / l_safe)[:, None]
-            tl.store(o_row + cols[None, :] * so_d, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < D_V))
+            tl.store(o_row + cols[None, :] * so_d, o.to(O.dtype.element_ty),
+                     mask=row_ok[:, None] & (cols[None, :] < D_V))
     else:
         o = acc / l_safe[:, None]
-        tl.store(o_row + offs_dm[None, :] * so_d, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dm[None, :] < D_V))
+        tl.store(o_row + offs_dm[None, :] * so_d, o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dm[None, :] < D_V))
     tl.store(L + b * sl_b + pid_sp * sl_sp + s_idx * sl_s + h_idx * sl_h, lse, mask=row_ok & ((rows * 0 + vc) == 0))
 
 
@@ -610,7 +612,8 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
         PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
         KV_FP8=fp8, SCALE_W=min(SCALE_BLOCK, pow2(d_main) // v_split), N_SCALES=-(-d_main // SCALE_BLOCK),
-        FP8_FOLD=read.startswith("fold"), FP8_FOLD_F16=read == "fold", KT_ALIGN=row_alignment(kt, paged) if has_tail else 1,
+        FP8_FOLD=read.startswith("fold"), FP8_FOLD_F16=read == "fold",
+        KT_ALIGN=row_alignment(kt, paged) if has_tail else 1,
     ), cfg.num_warps, cfg.num_stages)
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)

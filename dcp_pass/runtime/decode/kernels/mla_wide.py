@@ -190,7 +190,8 @@ def _scores_kernel_src(
     if HAS_TAIL:  # a rope part stored apart from the latent part
         offs_kt = tl.arange(0, BLOCK_KT)
         qt_ptrs = QT + b * sqt_b + s_idx[:, None] * sqt_s + h_idx[:, None] * sqt_h + offs_kt[None, :] * sqt_d
-        kt_ptrs = KT + b * skt_b + tl.multiple_of(offs_n.to(tl.int64) * skt_t, KT_ALIGN)[:, None] + offs_kt[None, :] * skt_d
+        kt_rows = tl.multiple_of(offs_n.to(tl.int64) * skt_t, KT_ALIGN)
+        kt_ptrs = KT + b * skt_b + kt_rows[:, None] + offs_kt[None, :] * skt_d
         for d0 in range(0, D_TAIL, BLOCK_KT):
             d_ok = (d0 + offs_kt) < D_TAIL
             qt = tl.load(qt_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
