@@ -323,6 +323,27 @@ def test_gpu_fp8_real_shapes(H, paged, read, monkeypatch):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("H", [16, 128])
+def test_gpu_fold_at_least_as_exact_as_dequant(H, monkeypatch):
+    """bf16 queries on the GPU: the fold read (fp8 values and queries unrounded in fp16 dots,
+    P rounded to fp16) against the dequantising read (every value times its scale rounded to
+    bf16), both against the fp32 reference of the dequantised cache, on the kernel "auto" picks."""
+    g = _gen()
+    lens = torch.tensor([4096, 3000], device="cuda")
+    call = fp8_call(2, 1, H, 512, 64, 4096, torch.bfloat16, "cuda", gen=g, kv_lens=lens, scale=192 ** -0.5,
+                    spread=1.0)
+    ro, rl = ref32(call)
+    errors = {}
+    for read in ("fold", "dequant"):
+        monkeypatch.setenv("DCP_FP8_READ", read)
+        out, lse = _attend(call, "auto")
+        errors[read] = (rel_err(out, ro), (lse - rl).abs().max().item())
+    # (the outputs' own bf16 rounding is most of both output errors: a margin for its noise)
+    assert errors["fold"][0] <= errors["dequant"][0] * 1.1 and errors["fold"][1] <= errors["dequant"][1], errors
+
+
+@gpu
+@needs_cuda
 def test_gpu_fp8_cuda_graph_capture():
     g = _gen()
     lens = torch.randint(1, 8192, (8,), device="cuda")
