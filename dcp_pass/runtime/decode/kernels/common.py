@@ -242,7 +242,7 @@ def fp8_read() -> str:
     conversion per two values), each 128-column block's scales multiply the block's partial
     scores and the probabilities instead of the values; ``fold_qdtype``: the same with the
     dots in the queries' dtype; ``dequant``: every value times its scale in fp32, then
-    rounded to the queries' dtype (the first read, kept to measure beside the others)."""
+    rounded to the queries' dtype (there to measure the fold reads against)."""
     return env.fp8_read()
 
 
