@@ -6,15 +6,22 @@ replay of one call per rotated input set, the median of triton's do_bench. Per s
 
 * ``bf16 split``: a fused bf16 cache [B, T, 576] (1152 B per token) on the split-KV kernel;
 * ``bf16 auto``: the same operands on the kernel the chooser picks (Gluon / two-GEMM / split);
-* ``fp8_e4m3 split`` / ``wide`` / ``auto``: packed fp8 rows [B, T, 656] (latent e4m3, 4 fp32
-  scales, bf16 rope), read through their views (runtime/decode/kv_format.py) by the split-KV
-  kernel, the two-GEMM kernel and the chooser's pick among them (the Gluon kernels refuse fp8).
+* ``fp8_e4m3 split`` / ``wide``, once per fp8 read (``--reads``, DCP_FP8_READ: ``fold``,
+  ``fold_qdtype``, ``dequant``): packed fp8 rows [B, T, 656] (latent e4m3, 4 fp32 scales,
+  bf16 rope), read through their views (runtime/decode/kv_format.py) by the split-KV kernel
+  and the two-GEMM kernel; ``auto``: the chooser's pick among them with the default read (the
+  Gluon kernels refuse fp8). ``--fold-tiles``: more split rows of the ``fold`` read with the
+  16-row bucket's tiles replaced (block_h, block_n, warps, stages, v_split, waves; at 16 heads);
+  ``--fold-wide-tiles``: more two-GEMM rows of the ``fold`` read with these WideConfig tiles
+  (at 64 heads and more).
 
-Each row: H, B, T, dtype, kernel, ms, the floor max(bytes / copy bandwidth, flops / matmul
-rate) with both ceilings measured in the run, mm_frac and bw_frac (the share of each
-ceiling the kernel reaches), rel_err against the fp32 reference of the cache it reads (the
-dequantised values for fp8) and, for fp8, rel_err_vs_bf16 against the fp32 reference of the
-unquantised values (the quantisation's own error).
+Each row: H, B, T, dtype, kernel, read, ms, the floor max(bytes / copy bandwidth, flops /
+matmul rate) with both ceilings measured in the run, mm_frac and bw_frac (the share of each
+ceiling the kernel reaches), vs_bf16 (the bf16 ``auto`` row's ms over this row's: above 1 is
+faster than the bf16 cache), rel_err and lse_err (largest absolute LSE difference) against
+the fp32 reference of the cache it reads (the dequantised values for fp8) on batch row 0 and,
+for fp8, rel_err_vs_bf16 against the fp32 reference of the unquantised values (the
+quantisation's own error, default read).
 
     python benchmarks/bench_fp8.py --out $OUT/fp8_kernel_h200.json
     TRITON_INTERPRET=1 python benchmarks/bench_fp8.py --shapes 16x2x256 --out /tmp/fp8_dry.json  # CPU dry run
@@ -22,9 +29,11 @@ unquantised values (the quantisation's own error).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -34,6 +43,9 @@ from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor
 
 from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
+from dcp_pass.runtime.decode.kernels import mla_attention  # noqa: E402
+from dcp_pass.runtime.decode.kernels.common import FP8_READS  # noqa: E402
+from dcp_pass.runtime.decode.kernels.mla_wide import WideConfig  # noqa: E402
 from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E402
 from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack, views  # noqa: E402
 
@@ -77,8 +89,8 @@ def make_sets(B, H, T, fp8: bool):
     return sets
 
 
-def time_calls(make_call, kernel, sets):
-    calls = [(lambda s=s: attend(make_call(*s), kernel)) for s in sets]
+def time_calls(make_call, kernel, sets, config=None):
+    calls = [(lambda s=s: attend(make_call(*s), None if config else kernel, config=config)) for s in sets]
     if DEV != "cuda":
         return bench(calls[0])
     return bench(graph_of(calls)) / len(calls)
@@ -88,30 +100,78 @@ def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def one_shape(H, B, T, ceil):
+def lse_err(lse, ref):
+    ok = torch.isfinite(ref)
+    return (lse.float()[ok] - ref[ok]).abs().max().item() if ok.any() else 0.0
+
+
+@contextlib.contextmanager
+def fp8_read(read: Optional[str], tiles: Optional[tuple] = None):
+    """DCP_FP8_READ set to `read` (None: as it is) and, with split `tiles` (6 numbers), the
+    split kernel's fold tiles of the 16-row bucket replaced, inside."""
+    saved_env, saved_tiles = os.environ.get("DCP_FP8_READ"), dict(mla_attention._TUNED_FP8_FOLD)
+    if read is not None:
+        os.environ["DCP_FP8_READ"] = read
+    if tiles is not None and len(tiles) == 6:
+        mla_attention._TUNED_FP8_FOLD[16] = tiles  # (the 16-row bucket has no fold entry of its own)
+    try:
+        yield
+    finally:
+        mla_attention._TUNED_FP8_FOLD.clear()
+        mla_attention._TUNED_FP8_FOLD.update(saved_tiles)
+        if saved_env is None:
+            os.environ.pop("DCP_FP8_READ", None)
+        else:
+            os.environ["DCP_FP8_READ"] = saved_env
+
+
+def first_row(call):
+    """The call on batch row 0 alone (its reference is cheap)."""
+    one = lambda t: None if t is None else t[:1]  # noqa: E731
+    return call.replace(q_lat=call.q_lat[:1], q_rope=one(call.q_rope), kv=call.kv[:1], pe=one(call.pe),
+                        kv_scale=one(call.kv_scale), kv_lens=call.kv_lens[:1])
+
+
+def variants(fp8: bool, reads, fold_tiles, fold_wide_tiles):
+    """(kernel, read, tiles) of the rows timed for one cache."""
+    if not fp8:
+        return [("split", None, None), ("auto", None, None)]
+    rows = [(kernel, read, None) for read in reads for kernel in ("split", "wide")]
+    rows += [("split", "fold", t) for t in fold_tiles] + [("wide", "fold", t) for t in fold_wide_tiles]
+    return rows + [("auto", None, None)]
+
+
+def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=(), fold_wide_tiles=()):
     rows = []
+    bf16_auto_ms = None
     for fp8 in (False, True):
         sets = make_sets(B, H, T, fp8)
         make_call = fp8_call if fp8 else bf16_call
         call0 = make_call(*sets[0])
-        ro, _ = attention_impl(call0.replace(q_lat=call0.q_lat[:1], q_rope=None if call0.q_rope is None
-                                             else call0.q_rope[:1], kv=call0.kv[:1],
-                                             pe=None if call0.pe is None else call0.pe[:1],
-                                             kv_scale=None if call0.kv_scale is None else call0.kv_scale[:1],
-                                             kv_lens=call0.kv_lens[:1]), torch.float32)
-        for kernel in ("split", "wide", "auto") if fp8 else ("split", "auto"):
-            name = choose_kernel(call0, kernel).name
-            rec = dict(H=H, B=B, T=T, dtype="fp8_e4m3" if fp8 else "bf16", kernel=f"{kernel} ({name})")
-            try:
-                ms = time_calls(make_call, kernel, sets)
-                nbytes, flops = counts(B, H, T, LAYOUT.row_bytes if fp8 else 2 * D)
-                out, _ = attend(call0, kernel)
-                rec.update(ms=ms, floor_ms=floor_ms(nbytes, flops, ceil), kv_bytes=B * T * (LAYOUT.row_bytes if fp8
-                                                                                            else 2 * D),
-                           mm_frac=flops / ceil["mm_rate"] * 1e3 / ms, bw_frac=nbytes / ceil["copy_bw"] * 1e3 / ms,
-                           rel_err=rel_err(out[:1], ro))
-            except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
-                rec["error"] = f"{type(e).__name__}: {e}"[:300]
+        ro, rl = attention_impl(first_row(call0), torch.float32)
+        row_bytes = LAYOUT.row_bytes if fp8 else 2 * D
+        extra_split, extra_wide = (fold_tiles if H <= 16 else ()), (fold_wide_tiles if H >= 64 else ())
+        for kernel, read, tiles in variants(fp8, reads, extra_split, extra_wide):
+            with fp8_read(read, tiles):
+                name = choose_kernel(call0, kernel).name
+                rec = dict(H=H, B=B, T=T, dtype="fp8_e4m3" if fp8 else "bf16", kernel=f"{kernel} ({name})",
+                           read=(read or os.environ.get("DCP_FP8_READ", "") or FP8_READS[0]) if fp8 else "")
+                if tiles is not None:
+                    rec["tiles"] = list(tiles)
+                config = WideConfig(*tiles) if tiles is not None and len(tiles) == 8 else None
+                try:
+                    ms = time_calls(make_call, kernel, sets, config)
+                    nbytes, flops = counts(B, H, T, row_bytes)
+                    out, lse = attend(first_row(call0), None if config else kernel, config=config)
+                    rec.update(ms=ms, floor_ms=floor_ms(nbytes, flops, ceil), kv_bytes=B * T * row_bytes,
+                               mm_frac=flops / ceil["mm_rate"] * 1e3 / ms, bw_frac=nbytes / ceil["copy_bw"] * 1e3 / ms,
+                               rel_err=rel_err(out, ro), lse_err=lse_err(lse, rl))
+                    if not fp8 and kernel == "auto":
+                        bf16_auto_ms = ms
+                    if bf16_auto_ms:
+                        rec["vs_bf16"] = bf16_auto_ms / ms
+                except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
+                    rec["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(rec)
         if fp8:  # the quantisation's own error: against the unquantised values of the same draw
             torch.manual_seed(H * 1000 + B)
@@ -126,8 +186,9 @@ def one_shape(H, B, T, ceil):
     return rows
 
 
-COLUMNS = [("H", "H"), ("B", "B"), ("T", "T"), ("cache", "dtype"), ("kernel", "kernel"), ("ms", "ms"),
-           ("floor ms", "floor_ms"), ("mm frac", "mm_frac"), ("bw frac", "bw_frac"), ("rel err", "rel_err"),
+COLUMNS = [("H", "H"), ("B", "B"), ("T", "T"), ("cache", "dtype"), ("kernel", "kernel"), ("read", "read"),
+           ("tiles", "tiles"), ("ms", "ms"), ("floor ms", "floor_ms"), ("mm frac", "mm_frac"), ("bw frac", "bw_frac"),
+           ("vs bf16", "vs_bf16"), ("rel err", "rel_err"), ("lse err", "lse_err"),
            ("rel err vs bf16 values", "rel_err_vs_bf16")]
 
 
@@ -136,7 +197,21 @@ def main(argv=None):
     ap.add_argument("--shapes", default=SHAPES, help="HxBxT,...")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "fp8_kernel_h200.json"))
+    ap.add_argument("--reads", default=",".join(FP8_READS), help="fp8 reads to time (DCP_FP8_READ values)")
+    ap.add_argument("--fold-wide-tiles", default="",
+                    help="semicolon-separated WideConfig tiles (block_m,block_n,block_k,warps_a,stages_a,block_v,"
+                         "warps_b,stages_b): more fold rows of the two-GEMM kernel at 64 heads and more")
+    ap.add_argument("--fold-tiles", default="",
+                    help="semicolon-separated block_h,block_n,warps,stages,v_split,waves: more fold rows of the split "
+                         "kernel with these 16-row tiles")
     a = ap.parse_args(argv)
+    reads = [r for r in a.reads.split(",") if r]
+    bad = sorted(set(reads) - set(FP8_READS))
+    if bad:
+        ap.error(f"--reads: {bad} are not fp8 reads ({', '.join(FP8_READS)})")
+    fold_tiles = [tuple(float(x) if i == 5 else int(x) for i, x in enumerate(t.split(",")))
+                  for t in a.fold_tiles.split(";") if t]
+    fold_wide_tiles = [tuple(int(x) for x in t.split(",")) for t in a.fold_wide_tiles.split(";") if t]
     torch.manual_seed(0)
     results = dict(env=env_info(), layout=LAYOUT.spec(), row_bytes=LAYOUT.row_bytes)
     ceil = dict(copy_bw=copy_bandwidth(device=DEV), mm_rate=matmul_rate(device=DEV))
@@ -144,7 +219,7 @@ def main(argv=None):
     rows = []
     for sh in a.shapes.split(","):
         H, B, T = (int(x) for x in sh.split("x"))
-        for rec in one_shape(H, B, T, ceil):
+        for rec in one_shape(H, B, T, ceil, reads, fold_tiles, fold_wide_tiles):
             rows.append(rec)
             print("row", rec, flush=True)
         results["rows"] = rows

@@ -54,9 +54,12 @@ def compile_launch(launch, src_fn):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             raise TypeError(name)
+    params = inspect.signature(src_fn).parameters
     for name in names:
         if name not in sig:
             sig[name] = "constexpr"
+            if name not in consts and params[name].default is not inspect.Parameter.empty:
+                consts[name] = params[name].default  # a constexpr the launch leaves at its default
     target = GPUTarget("cuda", 90, 32)
     backend = triton.compiler.make_backend(target)
     opts = backend.parse_options(dict(num_warps=launch.num_warps, num_stages=launch.num_stages))

@@ -21,6 +21,12 @@ variable                        default     meaning
 ``DCP_MLA_TUNED``               (unset)     path of a JSON file whose entries replace the split
                                             kernel's tuned tiles (benchmarks/bench_kernel.py
                                             writes them); read once, at the kernel's import
+``DCP_FP8_READ``                ``fold``    how the Triton kernels read an fp8 latent cache:
+                                            ``fold`` applies the per-block scales to scores and
+                                            probabilities, the dots in fp16; ``fold_qdtype``
+                                            the same in the queries' dtype; ``dequant``
+                                            multiplies every value in fp32 first (to measure
+                                            one beside another); read at each launch
 ``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
                                             ``fa2`` or ``fa3``
 ``DCP_FLASHINFER_WORKSPACE_MB`` ``128``     FlashInfer's float workspace per device, MiB
@@ -44,7 +50,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 __all__ = ["VARIABLES", "Variable", "agreement_timeout_s", "flashinfer_mla_backend", "flashinfer_workspace_mb",
-           "logs_level", "mla_gluon", "mla_tuned", "mla_wide", "ranks_start", "read", "replay_enabled"]
+           "fp8_read", "logs_level", "mla_gluon", "mla_tuned", "mla_wide", "ranks_start", "read", "replay_enabled"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ VARIABLES = {v.name: v for v in (
     Variable("DCP_MLA_WIDE", "", "0: never offer the two-GEMM kernel; 1: send every call it can run to it"),
     Variable("DCP_MLA_GLUON", "", "0: never offer the Gluon kernels"),
     Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
+    Variable("DCP_FP8_READ", "fold", "how the Triton kernels read an fp8 latent: fold, fold_qdtype or dequant",
+             ("fold", "fold_qdtype", "dequant")),
     Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
     Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
     Variable("DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")),
@@ -109,6 +117,11 @@ def mla_gluon() -> str:
 def mla_tuned() -> str:
     """DCP_MLA_TUNED: a path, or ''."""
     return read("DCP_MLA_TUNED")
+
+
+def fp8_read() -> str:
+    """DCP_FP8_READ: 'fold', 'fold_qdtype' or 'dequant'."""
+    return read("DCP_FP8_READ")
 
 
 def flashinfer_mla_backend() -> str:

@@ -2,10 +2,12 @@
 Triton kernels read float8_e4m3fn latent rows with one fp32 scale per 128 columns (AttentionCall.kv_scale).
 
 Both are compared with the float64 reference of the dequantised cache (every fp8 value times
-its scale, exact in float64): the kernels dequantise in fp32, so they agree to fp32 rounding
-(fp16 queries: to fp16 rounding of the dequantised tile). Dense and paged caches, masks,
-causal caps, striped device counts, split counts and the two-program value split; NaN in a
-cache row reaches exactly the rows that see it.
+its scale, exact in float64), under each fp8 read (DCP_FP8_READ): they agree to fp32 rounding
+(fp16 queries: to fp16 rounding of P, or of the dequantised tile for the ``dequant`` read).
+Dense and paged caches, masks, causal caps, striped device counts, split counts and the
+two-program value split; NaN in a cache row reaches exactly the rows that see it. The ``fold``
+read is at least as exact as ``dequant`` (fp16 queries: LSE error ~1e-5 against ~1e-2), and
+takes bf16 queries of any magnitude into its fp16 dots.
 
 CPU part: the Triton checks run under Triton's interpreter in one worker subprocess (this file
 run as a script), as in test_kernel_mla.py. GPU part (``-m gpu``, skipped without CUDA):
@@ -13,6 +15,7 @@ DeepSeek-V3 shapes in bf16 against the fp32 reference of the dequantised cache.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -20,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from dcp_pass import env
 from dcp_pass.runtime.decode.call import AttentionCall
 from dcp_pass.testing import interpreter
 
@@ -29,7 +33,9 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kit.kernels import (TOL, check_close, fp8_call, gen as _gen, global_counts, interpreter_tests, poisoned,  # noqa: E402
-                         ref32, ref64)
+                         ref32, ref64, rel_err)
+
+FP8_READS = env.VARIABLES["DCP_FP8_READ"].choices  # the kernels' fp8 reads
 
 
 def _attend(call, kernel, out=None, lse_out=None, **options):
@@ -78,24 +84,87 @@ def _cases(dtype):
     yield fp8_call(B, 3, H, Dl, Dr, T, dtype, gen=g, q_pos=q_pos, stripe=(2, 0))
 
 
+@contextlib.contextmanager
+def _reading(read):
+    """The kernels' fp8 read (DCP_FP8_READ) set to `read` inside."""
+    saved = os.environ.get("DCP_FP8_READ")
+    os.environ["DCP_FP8_READ"] = read
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DCP_FP8_READ")
+        else:
+            os.environ["DCP_FP8_READ"] = saved
+
+
+def _errors(call, kernel):
+    """(output rel err, largest LSE abs err) against the float64 reference of the dequantised cache."""
+    out, lse = _attend(call, kernel)
+    ro, rl = ref64(call)
+    seen = torch.isfinite(rl)
+    return rel_err(out, ro), (lse.double()[seen] - rl[seen]).abs().max().item()
+
+
 def check_split_fp32_matches_dequantised_f64():
-    for call in _cases(torch.float32):
-        _compare(call, "split", torch.float32)
-        _compare(call, "split", torch.float32, num_splits=3)
+    for read in FP8_READS:
+        with _reading(read):
+            for call in _cases(torch.float32):
+                _compare(call, "split", torch.float32)
+                _compare(call, "split", torch.float32, num_splits=3)
 
 
 def check_split_fp16_matches_dequantised_f64():
-    for call in _cases(torch.float16):
-        _compare(call, "split", torch.float16)
+    for read in FP8_READS:
+        with _reading(read):
+            for call in _cases(torch.float16):
+                _compare(call, "split", torch.float16)
 
 
 def check_wide_fp32_and_fp16_match_dequantised_f64():
-    for dtype in (torch.float32, torch.float16):
-        for call in _cases(dtype):
-            _compare(call, "wide", dtype)
-    g = _gen()  # 256 value columns: two value chunks, each inside one scale block
-    _compare(fp8_call(2, 1, 4, 256, 8, 50, torch.float32, gen=g, kv_lens=torch.tensor([50, 9])), "wide",
-             torch.float32, num_splits=2)
+    for read in FP8_READS:
+        with _reading(read):
+            for dtype in (torch.float32, torch.float16):
+                for call in _cases(dtype):
+                    _compare(call, "wide", dtype)
+            g = _gen()  # 256 value columns: two value chunks, each inside one scale block
+            _compare(fp8_call(2, 1, 4, 256, 8, 50, torch.float32, gen=g, kv_lens=torch.tensor([50, 9])), "wide",
+                     torch.float32, num_splits=2)
+
+
+def check_fold_is_at_least_as_exact_as_dequant():
+    """fp16 queries, rows spanning four decades: the fold read (fp8 values exact in the dots,
+    the scales on scores and P) against the dequantising read (every value times its scale,
+    rounded to fp16), both against float64."""
+    g = _gen()
+    for kernel in ("split", "wide"):
+        call = fp8_call(2, 1, 16, 256, 16, 96, torch.float16, gen=g, kv_lens=torch.tensor([96, 40]))
+        with _reading("fold"):
+            fold_out, fold_lse = _errors(call, kernel)
+        with _reading("dequant"):
+            deq_out, deq_lse = _errors(call, kernel)
+        assert fold_out <= deq_out * 1.05 and fold_lse <= deq_lse, (kernel, fold_out, deq_out, fold_lse, deq_lse)
+        assert fold_lse < 1e-4, (kernel, fold_lse)
+
+
+def check_bf16_queries_fold_into_fp16_range():
+    """bf16 queries of any magnitude (1e-6 to 1e6: past fp16's range either way) read an fp8
+    latent through the fold read's fp16 dots: each query row and block is divided by a power
+    of two into fp16's range. Without rope columns every dot runs in fp16, so the interpreter
+    runs it (its bf16 dot is wrong); the output is bf16 (2^-9 rounding)."""
+    from dcp_pass.runtime.decode.kernels import mla_attention, mla_wide
+
+    g = _gen()
+    base = fp8_call(2, 1, 16, 256, 0, 96, torch.float32, gen=g, kv_lens=torch.tensor([96, 40]))
+    with _reading("fold"):
+        for magnitude in (1e-6, 1.0, 1e6):
+            call = AttentionCall((base.q_lat * magnitude).bfloat16(), None, base.kv, None, 256,
+                                 0.5 / (256 ** 0.5 * magnitude), kv_lens=base.kv_lens, kv_scale=base.kv_scale)
+            ro, rl = ref64(call)
+            for module in (mla_attention, mla_wide):
+                out, lse = module.run(call)
+                check_close(out.float(), lse, ro, rl, 1e-2)
+                assert (lse.double() - rl).abs().max().item() < 1e-4, (module.__name__, magnitude)
 
 
 def check_split_value_split_and_paged():
@@ -223,13 +292,16 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("read", FP8_READS)
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("paged", [False, True])
-def test_gpu_fp8_real_shapes(H, paged):
-    """DeepSeek-V3 shapes, bf16 queries and rope: the split and two-GEMM kernels against the fp32
-    reference of the dequantised cache (the kernels round the dequantised values to bf16). Rows
+def test_gpu_fp8_real_shapes(H, paged, read, monkeypatch):
+    """DeepSeek-V3 shapes, bf16 queries and rope, each fp8 read: the split and two-GEMM kernels
+    against the fp32 reference of the dequantised cache (a dequantising read rounds the
+    dequantised values to bf16, a fold read keeps them exact and rounds P). Rows
     span one decade of magnitude: at four, scores reach ~300 and bf16's relative rounding alone
     moves the LSE by ~0.8, which an absolute LSE bound cannot tell from a wrong kernel."""
+    monkeypatch.setenv("DCP_FP8_READ", read)
     g = _gen()
     lens = torch.tensor([4096, 1, 0, 2500], device="cuda")
     call = fp8_call(4, 1, H, 512, 64, 4096, torch.bfloat16, "cuda", gen=g, kv_lens=lens, scale=192 ** -0.5,
@@ -247,6 +319,27 @@ def test_gpu_fp8_real_shapes(H, paged):
     from dcp_pass.runtime.decode.backends import choose_kernel
 
     assert choose_kernel(call, "auto").name in ("split", "wide")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("H", [16, 128])
+def test_gpu_fold_at_least_as_exact_as_dequant(H, monkeypatch):
+    """bf16 queries on the GPU: the fold read (fp8 values and queries unrounded in fp16 dots,
+    P rounded to fp16) against the dequantising read (every value times its scale rounded to
+    bf16), both against the fp32 reference of the dequantised cache, on the kernel "auto" picks."""
+    g = _gen()
+    lens = torch.tensor([4096, 3000], device="cuda")
+    call = fp8_call(2, 1, H, 512, 64, 4096, torch.bfloat16, "cuda", gen=g, kv_lens=lens, scale=192 ** -0.5,
+                    spread=1.0)
+    ro, rl = ref32(call)
+    errors = {}
+    for read in ("fold", "dequant"):
+        monkeypatch.setenv("DCP_FP8_READ", read)
+        out, lse = _attend(call, "auto")
+        errors[read] = (rel_err(out, ro), (lse - rl).abs().max().item())
+    # (the outputs' own bf16 rounding is most of both output errors: a margin for its noise)
+    assert errors["fold"][0] <= errors["dequant"][0] * 1.1 and errors["fold"][1] <= errors["dequant"][1], errors
 
 
 @gpu

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import threading
 from typing import Optional, Tuple
 
 import torch
 
+from dcp_pass import env
 from dcp_pass.runtime.decode.call import (AttentionCall, Causal, Parts, ShardView, check_base,  # noqa: F401
                                           mask_rows_shared, pow2, split_parts)
 
@@ -54,6 +56,12 @@ __all__ = [
     "lens_operand",
     "launch",
     "recording_launches",
+    "FP8_READS",
+    "fp8_read",
+    "fold_dtype",
+    "fold_operand",
+    "fp8_dots_dtype",
+    "row_alignment",
     "shard_keys",
     "positions_i32",
     "keys_up_to",
@@ -224,6 +232,46 @@ def recording_launches():
         _LAUNCH_LOG.entries = saved
 
 
+FP8_READS = env.VARIABLES["DCP_FP8_READ"].choices  # how the Triton kernels read an fp8 latent (the default first)
+
+
+def fp8_read() -> str:
+    """How the Triton kernels read an fp8 latent tile, from DCP_FP8_READ (read at each launch).
+
+    ``fold`` (the default): the fp8 values enter the dots as fp16 (exact, one packed
+    conversion per two values), each 128-column block's scales multiply the block's partial
+    scores and the probabilities instead of the values; ``fold_qdtype``: the same with the
+    dots in the queries' dtype; ``dequant``: every value times its scale in fp32, then
+    rounded to the queries' dtype (there to measure the fold reads against)."""
+    return env.fp8_read()
+
+
+def fold_dtype(read: str, query_dtype: torch.dtype) -> torch.dtype:
+    """The dots' dtype of an fp8 ``fold`` / ``fold_qdtype`` read for queries of `query_dtype`:
+    fp32 queries keep fp32 dots; ``fold`` puts 16-bit ones into fp16 (e4m3 -> fp16 is one packed
+    conversion per two values on sm_90, e4m3 -> bf16 adds a slow one per value)."""
+    if query_dtype == torch.float32 or read != "fold":
+        return query_dtype
+    return torch.float16
+
+
+def fp8_dots_dtype(read: str, query_dtype: torch.dtype, has_tail: bool) -> torch.dtype:
+    """The dtype of every dot a Triton kernel runs for an fp8 call (what the interpreter's
+    bf16 check must see): a fold read's latent dots in :func:`fold_dtype`, a rope part's in
+    the queries' dtype."""
+    dots = fold_dtype(read, query_dtype) if read.startswith("fold") else query_dtype
+    return query_dtype if has_tail else dots
+
+
+def row_alignment(t: torch.Tensor, paged: bool) -> int:
+    """The largest power of two, up to 16 bytes' worth of elements, dividing the element offset
+    of every row of `t` [B or pages, rows, cols] from its batch row (paged: from the pool's
+    start). A kernel's ``tl.multiple_of`` hint with it lets rows of a packed layout (whose
+    strides are not multiples of 16) load in 16-byte vectors."""
+    g = math.gcd(t.stride(1), t.stride(0) if paged else 0, max(1, 16 // t.element_size()))
+    return g & -g
+
+
 def lse_scale(base):
     """Factor from a base-2 LSE to one in ``base``."""
     return LN2 if base == "e" else 1.0
@@ -309,9 +357,30 @@ def _keys_up_to_src(qmax, cp_world, cp_rank):
     return tl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(tl.int32)
 
 
+def _fold_operand_src(x, DOT_DTYPE: tl.constexpr):
+    """A query tile ``x`` [R, C] as a DOT_DTYPE operand of an fp8 fold read, and its rows'
+    power-of-two factors ``f`` [R]: ``x = operand * f`` (exactly, up to fp16 subnormals).
+
+    bf16 rows read into fp16 are divided by a power of two that puts the row's largest value
+    near 2^14, so that every value lies in fp16's range; fp16 has the more mantissa bits, so
+    the conversion is then exact (values below 2^-28 of the row's largest become fp16
+    subnormals, their rounding far below anything bf16 resolves). Other reads: f = 1."""
+    if DOT_DTYPE == tl.float16 and x.dtype == tl.bfloat16:
+        xf = x.to(tl.float32)
+        big = tl.max(tl.abs(xf), axis=1)
+        e = tl.ceil(tl.log2(tl.where(big > 0.0, big, 1.0))) - 14.0
+        f = tl.exp2(tl.minimum(tl.maximum(e, -100.0), 100.0))
+        y = (xf * (1.0 / f)[:, None]).to(DOT_DTYPE)
+    else:
+        f = tl.full([x.shape[0]], 1.0, tl.float32)
+        y = x.to(DOT_DTYPE)
+    return y, f
+
+
 if HAS_TRITON:
     shard_keys = triton.jit(_shard_keys_src)
     positions_i32 = triton.jit(_positions_i32_src)
     keys_up_to = triton.jit(_keys_up_to_src)
+    fold_operand = triton.jit(_fold_operand_src)
 else:  # pragma: no cover - the kernels that call them do not exist either
-    shard_keys = positions_i32 = keys_up_to = None
+    shard_keys = positions_i32 = keys_up_to = fold_operand = None

@@ -54,8 +54,8 @@ except Exception:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
 from .common import (LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
-                     cuda_properties, keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2,
-                     shard_keys, triton_reason)
+                     cuda_properties, fold_operand, fp8_dots_dtype, fp8_read, keys_up_to, launch, lens_operand,
+                     mask_operand, outputs, positions_i32, pow2, row_alignment, shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
 
@@ -85,6 +85,90 @@ def _fp8_tile_src(k, KS, ks_off, sks_d, col0, n_ok, N_SCALES: tl.constexpr, BLOC
     return tl.reshape(x, (BLOCK_N, WIDTH))
 
 
+def _fold_block_col_src(j: tl.constexpr, vc, N_OWN: tl.constexpr, BLOCK_DV: tl.constexpr, SCALE_W: tl.constexpr):
+    """First column of the program's column block j: its own value blocks first (j < N_OWN),
+    then, with a value split, the other program's (scores only)."""
+    if j < N_OWN:
+        col = vc * BLOCK_DV + j * SCALE_W
+    else:
+        col = (1 - vc) * BLOCK_DV + (j - N_OWN) * SCALE_W
+    return col
+
+
+def _fold_q_src(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, DOT_DTYPE: tl.constexpr,
+                D_MAIN: tl.constexpr, N_BLOCKS: tl.constexpr, N_OWN: tl.constexpr, BLOCK_DV: tl.constexpr,
+                SCALE_W: tl.constexpr):
+    """The query rows as N_BLOCKS column blocks of SCALE_W columns in DOT_DTYPE with their rows'
+    factors (common.fold_operand): two tuples, in _fold_block_col's order."""
+    blocks = ()
+    factors = ()
+    for j in tl.static_range(N_BLOCKS):
+        cols = _fold_block_col(j, vc, N_OWN, BLOCK_DV, SCALE_W) + tl.arange(0, SCALE_W)
+        ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + cols[None, :] * sq_d
+        x, f = fold_operand(tl.load(ptrs, mask=row_ok[:, None] & (cols[None, :] < D_MAIN), other=0.0), DOT_DTYPE)
+        blocks = blocks + (x,)
+        factors = factors + (f,)
+    return blocks, factors
+
+
+def _fold_scores_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
+                     DOT_DTYPE: tl.constexpr, D_MAIN: tl.constexpr, N_SCALES: tl.constexpr, N_BLOCKS: tl.constexpr, N_OWN: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     SCALE_W: tl.constexpr, SCALE_BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    """Scores of an fp8 latent tile with the scales folded in: the sum over the column blocks
+    of ``dot(q_j, k8_j^T) * f_j s_j``, s_j the keys' scale of block j ([BLOCK_N], one per key),
+    f_j the query rows' factor of the block ([BLOCK_H]).
+
+    The fp8 values enter the dots as DOT_DTYPE directly (exact: every e4m3 value is an fp16
+    and a bf16 value), so no tile is multiplied or reshaped; the scales multiply the
+    [rows, keys] partial scores instead. Each block is loaded as [columns, keys], the dot's
+    operand layout: transposing a converted tile instead is a register shuffle that also keeps
+    the compiler from pipelining the load. Returns (scores, the own blocks' scales)."""
+    qk = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    s_own = ()
+    for j in tl.static_range(N_BLOCKS):
+        col0 = _fold_block_col(j, vc, N_OWN, BLOCK_DV, SCALE_W)
+        cols = col0 + tl.arange(0, SCALE_W)
+        kT = tl.load(kv_base + k_off[None, :] + cols[:, None] * skv_d, mask=n_ok[None, :] & (cols[:, None] < D_MAIN),
+                     other=0.0).to(DOT_DTYPE)
+        block = col0 // SCALE_BLOCK
+        # (where, not &: Triton's interpreter gives a bool vector & a bool scalar as int32)
+        sc = tl.load(ks_base + ks_off + block * sks_d, mask=tl.where(block < N_SCALES, n_ok, False), other=0.0)
+        if IEEE:
+            part = tl.dot(q_blocks[j], kT, input_precision="ieee")
+        else:
+            part = tl.dot(q_blocks[j], kT)
+        qk += part * (q_factors[j][:, None] * sc[None, :])
+        if j < N_OWN:
+            s_own = s_own + (sc,)
+    return qk, s_own
+
+
+def _max_pair_src(a0, a1, b0, b1):
+    return tl.maximum(a0, b0), tl.maximum(a1, b1)
+
+
+def _fold_values_src(accs, p, factor, s_own, kv_base, k_off, skv_d, n_ok, vc, DOT_DTYPE: tl.constexpr,
+                     D_MAIN: tl.constexpr, N_OWN: tl.constexpr, BLOCK_DV: tl.constexpr, SCALE_W: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """One tile's values per own column block j: ``acc_j * factor + dot(p * s_j, k8_j)``, the
+    keys' scales on the columns of P (``(P s) V8 = P (s V8)``), the fp8 tile entering the dot
+    as it came. It is loaded here as [keys, columns], the values dot's layout (the scores read
+    the same bytes as [columns, keys]; this read hits L2)."""
+    new = ()
+    for j in tl.static_range(N_OWN):
+        cols = vc * BLOCK_DV + j * SCALE_W + tl.arange(0, SCALE_W)
+        k = tl.load(kv_base + k_off[:, None] + cols[None, :] * skv_d, mask=n_ok[:, None] & (cols[None, :] < D_MAIN),
+                    other=0.0).to(DOT_DTYPE)
+        pj = (p * s_own[j][None, :]).to(DOT_DTYPE)
+        acc = accs[j] * factor[:, None]
+        if IEEE:
+            new = new + (tl.dot(pj, k, acc, input_precision="ieee"),)
+        else:
+            new = new + (tl.dot(pj, k, acc),)
+    return new
+
+
 def _stage1_kernel_src(
     Q, QT, KV, KT, PT, LENS, MASK, QPOS, O, L, KS,
     T, H, SH, cp_world, cp_rank, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
@@ -105,13 +189,23 @@ def _stage1_kernel_src(
     PAGED: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
     KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128, SCALE_W: tl.constexpr = 128,
-    N_SCALES: tl.constexpr = 1,
+    N_SCALES: tl.constexpr = 1, FP8_FOLD: tl.constexpr = False, FP8_FOLD_F16: tl.constexpr = True,
+    KT_ALIGN: tl.constexpr = 1,
 ):
     """One (row block, value chunk, split, batch row): online softmax over the split's keys.
 
     MASK_SHARED: every row of the block reads the same mask row (one query token and a
     mask broadcast over heads, as a decode step's causal mask is), so one [BLOCK_N]
     vector is loaded per tile instead of a [BLOCK_H, BLOCK_N] tile.
+
+    KV_FP8: the latent is float8 with one fp32 scale per SCALE_BLOCK columns (KS). FP8_FOLD
+    reads it in column blocks of SCALE_W, the scales folded into scores and probabilities
+    (_fold_scores, _fold_values), the dots in fp16 (FP8_FOLD_F16: e4m3 -> fp16 is one packed
+    conversion on sm_90, e4m3 -> bf16 two, the second a slow one per value) or the queries'
+    dtype; without it each tile is dequantised in fp32 (_fp8_tile).
+    KT_ALIGN: a power of two dividing every rope row's element offset (the packed fp8 rows'
+    rope stride is not a multiple of 16, which the JIT's specialisation would need to see
+    that the rows are 16-byte aligned).
 
     Writes the normalised partial output and its base-2 LSE times ``lse_scale``
     (the final output directly when NUM_SPLITS == 1). With V_SPLIT == 2 two programs
@@ -132,9 +226,30 @@ def _stage1_kernel_src(
     offs_dm = vc * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this program's value columns
     dm_ok = offs_dm < D_MAIN
 
-    q_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_dm[None, :] * sq_d
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & dm_ok[None, :], other=0.0)
-    if V_SPLIT == 2:  # the other half of the main columns: scores only
+    FOLD: tl.constexpr = KV_FP8 and FP8_FOLD
+    N_OWN: tl.constexpr = BLOCK_DV // SCALE_W  # the program's value blocks (FOLD)
+    if FOLD:
+        if IEEE:
+            FOLD_DTYPE: tl.constexpr = tl.float32
+        elif FP8_FOLD_F16:
+            FOLD_DTYPE: tl.constexpr = tl.float16
+        else:
+            FOLD_DTYPE: tl.constexpr = Q.dtype.element_ty
+        q_blocks, q_factors = _fold_q(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, FOLD_DTYPE, D_MAIN,
+                                      N_OWN * V_SPLIT, N_OWN, BLOCK_DV, SCALE_W)
+        # fp16 weights p * s need a unit: the accumulators count in units of c_run, the largest
+        # key scale of the own blocks so far, so that p * s / c_run lies in [0, 1] (fp16's
+        # range whatever the scales); a larger scale rescales them by c_old / c_new together
+        # with the softmax's alpha. fp32 and bf16 have the range of any p * s.
+        FOLD_UNITS: tl.constexpr = FOLD_DTYPE == tl.float16
+        c_run = tl.full([BLOCK_H], 0.0 if FOLD_UNITS else 1.0, dtype=tl.float32)
+        accs = ()
+        for j in tl.static_range(N_OWN):
+            accs = accs + (tl.zeros([BLOCK_H, SCALE_W], dtype=tl.float32),)
+    else:
+        q_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_dm[None, :] * sq_d
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & dm_ok[None, :], other=0.0)
+    if V_SPLIT == 2 and not FOLD:  # the other half of the main columns: scores only
         offs_do = (1 - vc) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         do_ok = offs_do < D_MAIN
         qo_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_do[None, :] * sq_d
@@ -159,7 +274,8 @@ def _stage1_kernel_src(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if not FOLD:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
 
     kv_row = KV + b * skv_b
     kt_row = KT + b * skt_b
@@ -177,6 +293,7 @@ def _stage1_kernel_src(
                 ks_base = KS
             if HAS_TAIL:
                 kt_off = page * skt_b + in_page * skt_t
+                kt_off = tl.multiple_of(kt_off, KT_ALIGN)
                 kt_base = KT
         else:
             k_off = offs_n.to(tl.int64) * skv_t
@@ -186,20 +303,26 @@ def _stage1_kernel_src(
                 ks_base = ks_row
             if HAS_TAIL:
                 kt_off = offs_n.to(tl.int64) * skt_t
+                kt_off = tl.multiple_of(kt_off, KT_ALIGN)
                 kt_base = kt_row
-        k = tl.load(
-            kv_base + k_off[:, None] + offs_dm[None, :] * skv_d,
-            mask=n_ok[:, None] & dm_ok[None, :],
-            other=0.0,
-        )
-        if KV_FP8:  # the latent tile in the queries' dtype: fp8 * its block's fp32 scale
-            k = _fp8_tile(k, ks_base, ks_off, sks_d, vc * BLOCK_DV, n_ok, N_SCALES, BLOCK_N, BLOCK_DV, SCALE_W,
-                          SCALE_BLOCK).to(Q.dtype.element_ty)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if FOLD:
+            qk, s_own = _fold_scores(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
+                                     FOLD_DTYPE, D_MAIN, N_SCALES, N_OWN * V_SPLIT, N_OWN, BLOCK_H, BLOCK_N, BLOCK_DV,
+                                     SCALE_W, SCALE_BLOCK, IEEE)
         else:
-            qk = tl.dot(q, tl.trans(k))
-        if V_SPLIT == 2:
+            k = tl.load(
+                kv_base + k_off[:, None] + offs_dm[None, :] * skv_d,
+                mask=n_ok[:, None] & dm_ok[None, :],
+                other=0.0,
+            )
+            if KV_FP8:  # the latent tile in the queries' dtype: fp8 * its block's fp32 scale
+                k = _fp8_tile(k, ks_base, ks_off, sks_d, vc * BLOCK_DV, n_ok, N_SCALES, BLOCK_N, BLOCK_DV, SCALE_W,
+                              SCALE_BLOCK).to(Q.dtype.element_ty)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+        if V_SPLIT == 2 and not FOLD:
             ko = tl.load(
                 kv_base + k_off[:, None] + offs_do[None, :] * skv_d,
                 mask=n_ok[:, None] & do_ok[None, :],
@@ -237,29 +360,62 @@ def _stage1_kernel_src(
         if CAUSAL:
             valid = valid & ((offs_n[None, :] * cp_world + cp_rank) <= qpos[:, None])
         qk = tl.where(valid, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        if FOLD and FOLD_UNITS:
+            # the largest key scale of the tile's own blocks comes out of the softmax's own
+            # reduction over the keys (one cross-warp reduction, not one more per block)
+            s_big = s_own[0]
+            for j in tl.static_range(1, N_OWN):
+                s_big = tl.maximum(s_big, s_own[j])
+            m_tile, c_tile = tl.reduce((qk, tl.broadcast_to(s_big[None, :], qk.shape)), 1, _max_pair)
+            m_new = tl.maximum(m_i, m_tile)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p.to(k.dtype), k, acc, input_precision="ieee")
+        if FOLD:
+            if FOLD_UNITS:
+                c_new = tl.maximum(c_run, c_tile)
+                inv = 1.0 / tl.where(c_new > 0.0, c_new, 1.0)
+                accs = _fold_values(accs, p * inv[:, None], alpha * (c_run * inv), s_own, kv_base, k_off, skv_d, n_ok,
+                                    vc, FOLD_DTYPE, D_MAIN, N_OWN, BLOCK_DV, SCALE_W, IEEE)
+                c_run = c_new
+            else:
+                accs = _fold_values(accs, p, alpha, s_own, kv_base, k_off, skv_d, n_ok, vc, FOLD_DTYPE, D_MAIN, N_OWN,
+                                    BLOCK_DV, SCALE_W, IEEE)
         else:
-            acc = tl.dot(p.to(k.dtype), k, acc)
+            acc = acc * alpha[:, None]
+            if IEEE:
+                acc = tl.dot(p.to(k.dtype), k, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(k.dtype), k, acc)
         m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)) * lse_scale
-    o_ptrs = O + b * so_b + pid_sp * so_sp + s_idx[:, None] * so_s + h_idx[:, None] * so_h + offs_dm[None, :] * so_d
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dm[None, :] < D_V))
+    o_row = O + b * so_b + pid_sp * so_sp + s_idx[:, None] * so_s + h_idx[:, None] * so_h
+    if FOLD:
+        for j in tl.static_range(N_OWN):
+            cols = vc * BLOCK_DV + j * SCALE_W + tl.arange(0, SCALE_W)
+            o = accs[j] * (c_run / l_safe)[:, None]
+            tl.store(o_row + cols[None, :] * so_d, o.to(O.dtype.element_ty),
+                     mask=row_ok[:, None] & (cols[None, :] < D_V))
+    else:
+        o = acc / l_safe[:, None]
+        tl.store(o_row + offs_dm[None, :] * so_d, o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dm[None, :] < D_V))
     tl.store(L + b * sl_b + pid_sp * sl_sp + s_idx * sl_s + h_idx * sl_h, lse, mask=row_ok & ((rows * 0 + vc) == 0))
 
 
 if HAS_TRITON:
     _fp8_tile = triton.jit(_fp8_tile_src)
+    _fold_block_col = triton.jit(_fold_block_col_src)
+    _fold_q = triton.jit(_fold_q_src)
+    _fold_scores = triton.jit(_fold_scores_src)
+    _fold_values = triton.jit(_fold_values_src)
+    _max_pair = triton.jit(_max_pair_src)
     _stage1_jit = triton.jit(_stage1_kernel_src)
 
 
@@ -288,6 +444,15 @@ _TUNED = {  # winners of bench_kernel.py --sweep on an H200 (benchmarks/results/
     16: (16, 64, 4, 2, 1, 2.0),
     32: (32, 32, 4, 2, 1, 2.0),
     64: (64, 64, 4, 2, 2, 1.0),
+}
+
+
+# An fp8 latent read by folding its scales (FP8_FOLD) holds per column block an accumulator
+# and the block's partial scores: at 64 rows the tile above then spills on sm_90 (offline,
+# benchmarks/offline_fp8.py: 1184 bytes of stack), this one fits (none); the 16- and 32-row
+# tiles fit as they are (255 registers, no stack: two programs per SM, as for bf16).
+_TUNED_FP8_FOLD = {
+    64: (64, 32, 8, 2, 2, 1.0),
 }
 
 
@@ -331,10 +496,11 @@ def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, e
 def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, device: torch.device,
                 num_splits: Optional[int] = None, *, has_mask: bool = False, mask_shared: bool = False,
                 paged: bool = False,
-                elem_bytes: int = 2) -> MLAKernelConfig:
+                elem_bytes: int = 2, fp8_fold: bool = False) -> MLAKernelConfig:
     """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture).
 
-    The tuned tile is shrunk (block_n, then stages, then block_h) until its shared
+    The tuned tile (``fp8_fold``: an fp8 latent read by folding its scales, its own tiles
+    where they differ) is shrunk (block_n, then stages, then block_h) until its shared
     memory fits the device: a mask's tiles are pipelined too, and fp32 caches double
     every tile.
     """
@@ -344,7 +510,8 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
         ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), block_n)))
         return MLAKernelConfig(block_h, block_n, 4, 1, ns)
     bucket = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    block_h, block_n, warps, stages, v_split, waves = _TUNED[bucket]
+    block_h, block_n, warps, stages, v_split, waves = (_TUNED_FP8_FOLD.get(bucket) if fp8_fold else None) or \
+        _TUNED[bucket]
     bdm, bdt = pow2(d_main), pow2(max(d_tail, 1)) if d_tail else 0
     limit = _smem_limit(device)
     fits = lambda bh, bn, st: smem_estimate(bh, bn, st, bdm, bdt, elem_bytes, has_mask, paged, mask_shared) <= limit  # noqa: E731
@@ -401,16 +568,18 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     mask_b, ms, mask_shared = mask_operand(mask, B, S, H, T, device)
+    read = fp8_read() if a.kv_scale is not None else ""
     if config is None:
-        # an fp8 tile is dequantised into the queries' dtype on the way to the dots: size the
-        # tiles as for a cache of that dtype
+        # an fp8 tile enters the dots in a 16-bit (or the queries') dtype: size the tiles as
+        # for a cache of that dtype
         elem = q_lat.element_size() if a.kv_scale is not None else kv.element_size()
         cfg = pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
-                          mask_shared=mask_shared, paged=paged, elem_bytes=elem)
+                          mask_shared=mask_shared, paged=paged, elem_bytes=elem, fp8_fold=read.startswith("fold"))
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    check_launchable(device, kv_lens, "the split kernel", q_lat.dtype if a.kv_scale is not None else kv.dtype)
+    check_launchable(device, kv_lens, "the split kernel",
+                     fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if a.kv_scale is not None else kv.dtype)
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     has_tail = parts.q_tail is not None
@@ -443,6 +612,8 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
         PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
         KV_FP8=fp8, SCALE_W=min(SCALE_BLOCK, pow2(d_main) // v_split), N_SCALES=-(-d_main // SCALE_BLOCK),
+        FP8_FOLD=read.startswith("fold"), FP8_FOLD_F16=read == "fold",
+        KT_ALIGN=row_alignment(kt, paged) if has_tail else 1,
     ), cfg.num_warps, cfg.num_stages)
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)

@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 
 from .common import (HAS_TRITON, LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
-                     keys_up_to, launch, lens_operand, mask_operand, outputs, positions_i32, pow2, shard_keys,
-                     triton_reason)
+                     fold_dtype, fold_operand, fp8_dots_dtype, fp8_read, keys_up_to, launch, lens_operand,
+                     mask_operand, outputs, positions_i32, pow2, row_alignment, shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
 
@@ -68,8 +68,27 @@ def _visible_end_src(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, le
     return end
 
 
+def _fold_queries_kernel_src(Q, QF, F, SH, H, sq_b, sq_s, sq_h, sq_d, sqf_b, sqf_r, sf_b, sf_r,
+                             D_MAIN: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_W: tl.constexpr):
+    """One (row block, column block, batch row): the queries' latent part as the fp16 operand
+    of an fp8 fold read and their rows' factors (common.fold_operand), written once per call
+    for every key tile's scores program to read as it reads 16-bit queries."""
+    rb = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < SH
+    cols = blk * SCALE_W + tl.arange(0, SCALE_W)
+    ok = row_ok[:, None] & (cols[None, :] < D_MAIN)
+    q = tl.load(Q + b * sq_b + (rows // H)[:, None] * sq_s + (rows % H)[:, None] * sq_h + cols[None, :] * sq_d, mask=ok,
+                other=0.0)
+    x, f = fold_operand(q, QF.dtype.element_ty)
+    tl.store(QF + b * sqf_b + rows[:, None] * sqf_r + cols[None, :], x, mask=ok)
+    tl.store(F + b * sf_b + rows * sf_r + blk, f, mask=row_ok)
+
+
 def _scores_kernel_src(
-    Q, QT, K, KT, LENS, MASK, QPOS, P, MT, LT, KS,
+    Q, QT, K, KT, LENS, MASK, QPOS, P, MT, LT, KS, QF, F,
     T, H, SH, S, cp_world, cp_rank, sm_scale_log2, lens_sb, lens_c, lens_r,
     sq_b, sq_s, sq_h, sq_d,
     sqt_b, sqt_s, sqt_h, sqt_d,
@@ -80,17 +99,26 @@ def _scores_kernel_src(
     sqp_b, sqp_s,
     sp_b, sp_t, sp_r,
     sml_b, sml_t,
+    sqf_b, sqf_r, sf_b, sf_r,
     D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KT: tl.constexpr,
     BLOCK_S: tl.constexpr, N_RB: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
     IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
-    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
+    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128, FP8_FOLD: tl.constexpr = False,
+    FOLD_DTYPE: tl.constexpr = tl.float16, SCALE_W: tl.constexpr = 128, KT_ALIGN: tl.constexpr = 1,
+    Q_FOLDED: tl.constexpr = False,
 ):
     """One (row block, key tile, batch row): P = exp2(s - m_tile), m_tile, l_tile.
 
-    KV_FP8: K is an fp8 latent; each BLOCK_K column chunk lies inside one block of
-    SCALE_BLOCK columns, so it is read as k * its rows' scale of that block ([BLOCK_N] per chunk).
+    KV_FP8: K is an fp8 latent with one fp32 scale per SCALE_BLOCK columns. FP8_FOLD reads it
+    in blocks of SCALE_W columns, each as ``dot(q_blk, k8_blk^T) * f s`` (the fp8 values enter
+    the dot as FOLD_DTYPE unchanged, the keys' scales s and the query rows' factors f of
+    common.fold_operand multiply the [rows, keys] partial scores); without it each BLOCK_K
+    column chunk (inside one scale block) is read as k * its rows' scale, in fp32. Q_FOLDED:
+    the queries' operand and factors were written by the fold-queries kernel (QF [B, rows,
+    D_MAIN], F [B, rows, blocks]), as for bf16 queries with fp16 dots.
+    KT_ALIGN: a power of two dividing every rope row's element offset (common.row_alignment).
 
     MASK_SHARED: all rows read one mask row (a mask broadcast over heads and query
     tokens), loaded once as a [BLOCK_N] vector.
@@ -114,31 +142,56 @@ def _scores_kernel_src(
     n_ok = offs_n < end
     offs_k = tl.arange(0, BLOCK_K)
 
-    q_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_k[None, :] * sq_d
-    k_ptrs = K + b * sk_b + offs_n[:, None].to(tl.int64) * sk_t + offs_k[None, :] * sk_d
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for d0 in range(0, D_MAIN, BLOCK_K):
-        if D_MAIN % BLOCK_K == 0:
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            d_ok = (d0 + offs_k) < D_MAIN
-            q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if KV_FP8:
-            k_scale = tl.load(KS + b * sks_b + offs_n.to(tl.int64) * sks_t + (d0 // SCALE_BLOCK) * sks_d, mask=n_ok,
-                              other=0.0)
-            k = (k.to(tl.float32) * k_scale[:, None]).to(Q.dtype.element_ty)
-        if IEEE:
-            acc = tl.dot(q, tl.trans(k), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(q, tl.trans(k), acc)
-        q_ptrs += BLOCK_K * sq_d
-        k_ptrs += BLOCK_K * sk_d
+    if KV_FP8 and FP8_FOLD:
+        offs_w = tl.arange(0, SCALE_W)
+        q_row = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h
+        k_col = K + b * sk_b + offs_n[None, :].to(tl.int64) * sk_t  # keys along the columns: k^T tiles
+        ks_row = KS + b * sks_b + offs_n.to(tl.int64) * sks_t
+        qf_row = QF + b * sqf_b + rows[:, None] * sqf_r
+        f_row = F + b * sf_b + rows * sf_r
+        for c0 in range(0, D_MAIN, SCALE_W):
+            cols = c0 + offs_w
+            d_ok = cols < D_MAIN
+            kT = tl.load(k_col + cols[:, None] * sk_d, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            sc = tl.load(ks_row + (c0 // SCALE_BLOCK) * sks_d, mask=n_ok, other=0.0)
+            if Q_FOLDED:
+                qx = tl.load(qf_row + cols[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                f = tl.load(f_row + c0 // SCALE_W, mask=row_ok, other=1.0)
+            else:
+                q = tl.load(q_row + cols[None, :] * sq_d, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                qx, f = fold_operand(q, FOLD_DTYPE)
+            if IEEE:
+                part = tl.dot(qx, kT.to(FOLD_DTYPE), input_precision="ieee")
+            else:
+                part = tl.dot(qx, kT.to(FOLD_DTYPE))
+            acc += part * (f[:, None] * sc[None, :])
+    else:
+        q_ptrs = Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_k[None, :] * sq_d
+        k_ptrs = K + b * sk_b + offs_n[:, None].to(tl.int64) * sk_t + offs_k[None, :] * sk_d
+        for d0 in range(0, D_MAIN, BLOCK_K):
+            if D_MAIN % BLOCK_K == 0:
+                q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                d_ok = (d0 + offs_k) < D_MAIN
+                q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if KV_FP8:
+                k_scale = tl.load(KS + b * sks_b + offs_n.to(tl.int64) * sks_t + (d0 // SCALE_BLOCK) * sks_d, mask=n_ok,
+                                  other=0.0)
+                k = (k.to(tl.float32) * k_scale[:, None]).to(Q.dtype.element_ty)
+            if IEEE:
+                acc = tl.dot(q, tl.trans(k), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(q, tl.trans(k), acc)
+            q_ptrs += BLOCK_K * sq_d
+            k_ptrs += BLOCK_K * sk_d
     if HAS_TAIL:  # a rope part stored apart from the latent part
         offs_kt = tl.arange(0, BLOCK_KT)
         qt_ptrs = QT + b * sqt_b + s_idx[:, None] * sqt_s + h_idx[:, None] * sqt_h + offs_kt[None, :] * sqt_d
-        kt_ptrs = KT + b * skt_b + offs_n[:, None].to(tl.int64) * skt_t + offs_kt[None, :] * skt_d
+        kt_rows = tl.multiple_of(offs_n.to(tl.int64) * skt_t, KT_ALIGN)
+        kt_ptrs = KT + b * skt_b + kt_rows[:, None] + offs_kt[None, :] * skt_d
         for d0 in range(0, D_TAIL, BLOCK_KT):
             d_ok = (d0 + offs_kt) < D_TAIL
             qt = tl.load(qt_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -190,13 +243,16 @@ def _values_kernel_src(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_MT: tl.constexpr,
     BLOCK_S: tl.constexpr, N_RB: tl.constexpr, N_VC: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_LENS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128,
+    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128, FP8_FOLD: tl.constexpr = False,
 ):
     """One (row block, value chunk, split, batch row): sum_t (P_t * exp2(m_t - m)) @ V_t.
 
     KV_FP8: V is an fp8 latent whose BLOCK_V value chunk lies inside one block of SCALE_BLOCK
     columns: each token's scale multiplies its column of P instead of its row of V
-    (``(P * s) @ V8 = P @ (s * V8)``), and the fp8 values enter the dot exactly as 16-bit."""
+    (``(P * s) @ V8 = P @ (s * V8)``), and the fp8 values enter the dot exactly in P's dtype.
+    With FP8_FOLD and fp16 P the scales are divided by the split's largest scale of the block
+    ``c`` first (the output is multiplied back), so that the weights stay in [0, 1], fp16's
+    range whatever the scales."""
     pid = tl.program_id(0)
     rb = pid % N_RB
     vc = (pid // N_RB) % N_VC
@@ -235,6 +291,16 @@ def _values_kernel_src(
     offs_v = vc * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = offs_v < D_V
     offs_c = tl.arange(0, BLOCK_N)
+    ks_blk = KS + b * sks_b + ((vc * BLOCK_V) // SCALE_BLOCK) * sks_d
+    c = 1.0
+    if KV_FP8 and FP8_FOLD and P.dtype.element_ty == tl.float16:
+        c_run = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for t in range(t_lo, t_hi):
+            offs_n = t * BLOCK_N + offs_c
+            c_run = tl.maximum(c_run, tl.load(ks_blk + offs_n.to(tl.int64) * sks_t, mask=offs_n < end, other=0.0))
+        c = tl.max(c_run, axis=0)
+        c = tl.where(c > 0.0, c, 1.0)
+    inv_c = 1.0 / c
     p_ptrs = P + b * sp_b + rows[:, None] * sp_r + offs_c[None, :]
     m_ptrs = MT + b * sml_b + rows
     v_row = V + b * sv_b + offs_v[None, :] * sv_d
@@ -246,10 +312,9 @@ def _values_kernel_src(
         v = tl.load(v_row + offs_n[:, None].to(tl.int64) * sv_t, mask=(offs_n < end)[:, None] & v_ok[None, :],
                     other=0.0)
         if KV_FP8:
-            v_scale = tl.load(KS + b * sks_b + offs_n.to(tl.int64) * sks_t + ((vc * BLOCK_V) // SCALE_BLOCK) * sks_d,
-                              mask=offs_n < end, other=0.0)
-            p = p * v_scale[None, :]
-            v = v.to(O.dtype.element_ty)
+            v_scale = tl.load(ks_blk + offs_n.to(tl.int64) * sks_t, mask=offs_n < end, other=0.0)
+            p = p * (v_scale * inv_c)[None, :]
+            v = v.to(P.dtype.element_ty)
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -257,7 +322,7 @@ def _values_kernel_src(
 
     empty = l_run == 0.0
     l_safe = tl.where(empty, 1.0, l_run)
-    o = acc / l_safe[:, None]
+    o = acc * (c / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), m_use + tl.log2(l_safe)) * lse_scale
     o_ptrs = O + b * so_b + sp * so_sp + s_idx[:, None] * so_s + h_idx[:, None] * so_h + offs_v[None, :] * so_d
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
@@ -265,7 +330,9 @@ def _values_kernel_src(
 
 
 if HAS_TRITON:
+    _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
     _visible_end = triton.jit(_visible_end_src)  # called by both kernels (a global looked up when they compile)
+    _fold_queries_jit = triton.jit(_fold_queries_kernel_src)
     _scores_jit = triton.jit(_scores_kernel_src)
     _values_jit = triton.jit(_values_kernel_src)
 
@@ -307,9 +374,10 @@ WIDE_MIN_ROWS = 128
 
 def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, t_cap: int,
                      device: torch.device, num_splits: Optional[int] = None, *, elem_bytes: int = 2,
-                     base: Optional[WideConfig] = None, fp8: bool = False) -> WideConfig:
+                     base: Optional[WideConfig] = None, fp8: bool = False, fp8_fold: bool = False) -> WideConfig:
     """From shapes only. The interpreter gets small tiles and a few splits (tests). ``fp8``:
-    value chunks of at most one scale block (the values kernel scales P per chunk)."""
+    value chunks of at most one scale block (the values kernel scales P per chunk);
+    ``fp8_fold``: the fp8 latent is read by folding its scales (key tiles of at most 64)."""
     if device.type != "cuda":
         block_m = max(16, min(pow2(rows), 32))
         block_v = max(16, pow2(d_v) // 2)
@@ -327,6 +395,11 @@ def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, 
         block_v = min(block_v, SCALE_BLOCK)
     stages_a, stages_b = cfg.stages_a, cfg.stages_b
     block_n = cfg.block_n
+    if fp8_fold and base is None:
+        # kernel A holds a block's partial scores beside the accumulator: [128, 128] fp32
+        # twice spills on sm_90, 64-key tiles fit (offline, benchmarks/offline_fp8.py), with
+        # the stages of the fastest 64-key bf16 tiles (benchmarks/results/kernel_v4_wide_h200.json)
+        block_n, stages_a, stages_b = min(block_n, 64), 4, 3
     if elem_bytes == 4:  # fp32 caches: halve what is pipelined
         block_v, block_n = min(block_v, 128), min(block_n, 64)
         stages_a, stages_b = min(stages_a, 2), min(stages_b, 2)
@@ -386,8 +459,10 @@ class _Launch:
         launch(self.kernel, self.grid, self.args, self.consts, self.num_warps, self.num_stages)
 
 
-def plan(a: ShardView, out, lse_out, cfg: WideConfig):
-    """The launches of one call (kernel A, kernel B, and the split merge when splits > 1)."""
+def plan(a: ShardView, out, lse_out, cfg: WideConfig, read: Optional[str] = None):
+    """The launches of one call (the fold-queries kernel for an fp8 fold read of bf16 queries,
+    kernel A, kernel B, and the split merge when splits > 1); ``read``: how an fp8 latent is
+    read (common.FP8_READS; None: DCP_FP8_READ)."""
     base = check_base(a.lse_base)
     q_lat, kv, v_dim, scale, mask, kv_lens, causal = a.q_lat, a.kv, a.v_dim, a.scale, a.mask, a.kv_lens, a.causal
     parts = a.parts()
@@ -418,8 +493,12 @@ def plan(a: ShardView, out, lse_out, cfg: WideConfig):
     if fp8 and (SCALE_BLOCK % cfg.block_k or SCALE_BLOCK % cfg.block_v):
         raise ValueError(f"the wide kernel reads an fp8 latent in column chunks inside one scale block of "
                          f"{SCALE_BLOCK}: block_k={cfg.block_k} and block_v={cfg.block_v} must divide it")
-    # P in the dtype of the dots: the queries' for an fp8 latent
-    p_buf = torch.empty(B, NT, rows_pad, BN, dtype=q_lat.dtype if fp8 else kv.dtype, device=device)
+    read = (read or fp8_read()) if fp8 else ""
+    fold = read.startswith("fold")
+    # P in the dtype of the values dot: for an fp8 latent the queries' (fp16 for a fold read of
+    # 16-bit queries: P lies in [0, 1], where fp16 resolves more than bf16)
+    p_dtype = (fold_dtype(read, q_lat.dtype) if fold else q_lat.dtype) if fp8 else kv.dtype
+    p_buf = torch.empty(B, NT, rows_pad, BN, dtype=p_dtype, device=device)
     m_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
     l_buf = torch.empty(B, NT, rows_pad, dtype=torch.float32, device=device)
 
@@ -430,20 +509,40 @@ def plan(a: ShardView, out, lse_out, cfg: WideConfig):
     block_s = pow2(S, 2)
     ks, kss = (a.kv_scale, a.kv_scale.stride()) if fp8 else (dummy, (0, 0, 0))
 
-    launches = [_Launch(
+    launches = []
+    # bf16 queries read into fp16 dots: their operand and factors once per call (every key
+    # tile's program reads them)
+    q_folded = fold and p_dtype == torch.float16 and q_a.dtype == torch.bfloat16
+    qf_buf, f_buf = dummy, dummy
+    if q_folded:
+        scale_w = min(SCALE_BLOCK, pow2(d_a))
+        n_blk = triton.cdiv(d_a, scale_w)
+        qf_buf = torch.empty(B, SH, d_a, dtype=torch.float16, device=device)
+        f_buf = torch.empty(B, SH, n_blk, dtype=torch.float32, device=device)
+        block_r = 32
+        launches.append(_Launch(
+            _fold_queries_jit, (triton.cdiv(SH, block_r), n_blk, B),
+            [q_a, qf_buf, f_buf, SH, H, *q_a.stride(), qf_buf.stride(0), qf_buf.stride(1), f_buf.stride(0),
+             f_buf.stride(1)],
+            dict(D_MAIN=d_a, BLOCK_R=block_r, SCALE_W=scale_w), 4, 1))
+    qfs = (qf_buf.stride(0), qf_buf.stride(1), f_buf.stride(0), f_buf.stride(1)) if q_folded else (0, 0, 0, 0)
+
+    launches.append(_Launch(
         _scores_jit, (n_rb * NT, B),
         [q_a, qt if has_tail else dummy, k_a, kt if has_tail else dummy, lens,
-         mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf, ks,
+         mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf, ks, qf_buf, f_buf,
          T, H, SH, S, cp_world, cp_rank, float(scale) * LOG2E, lens_sb, lens_c, lens_r,
          *q_a.stride(), *qts, *k_a.stride(), *kts, *kss, *ms, *qps,
          p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
-         m_buf.stride(0), m_buf.stride(1)],
+         m_buf.stride(0), m_buf.stride(1), *qfs],
         dict(D_MAIN=d_a, D_TAIL=d_t,
              BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=cfg.block_k, BLOCK_KT=max(16, min(cfg.block_k, pow2(max(d_t, 1)))),
              BLOCK_S=block_s, N_RB=n_rb,
              HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None, HAS_MASK=mask_b is not None,
-             CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared, KV_FP8=fp8),
-        cfg.warps_a, cfg.stages_a)]
+             CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared, KV_FP8=fp8,
+             FP8_FOLD=fold, FOLD_DTYPE=_TL_DTYPES[p_dtype], SCALE_W=min(SCALE_BLOCK, pow2(d_a)),
+             KT_ALIGN=row_alignment(kt, False) if has_tail else 1, Q_FOLDED=q_folded),
+        cfg.warps_a, cfg.stages_a))
 
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     v = kv  # values: the first v_dim columns of the cache
@@ -456,7 +555,7 @@ def plan(a: ShardView, out, lse_out, cfg: WideConfig):
          *v.stride(), *kss, *qps, *ops, *lps],
         dict(D_V=v_dim, BLOCK_M=BM, BLOCK_N=BN, BLOCK_V=cfg.block_v, BLOCK_MT=32,
              BLOCK_S=block_s, N_RB=n_rb, N_VC=n_vc, NUM_SPLITS=ns,
-             HAS_LENS=kv_lens is not None, CAUSAL=causal is not None, IEEE=is_f32, KV_FP8=fp8),
+             HAS_LENS=kv_lens is not None, CAUSAL=causal is not None, IEEE=is_f32, KV_FP8=fp8, FP8_FOLD=fold),
         cfg.warps_b, cfg.stages_b))
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
@@ -487,15 +586,17 @@ def launch_wide(a: ShardView, out, lse_out, num_splits, config: Optional[WideCon
         return out, lse_out
     SH = S * H
     fp8 = a.kv_scale is not None
-    check_launchable(device, kv_lens, "the wide kernel", q_lat.dtype if fp8 else kv.dtype)
+    read = fp8_read() if fp8 else ""
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
+    check_launchable(device, kv_lens, "the wide kernel", fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if fp8
+                     else kv.dtype)
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are
         ns = num_splits or config.num_splits or pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device).num_splits
         cfg = replace(config, num_splits=ns)
     else:
         cfg = pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device, num_splits,
-                               elem_bytes=kv.element_size(), base=config, fp8=fp8)
-    for step in plan(a, out, lse_out, cfg):
+                               elem_bytes=kv.element_size(), base=config, fp8=fp8, fp8_fold=read.startswith("fold"))
+    for step in plan(a, out, lse_out, cfg, read):
         step()
     return out, lse_out
