@@ -21,12 +21,12 @@ variable                        default     meaning
 ``DCP_MLA_TUNED``               (unset)     path of a JSON file whose entries replace the split
                                             kernel's tuned tiles (benchmarks/bench_kernel.py
                                             writes them); read once, at the kernel's import
-``DCP_FP8_READ``                ``fold``    how the Triton kernels read an fp8 latent cache:
-                                            ``fold`` applies the per-block scales to scores and
-                                            probabilities, the dots in fp16; ``fold_qdtype``
-                                            the same in the queries' dtype; ``dequant``
-                                            multiplies every value in fp32 first (to measure
-                                            one beside another); read at each launch
+``DCP_FP8_READ``                ``dequant`` how the Triton kernels read an fp8 latent cache:
+                                            ``dequant`` multiplies every value in fp32 first
+                                            (the read checked on the GPU); ``fold`` applies the
+                                            per-block scales to scores and probabilities, the
+                                            dots in fp16; ``fold_qdtype`` the same in the
+                                            queries' dtype; read at each launch
 ``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
                                             ``fa2`` or ``fa3``
 ``DCP_FLASHINFER_WORKSPACE_MB`` ``128``     FlashInfer's float workspace per device, MiB
@@ -68,8 +68,8 @@ VARIABLES = {v.name: v for v in (
     Variable("DCP_MLA_WIDE", "", "0: never offer the two-GEMM kernel; 1: send every call it can run to it"),
     Variable("DCP_MLA_GLUON", "", "0: never offer the Gluon kernels"),
     Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
-    Variable("DCP_FP8_READ", "fold", "how the Triton kernels read an fp8 latent: fold, fold_qdtype or dequant",
-             ("fold", "fold_qdtype", "dequant")),
+    Variable("DCP_FP8_READ", "dequant", "how the Triton kernels read an fp8 latent: dequant, fold or fold_qdtype",
+             ("dequant", "fold", "fold_qdtype")),
     Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
     Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
     Variable("DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")),
@@ -120,7 +120,7 @@ def mla_tuned() -> str:
 
 
 def fp8_read() -> str:
-    """DCP_FP8_READ: 'fold', 'fold_qdtype' or 'dequant'."""
+    """DCP_FP8_READ: 'dequant', 'fold' or 'fold_qdtype'."""
     return read("DCP_FP8_READ")
 
 
