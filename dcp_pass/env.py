@@ -26,7 +26,8 @@ variable                        default     meaning
                                             probabilities, the dots in fp16; ``fold_qdtype``
                                             the same in the queries' dtype; ``dequant``
                                             multiplies every value in fp32 first (to measure
-                                            one beside another); read at each launch
+                                            one beside another); read at each launch (the
+                                            op's replay repeats its first call's launches)
 ``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
                                             ``fa2`` or ``fa3``
 ``DCP_FLASHINFER_WORKSPACE_MB`` ``128``     FlashInfer's float workspace per device, MiB
