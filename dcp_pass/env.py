@@ -26,7 +26,8 @@ variable                        default     meaning
                                             (the read checked on the GPU); ``fold`` applies the
                                             per-block scales to scores and probabilities, the
                                             dots in fp16; ``fold_qdtype`` the same in the
-                                            queries' dtype; read at each launch
+                                            queries' dtype; read at each launch (the op's
+                                            replay repeats its first call's launches)
 ``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
                                             ``fa2`` or ``fa3``
 ``DCP_FLASHINFER_WORKSPACE_MB`` ``128``     FlashInfer's float workspace per device, MiB
