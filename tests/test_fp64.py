@@ -12,6 +12,8 @@ softmax in fp64; the unmodified eager model is checked at fp32-rounding toleranc
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from dcp_pass.testing import run_ranks
 PROMPTS = [[5, 7, 9, 11, 2], [1], [3, 4], [8, 8, 1]]
 STEPS = 8
 MAX_SEQ = 24
+N_LAYERS = 2
 
 
 def test_fp64_pack_round_trip_and_merge_is_fp64():
@@ -48,7 +51,10 @@ def test_fp64_pack_round_trip_and_merge_is_fp64():
 def _build(tp: int, rank: int):
     from dcp_pass.models.deepseek_mla import ModelArgs, build_model
 
-    return build_model(ModelArgs(dtype=torch.float64, tp_size=tp, max_seq_len=MAX_SEQ), rank=rank, seed=1)
+    # all-dense: one graph per call shape (the MoE loop's graph breaks only add compiles,
+    # under inductor each a round of C++ builds)
+    args = ModelArgs(dtype=torch.float64, tp_size=tp, max_seq_len=MAX_SEQ, n_layers=N_LAYERS, n_dense_layers=N_LAYERS)
+    return build_model(args, rank=rank, seed=1)
 
 
 def _forced_logits(model, tokens: list[list[int]]) -> torch.Tensor:
@@ -64,12 +70,13 @@ def _forced_logits(model, tokens: list[list[int]]) -> torch.Tensor:
     return torch.stack(out)
 
 
+# inductor under DCP_TEST_FULL=1: its check is the fp32-rounding bound below, which the
+# aot_eager runs meet a million times over (about 40 s of fp64 C++ builds on two cores)
 CONFIGS = [
     dict(tp=2, comm=None, inner="aot_eager"),  # default comm: packed all-to-all
     dict(tp=1, comm=None, inner="aot_eager"),  # unsharded: head-replicated all-gather + merge
     dict(tp=2, comm="ag_rs", inner="aot_eager"),
-    dict(tp=2, comm=None, inner="inductor"),
-]
+] + ([dict(tp=2, comm=None, inner="inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else [])
 
 
 def _rank_fn(rank, world, tokens, configs):
@@ -113,11 +120,11 @@ def test_fp64_model_c2_equals_eager_fp64(monkeypatch):
     for index, cfg in enumerate(CONFIGS):
         for rank_results in results:
             got, rewritten = rank_results[index]
-            assert rewritten >= 3, (cfg, rewritten)
+            assert rewritten >= N_LAYERS, (cfg, rewritten)
             assert got.dtype == torch.float64
             rel = ((got - exact).abs().amax() / exact.abs().amax()).item()
-            # inductor fuses away the model's own fp32 round trips (rotary, gate softmax):
-            # plain inductor without DCP is ~1.2e-7 from eager fp64 on this model
+            # inductor fuses away the model's own fp32 round trips (the rotary's): plain
+            # inductor without DCP is ~1e-7 from eager fp64 on this model
             assert rel < (1e-12 if cfg["inner"] == "aot_eager" else 1e-6), (cfg, rel)
             rel_plain = ((got - plain).abs().amax() / plain.abs().amax()).item()
             assert rel_plain < 1e-5, (cfg, rel_plain)

@@ -104,13 +104,16 @@ def test_c3_chunked_calls_exact_aot_eager_and_inductor():
     _check(run_ranks(_rank_fn, 3, C3, timeout=900), C3)
 
 
-# inductor at c=4 is left to c=3 here: four ranks compiling C++ on CI's two cores take
-# minutes; the write and merge paths are the same function of c under both compilers. The
-# several-graph (MoE) forward and tp=1 are C2's (the MoE model at c=4 took 67 s on two
-# cores); what c=4 adds is the write window, which the dense model exercises in full.
+# c=4 under DCP_TEST_FULL=1 only: what it adds to c=3 is a wider stripe through the same
+# write window, whose arithmetic test_striped_write checks against brute force for every
+# c in 1..8; CI decodes at c=4 in test_pass_numerics, test_project_merge and
+# test_forms_e2e (multi-token calls there through the paged pool). Inductor at c=4 is left to c=3 as well: four ranks
+# compiling C++ on CI's two cores take minutes. The several-graph (MoE) forward and tp=1
+# are C2's.
 C4 = [dict(dtype=torch.float32, tp=4, inner="aot_eager", dense=True)]
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DCP_TEST_FULL") != "1", reason="DCP_TEST_FULL=1")
 def test_c4_chunked_calls_exact():
     _check(run_ranks(_rank_fn, 4, C4, timeout=900), C4)
