@@ -122,15 +122,18 @@ def test_requires_grad_params_no_grad_inference_mode_and_grad_mode():
                 assert all(r["inference_outputs"]) == (cfg["ctx"] == "inference_mode"), (cfg, r)
 
 
+# DCP 1 under inductor runs under DCP_TEST_FULL=1: the AOT step that failed is DCP 1's
+# aot_eager run, the compiled graph run inside inference_mode is DCP 2's inductor run (a
+# minute of C++ builds on two cores with a cold cache)
 DECORATED_CONFIGS = [
     dict(decorated=True, requires_grad=False, ctx="grad", dcp=1, inner="aot_eager"),
-    dict(decorated=True, requires_grad=False, ctx="grad", dcp=1, inner="inductor"),
     dict(decorated=True, requires_grad=False, ctx="grad", dcp=2, inner="aot_eager"),
     dict(decorated=True, requires_grad=False, ctx="grad", dcp=2, inner="inductor"),
     # parameters that require grad, called in grad mode: the decorator alone turns grad off
     dict(decorated=True, requires_grad=True, ctx="grad", dcp=2, inner="aot_eager"),
     dict(decorated=True, requires_grad=False, ctx="grad", dcp=2, inner="eager"),
-]
+] + ([dict(decorated=True, requires_grad=False, ctx="grad", dcp=1, inner="inductor")]
+     if os.environ.get("DCP_TEST_FULL") == "1" else [])
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ logits equal to the model without DCP.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -55,8 +57,12 @@ def _rank_fn(rank, world, configs):
     return out
 
 
-CONFIGS = [dict(inner="aot_eager", dense=True), dict(inner="inductor", dense=True),
-           dict(inner="aot_eager", dense=False)]
+# What is checked of the graphs (how many, the position moved, no int input) is the pass's
+# output, the same under either inner compiler; inductor running a moved position is
+# test_grad_and_inference_mode's (tensor-parallel, static_positions) in CI, and here under
+# DCP_TEST_FULL=1 (a minute of C++ builds on two cores).
+CONFIGS = [dict(inner="aot_eager", dense=True), dict(inner="aot_eager", dense=False)] + (
+    [dict(inner="inductor", dense=True)] if os.environ.get("DCP_TEST_FULL") == "1" else [])
 
 
 @pytest.mark.slow
