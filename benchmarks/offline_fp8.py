@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offline_wide import _DT, compile_launch, finish  # noqa: E402
 
+from dcp_pass import env  # noqa: E402
 from dcp_pass.runtime.decode import kv_format  # noqa: E402
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
@@ -54,18 +55,6 @@ def captured_launches():
         M.launch, M.check_launchable = saved
 
 
-@contextlib.contextmanager
-def fp8_read_env(read: str):
-    """DCP_FP8_READ set to `read` inside (the kernels read it at each launch)."""
-    saved = os.environ.get("DCP_FP8_READ")
-    os.environ["DCP_FP8_READ"] = read
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["DCP_FP8_READ"]
-        else:
-            os.environ["DCP_FP8_READ"] = saved
 
 
 def calls(H: int, B: int = 2, T: int = 1024):
@@ -97,7 +86,7 @@ def split_launch(call, H: int, fp8_read: str, tiles=None):
     cfg = M.MLAKernelConfig(bh, bn, warps, stages, 2, v_split)
     out = torch.empty(call.q_lat.shape[:3] + (LAT,), dtype=torch.bfloat16)
     lse = torch.empty(call.q_lat.shape[:3])
-    with captured_launches() as seen, fp8_read_env(fp8_read):
+    with captured_launches() as seen, env.overridden("DCP_FP8_READ", fp8_read):
         M._launch(call.shard(), out, lse, None, cfg)
     return [("split", seen[0], M._stage1_kernel_src)]
 
@@ -116,7 +105,7 @@ def wide_launches(call, fp8_read: str, tiles=None):
         cfg = W.WideConfig(block_m=block_m, block_n=64 if fold else 128, warps_a=4 if block_m <= 64 else 8,
                            stages_a=4 if fold else 3, block_v=128 if fp8 else 256, stages_b=3 if fold else 2,
                            num_splits=2)
-    with fp8_read_env(fp8_read):
+    with env.overridden("DCP_FP8_READ", fp8_read):
         launches = W.plan(call.shard(), out, lse, cfg)
     names = {W._fold_queries_jit: ("wide_Q", W._fold_queries_kernel_src),
              W._scores_jit: ("wide_A", W._scores_kernel_src), W._values_jit: ("wide_B", W._values_kernel_src)}

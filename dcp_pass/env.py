@@ -46,12 +46,14 @@ the kernel.)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 __all__ = ["VARIABLES", "Variable", "agreement_timeout_s", "flashinfer_mla_backend", "flashinfer_workspace_mb",
-           "fp8_read", "logs_level", "mla_gluon", "mla_tuned", "mla_wide", "ranks_start", "read", "replay_enabled"]
+           "fp8_read", "logs_level", "mla_gluon", "mla_tuned", "mla_wide", "overridden", "ranks_start", "read",
+           "replay_enabled"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,21 @@ VARIABLES = {v.name: v for v in (
     Variable("DCP_TRACE_ASSERTS", "1", "0: Dynamo breaks graphs at tensor asserts with run-time messages", ("0", "1")),
     Variable("DCP_TEST_START", "", "spawn: run_ranks spawns its ranks everywhere"),
 )}
+
+
+@contextlib.contextmanager
+def overridden(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` inside (benchmarks and tests that time or check one setting
+    beside another); the previous value, or its absence, restored after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def read(name: str) -> str:

@@ -15,7 +15,6 @@ DeepSeek-V3 shapes in bf16 against the fp32 reference of the dequantised cache.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -84,18 +83,6 @@ def _cases(dtype):
     yield fp8_call(B, 3, H, Dl, Dr, T, dtype, gen=g, q_pos=q_pos, stripe=(2, 0))
 
 
-@contextlib.contextmanager
-def _reading(read):
-    """The kernels' fp8 read (DCP_FP8_READ) set to `read` inside."""
-    saved = os.environ.get("DCP_FP8_READ")
-    os.environ["DCP_FP8_READ"] = read
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("DCP_FP8_READ")
-        else:
-            os.environ["DCP_FP8_READ"] = saved
 
 
 def _errors(call, kernel):
@@ -108,7 +95,7 @@ def _errors(call, kernel):
 
 def check_split_fp32_matches_dequantised_f64():
     for read in FP8_READS:
-        with _reading(read):
+        with env.overridden("DCP_FP8_READ", read):
             for call in _cases(torch.float32):
                 _compare(call, "split", torch.float32)
                 _compare(call, "split", torch.float32, num_splits=3)
@@ -116,14 +103,14 @@ def check_split_fp32_matches_dequantised_f64():
 
 def check_split_fp16_matches_dequantised_f64():
     for read in FP8_READS:
-        with _reading(read):
+        with env.overridden("DCP_FP8_READ", read):
             for call in _cases(torch.float16):
                 _compare(call, "split", torch.float16)
 
 
 def check_wide_fp32_and_fp16_match_dequantised_f64():
     for read in FP8_READS:
-        with _reading(read):
+        with env.overridden("DCP_FP8_READ", read):
             for dtype in (torch.float32, torch.float16):
                 for call in _cases(dtype):
                     _compare(call, "wide", dtype)
@@ -139,9 +126,9 @@ def check_fold_is_at_least_as_exact_as_dequant():
     g = _gen()
     for kernel in ("split", "wide"):
         call = fp8_call(2, 1, 16, 256, 16, 96, torch.float16, gen=g, kv_lens=torch.tensor([96, 40]))
-        with _reading("fold"):
+        with env.overridden("DCP_FP8_READ", "fold"):
             fold_out, fold_lse = _errors(call, kernel)
-        with _reading("dequant"):
+        with env.overridden("DCP_FP8_READ", "dequant"):
             deq_out, deq_lse = _errors(call, kernel)
         assert fold_out <= deq_out * 1.05 and fold_lse <= deq_lse, (kernel, fold_out, deq_out, fold_lse, deq_lse)
         assert fold_lse < 1e-4, (kernel, fold_lse)
@@ -156,7 +143,7 @@ def check_bf16_queries_fold_into_fp16_range():
 
     g = _gen()
     base = fp8_call(2, 1, 16, 256, 0, 96, torch.float32, gen=g, kv_lens=torch.tensor([96, 40]))
-    with _reading("fold"):
+    with env.overridden("DCP_FP8_READ", "fold"):
         for magnitude in (1e-6, 1.0, 1e6):
             call = AttentionCall((base.q_lat * magnitude).bfloat16(), None, base.kv, None, 256,
                                  0.5 / (256 ** 0.5 * magnitude), kv_lens=base.kv_lens, kv_scale=base.kv_scale)
