@@ -105,11 +105,11 @@ def test_c3_chunked_calls_exact_aot_eager_and_inductor():
 
 
 # c=4 under DCP_TEST_FULL=1 only: what it adds to c=3 is a wider stripe through the same
-# write window, whose arithmetic test_striped_write checks against brute force for every
-# c in 1..8; CI decodes at c=4 in test_pass_numerics, test_project_merge and
-# test_forms_e2e (multi-token calls there through the paged pool). Inductor at c=4 is left to c=3 as well: four ranks
-# compiling C++ on CI's two cores take minutes. The several-graph (MoE) forward and tp=1
-# are C2's.
+# write window, whose arithmetic test_striped_write checks against brute force (c = 1..4
+# and 8 in CI); CI decodes at c=4 in test_pass_numerics, test_project_merge and
+# test_forms_e2e (multi-token calls there through the paged pool). Inductor at c=4 is
+# left to c=3 as well: four ranks compiling C++ on CI's two cores take minutes. The
+# several-graph (MoE) forward and tp=1 are C2's.
 C4 = [dict(dtype=torch.float32, tp=4, inner="aot_eager", dense=True)]
 
 

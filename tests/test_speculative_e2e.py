@@ -1,6 +1,6 @@
 """End to end: greedy speculative decoding with a DCP-compiled target equals plain greedy.
 
-Two gloo ranks, TP 2 + DCP 2: the target (the example DeepSeek-style MLA model,
+Two gloo ranks, TP 2 + DCP 2: the target (the example DeepSeek-style MLA model, all dense,
 unmodified) is compiled with ``backend="dcp"``, so its MLA cache is striped and its
 verification calls (k + 1 query tokens at a static shape) run shard-local attention
 with global causality plus the merge. The draft is replicated (TP 1) and compiled
@@ -9,6 +9,8 @@ without DCP. Two drafts: one with the target's weights (every proposal accepted)
 rejected rows are later overwritten in the striped cache).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,14 +48,15 @@ def _worker(rank, world):
     from dcp_pass.models.generate import greedy_generate, speculative_greedy_generate
 
     torch._dynamo.config.cache_size_limit = 64
-    args = ModelArgs(tp_size=2, max_seq_len=64, max_batch_size=2)
+    # all-dense: each call shape is one graph (the MoE loop's graph breaks would recompile
+    # a dozen frames per shape for draft and target alike)
+    args = ModelArgs(tp_size=2, max_seq_len=64, max_batch_size=2, n_layers=2, n_dense_layers=2)
     want = greedy_generate(build_model(args, seed=1), PROMPTS, NEW)[0]  # eager TP-2 reference
     target = torch.compile(
         build_model(args, seed=1), backend="dcp", options={"dcp_size": 2, "tp_size": 2, "inner": "aot_eager"}
     )
     # the draft holds the whole model on every rank (replicated) and knows nothing of DCP
-    draft = torch.compile(build_model(ModelArgs(tp_size=1, max_seq_len=64, max_batch_size=2), seed=1),
-                          backend="eager")
+    draft = torch.compile(build_model(replace(args, tp_size=1), seed=1), backend="eager")
     runs = []
     for d in (draft, FlakyDraft(draft)):
         stats: dict = {}
