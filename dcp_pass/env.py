@@ -21,13 +21,15 @@ variable                        default     meaning
 ``DCP_MLA_TUNED``               (unset)     path of a JSON file whose entries replace the split
                                             kernel's tuned tiles (benchmarks/bench_kernel.py
                                             writes them); read once, at the kernel's import
-``DCP_FP8_READ``                ``dequant`` how the Triton kernels read an fp8 latent cache:
-                                            ``dequant`` multiplies every value in fp32 first
-                                            (the read checked on the GPU); ``fold`` applies the
-                                            per-block scales to scores and probabilities, the
-                                            dots in fp16; ``fold_qdtype`` the same in the
-                                            queries' dtype; read at each launch (the op's
-                                            replay repeats its first call's launches)
+``DCP_FP8_READ``                (unset)     how the Triton kernels read an fp8 latent cache:
+                                            unset, each kernel's faster read on the H200
+                                            (split-KV ``fold``, two-GEMM ``dequant``);
+                                            ``dequant`` multiplies every value in fp32 first;
+                                            ``fold`` applies the per-block scales to scores
+                                            and probabilities, the dots in fp16;
+                                            ``fold_qdtype`` the same in the queries' dtype;
+                                            read at each launch (the op's replay repeats its
+                                            first call's launches)
 ``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
                                             ``fa2`` or ``fa3``
 ``DCP_FLASHINFER_WORKSPACE_MB`` ``128``     FlashInfer's float workspace per device, MiB
@@ -71,8 +73,8 @@ VARIABLES = {v.name: v for v in (
     Variable("DCP_MLA_WIDE", "", "0: never offer the two-GEMM kernel; 1: send every call it can run to it"),
     Variable("DCP_MLA_GLUON", "", "0: never offer the Gluon kernels"),
     Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
-    Variable("DCP_FP8_READ", "dequant", "how the Triton kernels read an fp8 latent: dequant, fold or fold_qdtype",
-             ("dequant", "fold", "fold_qdtype")),
+    Variable("DCP_FP8_READ", "", "how the Triton kernels read an fp8 latent: unset (each kernel's faster read), "
+             "dequant, fold or fold_qdtype", ("", "dequant", "fold", "fold_qdtype")),
     Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
     Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
     Variable("DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")),
@@ -82,11 +84,14 @@ VARIABLES = {v.name: v for v in (
 
 
 @contextlib.contextmanager
-def overridden(name: str, value: str) -> Iterator[None]:
-    """`name` set to `value` inside (benchmarks and tests that time or check one setting
-    beside another); the previous value, or its absence, restored after."""
+def overridden(name: str, value: Optional[str]) -> Iterator[None]:
+    """`name` set to `value` (None: unset) inside (benchmarks and tests that time or check one
+    setting beside another); the previous value, or its absence, restored after."""
     saved = os.environ.get(name)
-    os.environ[name] = value
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
     try:
         yield
     finally:
@@ -138,7 +143,7 @@ def mla_tuned() -> str:
 
 
 def fp8_read() -> str:
-    """DCP_FP8_READ: 'dequant', 'fold' or 'fold_qdtype'."""
+    """DCP_FP8_READ: '' (unset: each kernel's own default), 'dequant', 'fold' or 'fold_qdtype'."""
     return read("DCP_FP8_READ")
 
 

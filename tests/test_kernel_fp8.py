@@ -34,7 +34,7 @@ if HERE not in sys.path:
 from kit.kernels import (TOL, check_close, fp8_call, gen as _gen, global_counts, interpreter_tests, poisoned,  # noqa: E402
                          ref32, ref64, rel_err)
 
-FP8_READS = env.VARIABLES["DCP_FP8_READ"].choices  # the kernels' fp8 reads
+FP8_READS = tuple(r for r in env.VARIABLES["DCP_FP8_READ"].choices if r)  # the kernels' fp8 reads
 
 
 def _attend(call, kernel, out=None, lse_out=None, **options):
@@ -132,6 +132,27 @@ def check_fold_is_at_least_as_exact_as_dequant():
             deq_out, deq_lse = _errors(call, kernel)
         assert fold_out <= deq_out * 1.05 and fold_lse <= deq_lse, (kernel, fold_out, deq_out, fold_lse, deq_lse)
         assert fold_lse < 1e-4, (kernel, fold_lse)
+
+
+def check_unset_read_is_each_kernels_default():
+    """With DCP_FP8_READ unset the split kernel launches its fold read and the two-GEMM kernel
+    its dequantising read (the faster read of each on the H200); set, it wins for both."""
+    from dcp_pass.runtime.decode.kernels import common, mla_attention, mla_wide
+
+    call = fp8_call(2, 1, 16, 256, 16, 40, torch.float32, gen=_gen(), kv_lens=torch.tensor([40, 9]))
+
+    def folds(module):
+        with common.recording_launches() as launches:
+            module.run(call)
+        return {bool(options.get("FP8_FOLD")) for _, _, _, _, options in launches if "FP8_FOLD" in options}
+
+    with env.overridden("DCP_FP8_READ", None):
+        assert folds(mla_attention) == {True}, folds(mla_attention)
+        assert folds(mla_wide) == {False}, folds(mla_wide)
+    with env.overridden("DCP_FP8_READ", "fold"):
+        assert True in folds(mla_wide)
+    with env.overridden("DCP_FP8_READ", "dequant"):
+        assert folds(mla_attention) == {False}
 
 
 def check_bf16_queries_fold_into_fp16_range():

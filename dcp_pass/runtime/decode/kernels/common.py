@@ -232,18 +232,25 @@ def recording_launches():
         _LAUNCH_LOG.entries = saved
 
 
-FP8_READS = env.VARIABLES["DCP_FP8_READ"].choices  # how the Triton kernels read an fp8 latent (the default first)
+FP8_READS = tuple(r for r in env.VARIABLES["DCP_FP8_READ"].choices if r)  # how the Triton kernels read an fp8 latent
+
+# each kernel's read where DCP_FP8_READ is unset: the faster one on the H200, both exact to fp32
+# rounding (benchmarks/results/fp8_kernel_v2_h200.json): the split kernel's fold 1.5x its dequant
+# at 16 heads (0.44 vs 0.67 ms, 32 x 32K keys), the two-GEMM kernel's dequant 1.4x its fold at
+# 128 heads (1.40 vs 1.95 ms)
+DEFAULT_FP8_READ = {"split": "fold", "wide": "dequant"}
 
 
-def fp8_read() -> str:
-    """How the Triton kernels read an fp8 latent tile, from DCP_FP8_READ (read at each launch).
+def fp8_read(kernel: str) -> str:
+    """How `kernel` ("split" or "wide") reads an fp8 latent tile: DCP_FP8_READ when set (read
+    at each launch), else :data:`DEFAULT_FP8_READ`.
 
-    ``fold`` (the default): the fp8 values enter the dots as fp16 (exact, one packed
-    conversion per two values), each 128-column block's scales multiply the block's partial
-    scores and the probabilities instead of the values; ``fold_qdtype``: the same with the
-    dots in the queries' dtype; ``dequant``: every value times its scale in fp32, then
-    rounded to the queries' dtype (there to measure the fold reads against)."""
-    return env.fp8_read()
+    ``fold``: the fp8 values enter the dots as fp16 (exact, one packed conversion per two
+    values), each 128-column block's scales multiply the block's partial scores and the
+    probabilities instead of the values; ``fold_qdtype``: the same with the dots in the
+    queries' dtype; ``dequant``: every value times its scale in fp32, then rounded to the
+    queries' dtype."""
+    return env.fp8_read() or DEFAULT_FP8_READ[kernel]
 
 
 def fold_dtype(read: str, query_dtype: torch.dtype) -> torch.dtype:

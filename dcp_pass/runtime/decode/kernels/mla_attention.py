@@ -568,7 +568,7 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     mask_b, ms, mask_shared = mask_operand(mask, B, S, H, T, device)
-    read = fp8_read() if a.kv_scale is not None else ""
+    read = fp8_read("split") if a.kv_scale is not None else ""
     if config is None:
         # an fp8 tile enters the dots in a 16-bit (or the queries') dtype: size the tiles as
         # for a cache of that dtype

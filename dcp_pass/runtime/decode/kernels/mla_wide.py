@@ -493,7 +493,7 @@ def plan(a: ShardView, out, lse_out, cfg: WideConfig, read: Optional[str] = None
     if fp8 and (SCALE_BLOCK % cfg.block_k or SCALE_BLOCK % cfg.block_v):
         raise ValueError(f"the wide kernel reads an fp8 latent in column chunks inside one scale block of "
                          f"{SCALE_BLOCK}: block_k={cfg.block_k} and block_v={cfg.block_v} must divide it")
-    read = (read or fp8_read()) if fp8 else ""
+    read = (read or fp8_read("wide")) if fp8 else ""
     fold = read.startswith("fold")
     # P in the dtype of the values dot: for an fp8 latent the queries' (fp16 for a fold read of
     # 16-bit queries: P lies in [0, 1], where fp16 resolves more than bf16)
@@ -586,7 +586,7 @@ def launch_wide(a: ShardView, out, lse_out, num_splits, config: Optional[WideCon
         return out, lse_out
     SH = S * H
     fp8 = a.kv_scale is not None
-    read = fp8_read() if fp8 else ""
+    read = fp8_read("wide") if fp8 else ""
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     check_launchable(device, kv_lens, "the wide kernel", fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if fp8
