@@ -7,7 +7,8 @@ timing, captured in a CUDA graph when it can be (else launched eagerly: the row 
 which), and the three Triton/Gluon paths graph-timed as in ``bench_kernel.py``. Same
 inputs (fused 512 + 64 bf16 cache, one query token, every row full), same ceilings.
 
-FlashInfer runs in two page layouts: one page per request (``page_size = T``, how the
+The adapter (``attn_backend="flashinfer"``) is also timed in a captured decode step, planned
+on the host from the step's count before the replays (``fi_step_*``). FlashInfer runs in two page layouts: one page per request (``page_size = T``, how the
 ``attn_backend="flashinfer"`` adapter hands it a dense shard) and 64-token pages in
 request order (a serving engine's paged cache). Its output is checked against the fp32
 reference like the others (rel. error of batch row 0, LSE in base 2).
@@ -67,10 +68,48 @@ def flashinfer_call(q, kv, page_size):
     return run
 
 
-def flashinfer_rows(rec, sets, flops, ceil, floor):
+def step_rows(rec, sets, flops, ceil, floor):
+    """``attn_backend="flashinfer"`` through the adapter in a captured decode step: the device
+    count is the step's, known on the host (``host_lens``), planned before the replays
+    (runtime/decode/step_count.py), empty-row fix-up and base conversion included: what an
+    int-position decode graph replays. Timed as the Triton paths (one call per input set)."""
+    from dcp_pass.runtime.decode import step_count
+    from dcp_pass.runtime.decode.backends import attend
+
+    q0, kv0 = sets[0]
+    T = kv0.shape[1]
+    lens = torch.full((1,), T, dtype=torch.int64, device=q0.device)
+    outs = []
+
+    def call(q, kv):
+        out = attend(AttentionCall(q, None, kv, None, KV_LORA, SCALE, kv_lens=lens, host_lens=T), "flashinfer")
+        outs.append(out)
+        return out
+
+    try:
+        plans = step_count.HostPlans()
+        with step_count.step(plans, T):
+            replay = graph_of([(lambda q=q, kv=kv: call(q, kv)) for q, kv in sets])
+        o, lse = outs[-len(sets)]  # the captured call of set 0
+        with step_count.step(plans, T):
+            replay()
+        torch.cuda.synchronize()
+        ro, rl = attention_impl(AttentionCall(q0[:1], None, kv0[:1], None, KV_LORA, SCALE), torch.float32)
+        rec["fi_step_rel_err"] = ((o[:1].float() - ro).norm() / ro.norm()).item()
+        rec["fi_step_lse_err"] = (lse[:1] - rl).abs().max().item()
+        with step_count.step(plans, T):
+            t = bench(replay) / len(sets)
+        rec.update(fi_step_ms=t, fi_step_mm_frac=flops / (t * 1e-3) / ceil["mm_rate"], fi_step_of_floor=floor / t,
+                   fi_step_planners=len(plans))
+    except Exception as e:  # noqa: BLE001
+        rec["fi_step_error"] = f"{type(e).__name__}: {e}"[-600:]
+        traceback.print_exc()
+
+
+def flashinfer_rows(rec, sets, flops, ceil, floor, pages=("T", "64")):
     q, kv = sets[0]
     ro, rl = attention_impl(AttentionCall(q[:1], None, kv[:1], None, KV_LORA, SCALE), torch.float32)
-    for page_size in (kv.shape[1], 64):
+    for page_size in [kv.shape[1] if p == "T" else int(p) for p in pages]:
         tag = "fi_page_T" if page_size == kv.shape[1] else f"fi_page_{page_size}"
         try:
             run = flashinfer_call(q, kv, page_size)
@@ -98,6 +137,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/flashinfer_kernel_h200.json")
     ap.add_argument("--shapes", default=SHAPES, help="HxBxT,...")
+    ap.add_argument("--fi-pages", default="T,64", help="FlashInfer's page layouts: T (one page per row), sizes")
+    ap.add_argument("--no-step", action="store_true", help="skip the adapter's captured-step rows")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (and flashinfer: source benchmarks/flashinfer_env.sh)")
@@ -122,7 +163,9 @@ def main():
                             f"{path}_of_floor": floor / t})
             except Exception as e:  # noqa: BLE001
                 rec[f"{path}_error"] = f"{type(e).__name__}: {e}"[-600:]
-        flashinfer_rows(rec, sets, flops, ceil, floor)
+        flashinfer_rows(rec, sets, flops, ceil, floor, a.fi_pages.split(","))
+        if not a.no_step:
+            step_rows(rec, sets, flops, ceil, floor)
         fi = [rec[k] for k in ("fi_page_T_ms", "fi_page_64_ms") if k in rec]
         if fi and "gluon_ms" in rec:
             rec["gluon_vs_best_flashinfer"] = min(fi) / rec["gluon_ms"]
@@ -135,6 +178,7 @@ def main():
             ("Gluon floor/ms", "gluon_of_floor"), ("wide ms", "wide_ms"), ("split ms", "split_ms"),
             ("FlashInfer page=T ms", "fi_page_T_ms"), ("timed", "fi_page_T_timing"),
             ("FlashInfer page=64 ms", "fi_page_64_ms"), ("timed", "fi_page_64_timing"),
+            ("adapter, captured step ms", "fi_step_ms"), ("adapter rel err", "fi_step_rel_err"),
             ("best FlashInfer / Gluon", "gluon_vs_best_flashinfer"), ("Gluon rel err", "gluon_rel_err"),
             ("FlashInfer rel err", "fi_page_64_rel_err")]
     results["table_md"] = fmt_table(rows, cols)

@@ -148,6 +148,9 @@ def run_variant(rank, world, cfg, c, mode, ctx, dev, dtype):
     if cfg.get("fast_path") and c == 1:  # the single-GPU fast path: the pass's kernel at DCP=1
         rec["fast_path"] = True
         extra["fast_path"] = True
+        if cfg.get("fast_path_variant"):
+            rec["fast_path_options"] = dict(cfg["fast_path_variant"])
+            extra.update(cfg["fast_path_variant"])
     project = cfg.get("project_before_merge")  # None: the option's default (where exact)
     if project is not None and c > 1:
         rec["project_before_merge"] = project
@@ -272,14 +275,16 @@ def worker(rank, world, cfg):
     rows = []
     for ctx in cfg["ctx"]:
         for mode in cfg["modes"]:
-            for c, replicate, project, inner_options, fast in [
-                    (c, r, p, io, f) for c in cfg["dcp"] for io in cfg["inner_options"]
+            for c, replicate, project, inner_options, fast, fast_options in [
+                    (c, r, p, io, f, fo) for c in cfg["dcp"] for io in cfg["inner_options"]
                     for r in (cfg["replicate"] if c > 1 else [None])
                     for p in (cfg["project_before_merge"] if c > 1 else [None])
-                    for f in (cfg["fast_path"] if c == 1 else [False])]:
+                    for f in (cfg["fast_path"] if c == 1 else [False])
+                    for fo in (cfg["fast_path_options"] if f else [{}])]:
                 try:
                     rec = run_variant(rank, world, dict(cfg, replicate_q=replicate, project_before_merge=project,
-                                                        inner_options=inner_options, fast_path=fast), c,
+                                                        inner_options=inner_options, fast_path=fast,
+                                                        fast_path_variant=fast_options), c,
                                       None if mode == "default" else mode, ctx, dev, dtype)
                 except Exception as e:  # noqa: BLE001
                     rec = dict(c=c, world=world, mode=mode, ctx=ctx, batch=cfg["batch"],
@@ -328,6 +333,9 @@ def main():
     ap.add_argument("--fast-path", default="0",
                     help="comma list of 0/1: DCP=1 variants without / with option fast_path (the pass's attention "
                          "kernel, device positions and CUDA graphs at dcp_size=1)")
+    ap.add_argument("--fast-path-options", default="{}",
+                    help="';'-separated JSON dicts of more `dcp` options, each a variant of the fast-path rows, "
+                         "e.g. '{};{\"attn_backend\": \"flashinfer\"}'")
     ap.add_argument("--project-before-merge", default="default",
                     help="comma list for DCP > 1 variants: default (the option's choice: where exact), 1 (the "
                          "value projection before the exchange, v_head_dim columns), 0 (after it, the latent width)")
@@ -359,6 +367,7 @@ def main():
                                      for x in a.project_before_merge.split(",")],
                inner_options=[json.loads(x) for x in a.inner_options.split(";")],
                fast_path=[x == "1" for x in a.fast_path.split(",")],
+               fast_path_options=[json.loads(x) for x in a.fast_path_options.split(";")],
                dcp_options=json.loads(a.dcp_options),
                partial=(a.out + ".partial.jsonl") if a.out else None)
     if cfg["partial"] and os.path.exists(cfg["partial"]):
@@ -413,7 +422,8 @@ def main():
     md = fmt_table(rows, [
         ("ctx", "ctx"), ("B", "batch"), ("mode", "mode"), ("dcp", "c"),
         ("replicate q", lambda r: {True: "1", False: "0"}.get(r.get("replicate_q_proj"), "")),
-        ("fast path", lambda r: "1" if r.get("fast_path") else ""),
+        ("fast path", lambda r: (json.dumps(r["fast_path_options"]) if r.get("fast_path_options") else "1")
+         if r.get("fast_path") else ""),
         ("project before merge", lambda r: {True: "1", False: "0"}.get(r.get("project_before_merge"), "")),
         ("floor ms", lambda r: r.get("floor_ms", "")), ("of floor", lambda r: r.get("floor_frac", "")),
         ("projected rewrites", lambda r: r.get("projected_rewrites", "")),

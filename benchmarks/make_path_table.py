@@ -1,9 +1,10 @@
 """Write dcp_pass/runtime/decode/kernels/path_table.py from measured kernel timings.
 
 Sources (H200, committed under benchmarks/results/):
-* kernel_v4_wide_h200.json   split vs wide Triton kernels, 64/128 heads, B 8/32, 64K/128K keys
-* kernel_v9_gluon_h200.json   split vs wide vs the Gluon one-read kernel, 64/128 heads, B 8/32, 4K-128K keys
-* flashinfer_probe_h200x2.json  FlashInfer's fa3 MLA kernel vs the Triton dispatcher, 16/128 heads
+* kernel_paths_h200.json   every kernel "auto" chooses from, timed side by side in one run
+  (benchmarks/bench_flashinfer_kernel.py): the split, two-GEMM and Gluon kernels, and
+  FlashInfer through its adapter in a captured decode step (planned from the step's count),
+  16/64/128 heads, B 8/32, 4K-128K keys. It is the whole plain-call table.
 * masked_paths_int32_h200.json, masked_paths_16h_h200.json  what a decode step's mask row or a
   causal cap costs each path (benchmarks/probe_masked_paths.py), per query rows
 
@@ -17,31 +18,23 @@ import os
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(ROOT, "dcp_pass", "runtime", "decode", "kernels", "path_table.py")
-GLUON_RUN = "kernel_v9_gluon_h200.json"
-GLUON_TAG = "gluon 64x64/8w/2s/v3"
+PATHS_RUN = "kernel_paths_h200.json"
+# the run's column of each path; FlashInfer as the pass runs it (the adapter, captured), else its bare kernel
+COLUMNS = {"split": ("split_ms",), "wide": ("wide_ms",), "gluon": ("gluon_ms",),
+           "flashinfer": ("fi_step_ms", "fi_page_T_ms")}
 
 
 def rows() -> list[tuple]:
-    out: dict[tuple, dict] = {}
-    wide = json.load(open(os.path.join(HERE, "results", "kernel_v4_wide_h200.json")))
-    for r in wide["table"]:
-        out.setdefault((r["H"], r["B"], r["T"]), {}).update(split=round(r["ms"], 4), wide=round(r["wide_ms"], 4))
-    # split, wide and the Gluon one-read kernel timed side by side in one run (its default tile)
-    gluon = json.load(open(os.path.join(HERE, "results", GLUON_RUN)))
-    for r in gluon["table"]:
-        g = r.get("gluon_all", {}).get(GLUON_TAG)
-        timings = out.setdefault((r["H"], r["B"], r["T"]), {})
-        timings.update(split=round(r["ms"], 4), wide=round(r["wide_ms"], 4))
-        if g:
-            timings["gluon"] = round(g["ms"], 4)
-    probe = json.load(open(os.path.join(HERE, "results", "flashinfer_probe_h200x2.json")))
-    for r in probe["stages"]["perf"]["rows"]:
-        # the probe timed the Triton dispatcher ("auto"): wide from 128 rows, split below
-        triton_path = "wide" if r["H"] >= 128 else "split"
-        timings = out.setdefault((r["H"], r["B"], r["T"]), {})
-        timings.setdefault(triton_path, round(r["triton_ms"], 4))
-        timings["flashinfer"] = round(r["flashinfer_ms"], 4)
-    return sorted((h, b, t, ms) for (h, b, t), ms in out.items())
+    out = []
+    for r in json.load(open(os.path.join(HERE, "results", PATHS_RUN)))["rows"]:
+        timings = {}
+        for path, keys in COLUMNS.items():
+            ms = next((r[k] for k in keys if r.get(k)), None)
+            if ms:
+                timings[path] = round(ms, 4)
+        if timings:
+            out.append((r["H"], r["B"], r["T"], timings))
+    return sorted(out, key=lambda x: x[:3])
 
 
 MASKED_RUNS = ("masked_paths_int32_h200.json", "masked_paths_16h_h200.json")

@@ -22,6 +22,7 @@ from dcp_pass.report import DcpReport, GraphReport, cache_layers, log
 from dcp_pass.rewrites.apply import PassConfig, apply_dcp
 from dcp_pass.rewrites import cache, fx_util
 from dcp_pass.rewrites.attention import AttentionPlan
+from dcp_pass.runtime.decode import step_count
 from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
 
 
@@ -60,7 +61,8 @@ def inference_mode_block(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.Node]
     return enter, leave
 
 
-def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str]) -> Callable:
+def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str],
+                  host_counts: bool = False) -> Callable:
     """Hand the (rewritten) graph to the compiler named by `opts.inner`.
 
     A graph that is one inference-mode block (pytorch#180823: AOT autograd fails on it
@@ -76,13 +78,13 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
     """
     block = inference_mode_block(gm) if opts.inner != "eager" else None
     if block is None:
-        return _compile_inner(gm, example_inputs, opts, mode)
+        return _compile_inner(gm, example_inputs, opts, mode, host_counts)
     body = fx_util.copy_dynamo_graph_module(gm)  # keeps what marks params/buffers static
     for node in reversed([n for n in body.graph.nodes if n.target in (_ENTER_INFERENCE, _EXIT_INFERENCE)]):
         body.graph.erase_node(node)  # the exit first: it uses the enter
     body.recompile()
     with torch.no_grad():
-        compiled = _compile_inner(body, example_inputs, opts, mode)
+        compiled = _compile_inner(body, example_inputs, opts, mode, host_counts)
 
     def run(*args):
         with torch.inference_mode():
@@ -93,8 +95,9 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
     return run
 
 
-def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str]) -> Callable:
-    patches = inner_config_patches(opts, _device_of(example_inputs), mode)
+def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str],
+                   host_counts: bool = False) -> Callable:
+    patches = inner_config_patches(opts, _device_of(example_inputs), mode, host_counts)
     if patches.get("triton.cudagraphs") and opts.cudagraphs == "auto" and "triton.cudagraphs" not in opts.inner_options:
         state = fx_util.state_built_in_graph(gm.graph)
         if state:
@@ -145,15 +148,18 @@ def _compile_with(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
     return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 
-def inner_config_patches(opts: DcpOptions, device: torch.device, mode: Optional[str]) -> dict[str, Any]:
+def inner_config_patches(opts: DcpOptions, device: torch.device, mode: Optional[str],
+                         host_counts: bool = False) -> dict[str, Any]:
     """Inductor config patches of the inner compile: `mode`'s options (when a DcpBackend is
     given a mode), then option 'cudagraphs', then 'inner_options' (which win).
 
     cudagraphs "auto": `mode` decides when given, else on for CUDA tensors under inductor
     (as mode="reduce-overhead" would set it: torch.compile refuses mode= with options=);
     True / False force it; True needs CUDA tensors (raises DcpOptionError otherwise). An
-    attention backend that cannot run inside graph capture (the table's ``capturable``,
-    e.g. FlashInfer's host-side plan) turns "auto" off and refuses True.
+    attention backend that cannot run inside graph capture (the table's ``capturable``)
+    turns "auto" off and refuses True; one that plans on the host (FlashInfer) runs inside
+    capture in a graph whose key count the backend holds (`host_counts`: an int-position
+    decode graph, runtime/decode/step_count.py).
     """
     from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS
 
@@ -163,11 +169,13 @@ def inner_config_patches(opts: DcpOptions, device: torch.device, mode: Optional[
             f"use 'auto' (off there) or False"
         )
     entry = ATTENTION_BACKENDS.get(opts.attn_backend)
-    capturable = entry is None or entry.capturable
+    capturable = entry is None or entry.capturable or (entry.plans_on_host and host_counts)
     if opts.cudagraphs is True and not capturable:
         raise DcpOptionError(
             f"option 'cudagraphs'=True: attention backend {opts.attn_backend!r} cannot run inside CUDA-graph "
-            f"capture; use 'auto' (off with it) or False, or another 'attn_backend'"
+            f"capture here (it plans on the host, and this graph's key counts are device data: only an "
+            f"int-position decode graph gives them to it); use 'auto' (off with it) or False, or another "
+            f"'attn_backend'"
         )
     if opts.inner != "inductor":
         return {}
@@ -350,7 +358,9 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     held = [entry.local for _, entry in caches] + [w.example for w in weights]
     trailing = [fx_util.static_fake(t) for t in held + ([position.buffer] if position is not None else [])]
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
-    compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode)
+    host_counts = position is not None and position.offset > 0
+    compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode, host_counts)
+    plans = step_count.HostPlans()  # the graph's host-planned kernels (FlashInfer), re-planned per call
     layers = list(layers) if layers is not None else [None] * len(caches)
     specs = [(index, entry.c, entry.rank, entry.name, entry.kind, entry.kv_format, layer)
              for (index, entry), layer in zip(caches, layers)]
@@ -367,7 +377,11 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
         # Dynamo calls backends' results with positional args; so do we.
         if position is None:
             return compiled(*plain_inputs(args), *shards, *replicas)
-        return compiled(*plain_inputs(position.call_args(args)), *shards, *replicas, position.buffer)
+        inputs = plain_inputs(position.call_args(args))
+        if not host_counts:
+            return compiled(*inputs, *shards, *replicas, position.buffer)
+        with step_count.step(plans, position.key_count(args)):
+            return compiled(*inputs, *shards, *replicas, position.buffer)
 
     return run
 

@@ -100,8 +100,36 @@ def test_table_entry():
     entry = ATTENTION_BACKENDS["flashinfer"]
     assert entry.kernels == ("flashinfer",)
     assert entry.lse_base == "2" == attention_lse_base("flashinfer")
-    assert entry.capturable is False and entry.takes_mask is False
+    assert entry.capturable is False and entry.plans_on_host and entry.takes_mask is False
     assert ATTENTION_BACKENDS["triton"].capturable and ATTENTION_BACKENDS["triton"].takes_mask
+
+
+def test_auto_offers_flashinfer_where_it_plans_without_a_sync(monkeypatch):
+    """"auto" chooses among the Triton kernels and FlashInfer: FlashInfer only for calls whose
+    key counts the host knows, unmasked and without a causal cap, and where it measured
+    faster (a fake table here: the real one is the H200's)."""
+    from dcp_pass.runtime.decode.backends import auto_kernels
+    from dcp_pass.runtime.decode.call import CallShape
+    from dcp_pass.runtime.decode.kernels import path_table, registry
+
+    assert auto_kernels(ATTENTION_BACKENDS["triton"])[-1] == "flashinfer"
+    assert auto_kernels(ATTENTION_BACKENDS["torch"]) == ("torch",)
+    monkeypatch.setattr(fim, "_installed", lambda: True)
+    monkeypatch.setattr(path_table, "MEASURED", ((16, 8, 32768, {"split": 0.2, "flashinfer": 0.1}),))
+    path_table.fastest.cache_clear()
+    try:
+        names = auto_kernels(ATTENTION_BACKENDS["triton"])
+        shape = dict(batch=8, heads=16, keys=32768, fused=False)
+        if registry.KERNELS["split"].supports(CallShape(**shape)) is not None:
+            pytest.skip("no Triton here")
+        assert registry.choose(CallShape(host_lens=True, **shape), names).name == "flashinfer"
+        assert "sync" in fim.offered(CallShape(host_lens=False, **shape))
+        assert registry.choose(CallShape(host_lens=False, **shape), names).name == "split"
+        assert registry.choose(CallShape(host_lens=True, causal=True, **shape), names).name == "split"
+        assert registry.choose(CallShape(host_lens=True, mask="row", **shape), names).name == "split"
+        assert fim.unmeasured(CallShape(host_lens=True, **shape)) is False
+    finally:
+        path_table.fastest.cache_clear()
 
 
 def test_availability_reasons(monkeypatch):
@@ -124,6 +152,16 @@ def _patches(device, **options):
     return inner_config_patches(DcpOptions.from_mapping(options), device, mode)
 
 
+def test_cudagraphs_on_with_flashinfer_where_the_backend_holds_the_count():
+    from dcp_pass.backend import inner_config_patches
+
+    cuda = torch.device("cuda", 0)
+    opts = DcpOptions.from_mapping(dict(attn_backend="flashinfer"))
+    assert inner_config_patches(opts, cuda, None, host_counts=True) == {"triton.cudagraphs": True}
+    forced = DcpOptions.from_mapping(dict(attn_backend="flashinfer", cudagraphs=True))
+    assert inner_config_patches(forced, cuda, None, host_counts=True) == {"triton.cudagraphs": True}
+
+
 def test_cudagraphs_off_with_flashinfer():
     cuda = torch.device("cuda", 0)
     assert _patches(cuda, attn_backend="flashinfer") == {"triton.cudagraphs": False}
@@ -135,16 +173,17 @@ def test_cudagraphs_off_with_flashinfer():
     assert _patches(cuda, attn_backend="triton") == {"triton.cudagraphs": True}
 
 
-def test_masked_layer_refused_at_compile():
-    from dcp_pass.rewrites.attention import check_backend_mask
-    from dcp_pass.rewrites.match import NearMiss
+def test_masked_layer_runs_on_auto():
+    """A masked layer (a prefill's causal mask) under attn_backend="flashinfer" runs on "auto"'s
+    kernels, and its report says so; unmasked layers keep FlashInfer."""
+    from dcp_pass.rewrites.attention import layer_backend
 
-    masked, plain = SimpleNamespace(masks=[object()]), SimpleNamespace(masks=[])
-    with pytest.raises(NearMiss, match="'flashinfer' takes no additive score mask"):
-        check_backend_mask(masked, SimpleNamespace(attn_backend="flashinfer"))
-    check_backend_mask(plain, SimpleNamespace(attn_backend="flashinfer"))
-    check_backend_mask(masked, SimpleNamespace(attn_backend="triton"))
-    check_backend_mask(masked, SimpleNamespace(attn_backend="auto"))
+    masked, plain = SimpleNamespace(masks=[object()], rewrite_notes=[]), SimpleNamespace(masks=[], rewrite_notes=[])
+    assert layer_backend(masked, SimpleNamespace(attn_backend="flashinfer")) == "auto"
+    assert layer_backend(masked, SimpleNamespace(attn_backend="flashinfer")) == "auto"
+    assert masked.rewrite_notes == ["masked: attention auto (flashinfer takes no additive score mask)"]
+    assert layer_backend(plain, SimpleNamespace(attn_backend="flashinfer")) == "flashinfer" and not plain.rewrite_notes
+    assert layer_backend(masked, SimpleNamespace(attn_backend="triton")) == "triton"
 
 
 def test_kernel_input_checks():
@@ -292,6 +331,70 @@ def test_row_chunks_split_plans(emulated, monkeypatch):
     _close(got, attention_reference(call))
 
 
+@pytest.fixture
+def emulated_graph(monkeypatch):
+    """Each plan shape's fixed-buffer wrapper, emulated (plan shape -> runner)."""
+    runners = {}
+    monkeypatch.setattr(fim, "_graph_runner",
+                        lambda device, shape, requests: runners.setdefault(shape, fim._Runner(EmulatedWrapper())))
+    return runners
+
+
+@pytest.mark.parametrize("c, r", [(1, 0), (2, 1), (4, 3)])
+def test_step_count_plans_before_each_call_emulated(emulated, emulated_graph, monkeypatch, c, r):
+    """Calls that know the step's count on the host (host_lens) plan on their shape's
+    fixed-buffer wrapper and register its planner with the graph's step; a "replay" (the op
+    inside capture, planning nothing) then runs on the plan the step made for its own count,
+    rows with no key (count 1 on rank 1) giving 0 and -inf."""
+    from dcp_pass.runtime.decode import step_count
+
+    B, H, T = 2, 3, 6
+    q_lat, q_rope, kv, pe = _inputs(B, 1, H, T, seed=c + r)
+    buffer = torch.zeros(1, dtype=torch.int64)  # the graph's device count (here on the CPU)
+    plans = step_count.HostPlans()
+
+    def call(count):
+        return AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=buffer, stripe=(c, r), host_lens=count)
+
+    counts = [1, 2, 3, c * T - 1, c * T]
+    for i, count in enumerate(counts):
+        buffer.fill_(count)
+        if i == 2:
+            monkeypatch.setattr(fim, "_capturing", lambda: True)  # the graph is captured, then replayed
+        with step_count.step(plans, count):
+            got = fim.run(call(count))
+        want = attention_reference(call(count).replace(host_lens=None))
+        _close(got, want)
+        if count < r + 1:
+            assert torch.isneginf(got[1]).all() and (got[0] == 0).all()
+    assert emulated.plans == 0 and len(plans) == 1 and len(emulated_graph) == 1
+    (runner,) = emulated_graph.values()
+    assert runner.wrapper.plans == len({min(T, (n + c - 1 - r) // c) for n in counts})
+
+
+def test_capture_refused_without_a_plan(emulated, emulated_graph, monkeypatch):
+    from dcp_pass.runtime.decode import step_count
+
+    q_lat, q_rope, kv, pe = _inputs(2, 1, 2, 5)
+    buffer = torch.tensor([4])
+    monkeypatch.setattr(fim, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="no host copy of its key counts"):
+        fim.run(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=buffer))
+    with step_count.step(step_count.HostPlans(), 4), pytest.raises(RuntimeError, match="not run once outside"):
+        fim.run(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=buffer, host_lens=4))
+    q_pos = torch.tensor([[3], [3]])
+    with pytest.raises(RuntimeError, match="causal cap"):
+        fim.run(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=buffer, host_lens=4, q_pos=q_pos))
+
+
+def test_host_lens_is_a_one_element_count():
+    q_lat, q_rope, kv, pe = _inputs(2, 1, 2, 5)
+    with pytest.raises(ValueError, match="one-element kv_lens"):
+        AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=torch.tensor([4, 5]), host_lens=4)
+    with pytest.raises(ValueError, match="one-element kv_lens"):
+        AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=4, host_lens=4)
+
+
 def test_whole_shard_empty(emulated):
     q_lat, q_rope, kv, pe = _inputs(2, 1, 2, 0)
     out, lse = fim.run(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1))
@@ -385,3 +488,79 @@ def test_gpu_backend_table_run():
     assert resolve_attention_backend("flashinfer", q_lat.device, kv.dtype).name == "flashinfer"
     call = AttentionCall(q_lat, q_rope, kv, pe, 512, 0.1, kv_lens=torch.tensor([300, 17], device="cuda"), lse_base="2")
     _gpu_check(attend(call, "flashinfer"), _ref64(call))
+
+
+@needs_gpu_flashinfer
+def test_gpu_captured_step_replays_each_steps_plan():
+    """The op inside a captured CUDA graph: run once in a step outside capture (its planner
+    registers), captured, then replayed after steps of new counts: every replay equals the
+    reference at its own count, the rank's empty rows (count 1 on rank 1 of 2) 0 and -inf."""
+    from dcp_pass.runtime.decode import ops  # noqa: F401  (registers torch.ops.dcp.*)
+    from dcp_pass.runtime.decode import step_count
+
+    B, H, T, c, r = 4, 16, 1024, 2, 1
+    q_lat, q_rope, kv, pe = _gpu_inputs(B, 1, H, T, seed=3)
+    buffer = torch.ones(1, dtype=torch.int64, device="cuda")
+    plans = step_count.HostPlans()
+
+    def op():
+        return torch.ops.dcp.mla_local_attention(q_lat, q_rope, kv, pe, step_count.STEP_COUNT, c, r, 512, 0.05, None,
+                                                 "e", "flashinfer", kv_lens=buffer)
+
+    with step_count.step(plans, 1):
+        op()
+    graph = torch.cuda.CUDAGraph()
+    with step_count.step(plans, 1), torch.cuda.graph(graph):
+        out, lse = op()
+    assert len(plans) == 1
+    for count in (1, 2, 3, 700, 2 * T - 1, 2 * T, 5):
+        buffer.fill_(count)
+        with step_count.step(plans, count):
+            graph.replay()
+        torch.cuda.synchronize()
+        want = _ref64(AttentionCall(q_lat, q_rope, kv, pe, 512, 0.05, kv_lens=buffer.clone(), stripe=(c, r)))
+        if count < 2:
+            assert (out == 0).all() and torch.isneginf(lse).all()
+        else:
+            _gpu_check((out, lse), want)
+
+
+@needs_gpu_flashinfer
+def test_gpu_int_position_decode_captures_flashinfer(monkeypatch):
+    """A reference-style model (int start_pos) at V3's attention sizes (512 + 64 latent, 16
+    heads) on one GPU, fast path, attn_backend="flashinfer", inductor with CUDA graphs "auto":
+    the decode graph keeps CUDA graphs (its plan made on the host from the step count before
+    each replay), so the adapter's Python runs only while the graph warms up and records, and
+    the bf16 logits teacher-forced over 40 steps stay as close to the fp32 eager model's as
+    the Triton kernels' do."""
+    import torch._dynamo
+
+    from dcp_pass.backend import DcpBackend
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
+
+    torch.set_grad_enabled(False)
+    args = ModelArgs(max_batch_size=4, max_seq_len=64, vocab_size=256, dim=256, inter_dim=512, n_layers=2,
+                     n_dense_layers=2, n_heads=16, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                     v_head_dim=64)
+    tokens = torch.randint(0, 256, (4, 46), generator=torch.Generator().manual_seed(4)).cuda()
+
+    def drive(model):
+        outs = [model(tokens[:, :6], 0).float().clone()]
+        outs += [model(tokens[:, p:p + 1], p).float().clone() for p in range(6, tokens.shape[1])]
+        return torch.stack(outs)
+
+    want = drive(build_model(args, rank=0, seed=2, device="cuda"))
+    bf16 = ModelArgs(**{**args.__dict__, "dtype": torch.bfloat16})
+    planned = []
+    real = fim._run_dense_planned
+    monkeypatch.setattr(fim, "_run_dense_planned", lambda *a: planned.append(1) or real(*a))
+    errors = {}
+    for backend in ("flashinfer", "triton"):
+        torch._dynamo.reset()
+        planned.clear()
+        dcp = DcpBackend(dcp_size=1, fast_path=True, attn_backend=backend)
+        got = drive(torch.compile(build_model(bf16, rank=0, seed=2, device="cuda"), backend=dcp))
+        errors[backend] = ((got - want).abs().amax() / want.abs().amax()).item()
+        if backend == "flashinfer":
+            assert 0 < len(planned) <= 2 * 4, len(planned)  # 2 layers x (warm-up, recording, ...): not per step
+    assert errors["flashinfer"] < 3e-2 and errors["flashinfer"] < 2 * errors["triton"] + 1e-2, errors

@@ -50,7 +50,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     q_group = dcp_pass_runtime_decode_comm_gather_heads(q_packed, '0', 2)
     q_lat_group = q_group[(Ellipsis, slice(None, 8, None))]
     q_rope_group = q_group[(Ellipsis, slice(8, None, None))]
-    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = 0, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto', kv_lens = dcp_end_pos)
+    local_attention = torch.ops.dcp.mla_local_attention.default(q_lat_group, q_rope_group, kv_local, pe_local, kv_len = -1, c = 2, rank = 0, v_dim = 8, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto', kv_lens = dcp_end_pos)
     partial_out = local_attention[0]
     partial_lse = local_attention[1]
     partial_heads = partial_out.chunk(2, 2)

@@ -30,7 +30,7 @@ from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.cache_reads import CacheRead, cache_layout
 from dcp_pass.rewrites.match import MlaMatch, NearMiss, ScoreTerm
 from dcp_pass.runtime.decode import comm
-from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, COMM_BACKENDS
+from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, AUTO, COMM_BACKENDS
 from dcp_pass.runtime.decode import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 CANON_Q = [B, S, H, F]
@@ -81,13 +81,18 @@ def check_mask_heads(match: MlaMatch, plan: AttentionPlan) -> None:
             raise NearMiss("the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
 
 
-def check_backend_mask(match: MlaMatch, plan: AttentionPlan) -> None:
-    """A backend without additive masks (the table's ``takes_mask``) refuses a masked layer here,
-    at compile time, rather than at its first call."""
+def layer_backend(match: MlaMatch, plan: AttentionPlan) -> str:
+    """The attention backend of this layer's op: the plan's, except that a masked layer under a
+    backend without additive masks (the table's ``takes_mask``: FlashInfer) runs on "auto"'s
+    kernels, as serving engines run their prefill on another kernel than their decode; the
+    layer's report says so."""
     entry = ATTENTION_BACKENDS.get(plan.attn_backend)
     if match.masks and entry is not None and not entry.takes_mask:
-        raise NearMiss(f"attention backend {plan.attn_backend!r} takes no additive score mask and this layer "
-                       f"adds one; use attn_backend='triton' or 'auto'")
+        note = f"masked: attention {AUTO} ({plan.attn_backend} takes no additive score mask)"
+        if note not in match.rewrite_notes:
+            match.rewrite_notes.append(note)
+        return AUTO
+    return plan.attn_backend
 
 
 # cache kind -> (graph, local shard node, read, name, c) -> the rank's keys [batch, position, feature]
@@ -208,7 +213,7 @@ def rewrite_attention(
     graph = gm.graph
     latent, rope = ordered_terms(match)
     check_mask_heads(match, plan)
-    check_backend_mask(match, plan)
+    backend = layer_backend(match, plan)
     value_node = match.output
     kv_local = local_nodes[latent.cache.buffer]
     kv_format = kv_local.meta.get("dcp_kv_format", "")
@@ -235,7 +240,7 @@ def rewrite_attention(
             window["kv_format"] = kv_format
         attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
                      kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
-                     backend=plan.attn_backend, name="local_attention", **window)
+                     backend=backend, name="local_attention", **window)
         out = call(graph, operator.getitem, attn, 0, name="partial_out")
         lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
         merged = emit_exchange(graph, out, lse, match, plan)

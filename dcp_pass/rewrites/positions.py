@@ -12,7 +12,7 @@ one-element int64 tensor that the backend fills before each call, and every use 
 position by device arithmetic on it:
 
   write_owned_tokens_(shard, v, start, ...)  ->  write_tokens_at_(shard, v, start_t + arange(s), ...)
-  mla_local_attention(kv_len=start + s)       ->  kv_lens=dcp_end_pos (kv_len unused)
+  mla_local_attention(kv_len=start + s)       ->  kv_lens=dcp_end_pos (kv_len=STEP_COUNT)
   x[..., start:start + k, ...]                ->  x.index_select(dim, start_t + arange(k))
 
 When every attention op reads the same key count `start + s`, the buffer holds that
@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import fx_util
 from dcp_pass.runtime.decode import layout
+from dcp_pass.runtime.decode.step_count import STEP_COUNT
 
 _ARITH = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.mul,
           operator.floordiv: torch.floor_divide}
@@ -68,6 +69,11 @@ class DevicePosition:
 
     def _kept(self, n: int) -> list[int]:
         return [i for i in range(n) if i != self.index and i not in self.dropped]
+
+    def key_count(self, args: tuple) -> Optional[int]:
+        """The step's key count for the original graph's `args` when the buffer holds it (the
+        attention ops then read it, marked kv_len=STEP_COUNT); None when it holds the position."""
+        return int(args[self.index]) + self.offset if self.offset else None
 
     def call_args(self, args: tuple) -> list:
         """The rewritten graph's leading inputs for the original graph's `args`."""
@@ -205,12 +211,11 @@ class _Rewriter:
             self.graph.erase_node(user)
         elif target is torch.ops.dcp.mla_local_attention.default:
             kv_len = user.kwargs["kv_len"]
-            if self.end_t is not None and self.offset_of.get(kv_len) == self.count_offset:
-                counts = self.end_t
-            else:
-                counts = self.as_tensor(kv_len)
-            # the int count is not read when the device counts are given
-            user.kwargs = dict(user.kwargs, kv_len=0, kv_lens=counts)
+            step = self.end_t is not None and self.offset_of.get(kv_len) == self.count_offset
+            counts = self.end_t if step else self.as_tensor(kv_len)
+            # the int count is not read when the device counts are given; STEP_COUNT marks the
+            # step's count buffer, whose value the backend holds (runtime/decode/step_count.py)
+            user.kwargs = dict(user.kwargs, kv_len=STEP_COUNT if step else 0, kv_lens=counts)
         elif target is operator.getitem and isinstance(user.args[0], fx.Node) and _is_tensor(user.args[0]):
             self.rewrite_slice(user)
         elif target in (torch._check, torch._check_is_size) or getattr(target, "__name__", "") in (

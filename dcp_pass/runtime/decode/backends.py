@@ -41,6 +41,7 @@ __all__ = [
     "attend_with_kernel",
     "attention_backend_names",
     "attention_lse_base",
+    "auto_kernels",
     "choose_kernel",
     "comm_backend_blockers",
     "resolve_attention_backend",
@@ -70,6 +71,9 @@ class AttentionBackend:
     description: str
     # False: it cannot run inside CUDA-graph capture (the pass turns cudagraphs "auto" off)
     capturable: bool = True
+    # True: it plans on the host from the key counts, so it runs inside capture only in a graph
+    # whose count the backend holds and re-plans before each call (runtime/decode/step_count.py)
+    plans_on_host: bool = False
     # False: it refuses an additive score mask (the pass refuses masked layers at compile)
     takes_mask: bool = True
 
@@ -100,8 +104,8 @@ ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
     "flashinfer": AttentionBackend(
         "flashinfer", _flashinfer_available, ("flashinfer",), "2",
         "FlashInfer's BatchMLAPagedAttentionWrapper (runtime/decode/kernels/flashinfer_mla.py): "
-        "host-side plan, no additive masks",
-        capturable=False, takes_mask=False,
+        "host-side plan (captured in int-position decode graphs), no additive masks",
+        capturable=False, plans_on_host=True, takes_mask=False,
     ),
     "torch": AttentionBackend(
         "torch", _torch_available, ("torch",), "e",
@@ -124,6 +128,13 @@ def _auto_choice(device: torch.device, dtype: Optional[torch.dtype], fp32_refere
     if torch.device(device).type == "cuda" and not (fp32_reference and dtype == torch.float32):
         return "triton"
     return "torch"
+
+
+def auto_kernels(entry: AttentionBackend) -> Tuple[str, ...]:
+    """The kernels "auto" chooses from when it resolved to `entry`: on the Triton backend,
+    FlashInfer's too (the registry offers it only where it plans without a sync and measured
+    faster: kernels/flashinfer_mla.py offered / unmeasured, path_table.py)."""
+    return entry.kernels + ("flashinfer",) if entry.name == "triton" else entry.kernels
 
 
 def attention_lse_base(requested: str) -> str:
@@ -195,7 +206,7 @@ def choose_kernel(call: AttentionCall, backend: Optional[str] = AUTO, *, strict:
                                               f"({shape.describe()}): " + "; ".join(reasons))
         return KERNELS[FALLBACK_ATTENTION]
     entry = resolve_attention_backend(backend, call.kv.device, call.kv.dtype, strict=strict)
-    kernel = choose(shape, entry.kernels)
+    kernel = choose(shape, auto_kernels(entry) if backend == AUTO else entry.kernels)
     return kernel if kernel is not None else KERNELS[FALLBACK_ATTENTION]
 
 

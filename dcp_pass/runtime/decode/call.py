@@ -151,6 +151,9 @@ class CallShape:
     # then ``dtype`` is the latent's float8 dtype and ``query_dtype`` that of the queries and rope
     kv_quant: str = ""
     query_dtype: Optional[torch.dtype] = None
+    # the key counts are known on the host without reading the device (none, host ints, or
+    # the step's count the backend holds: AttentionCall.host_lens)
+    host_lens: bool = False
 
     @property
     def rows(self) -> int:
@@ -202,6 +205,8 @@ class CallShape:
             gluon_aligned=aligned, rows16=all(x % 16 == 0 for t in tensors for x in t.stride()[:-1]),
             per_head=view.v is not None, offset_lens=view.first_row > 0 and view.kv_lens is not None,
             kv_quant="fp8_e4m3" if view.kv_scale is not None else "", query_dtype=q.dtype,
+            host_lens=view.host_lens is not None or not (isinstance(view.kv_lens, torch.Tensor)
+                                                         and view.kv_lens.device.type != "cpu"),
         )
 
     def describe(self) -> str:
@@ -235,6 +240,10 @@ class AttentionCall:
     kernels take a rank's share of a device count themselves, with no torch op per call
     (which keeps the op's launches replayable).
 
+    ``host_lens``: the global count a device ``kv_lens`` holds, when the host knows it without
+    reading the device (a decode graph's step count, runtime/decode/step_count.py): kernels
+    that plan on the host read it instead of syncing.
+
     ``kv_lens=None``: every row of the caches is a key. ``v`` (per-head values
     ``[B, T, Hk, Dv]``, with ``kv`` then per-head keys ``[B, T, Hk, D]`` and ``q_rope`` /
     ``pe`` None): grouped-query / multi-head attention, query head h reading kv head
@@ -257,6 +266,7 @@ class AttentionCall:
     page_table: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
     kv_scale: Optional[torch.Tensor] = None
+    host_lens: Optional[int] = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -275,6 +285,9 @@ class AttentionCall:
         if isinstance(self.kv_lens, int) and not self.kv_start <= self.kv_lens:
             raise ValueError(f"the window must satisfy 0 <= kv_start <= kv_lens, got kv_start={self.kv_start}, "
                              f"kv_lens={self.kv_lens}")
+        if self.host_lens is not None and not (isinstance(self.kv_lens, torch.Tensor) and self.kv_lens.numel() == 1):
+            raise ValueError("host_lens is the host's copy of a one-element kv_lens tensor; this call's kv_lens is "
+                             f"{self.kv_lens!r}")
         if self.paged and (self.kv_start or not isinstance(self.kv_lens, torch.Tensor)):
             raise ValueError("a paged call takes its key counts as a tensor (kv_lens) and no window (kv_start=0)")
         if self.v is not None and (self.q_rope is not None or self.pe is not None or self.paged):
@@ -364,6 +377,7 @@ class ShardView:
     page_table: Optional[torch.Tensor]
     page_size: int
     kv_scale: Optional[torch.Tensor] = None  # the fp8 latent's scales, rows as kv's
+    host_lens: Optional[int] = None  # the host's copy of a device kv_lens (AttentionCall.host_lens)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -409,5 +423,6 @@ class ShardView:
             # global column j is position kv_start + j: the rank's first is column (r - kv_start) mod c
             mask = mask[..., (r - call.kv_start) % c::c] if c > 1 else mask
         causal = None if call.q_pos is None else Causal(call.q_pos, c, r + first * c)
+        host = call.host_lens if isinstance(lens, torch.Tensor) else None
         return cls(call.q_lat, call.q_rope, kv, pe, v, call.v_dim, call.scale, mask, lens, causal, (c, r), first,
-                   call.lse_base, call.page_table, page_size, ks)
+                   call.lse_base, call.page_table, page_size, ks, host)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from dcp_pass import env
-from dcp_pass.runtime.decode import replay
+from dcp_pass.runtime.decode import replay, step_count
 
 
 LIB = "dcp"
@@ -70,6 +70,8 @@ def mla_local_attention(
     `kv_lens` (int64 [1] or [B], on the device) replaces `kv_len` when the global key
     count is device data (static-shape decode, see rewrites/positions.py): the shards
     are passed whole and the kernel's work follows the counts, with no host sync.
+    `kv_len=STEP_COUNT` (-1) with it says `kv_lens` is the step's count buffer, whose value
+    the backend holds on the host (runtime/decode/step_count.py; FlashInfer plans from it).
 
     `kv_start` (global, default 0) is the first visible key position (a sliding window): the
     rank attends its owned positions p (p % c == rank) with kv_start <= p < kv_len, and
@@ -84,6 +86,8 @@ def mla_local_attention(
     if kv_lens is not None and kv_start != 0:
         raise ValueError(f"dcp.mla_local_attention: kv_start={kv_start} with device key counts (kv_lens); a "
                          f"window start needs a host kv_len (pass kv_lens=None)")
+    # kv_len=STEP_COUNT: kv_lens is the step's key count buffer, whose value the backend holds
+    host_lens = step_count.current_count() if kv_lens is not None and kv_len == step_count.STEP_COUNT else None
     if kv_lens is not None and q_lat.is_cuda:
         # The decode path: one signature per layer shape for the whole run, so after its
         # first call the launches replay without this Python (runtime/decode/replay.py).
@@ -91,11 +95,11 @@ def mla_local_attention(
         # the kernel switches are part of the key: a recording is only replayed under the
         # routing it was made with
         key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(), kv_format,
-                               tensors=inputs)
+                               host_lens is not None, tensors=inputs)
         return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
-                                                                lse_base, backend, 0, kv_format))
+                                                                lse_base, backend, 0, kv_format, host_lens))
     return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                            kv_start, kv_format)[0]
+                            kv_start, kv_format, host_lens)[0]
 
 
 def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
@@ -114,7 +118,7 @@ def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
 
 
 def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                     kv_start=0, kv_format=""):
+                     kv_start=0, kv_format="", host_lens=None):
     """((partial output, lse), whether the kernel that ran may be replayed)."""
     from dcp_pass.runtime.decode.backends import attend_with_kernel
     from dcp_pass.runtime.decode.call import AttentionCall
@@ -125,7 +129,7 @@ def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_di
     # the graph's global count and mask as they are: the call takes the rank's rows and
     # columns, and with device counts the kernels take its share (no torch op per call)
     call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask=mask, kv_lens=kv_len if kv_lens is None else kv_lens,
-                         kv_start=kv_start, stripe=(c, rank), lse_base=lse_base, kv_scale=kv_scale)
+                         kv_start=kv_start, stripe=(c, rank), lse_base=lse_base, kv_scale=kv_scale, host_lens=host_lens)
     # "auto": the Triton kernels on CUDA for 16-bit caches, the torch reference for fp32
     # caches (a checking mode) and off CUDA; a named backend that cannot run here (refused
     # at compile) falls back to the reference, as it always did

@@ -22,12 +22,19 @@ How our operands map onto FlashInfer's:
 * the latent part (512 columns) is both keys and values, the rope part (64) keys only;
   ``v_dim < 512`` (split cache) slices the output.
 
-Limits (each refused with an error that says so, never a wrong answer):
+Host plans and CUDA graphs. ``plan()`` schedules the work on the host from the key counts,
+so device-side ``kv_lens`` / ``q_pos`` cost a device-to-host sync per call, unless the call
+knows its count on the host (``AttentionCall.host_lens``): an int-position decode graph's
+step count, which the backend holds and hands to the ops (runtime/decode/step_count.py).
+Such a dense call without a causal cap runs on a wrapper of its own plan shape whose plan
+lives in fixed device buffers (FlashInfer's ``use_cuda_graph`` mode: the launches' grid and
+workspace offsets depend on the batch, heads and query length only). On a call that is not
+captured it registers a planner with the graph being run, and the backend re-plans into
+those buffers before every later call; the launches can then be captured, and a replay
+reads the plan of its own step. Rows with no key are then found on the device (a replay
+cannot branch on host counts). Any other call inside capture is refused with an error.
 
-* ``plan()`` reads the key counts on the host: device-side ``kv_lens`` / ``q_pos`` cost a
-  device-to-host sync per call, and a call inside CUDA-graph capture is refused (the
-  plan's host buffers would be baked into the graph). The backend table marks it
-  ``capturable=False``; the pass then turns CUDA graphs off.
+Limits (each refused with an error that says so, never a wrong answer):
 * no additive ``mask`` (FlashInfer's MLA kernel has causal and non-causal only); the pass
   refuses a masked layer at compile time.
 * fp16 / bf16 only, query and cache of one dtype; latent 512 and rope 64 columns (the MLA
@@ -41,6 +48,7 @@ the requested base is applied here, so the backend table's ``lse_base = "2"`` is
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
 from dataclasses import dataclass
@@ -62,6 +70,8 @@ __all__ = [
     "row_chunks",
     "paged_request_pages",
     "warmup",
+    "offered",
+    "unmeasured",
 ]
 
 CKV_DIM = 512  # latent columns the MLA kernels are written for
@@ -83,6 +93,12 @@ _ROWS_PER_TILE = 64  # smallest query tile of the MLA kernels (packed query x he
 # --------------------------------------------------------------------------------------
 # availability
 # --------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _installed() -> bool:
+    """Whether flashinfer can be imported (looked up once: the chooser asks at every call)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def flashinfer_unavailable(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """None when FlashInfer's MLA path can run on `device` with cache dtype `dtype`, else why not.
 
@@ -111,7 +127,7 @@ def supports(shape) -> Optional[str]:
         from .common import only_reference
 
         return only_reference(shape)
-    if importlib.util.find_spec("flashinfer") is None:
+    if not _installed():
         return "cannot run: flashinfer is not installed"
     if shape.device != "cuda":
         return f"cannot run: it needs CUDA tensors, the model is on {shape.device}"
@@ -124,6 +140,22 @@ def supports(shape) -> Optional[str]:
     if shape.capability is not None and shape.capability < 8:
         return f"cannot run: FlashInfer's MLA kernels need compute capability 8.0+, this GPU is {shape.capability}.x"
     return None
+
+
+def offered(shape) -> Optional[str]:
+    """The chooser considers FlashInfer (under "auto") only where its plan costs no sync: key
+    counts known on the host, no mask, no causal cap (a cap's query positions are device data
+    in a decode graph)."""
+    if not shape.host_lens:
+        return "its host-side plan would read the device key counts (a sync per call)"
+    if shape.mask != "none" or shape.causal:
+        return "a masked or causal call"
+    return None
+
+
+def unmeasured(shape) -> bool:
+    """Chosen only where measured faster (kernels/path_table.py)."""
+    return False
 
 
 def run(call, out=None, lse_out=None):
@@ -254,7 +286,21 @@ class _Runner:
 
 
 _RUNNERS: Dict[Tuple[int, str], _Runner] = {}
+_GRAPH_RUNNERS: Dict[tuple, _Runner] = {}  # (device, backend, plan shape) -> its fixed-buffer wrapper
+_WORKSPACES: Dict[int, torch.Tensor] = {}
 _LOCK = threading.Lock()
+
+
+def _workspace(index: int) -> torch.Tensor:
+    """The float workspace of a device (split-KV partial results), shared by its wrappers:
+    their calls run in stream order and each consumes its partials before the next starts."""
+    ws = _WORKSPACES.get(index)
+    if ws is None:
+        from dcp_pass import env
+
+        mb = env.flashinfer_workspace_mb()
+        ws = _WORKSPACES[index] = torch.empty(mb << 20, dtype=torch.uint8, device=torch.device("cuda", index))
+    return ws
 
 
 def _backend_choice() -> str:
@@ -272,12 +318,27 @@ def _runner(device: torch.device) -> _Runner:
         if runner is None:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-            from dcp_pass import env
-
-            mb = env.flashinfer_workspace_mb()  # float workspace per device
-            workspace = torch.empty(mb << 20, dtype=torch.uint8, device=torch.device("cuda", index))
-            runner = _Runner(BatchMLAPagedAttentionWrapper(workspace, backend=key[1]))
+            runner = _Runner(BatchMLAPagedAttentionWrapper(_workspace(index), backend=key[1]))
             _RUNNERS[key] = runner
+    return runner
+
+
+def _graph_runner(device: torch.device, shape: tuple, requests: int) -> _Runner:
+    """The wrapper of one plan `shape` whose plan lives in fixed device buffers (FlashInfer's
+    use_cuda_graph mode): captured launches read them, every later plan rewrites them."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _backend_choice(), shape)
+    with _LOCK:
+        runner = _GRAPH_RUNNERS.get(key)
+        if runner is None:
+            from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+            dev = torch.device("cuda", index)
+            fixed = lambda n: torch.zeros(n, dtype=torch.int32, device=dev)  # noqa: E731
+            runner = _Runner(BatchMLAPagedAttentionWrapper(
+                _workspace(index), use_cuda_graph=True, qo_indptr=fixed(requests + 1), kv_indptr=fixed(requests + 1),
+                kv_indices=fixed(requests), kv_len_arr=fixed(requests), backend=key[1]))
+            _GRAPH_RUNNERS[key] = runner
     return runner
 
 
@@ -298,9 +359,11 @@ def _plan(runner: _Runner, key: Optional[tuple], qo_indptr, kv_indptr, kv_indice
         kv_indices = kv_indices()
     runner.wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len, heads, CKV_DIM, KPE_DIM, page_size,
                         False, float(scale), q_dtype, kv_dtype)
-    if kv_indices.is_cuda:  # on the stream plan() queued its copy on: the device's current one
+    device = getattr(runner.wrapper, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        # on the stream plan() queued its copy on: the device's current one
         runner.event = torch.cuda.Event()
-        runner.event.record(torch.cuda.current_stream(kv_indices.device))
+        runner.event.record(torch.cuda.current_stream(device))
     runner.key = key
 
 
@@ -327,11 +390,17 @@ def _refuse(mask) -> None:
             "attention backend 'flashinfer' takes no additive mask (FlashInfer's MLA kernel is "
             f"causal or unmasked only); this call passes one of shape {tuple(mask.shape)}. "
             "Use attn_backend='triton' or 'auto' for masked attention.")
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "attention backend 'flashinfer' plans on the host (plan() reads the key counts and "
-            "fills host buffers) and cannot run inside CUDA-graph capture; compile with "
-            "options={'cudagraphs': False} or use attn_backend='triton'.")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture(why: str) -> None:
+    raise RuntimeError(
+        f"attention backend 'flashinfer' plans on the host and runs inside CUDA-graph capture only for "
+        f"a decode graph whose key count the backend holds (an int step position), planned before the "
+        f"capture; this call {why}. Compile with options={{'cudagraphs': False}} or use attn_backend='triton'.")
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
@@ -351,6 +420,8 @@ def _prepare(q_lat, q_rope, kv, pe, v_dim, mask, lse_base, page_table=None):
 
     base = check_base(lse_base)
     _refuse(mask)
+    if page_table is not None and _capturing():
+        _refuse_capture("reads a page pool")
     if page_table is not None:
         if kv.dim() != 3:
             raise ValueError(f"kv_pool must be [num_pages, P, Dk], got {tuple(kv.shape)}")
@@ -391,8 +462,9 @@ def _check_kernel_inputs(q_lat, kv, pe) -> None:
         raise ValueError("attention backend 'flashinfer' needs CUDA tensors")
 
 
-def _host_counts(kv_lens, causal, B, S, T, lens_stripe=(1, 0)) -> torch.Tensor:
-    """[B, S] visible key counts on the host: one device-to-host copy at most.
+def _host_counts(kv_lens, causal, B, S, T, lens_stripe=(1, 0), host_lens=None) -> torch.Tensor:
+    """[B, S] visible key counts on the host: one device-to-host copy at most (none with
+    ``host_lens``, the host's copy of the count ``kv_lens`` holds).
 
     ``lens_stripe=(c, r)``: ``kv_lens`` are global counts of which rank r of c holds
     ``(n + c - 1 - r) // c`` (the kernels' convention for device counts).
@@ -400,6 +472,8 @@ def _host_counts(kv_lens, causal, B, S, T, lens_stripe=(1, 0)) -> torch.Tensor:
     from dcp_pass.runtime.decode.layout import local_length
 
     lens = torch.full((B,), T, dtype=torch.int64) if kv_lens is None else kv_lens
+    if host_lens is not None:
+        lens = torch.tensor([int(host_lens)], dtype=torch.int64)
     q_pos = causal.q_pos if causal is not None else None
     if isinstance(lens, torch.Tensor) and lens.device.type != "cpu":
         lens = torch.broadcast_to(lens.reshape(-1), (B,))
@@ -410,22 +484,35 @@ def _host_counts(kv_lens, causal, B, S, T, lens_stripe=(1, 0)) -> torch.Tensor:
             lens = lens.cpu()
     lens = torch.broadcast_to(torch.as_tensor(lens).reshape(-1), (B,))
     c, r = (int(x) for x in lens_stripe)
-    if kv_lens is not None and c > 1:
+    if (kv_lens is not None or host_lens is not None) and c > 1:
         lens = local_length(lens.to(torch.int64).clamp(min=0), c, r)
     if causal is None:
         return visible_counts(lens, S, T)
     return visible_counts(lens, S, T, q_pos, causal.cp_world, causal.cp_rank)
 
 
-def _finish(out_full, lse_full, counts, B, S, H, v_dim, base, out, lse_out):
-    """FlashInfer's [N, H, 512] / base-2 [N, H] -> the contract's shapes, base and empty rows."""
+def _device_empty(kv_lens, lens_stripe, T, B, S) -> torch.Tensor:
+    """[B, S, 1] bool on the device: rows whose rank holds no key of the device counts."""
+    from dcp_pass.runtime.decode.layout import local_length
+
+    c, r = (int(x) for x in lens_stripe)
+    lens = kv_lens.reshape(-1).to(torch.int64).clamp(min=0)
+    local = local_length(lens, c, r) if c > 1 else lens
+    return torch.broadcast_to((local.clamp(max=int(T)) == 0).view(-1, 1, 1), (B, S, 1))
+
+
+def _finish(out_full, lse_full, counts, B, S, H, v_dim, base, out, lse_out, dead=None):
+    """FlashInfer's [N, H, 512] / base-2 [N, H] -> the contract's shapes, base and empty rows
+    (``dead``: the empty rows found on the device, [B, S, 1]; else from the host counts)."""
     o = out_full.view(B, S, H, CKV_DIM)[..., :v_dim]
     lse = lse_full.view(B, S, H)
     if base == "e":
         lse = lse * LN2
-    empty = counts == 0
-    if bool(empty.any()):
-        dead = empty.to(o.device).view(B, S, 1)
+    if dead is None:
+        empty = counts == 0
+        if bool(empty.any()):
+            dead = empty.to(o.device).view(B, S, 1)
+    if dead is not None:
         lse = lse.masked_fill(dead, float("-inf"))
         o = o.masked_fill(dead.unsqueeze(-1), 0.0)
     if out is None:
@@ -468,13 +555,17 @@ def _run_dense(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
     T = kv.shape[1]
     if B == 0 or S * H == 0 or T == 0:
         return _empty_result(q_lat, v_dim, out, lse_out)
-    counts = _host_counts(kv_lens, causal, B, S, T, lens_stripe)
+    q_nope, q_pe, ckv, kpe = _kernel_operands(parts, B * S, H)
+    chunks = row_chunks([S] * B, [S * T] * B, _work_per_request(H), max_rows=_rows_within_span((ckv, kpe)))
+    host_lens = view.host_lens
+    if host_lens is not None and causal is None and len(chunks) == 1:
+        return _run_dense_planned(view, (q_nope, q_pe, ckv, kpe), base, out, lse_out)
+    if _capturing():
+        _refuse_capture("has no host copy of its key counts" if host_lens is None else
+                        "has a causal cap" if causal is not None else f"needs {len(chunks)} plans")
+    counts = _host_counts(kv_lens, causal, B, S, T, lens_stripe, host_lens=host_lens)
     if not bool((counts > 0).any()):
         return _empty_result(q_lat, v_dim, out, lse_out)
-
-    q_nope, q_pe, ckv, kpe = _kernel_operands(parts, B * S, H)
-    rows_fit = _rows_within_span((ckv, kpe))
-    chunks = row_chunks([S] * B, [S * T] * B, _work_per_request(H), max_rows=rows_fit)
 
     runner = _runner(q_lat.device)
     dev = q_lat.device
@@ -496,6 +587,47 @@ def _run_dense(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
         runner.wrapper.run(q_nope[n0:n1], q_pe[n0:n1], ckv[b0:b1], kpe[b0:b1],
                            out=out_full[n0:n1], lse=lse_full[n0:n1], return_lse=True)
     return _finish(out_full, lse_full, counts, B, S, H, v_dim, base, out, lse_out)
+
+
+def _dense_planner(runner: _Runner, B: int, S: int, H: int, T: int, lens_stripe, scale, q_dtype, kv_dtype):
+    """plan(count): the runner's plan for a step of global key count `count` (every row
+    alike, no causal cap): one request per (row, query token), each row one page of T keys."""
+    n = B * S
+    indptr = torch.arange(n + 1, dtype=torch.int32)
+    pages = torch.arange(B, dtype=torch.int32).repeat_interleave(S)
+
+    def plan(count: int) -> None:
+        lens = _host_counts(None, None, B, S, T, lens_stripe, host_lens=count).reshape(-1).to(torch.int32)
+        _plan(runner, ("step", lens.numpy().tobytes()), indptr, indptr, pages, lens.contiguous(), H, T, scale,
+              q_dtype, kv_dtype)
+
+    return plan
+
+
+def _run_dense_planned(view, operands, base, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A dense call whose key count is known on the host (``view.host_lens``) and fits one
+    plan: its plan shape's fixed-buffer wrapper, planned by the graph's planner
+    (runtime/decode/step_count.py), so the launches may be captured; empty rows are found on
+    the device, where a replay's counts are."""
+    from dcp_pass.runtime.decode import step_count
+
+    q_lat, kv, scale = view.q_lat, view.kv, view.scale
+    B, S, H, _ = q_lat.shape
+    T = kv.shape[1]
+    shape = ("dense", B, S, H, T, tuple(view.lens_stripe), float(scale), q_lat.dtype, kv.dtype)
+    runner = _graph_runner(q_lat.device, shape, B * S)
+    if _capturing():
+        if not step_count.planned(shape):
+            _refuse_capture("was not run once outside capture first (its plan is made before each replay)")
+    else:
+        planner = _dense_planner(runner, B, S, H, T, view.lens_stripe, scale, q_lat.dtype, kv.dtype)
+        step_count.register(shape, planner)
+        planner(int(view.host_lens))
+    out_full = torch.empty(B * S, H, CKV_DIM, dtype=q_lat.dtype, device=q_lat.device)
+    lse_full = torch.empty(B * S, H, dtype=torch.float32, device=q_lat.device)
+    runner.wrapper.run(*operands, out=out_full, lse=lse_full, return_lse=True)
+    dead = _device_empty(view.kv_lens, view.lens_stripe, T, B, S)
+    return _finish(out_full, lse_full, None, B, S, H, view.v_dim, base, out, lse_out, dead=dead)
 
 
 def _run_paged(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
