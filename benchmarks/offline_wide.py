@@ -62,7 +62,10 @@ def compile_launch(launch, src_fn):
                 consts[name] = params[name].default  # a constexpr the launch leaves at its default
     target = GPUTarget("cuda", 90, 32)
     backend = triton.compiler.make_backend(target)
-    opts = backend.parse_options(dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if getattr(launch, "maxnreg", None):
+        options["maxnreg"] = launch.maxnreg
+    opts = backend.parse_options(options)
     k = triton.compile(ASTSource(launch.kernel, sig, consts, attrs), target=target, options=opts.__dict__)
     return cubin_report(k)
 

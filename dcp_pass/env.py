@@ -26,7 +26,9 @@ variable                        default     meaning
                                             (the read checked on the GPU); ``fold`` applies the
                                             per-block scales to scores and probabilities, the
                                             dots in fp16; ``fold_qdtype`` the same in the
-                                            queries' dtype; read at each launch (the op's
+                                            queries' dtype; ``fold_once`` as ``fold``, the
+                                            split kernel loading and converting each tile
+                                            once for both dots; read at each launch (the op's
                                             replay repeats its first call's launches)
 ``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
                                             ``fa2`` or ``fa3``
@@ -71,8 +73,8 @@ VARIABLES = {v.name: v for v in (
     Variable("DCP_MLA_WIDE", "", "0: never offer the two-GEMM kernel; 1: send every call it can run to it"),
     Variable("DCP_MLA_GLUON", "", "0: never offer the Gluon kernels"),
     Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
-    Variable("DCP_FP8_READ", "dequant", "how the Triton kernels read an fp8 latent: dequant, fold or fold_qdtype",
-             ("dequant", "fold", "fold_qdtype")),
+    Variable("DCP_FP8_READ", "dequant", "how the Triton kernels read an fp8 latent: dequant, fold, fold_qdtype or "
+             "fold_once", ("dequant", "fold", "fold_qdtype", "fold_once")),
     Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
     Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
     Variable("DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")),
@@ -138,7 +140,7 @@ def mla_tuned() -> str:
 
 
 def fp8_read() -> str:
-    """DCP_FP8_READ: 'dequant', 'fold' or 'fold_qdtype'."""
+    """DCP_FP8_READ: 'dequant', 'fold', 'fold_qdtype' or 'fold_once'."""
     return read("DCP_FP8_READ")
 
 
