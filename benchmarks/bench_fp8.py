@@ -7,11 +7,12 @@ replay of one call per rotated input set, the median of triton's do_bench. Per s
 * ``bf16 split``: a fused bf16 cache [B, T, 576] (1152 B per token) on the split-KV kernel;
 * ``bf16 auto``: the same operands on the kernel the chooser picks (Gluon / two-GEMM / split);
 * ``fp8_e4m3 split`` / ``wide``, once per fp8 read (``--reads``, DCP_FP8_READ: ``fold``,
-  ``fold_qdtype``, ``dequant``): packed fp8 rows [B, T, 656] (latent e4m3, 4 fp32 scales,
+  ``fold_qdtype``, ``fold_once``, ``dequant``): packed fp8 rows [B, T, 656] (latent e4m3, 4 fp32 scales,
   bf16 rope), read through their views (runtime/decode/kv_format.py) by the split-KV kernel
   and the two-GEMM kernel; ``auto``: the chooser's pick among them with the default read (the
   Gluon kernels refuse fp8). ``--fold-tiles``: more split rows of the ``fold`` read with the
   16-row bucket's tiles replaced (block_h, block_n, warps, stages, v_split, waves; at 16 heads);
+  ``--once-tiles``: the same for the ``fold_once`` read (a seventh number caps registers);
   ``--fold-wide-tiles``: more two-GEMM rows of the ``fold`` read with these WideConfig tiles
   (at 64 heads and more).
 
@@ -107,18 +108,20 @@ def lse_err(lse, ref):
 
 @contextlib.contextmanager
 def fp8_read(read: Optional[str], tiles: Optional[tuple] = None):
-    """DCP_FP8_READ set to `read` (None: as it is) and, with split `tiles` (6 numbers), the
-    split kernel's fold tiles of the 16-row bucket replaced, inside."""
-    saved_env, saved_tiles = os.environ.get("DCP_FP8_READ"), dict(mla_attention._TUNED_FP8_FOLD)
+    """DCP_FP8_READ set to `read` (None: as it is) and, with split `tiles` (6 numbers, or 7 with
+    a register cap for fold_once), the split kernel's tiles of the read for the 16-row bucket
+    replaced, inside."""
+    table = mla_attention._TUNED_FP8_ONCE if read == "fold_once" else mla_attention._TUNED_FP8_FOLD
+    saved_env, saved_tiles = os.environ.get("DCP_FP8_READ"), dict(table)
     if read is not None:
         os.environ["DCP_FP8_READ"] = read
-    if tiles is not None and len(tiles) == 6:
-        mla_attention._TUNED_FP8_FOLD[16] = tiles  # (the 16-row bucket has no fold entry of its own)
+    if tiles is not None and len(tiles) in (6, 7):
+        table[16] = tiles  # (for fold: the 16-row bucket has no fold entry of its own)
     try:
         yield
     finally:
-        mla_attention._TUNED_FP8_FOLD.clear()
-        mla_attention._TUNED_FP8_FOLD.update(saved_tiles)
+        table.clear()
+        table.update(saved_tiles)
         if saved_env is None:
             os.environ.pop("DCP_FP8_READ", None)
         else:
@@ -132,16 +135,19 @@ def first_row(call):
                         kv_scale=one(call.kv_scale), kv_lens=call.kv_lens[:1])
 
 
-def variants(fp8: bool, reads, fold_tiles, fold_wide_tiles):
-    """(kernel, read, tiles) of the rows timed for one cache."""
+def variants(fp8: bool, reads, fold_tiles, fold_wide_tiles, once_tiles=()):
+    """(kernel, read, tiles) of the rows timed for one cache (the two-GEMM kernel reads
+    fold_once as fold: no row of its own)."""
     if not fp8:
         return [("split", None, None), ("auto", None, None)]
-    rows = [(kernel, read, None) for read in reads for kernel in ("split", "wide")]
+    rows = [(kernel, read, None) for read in reads for kernel in ("split", "wide")
+            if not (kernel == "wide" and read == "fold_once")]
     rows += [("split", "fold", t) for t in fold_tiles] + [("wide", "fold", t) for t in fold_wide_tiles]
+    rows += [("split", "fold_once", t) for t in once_tiles]
     return rows + [("auto", None, None)]
 
 
-def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=(), fold_wide_tiles=()):
+def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=(), fold_wide_tiles=(), once_tiles=()):
     rows = []
     bf16_auto_ms = None
     for fp8 in (False, True):
@@ -151,7 +157,8 @@ def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=(), fold_wide_tiles=())
         ro, rl = attention_impl(first_row(call0), torch.float32)
         row_bytes = LAYOUT.row_bytes if fp8 else 2 * D
         extra_split, extra_wide = (fold_tiles if H <= 16 else ()), (fold_wide_tiles if H >= 64 else ())
-        for kernel, read, tiles in variants(fp8, reads, extra_split, extra_wide):
+        extra_once = once_tiles if H <= 16 else ()
+        for kernel, read, tiles in variants(fp8, reads, extra_split, extra_wide, extra_once):
             with fp8_read(read, tiles):
                 name = choose_kernel(call0, kernel).name
                 rec = dict(H=H, B=B, T=T, dtype="fp8_e4m3" if fp8 else "bf16", kernel=f"{kernel} ({name})",
@@ -204,6 +211,9 @@ def main(argv=None):
     ap.add_argument("--fold-tiles", default="",
                     help="semicolon-separated block_h,block_n,warps,stages,v_split,waves: more fold rows of the split "
                          "kernel with these 16-row tiles")
+    ap.add_argument("--once-tiles", default="",
+                    help="semicolon-separated block_h,block_n,warps,stages,v_split,waves[,max_regs]: more fold_once "
+                         "rows of the split kernel with these 16-row tiles")
     a = ap.parse_args(argv)
     reads = [r for r in a.reads.split(",") if r]
     bad = sorted(set(reads) - set(FP8_READS))
@@ -212,6 +222,8 @@ def main(argv=None):
     fold_tiles = [tuple(float(x) if i == 5 else int(x) for i, x in enumerate(t.split(",")))
                   for t in a.fold_tiles.split(";") if t]
     fold_wide_tiles = [tuple(int(x) for x in t.split(",")) for t in a.fold_wide_tiles.split(";") if t]
+    once_tiles = [tuple(float(x) if i == 5 else int(x) for i, x in enumerate(t.split(",")))
+                  for t in a.once_tiles.split(";") if t]
     torch.manual_seed(0)
     results = dict(env=env_info(), layout=LAYOUT.spec(), row_bytes=LAYOUT.row_bytes)
     ceil = dict(copy_bw=copy_bandwidth(device=DEV), mm_rate=matmul_rate(device=DEV))
@@ -219,7 +231,7 @@ def main(argv=None):
     rows = []
     for sh in a.shapes.split(","):
         H, B, T = (int(x) for x in sh.split("x"))
-        for rec in one_shape(H, B, T, ceil, reads, fold_tiles, fold_wide_tiles):
+        for rec in one_shape(H, B, T, ceil, reads, fold_tiles, fold_wide_tiles, once_tiles):
             rows.append(rec)
             print("row", rec, flush=True)
         results["rows"] = rows

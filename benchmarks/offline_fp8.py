@@ -36,9 +36,9 @@ LAT, ROPE = 512, 64
 
 
 class _Captured:
-    def __init__(self, kernel, grid, args, consts, num_warps, num_stages):
+    def __init__(self, kernel, grid, args, consts, num_warps, num_stages, maxnreg=None):
         self.kernel, self.grid, self.args, self.consts = kernel, grid, list(args), dict(consts)
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.maxnreg = num_warps, num_stages, maxnreg
 
 
 @contextlib.contextmanager
@@ -47,7 +47,7 @@ def captured_launches():
     launchable CPU device skipped: nothing runs)."""
     seen = []
     saved = M.launch, M.check_launchable
-    M.launch = lambda k, grid, args, consts, w, s=None: seen.append(_Captured(k, grid, args, consts, w, s))
+    M.launch = lambda k, grid, args, consts, w, s=None, r=None: seen.append(_Captured(k, grid, args, consts, w, s, r))
     M.check_launchable = lambda *a, **k: None
     try:
         yield seen
@@ -76,14 +76,17 @@ def ttgir_counts(ttgir: str) -> dict:
 
 
 def split_launch(call, H: int, fp8_read: str, tiles=None):
-    """The split kernel's stage 1; `tiles` (block_h, block_n, warps, stages, v_split) replaces
-    the tuned entry of the call's row bucket (the fold read's own where it has one)."""
+    """The split kernel's stage 1; `tiles` (block_h, block_n, warps, stages, v_split[, max_regs])
+    replaces the tuned entry of the call's row bucket (the fold reads' own where they have one)."""
     rows = call.q_lat.shape[2]
     bucket = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    fold = call.kv_scale is not None and fp8_read.startswith("fold")
-    tuned = (M._TUNED_FP8_FOLD.get(bucket) if fold else None) or M._TUNED[bucket]
-    bh, bn, warps, stages, v_split = tiles or tuned[:5]
-    cfg = M.MLAKernelConfig(bh, bn, warps, stages, 2, v_split)
+    fp8 = call.kv_scale is not None
+    fold, once = fp8 and fp8_read.startswith("fold"), fp8 and fp8_read == "fold_once"
+    tuned = ((M._TUNED_FP8_ONCE.get(bucket) if once else None) or (M._TUNED_FP8_FOLD.get(bucket) if fold else None)
+             or M._TUNED[bucket])
+    tuned = tuned[:5] + tuned[6:7]
+    bh, bn, warps, stages, v_split, *regs = tiles or tuned
+    cfg = M.MLAKernelConfig(bh, bn, warps, stages, 2, v_split, regs[0] if regs else None)
     out = torch.empty(call.q_lat.shape[:3] + (LAT,), dtype=torch.bfloat16)
     lse = torch.empty(call.q_lat.shape[:3])
     with captured_launches() as seen, env.overridden("DCP_FP8_READ", fp8_read):
@@ -118,8 +121,8 @@ def main():
     ap.add_argument("--fp8-reads", default=",".join(FP8_READS))
     ap.add_argument("--kernels", default="split,wide")
     ap.add_argument("--split-tiles", default=None,
-                    help="semicolon-separated block_h,block_n,warps,stages,v_split of the split kernel "
-                         "(default: the tuned ones)")
+                    help="semicolon-separated block_h,block_n,warps,stages,v_split[,max_regs] of the split "
+                         "kernel (default: the tuned ones)")
     ap.add_argument("--wide-tiles", default=None,
                     help="semicolon-separated block_m,block_n,block_k,warps_a,stages_a,block_v,warps_b,stages_b")
     ap.add_argument("--ttgir", default=None, help="directory to write the TTGIR of each kernel")
@@ -142,7 +145,7 @@ def main():
                                  for n, launch, src in wide_launches(call, read, tiles)]
                 for kname, launch, src in todo:
                     rec = dict(H=H, cache=name, fp8_read=read if name == "fp8" else "", kernel=kname, warps=launch.num_warps,
-                               stages=launch.num_stages)
+                               stages=launch.num_stages, maxnreg=getattr(launch, "maxnreg", None))
                     try:
                         r = compile_launch(launch, src)
                         ttgir = r.pop("ttgir")

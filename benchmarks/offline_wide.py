@@ -62,7 +62,10 @@ def compile_launch(launch, src_fn):
                 consts[name] = params[name].default  # a constexpr the launch leaves at its default
     target = GPUTarget("cuda", 90, 32)
     backend = triton.compiler.make_backend(target)
-    opts = backend.parse_options(dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if getattr(launch, "maxnreg", None):
+        options["maxnreg"] = launch.maxnreg
+    opts = backend.parse_options(options)
     k = triton.compile(ASTSource(launch.kernel, sig, consts, attrs), target=target, options=opts.__dict__)
     return cubin_report(k)
 
@@ -86,7 +89,8 @@ def cubin_report(k) -> dict:
                 smem_kib=round(k.metadata.shared / 1024, 1), hgmma=sorted(set(hg)), n_hgmma=len(hg),
                 n_hmma=sass.count(" HMMA"), ldl=sass.count("LDL"), stl=sass.count("STL"),
                 cp_async=sass.count("LDGSTS"), tma=sass.count("UTMALDG"), bar=sass.count("BAR.SYNC"),
-                l2_prefetch=sass.count("CCTL.E.PF2"),
+                l2_prefetch=sass.count("CCTL.E.PF2"), ldsm=sass.count("LDSM."), lds_u8=sass.count("LDS.U8"),
+                f2fp_e4m3=sass.count("F2FP.F16.E4M3"),
                 sass_sha1=hashlib.sha1(code.encode()).hexdigest()[:12], ttgir=k.asm["ttgir"])
 
 

@@ -28,8 +28,10 @@ variable                        default     meaning
                                             ``fold`` applies the per-block scales to scores
                                             and probabilities, the dots in fp16;
                                             ``fold_qdtype`` the same in the queries' dtype;
-                                            read at each launch (the op's replay repeats its
-                                            first call's launches)
+                                            ``fold_once`` as ``fold``, the split kernel
+                                            loading and converting each tile once for both
+                                            dots; read at each launch (the op's replay
+                                            repeats its first call's launches)
 ``DCP_FLASHINFER_MLA_BACKEND``  ``auto``    FlashInfer's MLA implementation: ``auto``,
                                             ``fa2`` or ``fa3``
 ``DCP_FLASHINFER_WORKSPACE_MB`` ``128``     FlashInfer's float workspace per device, MiB
@@ -74,7 +76,7 @@ VARIABLES = {v.name: v for v in (
     Variable("DCP_MLA_GLUON", "", "0: never offer the Gluon kernels"),
     Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
     Variable("DCP_FP8_READ", "", "how the Triton kernels read an fp8 latent: unset (each kernel's faster read), "
-             "dequant, fold or fold_qdtype", ("", "dequant", "fold", "fold_qdtype")),
+             "dequant, fold, fold_qdtype or fold_once", ("", "dequant", "fold", "fold_qdtype", "fold_once")),
     Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
     Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
     Variable("DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")),
@@ -143,7 +145,7 @@ def mla_tuned() -> str:
 
 
 def fp8_read() -> str:
-    """DCP_FP8_READ: '' (unset: each kernel's own default), 'dequant', 'fold' or 'fold_qdtype'."""
+    """DCP_FP8_READ: '' (unset: each kernel's own default), 'dequant', 'fold', 'fold_qdtype' or 'fold_once'."""
     return read("DCP_FP8_READ")
 
 

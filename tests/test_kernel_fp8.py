@@ -126,12 +126,14 @@ def check_fold_is_at_least_as_exact_as_dequant():
     g = _gen()
     for kernel in ("split", "wide"):
         call = fp8_call(2, 1, 16, 256, 16, 96, torch.float16, gen=g, kv_lens=torch.tensor([96, 40]))
-        with env.overridden("DCP_FP8_READ", "fold"):
-            fold_out, fold_lse = _errors(call, kernel)
         with env.overridden("DCP_FP8_READ", "dequant"):
             deq_out, deq_lse = _errors(call, kernel)
-        assert fold_out <= deq_out * 1.05 and fold_lse <= deq_lse, (kernel, fold_out, deq_out, fold_lse, deq_lse)
-        assert fold_lse < 1e-4, (kernel, fold_lse)
+        for read in ("fold", "fold_once"):
+            with env.overridden("DCP_FP8_READ", read):
+                fold_out, fold_lse = _errors(call, kernel)
+            assert fold_out <= deq_out * 1.05 and fold_lse <= deq_lse, (kernel, read, fold_out, deq_out, fold_lse,
+                                                                        deq_lse)
+            assert fold_lse < 1e-4, (kernel, read, fold_lse)
 
 
 def check_unset_read_is_each_kernels_default():
@@ -164,15 +166,15 @@ def check_bf16_queries_fold_into_fp16_range():
 
     g = _gen()
     base = fp8_call(2, 1, 16, 256, 0, 96, torch.float32, gen=g, kv_lens=torch.tensor([96, 40]))
-    with env.overridden("DCP_FP8_READ", "fold"):
-        for magnitude in (1e-6, 1.0, 1e6):
+    for read, magnitude in ((r, m) for r in ("fold", "fold_once") for m in (1e-6, 1.0, 1e6)):
+        with env.overridden("DCP_FP8_READ", read):
             call = AttentionCall((base.q_lat * magnitude).bfloat16(), None, base.kv, None, 256,
                                  0.5 / (256 ** 0.5 * magnitude), kv_lens=base.kv_lens, kv_scale=base.kv_scale)
             ro, rl = ref64(call)
             for module in (mla_attention, mla_wide):
                 out, lse = module.run(call)
                 check_close(out.float(), lse, ro, rl, 1e-2)
-                assert (lse.double() - rl).abs().max().item() < 1e-4, (module.__name__, magnitude)
+                assert (lse.double() - rl).abs().max().item() < 1e-4, (module.__name__, read, magnitude)
 
 
 def check_split_value_split_and_paged():
@@ -342,12 +344,13 @@ def test_gpu_fold_at_least_as_exact_as_dequant(H, monkeypatch):
                     spread=1.0)
     ro, rl = ref32(call)
     errors = {}
-    for read in ("fold", "dequant"):
+    for read in ("fold", "fold_once", "dequant"):
         monkeypatch.setenv("DCP_FP8_READ", read)
         out, lse = _attend(call, "auto")
         errors[read] = (rel_err(out, ro), (lse - rl).abs().max().item())
     # (the outputs' own bf16 rounding is most of both output errors: a margin for its noise)
-    assert errors["fold"][0] <= errors["dequant"][0] * 1.1 and errors["fold"][1] <= errors["dequant"][1], errors
+    for read in ("fold", "fold_once"):
+        assert errors[read][0] <= errors["dequant"][0] * 1.1 and errors[read][1] <= errors["dequant"][1], errors
 
 
 @gpu

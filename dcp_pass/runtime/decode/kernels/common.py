@@ -58,6 +58,7 @@ __all__ = [
     "recording_launches",
     "FP8_READS",
     "fp8_read",
+    "FOLD_F16_READS",
     "fold_dtype",
     "fold_operand",
     "fp8_dots_dtype",
@@ -206,8 +207,10 @@ class _LaunchLog(threading.local):
 _LAUNCH_LOG = _LaunchLog()
 
 
-def launch(kernel, grid, args, consts: dict, num_warps: int, num_stages: Optional[int] = None):
-    """``kernel[grid](*args, **consts, num_warps=, num_stages=)``, recorded while `recording_launches` is on.
+def launch(kernel, grid, args, consts: dict, num_warps: int, num_stages: Optional[int] = None,
+           maxnreg: Optional[int] = None):
+    """``kernel[grid](*args, **consts, num_warps=, num_stages=, maxnreg=)``, recorded while
+    `recording_launches` is on (``maxnreg``: a cap on registers per thread, for occupancy).
 
     Every Triton launch of the attention kernels goes through here, so that the op's
     replay (runtime/decode/replay.py) sees each compiled kernel with its grid
@@ -216,6 +219,8 @@ def launch(kernel, grid, args, consts: dict, num_warps: int, num_stages: Optiona
     options = dict(consts, num_warps=num_warps)
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     compiled = kernel[grid](*args, **options)
     if _LAUNCH_LOG.entries is not None:
         _LAUNCH_LOG.entries.append((kernel, compiled, tuple(grid), tuple(args), options))
@@ -248,16 +253,22 @@ def fp8_read(kernel: str) -> str:
     ``fold``: the fp8 values enter the dots as fp16 (exact, one packed conversion per two
     values), each 128-column block's scales multiply the block's partial scores and the
     probabilities instead of the values; ``fold_qdtype``: the same with the dots in the
-    queries' dtype; ``dequant``: every value times its scale in fp32, then rounded to the
-    queries' dtype."""
+    queries' dtype; ``fold_once``: ``fold`` with the split kernel loading and converting each
+    fp8 tile once, the converted tile in shared memory serving both dots (the two-GEMM kernel
+    reads it as ``fold``); ``dequant``: every value times its scale in fp32, then rounded to
+    the queries' dtype."""
     return env.fp8_read() or DEFAULT_FP8_READ[kernel]
 
 
+FOLD_F16_READS = ("fold", "fold_once")  # the fold reads whose dots take 16-bit queries in fp16
+
+
 def fold_dtype(read: str, query_dtype: torch.dtype) -> torch.dtype:
-    """The dots' dtype of an fp8 ``fold`` / ``fold_qdtype`` read for queries of `query_dtype`:
-    fp32 queries keep fp32 dots; ``fold`` puts 16-bit ones into fp16 (e4m3 -> fp16 is one packed
-    conversion per two values on sm_90, e4m3 -> bf16 adds a slow one per value)."""
-    if query_dtype == torch.float32 or read != "fold":
+    """The dots' dtype of an fp8 fold read (``fold``, ``fold_qdtype``, ``fold_once``) for
+    queries of `query_dtype`: fp32 queries keep fp32 dots; ``fold`` and ``fold_once`` put 16-bit
+    ones into fp16 (e4m3 -> fp16 is one packed conversion per two values on sm_90, e4m3 -> bf16
+    adds a slow one per value)."""
+    if query_dtype == torch.float32 or read not in FOLD_F16_READS:
         return query_dtype
     return torch.float16
 

@@ -53,8 +53,8 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-from .common import (LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
-                     cuda_properties, fold_operand, fp8_dots_dtype, fp8_read, keys_up_to, launch, lens_operand,
+from .common import (FOLD_F16_READS, INTERPRETED, LOG2E, AttentionCall, ShardView, causal_operand, check_base,
+                     check_launchable, cuda_properties, fold_operand, fp8_dots_dtype, fp8_read, keys_up_to, launch, lens_operand,
                      mask_operand, outputs, positions_i32, pow2, row_alignment, shard_keys, triton_reason)
 from .splits import partial_outputs, reduce_launch, split_count
 from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
@@ -144,6 +144,68 @@ def _fold_scores_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off
     return qk, s_own
 
 
+def _e4m3_to_f16_src(x, ASM: tl.constexpr):
+    """float8 e4m3 -> fp16 (exact: every e4m3 value is an fp16), two packed conversions per four
+    values. ASM: as inline PTX marked impure, which the compiler neither copies into each use's
+    layout nor moves past a layout conversion, so the converted tile is stored to shared memory
+    once and both dots load it from there (a cast, or pure PTX, it moves below the conversions
+    into the dot operands' layouts: the values operand is then gathered from shared memory byte
+    by byte, 8-bit tiles having no transposing shared-memory load, and converted a second time)."""
+    if ASM:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+def _fold_scores_once_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
+                          DOT_DTYPE: tl.constexpr, D_MAIN: tl.constexpr, N_SCALES: tl.constexpr,
+                          N_BLOCKS: tl.constexpr, N_OWN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, SCALE_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                          IEEE: tl.constexpr, ASM: tl.constexpr):
+    """_fold_scores with each block loaded once, as [keys, columns], and converted once: the
+    converted own blocks are returned for the values dot (keys and values are one latent)."""
+    qk = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    s_own = ()
+    k_own = ()
+    for j in tl.static_range(N_BLOCKS):
+        col0 = _fold_block_col(j, vc, N_OWN, BLOCK_DV, SCALE_W)
+        cols = col0 + tl.arange(0, SCALE_W)
+        k = tl.load(kv_base + k_off[:, None] + cols[None, :] * skv_d, mask=n_ok[:, None] & (cols[None, :] < D_MAIN),
+                    other=0.0)
+        if DOT_DTYPE == tl.float16:
+            k = _e4m3_to_f16(k, ASM)
+        else:
+            k = k.to(DOT_DTYPE)
+        block = col0 // SCALE_BLOCK
+        sc = tl.load(ks_base + ks_off + block * sks_d, mask=tl.where(block < N_SCALES, n_ok, False), other=0.0)
+        if IEEE:
+            part = tl.dot(q_blocks[j], tl.trans(k), input_precision="ieee")
+        else:
+            part = tl.dot(q_blocks[j], tl.trans(k))
+        qk += part * (q_factors[j][:, None] * sc[None, :])
+        if j < N_OWN:
+            s_own = s_own + (sc,)
+            k_own = k_own + (k,)
+    return qk, s_own, k_own
+
+
+def _fold_values_once_src(accs, p, factor, s_own, k_own, DOT_DTYPE: tl.constexpr, N_OWN: tl.constexpr,
+                          IEEE: tl.constexpr):
+    """_fold_values over the tiles _fold_scores_once converted."""
+    new = ()
+    for j in tl.static_range(N_OWN):
+        pj = (p * s_own[j][None, :]).to(DOT_DTYPE)
+        acc = accs[j] * factor[:, None]
+        if IEEE:
+            new = new + (tl.dot(pj, k_own[j], acc, input_precision="ieee"),)
+        else:
+            new = new + (tl.dot(pj, k_own[j], acc),)
+    return new
+
+
 def _max_pair_src(a0, a1, b0, b1):
     return tl.maximum(a0, b0), tl.maximum(a1, b1)
 
@@ -190,7 +252,7 @@ def _stage1_kernel_src(
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
     KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128, SCALE_W: tl.constexpr = 128,
     N_SCALES: tl.constexpr = 1, FP8_FOLD: tl.constexpr = False, FP8_FOLD_F16: tl.constexpr = True,
-    KT_ALIGN: tl.constexpr = 1,
+    KT_ALIGN: tl.constexpr = 1, FOLD_ONCE: tl.constexpr = False, CVT_ASM: tl.constexpr = False,
 ):
     """One (row block, value chunk, split, batch row): online softmax over the split's keys.
 
@@ -202,7 +264,10 @@ def _stage1_kernel_src(
     reads it in column blocks of SCALE_W, the scales folded into scores and probabilities
     (_fold_scores, _fold_values), the dots in fp16 (FP8_FOLD_F16: e4m3 -> fp16 is one packed
     conversion on sm_90, e4m3 -> bf16 two, the second a slow one per value) or the queries'
-    dtype; without it each tile is dequantised in fp32 (_fp8_tile).
+    dtype; without it each tile is dequantised in fp32 (_fp8_tile). FOLD_ONCE: each block is
+    loaded once, as [keys, columns], and converted once (_fold_scores_once); the converted tile,
+    which the compiler keeps in shared memory, is both dots' operand (CVT_ASM: the conversion as
+    inline PTX, compiled kernels only; the interpreter casts).
     KT_ALIGN: a power of two dividing every rope row's element offset (the packed fp8 rows'
     rope stride is not a multiple of 16, which the JIT's specialisation would need to see
     that the rows are 16-byte aligned).
@@ -305,7 +370,11 @@ def _stage1_kernel_src(
                 kt_off = offs_n.to(tl.int64) * skt_t
                 kt_off = tl.multiple_of(kt_off, KT_ALIGN)
                 kt_base = kt_row
-        if FOLD:
+        if FOLD and FOLD_ONCE:
+            qk, s_own, k_own = _fold_scores_once(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d,
+                                                 n_ok, vc, FOLD_DTYPE, D_MAIN, N_SCALES, N_OWN * V_SPLIT, N_OWN,
+                                                 BLOCK_H, BLOCK_N, BLOCK_DV, SCALE_W, SCALE_BLOCK, IEEE, CVT_ASM)
+        elif FOLD:
             qk, s_own = _fold_scores(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
                                      FOLD_DTYPE, D_MAIN, N_SCALES, N_OWN * V_SPLIT, N_OWN, BLOCK_H, BLOCK_N, BLOCK_DV,
                                      SCALE_W, SCALE_BLOCK, IEEE)
@@ -378,9 +447,15 @@ def _stage1_kernel_src(
             if FOLD_UNITS:
                 c_new = tl.maximum(c_run, c_tile)
                 inv = 1.0 / tl.where(c_new > 0.0, c_new, 1.0)
-                accs = _fold_values(accs, p * inv[:, None], alpha * (c_run * inv), s_own, kv_base, k_off, skv_d, n_ok,
-                                    vc, FOLD_DTYPE, D_MAIN, N_OWN, BLOCK_DV, SCALE_W, IEEE)
+                if FOLD_ONCE:
+                    accs = _fold_values_once(accs, p * inv[:, None], alpha * (c_run * inv), s_own, k_own, FOLD_DTYPE,
+                                             N_OWN, IEEE)
+                else:
+                    accs = _fold_values(accs, p * inv[:, None], alpha * (c_run * inv), s_own, kv_base, k_off, skv_d,
+                                        n_ok, vc, FOLD_DTYPE, D_MAIN, N_OWN, BLOCK_DV, SCALE_W, IEEE)
                 c_run = c_new
+            elif FOLD_ONCE:
+                accs = _fold_values_once(accs, p, alpha, s_own, k_own, FOLD_DTYPE, N_OWN, IEEE)
             else:
                 accs = _fold_values(accs, p, alpha, s_own, kv_base, k_off, skv_d, n_ok, vc, FOLD_DTYPE, D_MAIN, N_OWN,
                                     BLOCK_DV, SCALE_W, IEEE)
@@ -415,6 +490,9 @@ if HAS_TRITON:
     _fold_q = triton.jit(_fold_q_src)
     _fold_scores = triton.jit(_fold_scores_src)
     _fold_values = triton.jit(_fold_values_src)
+    _e4m3_to_f16 = triton.jit(_e4m3_to_f16_src)
+    _fold_scores_once = triton.jit(_fold_scores_once_src)
+    _fold_values_once = triton.jit(_fold_values_once_src)
     _max_pair = triton.jit(_max_pair_src)
     _stage1_jit = triton.jit(_stage1_kernel_src)
 
@@ -430,6 +508,7 @@ class MLAKernelConfig:
     num_stages: int
     num_splits: int
     v_split: int = 1
+    max_regs: Optional[int] = None  # registers per thread at most (None: the compiler's choice)
 
     # the registry's kernels this configures (registry.KERNELS names)
     kernels = ("split",)
@@ -454,6 +533,21 @@ _TUNED = {  # winners of bench_kernel.py --sweep on an H200 (benchmarks/results/
 _TUNED_FP8_FOLD = {
     64: (64, 32, 8, 2, 2, 1.0),
 }
+
+# The fold_once read keeps each tile's converted fp16 blocks in shared memory until the values
+# dot ([block_n, 512] fp16 beside the pipelined fp8 stages): at 16 rows a 64-key tile takes
+# 125 KiB (one program per SM), a 32-key tile 71 KiB, and capped at 168 registers (no spills,
+# offline sm_90) three programs share an SM, as many warps as bf16's two. The seventh field is
+# that cap (None: the compiler's choice).
+_TUNED_FP8_ONCE = {
+    16: (16, 32, 4, 2, 1, 3.0, 168),
+    32: (32, 32, 8, 2, 1, 2.0),
+}
+
+
+def _bucket(rows: int) -> int:
+    """The tuned tables' row bucket of a call with `rows` (query token, head) rows."""
+    return 16 if rows <= 16 else (32 if rows <= 32 else 64)
 
 
 def _load_tuning_override() -> None:
@@ -496,22 +590,25 @@ def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, e
 def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, device: torch.device,
                 num_splits: Optional[int] = None, *, has_mask: bool = False, mask_shared: bool = False,
                 paged: bool = False,
-                elem_bytes: int = 2, fp8_fold: bool = False) -> MLAKernelConfig:
+                elem_bytes: int = 2, fp8_fold: bool = False, fp8_once: bool = False) -> MLAKernelConfig:
     """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture).
 
-    The tuned tile (``fp8_fold``: an fp8 latent read by folding its scales, its own tiles
-    where they differ) is shrunk (block_n, then stages, then block_h) until its shared
-    memory fits the device: a mask's tiles are pipelined too, and fp32 caches double
-    every tile.
+    The tuned tile (``fp8_fold``: an fp8 latent read by folding its scales, ``fp8_once``: by
+    the fold_once read, their own tiles where they differ) is shrunk (block_n, then stages,
+    then block_h) until its shared memory fits the device: a mask's tiles are pipelined too,
+    and fp32 caches double every tile. A shrunk tile drops the tuned register cap (it was
+    checked for the tuned tile only).
     """
     if device.type != "cuda":  # interpreter: small blocks, a few splits to exercise stage 2
         block_h = min(pow2(rows), 32)
         block_n = 16
         ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), block_n)))
         return MLAKernelConfig(block_h, block_n, 4, 1, ns)
-    bucket = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    block_h, block_n, warps, stages, v_split, waves = (_TUNED_FP8_FOLD.get(bucket) if fp8_fold else None) or \
-        _TUNED[bucket]
+    bucket = _bucket(rows)
+    tuned = ((_TUNED_FP8_ONCE.get(bucket) if fp8_once else None) or (_TUNED_FP8_FOLD.get(bucket) if fp8_fold else None)
+             or _TUNED[bucket])
+    block_h, block_n, warps, stages, v_split, waves = tuned[:6]
+    max_regs = tuned[6] if len(tuned) > 6 else None
     bdm, bdt = pow2(d_main), pow2(max(d_tail, 1)) if d_tail else 0
     limit = _smem_limit(device)
     fits = lambda bh, bn, st: smem_estimate(bh, bn, st, bdm, bdt, elem_bytes, has_mask, paged, mask_shared) <= limit  # noqa: E731
@@ -521,9 +618,10 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
         block_h, block_n, stages = next((c for c in cands if c[0] <= block_h and fits(*c)), cands[-1])
         if block_h == 16:
             v_split, warps = 1, 4
+        max_regs = None
     n_hb = triton.cdiv(rows, block_h) * v_split
     ns = num_splits if num_splits is not None else split_count(batch, n_hb, t_cap, device, waves)
-    return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)), v_split)
+    return MLAKernelConfig(block_h, block_n, warps, stages, max(1, int(ns)), v_split, max_regs)
 
 
 # --------------------------------------------------------------------------------------
@@ -569,12 +667,16 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
     mask_b, ms, mask_shared = mask_operand(mask, B, S, H, T, device)
     read = fp8_read("split") if a.kv_scale is not None else ""
+    # fold_once where its tiles are checked (rows <= 32: at 64 rows its converted blocks spill
+    # on sm_90, offline); other calls read as fold
+    once = read == "fold_once" and _bucket(SH) in _TUNED_FP8_ONCE
     if config is None:
         # an fp8 tile enters the dots in a 16-bit (or the queries') dtype: size the tiles as
         # for a cache of that dtype
         elem = q_lat.element_size() if a.kv_scale is not None else kv.element_size()
         cfg = pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
-                          mask_shared=mask_shared, paged=paged, elem_bytes=elem, fp8_fold=read.startswith("fold"))
+                          mask_shared=mask_shared, paged=paged, elem_bytes=elem, fp8_fold=read.startswith("fold"),
+                          fp8_once=once)
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
@@ -612,9 +714,10 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
         PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
         HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
         KV_FP8=fp8, SCALE_W=min(SCALE_BLOCK, pow2(d_main) // v_split), N_SCALES=-(-d_main // SCALE_BLOCK),
-        FP8_FOLD=read.startswith("fold"), FP8_FOLD_F16=read == "fold",
+        FP8_FOLD=read.startswith("fold"), FP8_FOLD_F16=read in FOLD_F16_READS,
         KT_ALIGN=row_alignment(kt, paged) if has_tail else 1,
-    ), cfg.num_warps, cfg.num_stages)
+        FOLD_ONCE=once, CVT_ASM=not INTERPRETED,
+    ), cfg.num_warps, cfg.num_stages, cfg.max_regs)
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
         launch(kernel, grid, args, consts, warps)
