@@ -18,9 +18,9 @@ the bf16 kernel reads. Where that copy comes from:
   leave 10 KiB of the 227, and a 32 KiB fp8 tile takes 32;
 * the *scorer* then sees exactly the bf16 kernel's operands and runs its code.
 
-Dequantised, not folded: the product is rounded to bf16 (relative error 2^-9 a value, an
-eighth of e4m3's own spacing 2^-3 and as large as the rounding of P that the bf16 kernel
-already has), with bf16's range, so no scale can overflow or underflow it. Folding the
+Dequantised, not folded: the product is rounded to bf16 once (relative error at most 2^-8 a
+value, a sixteenth of e4m3's own rounding 2^-4, and the rounding P already gets in the bf16
+kernel), in bf16's range, so no scale can overflow or underflow it. Folding the
 scales (exact e4m3 values in fp16, each 128-column block's scale applied to its partial
 scores and to P) would split the score GEMM into four chains with a wait each and a second
 [64, 64] accumulator, and P into four scaled copies, all on the scorer, the role that sets
