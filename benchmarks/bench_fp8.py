@@ -14,7 +14,9 @@ replay of one call per rotated input set, the median of triton's do_bench. Per s
   16-row bucket's tiles replaced (block_h, block_n, warps, stages, v_split, waves; at 16 heads);
   ``--once-tiles``: the same for the ``fold_once`` read (a seventh number caps registers);
   ``--fold-wide-tiles``: more two-GEMM rows of the ``fold`` read with these WideConfig tiles
-  (at 64 heads and more).
+  (at 64 heads and more). ``--kernels``: more fp8 rows, one per registry kernel named (e.g.
+  ``gluon_fp8``, the Gluon kernel that dequantises each tile into bf16 itself: its read is
+  "own", DCP_FP8_READ does not change it).
 
 Each row: H, B, T, dtype, kernel, read, ms, the floor max(bytes / copy bandwidth, flops /
 matmul rate) with both ceilings measured in the run, mm_frac and bw_frac (the share of each
@@ -25,6 +27,8 @@ for fp8, rel_err_vs_bf16 against the fp32 reference of the unquantised values (t
 quantisation's own error, default read).
 
     python benchmarks/bench_fp8.py --out $OUT/fp8_kernel_h200.json
+    python benchmarks/bench_fp8.py --shapes 128x8x131072,128x32x32768,64x8x32768 --reads dequant \
+        --kernels gluon_fp8 --out $OUT/fp8_gluon_h200.json  # the Gluon fp8 kernel beside the others
     TRITON_INTERPRET=1 python benchmarks/bench_fp8.py --shapes 16x2x256 --out /tmp/fp8_dry.json  # CPU dry run
 """
 from __future__ import annotations
@@ -45,6 +49,7 @@ from common import (KV_LORA, ROPE, SCALE, bench, copy_bandwidth, env_info, floor
 from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_attention  # noqa: E402
+from dcp_pass.runtime.decode.kernels import common  # noqa: E402
 from dcp_pass.runtime.decode.kernels.common import FP8_READS  # noqa: E402
 from dcp_pass.runtime.decode.kernels.mla_wide import WideConfig  # noqa: E402
 from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E402
@@ -135,7 +140,10 @@ def first_row(call):
                         kv_scale=one(call.kv_scale), kv_lens=call.kv_lens[:1])
 
 
-def variants(fp8: bool, reads, fold_tiles, fold_wide_tiles, once_tiles=()):
+OWN_READ = ("gluon_fp8",)  # fp8 kernels whose read is their own (DCP_FP8_READ does not apply)
+
+
+def variants(fp8: bool, reads, fold_tiles, fold_wide_tiles, once_tiles=(), kernels=()):
     """(kernel, read, tiles) of the rows timed for one cache (the two-GEMM kernel reads
     fold_once as fold: no row of its own)."""
     if not fp8:
@@ -144,10 +152,11 @@ def variants(fp8: bool, reads, fold_tiles, fold_wide_tiles, once_tiles=()):
             if not (kernel == "wide" and read == "fold_once")]
     rows += [("split", "fold", t) for t in fold_tiles] + [("wide", "fold", t) for t in fold_wide_tiles]
     rows += [("split", "fold_once", t) for t in once_tiles]
+    rows += [(kernel, None, None) for kernel in kernels]
     return rows + [("auto", None, None)]
 
 
-def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=(), fold_wide_tiles=(), once_tiles=()):
+def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=(), fold_wide_tiles=(), once_tiles=(), kernels=()):
     rows = []
     bf16_auto_ms = None
     for fp8 in (False, True):
@@ -158,11 +167,15 @@ def one_shape(H, B, T, ceil, reads=FP8_READS, fold_tiles=(), fold_wide_tiles=(),
         row_bytes = LAYOUT.row_bytes if fp8 else 2 * D
         extra_split, extra_wide = (fold_tiles if H <= 16 else ()), (fold_wide_tiles if H >= 64 else ())
         extra_once = once_tiles if H <= 16 else ()
-        for kernel, read, tiles in variants(fp8, reads, extra_split, extra_wide, extra_once):
+        for kernel, read, tiles in variants(fp8, reads, extra_split, extra_wide, extra_once, kernels):
             with fp8_read(read, tiles):
-                name = choose_kernel(call0, kernel).name
+                try:
+                    name = choose_kernel(call0, kernel).name
+                except Exception:  # noqa: BLE001 - a kernel that cannot run here: its row says why
+                    name = "unavailable"
                 rec = dict(H=H, B=B, T=T, dtype="fp8_e4m3" if fp8 else "bf16", kernel=f"{kernel} ({name})",
-                           read=(read or os.environ.get("DCP_FP8_READ", "") or FP8_READS[0]) if fp8 else "")
+                           read=("own" if kernel in OWN_READ else read or (
+                               common.fp8_read(name) if name in common.DEFAULT_FP8_READ else "")) if fp8 else "")
                 if tiles is not None:
                     rec["tiles"] = list(tiles)
                 config = WideConfig(*tiles) if tiles is not None and len(tiles) == 8 else None
@@ -214,6 +227,7 @@ def main(argv=None):
     ap.add_argument("--once-tiles", default="",
                     help="semicolon-separated block_h,block_n,warps,stages,v_split,waves[,max_regs]: more fold_once "
                          "rows of the split kernel with these 16-row tiles")
+    ap.add_argument("--kernels", default="", help="comma-separated registry kernels: more fp8 rows, one each")
     a = ap.parse_args(argv)
     reads = [r for r in a.reads.split(",") if r]
     bad = sorted(set(reads) - set(FP8_READS))
@@ -231,7 +245,8 @@ def main(argv=None):
     rows = []
     for sh in a.shapes.split(","):
         H, B, T = (int(x) for x in sh.split("x"))
-        for rec in one_shape(H, B, T, ceil, reads, fold_tiles, fold_wide_tiles, once_tiles):
+        for rec in one_shape(H, B, T, ceil, reads, fold_tiles, fold_wide_tiles, once_tiles,
+                             [k for k in a.kernels.split(",") if k]):
             rows.append(rec)
             print("row", rec, flush=True)
         results["rows"] = rows

@@ -5,7 +5,10 @@ DeepSeek-V3 shapes (fused 512 + 64 cache, bf16, kv_lens on). Compile with the Tr
 GPU machine runs (3.6 there): e.g. ``PYTHONPATH=/path/to/triton-3.6 python
 benchmarks/offline_gluon.py``; Gluon's API moves between Triton releases.
 
-    python benchmarks/offline_gluon.py [--configs "64,64,2;64,32,3"] [--ttgir DIR] [--roles]
+    python benchmarks/offline_gluon.py [--configs "64,64,2;64,32,3"] [--ttgir DIR] [--roles] [--fp8]
+
+``--fp8``: the fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on packed 656-byte rows, its
+arguments built by its own launcher from CPU tensors and marked as the JIT marks them.
 """
 from __future__ import annotations
 
@@ -72,6 +75,59 @@ def compile_roles(num_splits: int = 16, separate_rope: bool = False):
     return compile_gluon(R._roles_jit, R._roles_kernel_src, consts, 4, ("H", "SH", "lens_c", "lens_r", "lens_sb"))
 
 
+_ARG_TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32",
+              "torch.float8_e4m3fn": "*fp8e4nv", "torch.int64": "*i64", "torch.int32": "*i32"}
+
+
+def compile_launched(jit, src, args: tuple, consts: dict, num_warps: int):
+    """Compile a Gluon kernel for sm_90 with the argument kinds the JIT would give ``args``:
+    tensors as pointers (divisible by 16 when their data is 16-byte aligned), floats as fp32,
+    ints equal to 1 as constants, other ints as i32 (divisible by 16 when they are)."""
+    sig, attrs, consts = {}, {}, dict(consts)
+    names = list(inspect.signature(src).parameters)
+    for i, (n, v) in enumerate(zip(names, args)):
+        if hasattr(v, "data_ptr"):
+            sig[n] = _ARG_TYPES[str(v.dtype)]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[n] = "fp32"
+        elif v == 1:
+            sig[n], consts[n] = "constexpr", 1
+        else:
+            sig[n] = "i32" if abs(v) < 2 ** 31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for n in names[len(args):]:
+        sig[n] = "constexpr"
+    target = GPUTarget("cuda", 90, 32)
+    opts = triton.compiler.make_backend(target).parse_options(dict(num_warps=num_warps, num_stages=1))
+    return cubin_report(triton.compile(GluonASTSource(jit, sig, consts, attrs), target=target, options=opts.__dict__))
+
+
+def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 128, separate_rope: bool = False):
+    """The fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on FlashMLA's packed rows (512 e4m3 +
+    4 fp32 scales + 64 bf16 rope: 656 bytes), or a 528-byte latent row beside a bf16 rope
+    buffer, DeepSeek-V3's scale, kv_lens on, q [B, 1, H, 576] split into its two parts."""
+    import torch
+
+    from dcp_pass.runtime.decode.call import AttentionCall
+    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8 as F
+    from dcp_pass.runtime.decode.kv_format import Fp8Layout, views
+
+    q = torch.zeros(batch, 1, heads, 576, dtype=torch.bfloat16)
+    if separate_rope:
+        latent, scales, _ = views(torch.zeros(batch, keys, 528, dtype=torch.uint8), Fp8Layout(512, 0, torch.bfloat16))
+        rope = torch.zeros(batch, keys, 64, dtype=torch.bfloat16)
+    else:
+        latent, scales, rope = views(torch.zeros(batch, keys, 656, dtype=torch.uint8),
+                                     Fp8Layout(512, 64, torch.bfloat16))
+    lens = torch.full((batch,), keys, dtype=torch.int64)
+    call = AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales)
+    _, _, (grid, args, consts, _) = F.launch_args(call.shard(), num_splits=num_splits)
+    return compile_launched(F._fp8_jit, F._fp8_kernel_src, args, consts, 4)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="64,64,2,3,128;64,64,2,3,0;64,64,2,2,0;64,64,2,1,0")
@@ -80,7 +136,18 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--roles", action="store_true", help="the role-split kernel (mla_gluon_roles.py) instead")
+    ap.add_argument("--fp8", action="store_true", help="the fp8-cache kernel (mla_gluon_fp8.py) instead")
     a = ap.parse_args()
+    if a.fp8:
+        rows = []
+        for separate in (False, True):
+            r = compile_fp8(separate_rope=separate)
+            save_ttgir(a.ttgir, "gluon_fp8" + ("_separate_rope" if separate else ""), r.pop("ttgir"))
+            rows.append(dict(config="fp8 " + ("528-byte latent rows + rope buffer" if separate else "packed 656-byte rows"),
+                             triton=triton.__version__, **r))
+            print(json.dumps(rows[-1]), flush=True)
+        finish(rows, a.json)
+        return
     if a.roles:
         r = compile_roles()
         save_ttgir(a.ttgir, "gluon_roles", r.pop("ttgir"))

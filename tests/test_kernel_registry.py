@@ -108,10 +108,11 @@ def test_the_chosen_kernel_is_pinned(monkeypatch, what, kw, expected):
 
 
 def test_registry_order_and_entries():
-    assert list(registry.KERNELS) == ["gluon_roles", "gluon_lock_step", "wide", "split", "flashinfer", "torch"]
+    assert list(registry.KERNELS) == ["gluon_roles", "gluon_lock_step", "gluon_fp8", "wide", "split", "flashinfer",
+                                      "torch"]
     assert registry.TRITON_KERNELS == ATTENTION_BACKENDS["triton"].kernels
     assert {k: v.cost_key for k, v in registry.KERNELS.items()} == {
-        "gluon_roles": "gluon", "gluon_lock_step": "gluon", "wide": "wide", "split": "split",
+        "gluon_roles": "gluon", "gluon_lock_step": "gluon", "gluon_fp8": None, "wide": "wide", "split": "split",
         "flashinfer": "flashinfer", "torch": None}
     assert tuple(k for k, v in registry.KERNELS.items() if v.replayable) == registry.TRITON_KERNELS
     for kernel in registry.KERNELS.values():  # every entry's module has the registry's functions

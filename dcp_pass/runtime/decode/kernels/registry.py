@@ -82,6 +82,10 @@ KERNELS: Dict[str, Kernel] = {k.name: k for k in (
     Kernel("gluon_lock_step", "mla_gluon", "gluon",
            "lock-step one-read Gluon kernel (Hopper, bf16 512 + 64, a mask row per request, causal caps)",
            replayable=True, group="gluon"),
+    Kernel("gluon_fp8", "mla_gluon_fp8", None,
+           "role-split one-read Gluon kernel for an fp8 e4m3 latent cache, dequantised to bf16 by the loader "
+           "warpgroup (Hopper, 512 + 64, no mask or causal cap; not yet timed, so never chosen unasked)",
+           replayable=True, group="gluon_fp8"),
     Kernel("wide", "mla_wide", "wide", "two-GEMM Triton kernel for wide head blocks (contiguous caches)",
            replayable=True),
     Kernel("split", "mla_attention", "split", "split-KV flash-decoding Triton kernel (any Triton layout, paged too)",
@@ -92,7 +96,7 @@ KERNELS: Dict[str, Kernel] = {k.name: k for k in (
 )}
 
 # what the "triton" backend chooses from
-TRITON_KERNELS = ("gluon_roles", "gluon_lock_step", "wide", "split")
+TRITON_KERNELS = ("gluon_roles", "gluon_lock_step", "gluon_fp8", "wide", "split")
 
 # group -> why its kernels are no longer offered in this process (they failed to build here);
 # the same Triton on every rank makes the same decision
@@ -103,7 +107,7 @@ def switched_off(kernel: Kernel) -> Optional[str]:
     """Why an environment switch keeps the chooser from offering `kernel` (None: none does)."""
     if kernel.name == "wide" and env.mla_wide() == "0":
         return "DCP_MLA_WIDE=0"
-    if kernel.group == "gluon" and env.mla_gluon() == "0":
+    if kernel.group in ("gluon", "gluon_fp8") and env.mla_gluon() == "0":
         return "DCP_MLA_GLUON=0"
     return None
 

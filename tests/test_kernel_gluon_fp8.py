@@ -1,0 +1,259 @@
+"""Tests of the fp8-cache Gluon kernel (dcp_pass.runtime.decode.kernels.mla_gluon_fp8).
+
+Gluon has no interpreter: the kernel runs only on a Hopper GPU (``-m gpu``). On CPU: which
+calls it takes and why not, that the chooser never takes it unasked (not yet timed), its
+launch arguments on packed rows, and its offline sm_90 compile (no spills, shared memory).
+GPU: DeepSeek-V3 shapes (64 and 128 heads, B=8, 4K and 32K keys) against the float64
+attention of the dequantised cache, with ragged and empty requests, cache rows past each
+request's length poisoned with NaN, several splits, two caches, CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from kit.kernels import check_close, poisoned, ref64  # noqa: E402
+
+from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
+from dcp_pass.runtime.decode.kernels import registry  # noqa: E402
+from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack, views  # noqa: E402
+
+SCALE = 192 ** -0.5
+FP8 = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=True, fused=False, kv_quant="fp8_e4m3",
+                query_dtype=torch.bfloat16, rows16=False)  # packed rows on an H200: what it is for
+
+
+def _gluon():
+    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8 as F
+
+    if not F.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    return F
+
+
+def _packed_call(B, H, T, device="cpu", lens=None, separate=False, gen=None, dtype=torch.bfloat16):
+    """q [B, 1, H, 576] split into its parts, packed 656-byte rows (or a 528-byte latent row and
+    a rope buffer) read through their views."""
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)  # noqa: E731
+    q = rnd(B, 1, H, 576)
+    kv = rnd(B, T, 576)
+    if separate:
+        latent, scales, _ = views(pack(kv[..., :512], Fp8Layout(512, 0, dtype)), Fp8Layout(512, 0, dtype))
+        rope = kv[..., 512:].contiguous()
+    else:
+        latent, scales, rope = views(pack(kv, Fp8Layout(512, 64, dtype)), Fp8Layout(512, 64, dtype))
+    return AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, SCALE, kv_lens=lens, kv_scale=scales)
+
+
+def test_which_calls_it_takes():
+    F = _gluon()
+    assert F.supports(FP8) is None
+    assert F.supports(dataclasses.replace(FP8, fused=True)) is None  # (either layout of the rope columns)
+    reasons = {
+        "reads fp8_e4m3": dict(kv_quant="", dtype=torch.bfloat16),
+        "Hopper": dict(capability=8),
+        "no mask": dict(mask="row"),
+        "no causal": dict(causal=True),
+        "page pools": dict(paged=True),
+        "bfloat16 queries": dict(query_dtype=torch.float16),
+        "512 latent": dict(d_main=256),
+        "row strides of 8k": dict(gluon_aligned=False),
+        "torch reference only": dict(per_head=True),
+    }
+    for words, kw in reasons.items():
+        reason = F.supports(dataclasses.replace(FP8, **kw))
+        assert reason is not None and words in reason, (kw, reason)
+    assert "fewer than 64" in F.offered(dataclasses.replace(FP8, heads=16))
+    assert "Triton 3.6" in F.offered(dataclasses.replace(FP8, triton="3.9.0"))
+    assert F.offered(FP8) is None and F.unmeasured(FP8) is False
+    # a real packed call on CPU tensors: refused for its device, as every Gluon kernel does
+    assert "Hopper" in registry.KERNELS["gluon_fp8"].supports(_packed_call(1, 64, 16).shape)
+    # and the bf16 Gluon kernels still refuse fp8 calls
+    assert "fp8_e4m3" in registry.KERNELS["gluon_roles"].supports(FP8)
+
+
+def test_the_chooser_does_not_take_it_until_timed():
+    _gluon()
+    assert registry.KERNELS["gluon_fp8"] in registry.candidates(FP8, registry.TRITON_KERNELS)
+    for heads, batch, keys in ((128, 8, 131072), (128, 32, 32768), (64, 8, 4096)):
+        shape = dataclasses.replace(FP8, heads=heads, batch=batch, keys=keys)
+        assert registry.choose(shape, registry.TRITON_KERNELS).name in ("wide", "split")
+    # a bf16 call is unchanged
+    assert registry.choose(CallShape(), registry.TRITON_KERNELS).name == "gluon_roles"
+
+
+def test_launch_arguments_on_packed_rows():
+    """Strides in the units the kernel reads them (q and rope: 8 elements; the latent: bytes
+    and 4-byte words), row strides as constants, one program per 64 rows, split and batch row."""
+    F = _gluon()
+    B, H, T = 2, 128, 4096
+    lens = torch.tensor([T, 0])
+    call = _packed_call(B, H, T, lens=lens)
+    out, lse, plan = F.launch_args(call.shard(), num_splits=3)
+    grid, args, consts, stage2 = plan
+    assert grid == (2, 3, B) and stage2 is not None
+    assert consts == dict(SKV_T=656, SKT_T=328, BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=3, HAS_LENS=True)
+    names = list(__import__("inspect").signature(F._fp8_kernel_src).parameters)
+    a = dict(zip(names, args))
+    assert a["KV"].dtype == torch.float8_e4m3fn and a["KS"].dtype == torch.float32 and a["KT"].dtype == torch.bfloat16
+    assert (a["sq_b8"], a["sq_s8"], a["sq_h8"]) == (H * 576 // 8, H * 576 // 8, 72)
+    assert a["skv_b"] == T * 656 and (a["sks_b"], a["sks_t"], a["sks_c"]) == (T * 164, 164, 1)
+    assert a["skt_b8"] == T * 328 // 8 and (a["T"], a["H"], a["SH"]) == (T, H, H)
+    # one split: the kernel writes the output itself
+    assert F.launch_args(call.shard(), num_splits=1)[2][3] is None
+    # no keys at all: final without a launch (output 0, LSE -inf)
+    out, lse, plan = F.launch_args(_packed_call(1, 64, 0).shard())
+    assert plan is None and (out == 0).all() and torch.isneginf(lse).all()
+    # a latent whose rows are not whole 4-byte words is refused, not misread
+    odd = call.replace(kv=torch.zeros(B, T, 514, dtype=torch.uint8)[..., :512].view(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="4-byte words"):
+        F.launch_args(odd.shard())
+    with pytest.raises(ValueError, match="tiles"):
+        from dcp_pass.runtime.decode.kernels.gluon_common import GluonConfig
+
+        F.launch_args(call.shard(), config=GluonConfig(64, 32, 3))
+
+
+def test_compiles_for_hopper_with_this_triton():
+    """Valid Gluon for the installed Triton, within shared memory (the bf16 kernel's buffers:
+    the fp8 tile waits in registers), no spills, the bf16 kernel's wgmma shapes and count
+    (36 score steps + 2 x 4 value steps a tile), 16-byte loads of the fp8 rows."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("offline compiles need TRITON_INTERPRET unset")
+    _gluon()
+    import importlib.util
+
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this Triton ships no ptxas / cuobjdump")
+    root = os.path.dirname(HERE)
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("offline_gluon", os.path.join(root, "benchmarks", "offline_gluon.py"))
+    off = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(off)
+    for separate in (False, True):
+        r = off.compile_fp8(separate_rope=separate)
+        assert r["stack"] == 0 and r["ldl"] == 0 and r["smem_kib"] <= 227, r
+        assert set(r["hgmma"]) == {"64x64x16", "64x256x16"} and r["n_hgmma"] == 36 + 8, r
+
+
+# --------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                  reason="needs a Hopper GPU")
+TOL = 2e-2  # the bf16 Gluon kernels' tolerance: P and the output in bf16, the cache values rounded to bf16 once
+
+
+def _poison_past(call, local):
+    """Rows past each request's visible keys: NaN latent bytes (e4m3 0x7f), NaN scales and rope."""
+    kv, ks, pe = call.kv.view(torch.uint8), call.kv_scale, call.pe
+    for b, n in enumerate(local.tolist()):
+        kv[b, n:] = 0x7F
+        ks[b, n:] = float("nan")
+        pe[b, n:] = float("nan")
+
+
+def _fp8(call, out=None, lse=None, num_splits=None):
+    from dcp_pass.runtime.decode.backends import attend
+
+    options = {} if num_splits is None else dict(num_splits=num_splits)
+    return attend(call, "gluon_fp8", out, lse, **options)
+
+
+def _check(call, lens_local, num_splits=None, stripe=None):
+    B, H = call.q_lat.shape[0], call.q_lat.shape[2]
+    clean = call.replace(kv_lens=lens_local)
+    ro, rl = ref64(clean)  # before poisoning: the reference never reads past a length anyway
+    target = call if stripe is None else call.replace(stripe=stripe)
+    _poison_past(call, lens_local)
+    out, lse = poisoned(B, 1, H, 512, torch.bfloat16, "cuda")
+    _fp8(target, out, lse, num_splits)
+    check_close(out, lse, ro, rl, TOL)
+    return out, lse
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("keys", [4096, 32768])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_gpu_fp8_against_the_dequantised_cache(heads, keys, num_splits):
+    g = torch.Generator(device="cuda").manual_seed(heads + keys)
+    B = 8
+    lens = torch.tensor([keys, 1, 0, keys - 1, 64, 65, keys // 3, 4097 % keys], device="cuda")
+    call = _packed_call(B, heads, keys, "cuda", lens, gen=g)
+    out, lse = _check(call, lens, num_splits)
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()  # the empty request
+
+
+@gpu
+@needs_hopper
+def test_gpu_fp8_striped_lengths_two_caches_and_wide_scales():
+    """Global counts under a (2, 1) stripe, a 528-byte latent row beside a rope buffer, and
+    blocks whose scales differ by 2^20 between keys and columns (the dequantised values keep
+    bf16's range)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, H, T = 3, 128, 5000
+    glens = torch.tensor([2 * T, 77, 0], device="cuda")
+    local = torch.div(glens + 2 - 1 - 1, 2, rounding_mode="floor").clamp(max=T)
+    call = _packed_call(B, H, T, "cuda", None, separate=True, gen=g)
+    call.kv_scale[0, ::3, 1] *= 2.0 ** 10
+    call.kv_scale[0, 1::3, 2] *= 2.0 ** -10
+    call = call.replace(kv_lens=glens)
+    _check(call.replace(kv_lens=local), local)
+    out, lse = poisoned(B, 1, H, 512, torch.bfloat16, "cuda")
+    _fp8(call.replace(stripe=(2, 1)), out, lse)
+    ro, rl = ref64(call.replace(kv_lens=local))
+    check_close(out, lse, ro, rl, TOL)
+
+
+@gpu
+@needs_hopper
+def test_gpu_fp8_matches_the_two_gemm_kernel_and_a_nan_stays_in_its_request():
+    from dcp_pass.runtime.decode.backends import attend
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, H, T = 4, 128, 6000
+    lens = torch.tensor([T, 4321, 3000, 1], device="cuda")
+    call = _packed_call(B, H, T, "cuda", lens, gen=g)
+    ro, rl = ref64(call)
+    out, lse = _fp8(call)
+    wo, wl = attend(call, "wide")
+    err = ((out.double() - ro).norm() / ro.norm()).item()
+    werr = ((wo.double() - ro).norm() / ro.norm()).item()
+    assert err < max(2 * werr, 1e-2), (err, werr)
+    call.kv.view(torch.uint8)[1, 1234, 7] = 0x7F
+    out, lse = _fp8(call)
+    assert torch.isnan(out[1]).all()
+    check_close(out[[0, 2, 3]], lse[[0, 2, 3]], ro[[0, 2, 3]], rl[[0, 2, 3]], TOL)
+
+
+@gpu
+@needs_hopper
+def test_gpu_fp8_cuda_graph_capture():
+    B, H, T = 8, 128, 4096
+    lens = torch.full((B,), 100, device="cuda")
+    call = _packed_call(B, H, T, "cuda", lens)
+    run = lambda: _fp8(call)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = run()
+    lens.copy_(torch.randint(1, T + 1, (B,), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rl = ref64(call)
+    check_close(o, lse, ro, rl, TOL)
