@@ -291,9 +291,35 @@ _WORKSPACES: Dict[int, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
 
+def _kept(index: int, make):
+    """``make()``, whose allocations outlive the call (wrappers, workspaces, fixed plan
+    buffers), run on a thread and stream of its own: CUDA-graph trees warm a graph up with
+    the calling thread allocating into the graph's private pool, which must hold nothing but
+    the graph's outputs afterwards. Done (its stream synchronised) before it returns."""
+    result = {}
+
+    def work():
+        try:
+            torch.cuda.set_device(index)
+            stream = torch.cuda.Stream(device=index)
+            with torch.cuda.stream(stream):
+                result["value"] = make()
+            stream.synchronize()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller
+            result["error"] = e
+
+    worker = threading.Thread(target=work, name="dcp-flashinfer-alloc")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def _workspace(index: int) -> torch.Tensor:
     """The float workspace of a device (split-KV partial results), shared by its wrappers:
-    their calls run in stream order and each consumes its partials before the next starts."""
+    their calls run in stream order and each consumes its partials before the next starts.
+    Called inside :func:`_kept`."""
     ws = _WORKSPACES.get(index)
     if ws is None:
         from dcp_pass import env
@@ -318,7 +344,7 @@ def _runner(device: torch.device) -> _Runner:
         if runner is None:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-            runner = _Runner(BatchMLAPagedAttentionWrapper(_workspace(index), backend=key[1]))
+            runner = _Runner(_kept(index, lambda: BatchMLAPagedAttentionWrapper(_workspace(index), backend=key[1])))
             _RUNNERS[key] = runner
     return runner
 
@@ -335,9 +361,10 @@ def _graph_runner(device: torch.device, shape: tuple, requests: int) -> _Runner:
 
             dev = torch.device("cuda", index)
             fixed = lambda n: torch.zeros(n, dtype=torch.int32, device=dev)  # noqa: E731
-            runner = _Runner(BatchMLAPagedAttentionWrapper(
-                _workspace(index), use_cuda_graph=True, qo_indptr=fixed(requests + 1), kv_indptr=fixed(requests + 1),
-                kv_indices=fixed(requests), kv_len_arr=fixed(requests), backend=key[1]))
+            runner = _Runner(_kept(index, lambda: BatchMLAPagedAttentionWrapper(
+                _workspace(index), use_cuda_graph=True, qo_indptr=fixed(requests + 1),
+                kv_indptr=fixed(requests + 1), kv_indices=fixed(requests), kv_len_arr=fixed(requests),
+                backend=key[1])))
             _GRAPH_RUNNERS[key] = runner
     return runner
 
