@@ -4,7 +4,7 @@ Sources (H200, committed under benchmarks/results/):
 * kernel_paths_h200.json   every kernel "auto" chooses from, timed side by side in one run
   (benchmarks/bench_flashinfer_kernel.py): the split, two-GEMM and Gluon kernels, and
   FlashInfer through its adapter in a captured decode step (planned from the step's count,
-  plus its measured per-step planning cost, PLAN_MS_PER_CALL),
+  plus its measured per-step planning cost, plan_ms_per_call),
   16/64/128 heads, B 8/32, 4K-128K keys. It is the whole plain-call table.
 * masked_paths_int32_h200.json, masked_paths_16h_h200.json  what a decode step's mask row or a
   causal cap costs each path (benchmarks/probe_masked_paths.py), per query rows
@@ -25,27 +25,28 @@ COLUMNS = {"split": ("split_ms",), "wide": ("wide_ms",), "gluon": ("gluon_ms",),
            "flashinfer": ("fi_step_ms", "fi_page_T_ms")}
 
 
-# FlashInfer's host-side plan per decode step, spread over the step's attention calls: in a
-# captured 4-layer V3-sized step (128 heads, B=32, 32K keys; model_fast_path_flashinfer_h200.json)
-# it cost 5.08 vs 4.36 ms with the kernels within 0.02 ms per call of each other (the plan waits
-# for the last plan's copy, so the host no longer runs ahead of the GPU): 0.18 ms per call
-PLAN_MS_PER_CALL = {"flashinfer": 0.18}
+STEP_RUN = "model_fast_path_flashinfer_h200.json"
 
 
-def _step_model_plan_cost() -> float:
-    r = {row.get("fast_path_options", {}).get("attn_backend"): row for row in json.load(
-        open(os.path.join(HERE, "results", "model_fast_path_flashinfer_h200.json")))["rows"]}
-    return (r["flashinfer"]["step_ms_median"] - r["triton"]["step_ms_median"]) / 4
+def plan_ms_per_call() -> dict:
+    """Each host-planned path's plan cost per attention call, added to its kernel time: its
+    captured decode step's time over the Triton kernels' step, spread over the step's layers.
+    Measured on the 4-layer V3-sized fast path (128 heads, B=32, 32K keys; STEP_RUN): 5.08 vs
+    4.36 ms with the kernels within 0.02 ms a call of each other (FlashInfer's plan waits for
+    the last plan's copy, so the host no longer runs ahead of the GPU): 0.18 ms a call."""
+    run = json.load(open(os.path.join(HERE, "results", STEP_RUN)))
+    step = {r.get("fast_path_options", {}).get("attn_backend"): r["step_ms_median"] for r in run["rows"]}
+    return {"flashinfer": round((step["flashinfer"] - step["triton"]) / run["cfg"]["model"]["n_layers"], 3)}
 
 
 def rows() -> list[tuple]:
-    out = []
+    out, plan_ms = [], plan_ms_per_call()
     for r in json.load(open(os.path.join(HERE, "results", PATHS_RUN)))["rows"]:
         timings = {}
         for path, keys in COLUMNS.items():
             ms = next((r[k] for k in keys if r.get(k)), None)
             if ms:
-                timings[path] = round(ms + PLAN_MS_PER_CALL.get(path, 0.0), 4)
+                timings[path] = round(ms + plan_ms.get(path, 0.0), 4)
         if timings:
             out.append((r["H"], r["B"], r["T"], timings))
     return sorted(out, key=lambda x: x[:3])
@@ -73,8 +74,6 @@ def _replace_block(text: str, name: str, body: str) -> str:
 
 def main():
     """Rewrite only the generated blocks of path_table.py; its docstring and `fastest` are hand-written."""
-    print(f"FlashInfer's plan per call in the measured step: {_step_model_plan_cost():.3f} ms "
-          f"(PLAN_MS_PER_CALL: {PLAN_MS_PER_CALL['flashinfer']})")
     table, costs = rows(), call_costs()
     with open(OUT) as f:
         text = f.read()

@@ -358,9 +358,10 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     held = [entry.local for _, entry in caches] + [w.example for w in weights]
     trailing = [fx_util.static_fake(t) for t in held + ([position.buffer] if position is not None else [])]
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
-    host_counts = position is not None and position.offset > 0
+    host_counts = position is not None and position.holds_count
     compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode, host_counts)
-    plans = step_count.HostPlans()  # the graph's host-planned kernels (FlashInfer), re-planned per call
+    # the graph's host-planned kernels (FlashInfer), re-planned before each call
+    plans = step_count.HostPlans() if host_counts else None
     layers = list(layers) if layers is not None else [None] * len(caches)
     specs = [(index, entry.c, entry.rank, entry.name, entry.kind, entry.kv_format, layer)
              for (index, entry), layer in zip(caches, layers)]
@@ -378,7 +379,7 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
         if position is None:
             return compiled(*plain_inputs(args), *shards, *replicas)
         inputs = plain_inputs(position.call_args(args))
-        if not host_counts:
+        if plans is None:
             return compiled(*inputs, *shards, *replicas, position.buffer)
         with step_count.step(plans, position.key_count(args)):
             return compiled(*inputs, *shards, *replicas, position.buffer)

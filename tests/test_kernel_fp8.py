@@ -34,7 +34,7 @@ if HERE not in sys.path:
 from kit.kernels import (TOL, check_close, fp8_call, gen as _gen, global_counts, interpreter_tests, poisoned,  # noqa: E402
                          ref32, ref64, rel_err)
 
-FP8_READS = tuple(r for r in env.VARIABLES["DCP_FP8_READ"].choices if r)  # the kernels' fp8 reads
+from dcp_pass.runtime.decode.kernels.common import FP8_READS  # noqa: E402  (the kernels' fp8 reads)
 
 
 def _attend(call, kernel, out=None, lse_out=None, **options):

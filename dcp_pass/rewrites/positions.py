@@ -70,10 +70,15 @@ class DevicePosition:
     def _kept(self, n: int) -> list[int]:
         return [i for i in range(n) if i != self.index and i not in self.dropped]
 
+    @property
+    def holds_count(self) -> bool:
+        """Whether the buffer holds the step's key count (the attention ops then read it, marked
+        kv_len=STEP_COUNT), not the position."""
+        return self.offset > 0
+
     def key_count(self, args: tuple) -> Optional[int]:
-        """The step's key count for the original graph's `args` when the buffer holds it (the
-        attention ops then read it, marked kv_len=STEP_COUNT); None when it holds the position."""
-        return int(args[self.index]) + self.offset if self.offset else None
+        """The step's key count for the original graph's `args` when the buffer holds it, else None."""
+        return int(args[self.index]) + self.offset if self.holds_count else None
 
     def call_args(self, args: tuple) -> list:
         """The rewritten graph's leading inputs for the original graph's `args`."""

@@ -36,7 +36,7 @@ cannot branch on host counts). Any other call inside capture is refused with an 
 
 Limits (each refused with an error that says so, never a wrong answer):
 * no additive ``mask`` (FlashInfer's MLA kernel has causal and non-causal only); the pass
-  refuses a masked layer at compile time.
+  runs a masked layer on "auto"'s kernels instead (rewrites/attention.py, layer_backend).
 * fp16 / bf16 only, query and cache of one dtype; latent 512 and rope 64 columns (the MLA
   kernels are written for DeepSeek's dims); CUDA, compute capability 8.0+ (fa2), the
   Hopper path (fa3) on 9.x.
@@ -52,7 +52,7 @@ import functools
 import importlib.util
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -283,6 +283,7 @@ class _Runner:
     wrapper: object
     key: Optional[tuple] = None
     event: Optional[torch.cuda.Event] = None
+    step_plan: Optional[Callable[[int], None]] = None  # a fixed-buffer wrapper's planner (_dense_planner)
 
 
 _RUNNERS: Dict[Tuple[int, str], _Runner] = {}
@@ -582,17 +583,22 @@ def _run_dense(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
     T = kv.shape[1]
     if B == 0 or S * H == 0 or T == 0:
         return _empty_result(q_lat, v_dim, out, lse_out)
-    q_nope, q_pe, ckv, kpe = _kernel_operands(parts, B * S, H)
-    chunks = row_chunks([S] * B, [S * T] * B, _work_per_request(H), max_rows=_rows_within_span((ckv, kpe)))
-    host_lens = view.host_lens
-    if host_lens is not None and causal is None and len(chunks) == 1:
-        return _run_dense_planned(view, (q_nope, q_pe, ckv, kpe), base, out, lse_out)
+    host_lens, operands, chunks = view.host_lens, None, None
+    if host_lens is not None and causal is None:
+        operands = _kernel_operands(parts, B * S, H)
+        chunks = _dense_chunks(operands, B, S, H, T)
+        if len(chunks) == 1:
+            return _run_dense_planned(view, operands, base, out, lse_out)
     if _capturing():
         _refuse_capture("has no host copy of its key counts" if host_lens is None else
                         "has a causal cap" if causal is not None else f"needs {len(chunks)} plans")
     counts = _host_counts(kv_lens, causal, B, S, T, lens_stripe, host_lens=host_lens)
     if not bool((counts > 0).any()):
         return _empty_result(q_lat, v_dim, out, lse_out)
+    if operands is None:  # after the empty-call checks: an empty call copies nothing
+        operands = _kernel_operands(parts, B * S, H)
+        chunks = _dense_chunks(operands, B, S, H, T)
+    q_nope, q_pe, ckv, kpe = operands
 
     runner = _runner(q_lat.device)
     dev = q_lat.device
@@ -614,6 +620,11 @@ def _run_dense(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
         runner.wrapper.run(q_nope[n0:n1], q_pe[n0:n1], ckv[b0:b1], kpe[b0:b1],
                            out=out_full[n0:n1], lse=lse_full[n0:n1], return_lse=True)
     return _finish(out_full, lse_full, counts, B, S, H, v_dim, base, out, lse_out)
+
+
+def _dense_chunks(operands, B: int, S: int, H: int, T: int) -> List[Tuple[int, int]]:
+    """The row chunks of a dense call, each within one plan's limits (row_chunks)."""
+    return row_chunks([S] * B, [S * T] * B, _work_per_request(H), max_rows=_rows_within_span(operands[2:]))
 
 
 def _dense_planner(runner: _Runner, B: int, S: int, H: int, T: int, lens_stripe, scale, q_dtype, kv_dtype):
@@ -647,9 +658,10 @@ def _run_dense_planned(view, operands, base, out, lse_out) -> Tuple[torch.Tensor
         if not step_count.planned(shape):
             _refuse_capture("was not run once outside capture first (its plan is made before each replay)")
     else:
-        planner = _dense_planner(runner, B, S, H, T, view.lens_stripe, scale, q_lat.dtype, kv.dtype)
-        step_count.register(shape, planner)
-        planner(int(view.host_lens))
+        if runner.step_plan is None:  # one per wrapper: its plan shape is the wrapper's
+            runner.step_plan = _dense_planner(runner, B, S, H, T, view.lens_stripe, scale, q_lat.dtype, kv.dtype)
+        step_count.register(shape, runner.step_plan)
+        runner.step_plan(int(view.host_lens))
     out_full = torch.empty(B * S, H, CKV_DIM, dtype=q_lat.dtype, device=q_lat.device)
     lse_full = torch.empty(B * S, H, dtype=torch.float32, device=q_lat.device)
     runner.wrapper.run(*operands, out=out_full, lse=lse_full, return_lse=True)
