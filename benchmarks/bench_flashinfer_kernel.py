@@ -139,13 +139,22 @@ def main():
     ap.add_argument("--shapes", default=SHAPES, help="HxBxT,...")
     ap.add_argument("--fi-pages", default="T,64", help="FlashInfer's page layouts: T (one page per row), sizes")
     ap.add_argument("--no-step", action="store_true", help="skip the adapter's captured-step rows")
+    ap.add_argument("--paths", default="gluon,wide,split",
+                    help="our kernels to time beside FlashInfer: gluon (the default Gluon config's kernel) or registry "
+                         "kernel names (gluon_seesaw, gluon_roles, wide, split, ...)")
+    ap.add_argument("--no-flashinfer", action="store_true", help="our kernels only (no flashinfer import)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (and flashinfer: source benchmarks/flashinfer_env.sh)")
-    import flashinfer
+    if a.no_flashinfer:
+        version = None
+    else:
+        import flashinfer
 
+        version = flashinfer.__version__
+    paths = [p for p in a.paths.split(",") if p]
     torch.manual_seed(0)
-    results = dict(env=env_info(), flashinfer=flashinfer.__version__)
+    results = dict(env=env_info(), flashinfer=version, paths=paths)
     ceil = dict(copy_bw=copy_bandwidth(), mm_rate=matmul_rate())
     results["ceilings"] = ceil
     rows = results["rows"] = []
@@ -155,7 +164,7 @@ def main():
         nbytes, flops = counts(B, 1, H, T)
         floor = floor_ms(nbytes, flops, ceil)
         rec = dict(H=H, B=B, T=T, floor_ms=floor)
-        for path in ("gluon", "wide", "split"):
+        for path in paths:
             try:
                 rec[f"{path}_rel_err"], rec[f"{path}_lse_err"] = check(sets, path)
                 t = time_triton(sets, path=path)
@@ -163,24 +172,28 @@ def main():
                             f"{path}_of_floor": floor / t})
             except Exception as e:  # noqa: BLE001
                 rec[f"{path}_error"] = f"{type(e).__name__}: {e}"[-600:]
-        flashinfer_rows(rec, sets, flops, ceil, floor, a.fi_pages.split(","))
-        if not a.no_step:
-            step_rows(rec, sets, flops, ceil, floor)
+        if not a.no_flashinfer:
+            flashinfer_rows(rec, sets, flops, ceil, floor, a.fi_pages.split(","))
+            if not a.no_step:
+                step_rows(rec, sets, flops, ceil, floor)
         fi = [rec[k] for k in ("fi_page_T_ms", "fi_page_64_ms") if k in rec]
-        if fi and "gluon_ms" in rec:
-            rec["gluon_vs_best_flashinfer"] = min(fi) / rec["gluon_ms"]
+        for path in paths:
+            if fi and f"{path}_ms" in rec:
+                rec[f"{path}_vs_best_flashinfer"] = min(fi) / rec[f"{path}_ms"]
         rows.append(rec)
         print("row", rec, flush=True)
         write_json(a.out, results)
         del sets
         torch.cuda.empty_cache()
-    cols = [("H", "H"), ("B", "B"), ("T", "T"), ("Gluon ms", "gluon_ms"), ("Gluon mm frac", "gluon_mm_frac"),
-            ("Gluon floor/ms", "gluon_of_floor"), ("wide ms", "wide_ms"), ("split ms", "split_ms"),
-            ("FlashInfer page=T ms", "fi_page_T_ms"), ("timed", "fi_page_T_timing"),
-            ("FlashInfer page=64 ms", "fi_page_64_ms"), ("timed", "fi_page_64_timing"),
-            ("adapter, captured step ms", "fi_step_ms"), ("adapter rel err", "fi_step_rel_err"),
-            ("best FlashInfer / Gluon", "gluon_vs_best_flashinfer"), ("Gluon rel err", "gluon_rel_err"),
-            ("FlashInfer rel err", "fi_page_64_rel_err")]
+    cols = [("H", "H"), ("B", "B"), ("T", "T")]
+    for path in paths:
+        cols += [(f"{path} ms", f"{path}_ms"), (f"{path} mm frac", f"{path}_mm_frac"),
+                 (f"{path} floor/ms", f"{path}_of_floor"), (f"best FlashInfer / {path}", f"{path}_vs_best_flashinfer"),
+                 (f"{path} rel err", f"{path}_rel_err")]
+    cols += [("FlashInfer page=T ms", "fi_page_T_ms"), ("timed", "fi_page_T_timing"),
+             ("FlashInfer page=64 ms", "fi_page_64_ms"), ("timed", "fi_page_64_timing"),
+             ("adapter, captured step ms", "fi_step_ms"), ("adapter rel err", "fi_step_rel_err"),
+             ("FlashInfer rel err", "fi_page_64_rel_err")]
     results["table_md"] = fmt_table(rows, cols)
     write_json(a.out, results)
     print(results["table_md"])

@@ -5,7 +5,7 @@ DeepSeek-V3 shapes (fused 512 + 64 cache, bf16, kv_lens on). Compile with the Tr
 GPU machine runs (3.6 there): e.g. ``PYTHONPATH=/path/to/triton-3.6 python
 benchmarks/offline_gluon.py``; Gluon's API moves between Triton releases.
 
-    python benchmarks/offline_gluon.py [--configs "64,64,2;64,32,3"] [--ttgir DIR] [--roles] [--fp8]
+    python benchmarks/offline_gluon.py [--configs "64,64,2;64,32,3"] [--ttgir DIR] [--roles] [--seesaw] [--fp8]
 
 ``--fp8``: the fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on packed 656-byte rows, its
 arguments built by its own launcher from CPU tensors and marked as the JIT marks them.
@@ -64,15 +64,22 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
                           "sqt_h"))
 
 
-def compile_roles(num_splits: int = 16, separate_rope: bool = False):
-    """The role-split kernel (``kernels/mla_gluon_roles.py``), fused cache (576-element rows)
-    or two caches, kv_lens on."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon_roles as R
+def compile_roles(num_splits: int = 16, separate_rope: bool = False, seesaw: bool = False):
+    """The role-split kernel (``kernels/mla_gluon_roles.py``), or with `seesaw` the seesaw kernel
+    (``kernels/mla_gluon_seesaw.py``), fused cache (576-element rows) or two caches, kv_lens on."""
+    if seesaw:
+        from dcp_pass.runtime.decode.kernels import mla_gluon_seesaw as S
+
+        jit, src = S._seesaw_jit, S._seesaw_kernel_src
+    else:
+        from dcp_pass.runtime.decode.kernels import mla_gluon_roles as R
+
+        jit, src = R._roles_jit, R._roles_kernel_src
 
     consts = dict(SKV_T=512 if separate_rope else 576, SKT_T=64 if separate_rope else 576, BLOCK_H=64, BLOCK_N=64,
                   NUM_SPLITS=num_splits, HAS_LENS=True)
     # (q's strides are marked too: it is copied by cp.async, and the launch takes it only so)
-    return compile_gluon(R._roles_jit, R._roles_kernel_src, consts, 4, ("H", "SH", "lens_c", "lens_r", "lens_sb"))
+    return compile_gluon(jit, src, consts, 4, ("H", "SH", "lens_c", "lens_r", "lens_sb"))
 
 
 _ARG_TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32",
@@ -136,6 +143,7 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--roles", action="store_true", help="the role-split kernel (mla_gluon_roles.py) instead")
+    ap.add_argument("--seesaw", action="store_true", help="the seesaw kernel (mla_gluon_seesaw.py) instead")
     ap.add_argument("--fp8", action="store_true", help="the fp8-cache kernel (mla_gluon_fp8.py) instead")
     a = ap.parse_args()
     if a.fp8:
@@ -148,10 +156,13 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
         finish(rows, a.json)
         return
-    if a.roles:
-        r = compile_roles()
-        save_ttgir(a.ttgir, "gluon_roles", r.pop("ttgir"))
-        print(json.dumps(dict(config="roles", triton=triton.__version__, **r)), flush=True)
+    if a.roles or a.seesaw:
+        name = "seesaw" if a.seesaw else "roles"
+        for separate in (False, True):
+            r = compile_roles(separate_rope=separate, seesaw=a.seesaw)
+            save_ttgir(a.ttgir, f"gluon_{name}" + ("_separate_rope" if separate else ""), r.pop("ttgir"))
+            print(json.dumps(dict(config=name + (" two caches" if separate else ""), triton=triton.__version__, **r)),
+                  flush=True)
         return
     rows = []
     for c in a.configs.split(";"):

@@ -93,7 +93,7 @@ def compiles_offline(test):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-             f"{os.path.abspath(__file__)}::{test.__name__}"],
+             f"{os.path.abspath(sys.modules[test.__module__].__file__)}::{test.__name__}"],
             cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=900)
         tail = (done.stdout + done.stderr)[-6000:]
         if done.returncode == 0 and " skipped" in done.stdout and " passed" not in done.stdout:
@@ -163,7 +163,7 @@ def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
 
     from dcp_pass.runtime.decode import backends
     from dcp_pass.runtime.decode.call import CallShape
-    from dcp_pass.runtime.decode.kernels import mla_gluon_roles, mla_wide, registry
+    from dcp_pass.runtime.decode.kernels import mla_gluon_roles, mla_gluon_seesaw, mla_wide, registry
 
     if not mla_gluon_roles.HAS_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -171,8 +171,9 @@ def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
     def broken(*args, **kwargs):
         raise CompilationError("kernel.py", None, "async_copy_global_to_shared has been removed")
 
-    h200 = CallShape(heads=128, batch=8, keys=32768)  # a call the role-split kernel is chosen for
+    h200 = CallShape(heads=128, batch=8, keys=32768)  # a call a Gluon kernel (the seesaw one) is chosen for
     monkeypatch.setattr(mla_gluon_roles, "run", broken)
+    monkeypatch.setattr(mla_gluon_seesaw, "run", broken)
     monkeypatch.setattr(mla_wide, "run", lambda call, out, lse_out: ("wide ran",))
     monkeypatch.setattr(registry, "UNUSABLE", {})
     monkeypatch.setattr(CallShape, "of", classmethod(lambda cls, call: h200))
@@ -184,7 +185,7 @@ def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
     assert "CompilationError" in registry.UNUSABLE["gluon"]
     assert registry.choose(h200, registry.TRITON_KERNELS).name == "wide"
     with pytest.raises(CompilationError):  # an explicitly named kernel raises what it raises
-        backends.attend(call, "gluon_roles")
+        backends.attend(call, "gluon_seesaw")
 
 
 def _chosen(q_lat, q_rope, kv, pe, mask=None) -> str:

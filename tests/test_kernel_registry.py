@@ -5,8 +5,10 @@ are the choices the GPU makes (the same kernel for the same call as before the r
 on an H200 (compute capability 9, Triton 3.6) and on other platforms, for the layouts,
 dtypes, head counts, kinds of call, alignments, environment switches and backends
 listed, each row of letters is one description per head count (16, 32, 64, 128), four
-kinds of call each (plain, a mask row per request, a mask per head, a causal cap), and the
-choice is the same for every batch (1, 8, 32) and keys per rank (4K, 32K, 128K) listed.
+kinds of call each (plain, a mask row per request, a mask per head, a causal cap): one letter
+where the choice is the same for every batch (1, 8, 32) and keys per rank (4K, 32K, 128K)
+listed, the letters in brackets where it depends on them (at 128 heads the seesaw kernel
+measured faster from 32K keys, the role-split one at 4K).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from dcp_pass.runtime.decode.kernels.gluon_common import HAS_GLUON, GluonConfig,
 
 needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon")
 
-LETTER = {"gluon_roles": "R", "gluon_lock_step": "L", "wide": "W", "split": "S", "torch": "T"}
+LETTER = {"gluon_seesaw": "E", "gluon_roles": "R", "gluon_lock_step": "L", "wide": "W", "split": "S", "torch": "T"}
 KINDS = {"plain": dict(), "row": dict(mask="row"), "head": dict(mask="full"), "causal": dict(causal=True)}
 LAYOUTS = {  # d_main, d_tail, v_dim, fused
     "fused576": dict(d_main=512, d_tail=64, v_dim=512, fused=True),
@@ -61,8 +63,7 @@ def letters(monkeypatch, env="", backend="auto", **kw) -> str:
         for kind in KINDS.values():
             seen = {LETTER[pick(shape(heads=heads, batch=b, keys=t, **kind, **kw), backend)]
                     for b in (1, 8, 32) for t in (4096, 32768, 131072)}
-            assert len(seen) == 1, (heads, kind, seen)
-            row += seen.pop()
+            row += seen.pop() if len(seen) == 1 else f"[{''.join(sorted(seen))}]"
         rows.append(row)
     return " ".join(rows)
 
@@ -70,8 +71,8 @@ def letters(monkeypatch, env="", backend="auto", **kw) -> str:
 # (description, keyword arguments of `letters`, expected): per head count 16 32 64 128, the
 # kinds plain / mask row / mask per head / causal
 PINS = [
-    ("H200 bf16 fused", dict(), "SSSS SSSS RLSL RLWL"),
-    ("H200 bf16 two caches", dict(layout="sep512"), "SSSS SSSS RLSL RLWL"),
+    ("H200 bf16 fused", dict(), "SSSS SSSS RLSL [ER]LWL"),
+    ("H200 bf16 two caches", dict(layout="sep512"), "SSSS SSSS RLSL [ER]LWL"),
     ("H200 fp16 fused", dict(dtype="fp16"), "SSSS SSSS SSSW WWWW"),
     ("H200 fp16 two caches", dict(layout="sep512", dtype="fp16"), "SSSS SSSS SSSW WWWW"),
     ("H200 fp32: the checking mode", dict(dtype="fp32"), "TTTT TTTT TTTT TTTT"),
@@ -84,20 +85,20 @@ PINS = [
     ("Triton 3.9", dict(triton="3.9.0"), "SSSS SSSS LLSL LLWL"),
     ("capability 8, Triton 3.9", dict(capability=8, triton="3.9.0"), "SSSS SSSS SSSW WWWW"),
     ("fp16, Triton 3.9", dict(dtype="fp16", triton="3.9.0"), "SSSS SSSS SSSW WWWW"),
-    ("DCP_MLA_WIDE=0", dict(env="WIDE=0"), "SSSS SSSS RLSL RLSL"),
+    ("DCP_MLA_WIDE=0", dict(env="WIDE=0"), "SSSS SSSS RLSL [ER]LSL"),
     ("DCP_MLA_WIDE=1", dict(env="WIDE=1"), "WWWW WWWW WWWW WWWW"),
     ("DCP_MLA_GLUON=0", dict(env="GLUON=0"), "SSSS SSSS SSSW WWWW"),
     ("fp16, DCP_MLA_WIDE=0", dict(dtype="fp16", env="WIDE=0"), "SSSS SSSS SSSS SSSS"),
     ("fp16, DCP_MLA_WIDE=1", dict(dtype="fp16", env="WIDE=1"), "WWWW WWWW WWWW WWWW"),
-    ("runtime features' default", dict(backend=None), "SSSS SSSS RLSL RLWL"),
-    ("backend 'triton'", dict(backend="triton"), "SSSS SSSS RLSL RLWL"),
+    ("runtime features' default", dict(backend=None), "SSSS SSSS RLSL [ER]LWL"),
+    ("backend 'triton'", dict(backend="triton"), "SSSS SSSS RLSL [ER]LWL"),
     ("paged", dict(paged=True, backend="triton"), "SSSS SSSS SSSS SSSS"),
     ("paged fp16", dict(paged=True, dtype="fp16", backend="triton"), "SSSS SSSS SSSS SSSS"),
     ("128 + 32 columns", dict(layout="sep128"), "SSSS SSSS SSSS SSSS"),
     ("128 + 32 columns fp16", dict(layout="sep128", dtype="fp16"), "SSSS SSSS SSSS SSSS"),
     ("200 + 24 columns", dict(layout="fused200"), "SSSS SSSS SSSS SSSS"),
     ("2048 columns: no Triton kernel", dict(layout="fused2048"), "TTTT TTTT TTTT TTTT"),
-    ("two query tokens", dict(tokens=2), "SSSS RLSL RLWL RLWL"),
+    ("two query tokens", dict(tokens=2), "SSSS RLSL [ER]LWL [ER]LWL"),
 ]
 
 
@@ -108,12 +109,15 @@ def test_the_chosen_kernel_is_pinned(monkeypatch, what, kw, expected):
 
 
 def test_registry_order_and_entries():
-    assert list(registry.KERNELS) == ["gluon_roles", "gluon_lock_step", "gluon_fp8", "wide", "split", "flashinfer",
-                                      "torch"]
+    assert list(registry.KERNELS) == ["gluon_seesaw", "gluon_roles", "gluon_lock_step", "gluon_fp8", "wide", "split",
+                                      "flashinfer", "torch"]
     assert registry.TRITON_KERNELS == ATTENTION_BACKENDS["triton"].kernels
     assert {k: v.cost_key for k, v in registry.KERNELS.items()} == {
-        "gluon_roles": "gluon", "gluon_lock_step": "gluon", "gluon_fp8": None, "wide": "wide", "split": "split",
-        "flashinfer": "flashinfer", "torch": None}
+        "gluon_seesaw": "seesaw", "gluon_roles": "gluon", "gluon_lock_step": "gluon", "gluon_fp8": None,
+        "wide": "wide", "split": "split", "flashinfer": "flashinfer", "torch": None}
+    # fp8 calls are chosen by timings on fp8 rows, under keys of their own
+    assert {k: v.fp8_cost_key for k, v in registry.KERNELS.items() if v.fp8_cost_key} == {
+        "gluon_fp8": "gluon_fp8", "wide": "wide_fp8", "split": "split_fp8"}
     assert tuple(k for k, v in registry.KERNELS.items() if v.replayable) == registry.TRITON_KERNELS
     for kernel in registry.KERNELS.values():  # every entry's module has the registry's functions
         impl = kernel.impl()
@@ -205,3 +209,29 @@ def test_explicit_kernels_refuse_calls_they_cannot_run():
         choose_kernel(call, "gluon_lock_step")
     assert choose_kernel(call, "gluon_lock_step", strict=False).name == "torch"
     assert choose_kernel(call, "auto").name == "torch"  # CPU: the reference
+
+
+@needs_gluon
+def test_fp8_calls_are_chosen_by_their_own_timings(monkeypatch):
+    """An fp8 call compares the kernels' fp8 timings (split_fp8, wide_fp8, gluon_fp8), never
+    their bf16 ones, and a bf16 call never the fp8 ones: a kernel's speed on packed fp8 rows
+    is not its speed on bf16 rows (the two-GEMM kernel was 0.87 ms on bf16 and 1.40 on fp8
+    at 128 heads, B=8, 128K)."""
+    from dcp_pass.runtime.decode.kernels import path_table
+
+    monkeypatch.setattr(registry, "UNUSABLE", {})
+    monkeypatch.setattr(path_table, "MEASURED", (
+        (128, 8, 131072, {"split": 1.1, "wide": 0.9, "gluon": 0.6, "split_fp8": 4.9, "wide_fp8": 1.4,
+                          "gluon_fp8": 0.7}),
+        (16, 8, 131072, {"split": 0.30, "wide": 0.6, "split_fp8": 0.44, "wide_fp8": 0.7}),
+    ))
+    path_table.fastest.cache_clear()
+    try:
+        s = dataclasses.replace(shape(layout="sep512", heads=128, batch=8, keys=131072), dtype=torch.float8_e4m3fn,
+                                kv_quant="fp8_e4m3", query_dtype=torch.bfloat16)
+        assert registry.choose(s, registry.TRITON_KERNELS).name == "gluon_fp8"
+        assert registry.choose(dataclasses.replace(s, heads=16), registry.TRITON_KERNELS).name == "split"
+        bf16 = shape(heads=128, batch=8, keys=131072)
+        assert registry.choose(bf16, registry.TRITON_KERNELS).name == "gluon_roles"  # "gluon" 0.6: no fp8 key read
+    finally:
+        path_table.fastest.cache_clear()

@@ -28,7 +28,8 @@ def test_committed_table_is_the_benchmarks_results():
 def test_every_measured_shape_gets_its_fastest_path(row):
     h, b, t, ms = row
     for candidates in (("split", "wide"), ("split", "wide", "flashinfer"), ("wide", "flashinfer"),
-                       ("split", "wide", "gluon")):
+                       ("split", "wide", "gluon"), ("split", "wide", "gluon", "seesaw", "flashinfer"),
+                       ("split_fp8", "wide_fp8", "gluon_fp8"), ("split_fp8", "wide_fp8")):
         timed = {p: v for p, v in ms.items() if p in candidates}
         if len(timed) >= 2:
             assert path_table.fastest(h, b, t, candidates) == min(timed, key=timed.get)
@@ -71,3 +72,14 @@ def test_the_kind_of_call_decides_where_it_changes_the_order():
     assert path_table.call_cost("causal", "flashinfer", 128) == 1.0  # not measured: its plain time
     with pytest.raises(ValueError, match="call must be one of"):
         path_table.fastest(64, 8, 32768, triton, "masked")
+
+
+def test_bf16_and_fp8_keys_never_mix():
+    """Every measured shape times the fp8 kernels on fp8 rows under keys of their own: no key
+    of one cache dtype is the other's (the chooser asks for one set or the other)."""
+    fp8 = {"split_fp8", "wide_fp8", "gluon_fp8"}
+    timed = [set(ms) & fp8 for _, _, t, ms in path_table.MEASURED if t >= 32768]
+    assert len(timed) == 12 and all(keys == fp8 for keys in timed)  # 16/64/128 heads, B 8/32, 32K/128K keys
+    assert path_table.fastest(128, 8, 131072, ("gluon", "seesaw")) == "seesaw"  # measured 0.573 vs 0.602 ms
+    assert path_table.fastest(64, 8, 32768, ("gluon", "seesaw")) == "gluon"  # 0.097 vs 0.105
+    assert path_table.fastest(128, 8, 131072, ("wide_fp8", "gluon_fp8")) == "gluon_fp8"

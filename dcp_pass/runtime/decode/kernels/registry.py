@@ -40,7 +40,7 @@ __all__ = ["Kernel", "KERNELS", "TRITON_KERNELS", "UNUSABLE", "choose", "switche
 class Kernel:
     name: str
     module: str  # kernels/<module>.py: supports, run (and optionally offered, unmeasured)
-    cost_key: Optional[str]  # its name in path_table.MEASURED / CALL_COST (None: never timed)
+    cost_key: Optional[str]  # its name in path_table.MEASURED / CALL_COST for 16-bit caches (None: never timed)
     description: str
     # True: its calls only allocate, take views and launch Triton kernels through
     # kernels.common.launch, so the op may replay them (runtime/decode/replay.py). A kernel
@@ -49,6 +49,13 @@ class Kernel:
     replayable: bool = False
     # kernels the chooser stops offering together once one of them fails to build here
     group: str = ""
+    # its name in path_table.MEASURED for fp8 latent caches (timed on fp8 rows: a kernel's
+    # speed on them is not its speed on bf16 rows)
+    fp8_cost_key: Optional[str] = None
+
+    def cost_key_for(self, shape: CallShape) -> Optional[str]:
+        """The path table's name for this kernel's timings on calls like `shape`."""
+        return self.fp8_cost_key if shape.kv_quant else self.cost_key
 
     def impl(self):
         return importlib.import_module(f"dcp_pass.runtime.decode.kernels.{self.module}")
@@ -76,6 +83,9 @@ class Kernel:
 # Registry order is the chooser's preference among kernels that tie (the two Gluon forms
 # share their timings) or where nothing measured decides.
 KERNELS: Dict[str, Kernel] = {k.name: k for k in (
+    Kernel("gluon_seesaw", "mla_gluon_seesaw", "seesaw",
+           "seesaw one-read Gluon kernel: two warpgroups take turns scoring the tiles of a pair and each holds "
+           "half the output (Hopper, bf16 512 + 64, no mask or causal cap)", replayable=True, group="gluon"),
     Kernel("gluon_roles", "mla_gluon_roles", "gluon",
            "role-split one-read Gluon kernel, a scorer and a loader warpgroup (Hopper, bf16 512 + 64, "
            "no mask or causal cap; the default for those calls on Triton 3.6)", replayable=True, group="gluon"),
@@ -84,19 +94,19 @@ KERNELS: Dict[str, Kernel] = {k.name: k for k in (
            replayable=True, group="gluon"),
     Kernel("gluon_fp8", "mla_gluon_fp8", None,
            "role-split one-read Gluon kernel for an fp8 e4m3 latent cache, dequantised to bf16 by the loader "
-           "warpgroup (Hopper, 512 + 64, no mask or causal cap; not yet timed, so never chosen unasked)",
-           replayable=True, group="gluon_fp8"),
+           "warpgroup (Hopper, 512 + 64, no mask or causal cap)", replayable=True, group="gluon_fp8",
+           fp8_cost_key="gluon_fp8"),
     Kernel("wide", "mla_wide", "wide", "two-GEMM Triton kernel for wide head blocks (contiguous caches)",
-           replayable=True),
+           replayable=True, fp8_cost_key="wide_fp8"),
     Kernel("split", "mla_attention", "split", "split-KV flash-decoding Triton kernel (any Triton layout, paged too)",
-           replayable=True),
+           replayable=True, fp8_cost_key="split_fp8"),
     Kernel("flashinfer", "flashinfer_mla", "flashinfer",
            "FlashInfer's BatchMLAPagedAttentionWrapper: host-side plan, no additive masks"),
     Kernel("torch", "reference", None, "torch reference (runs everywhere; the fp32 checking mode)"),
 )}
 
 # what the "triton" backend chooses from
-TRITON_KERNELS = ("gluon_roles", "gluon_lock_step", "gluon_fp8", "wide", "split")
+TRITON_KERNELS = ("gluon_seesaw", "gluon_roles", "gluon_lock_step", "gluon_fp8", "wide", "split")
 
 # group -> why its kernels are no longer offered in this process (they failed to build here);
 # the same Triton on every rank makes the same decision
@@ -136,8 +146,8 @@ def choose(shape: CallShape, names: Sequence[str]) -> Optional[Kernel]:
 
     A forced kernel (DCP_MLA_WIDE=1) wherever it can run; else, among the candidates, the
     fastest at the measured shape nearest this one for this kind of call (path_table.fastest
-    over their cost keys, ties to registry order); where no measured shape decides, the first
-    candidate that takes unmeasured calls.
+    over their cost keys for this cache dtype, ties to registry order); where no measured
+    shape decides, the first candidate that takes unmeasured calls.
     """
     from .path_table import fastest
 
@@ -145,10 +155,10 @@ def choose(shape: CallShape, names: Sequence[str]) -> Optional[Kernel]:
     if name in names and KERNELS[name].supports(shape) is None:
         return KERNELS[name]
     cands = candidates(shape, names)
-    keys = tuple(dict.fromkeys(k.cost_key for k in cands if k.cost_key))
+    keys = tuple(dict.fromkeys(k.cost_key_for(shape) for k in cands if k.cost_key_for(shape)))
     best = fastest(shape.rows, shape.batch, shape.keys, keys, shape.kind) if len(keys) >= 2 else None
     if best is not None:
-        return next(k for k in cands if k.cost_key == best)
+        return next(k for k in cands if k.cost_key_for(shape) == best)
     return next((k for k in cands if k.unmeasured(shape)), None)
 
 
