@@ -9,8 +9,8 @@ replay of one call per rotated input set, the median of triton's do_bench. Per s
 * ``fp8_e4m3 split`` / ``wide``, once per fp8 read (``--reads``, DCP_FP8_READ: ``fold``,
   ``fold_qdtype``, ``fold_once``, ``dequant``): packed fp8 rows [B, T, 656] (latent e4m3, 4 fp32 scales,
   bf16 rope), read through their views (runtime/decode/kv_format.py) by the split-KV kernel
-  and the two-GEMM kernel; ``auto``: the chooser's pick among them with the default read (the
-  Gluon kernels refuse fp8). ``--fold-tiles``: more split rows of the ``fold`` read with the
+  and the two-GEMM kernel; ``auto``: the chooser's pick (the fp8 Gluon kernel, the split or the
+  two-GEMM kernel, by their fp8 timings in the path table) with its default read. ``--fold-tiles``: more split rows of the ``fold`` read with the
   16-row bucket's tiles replaced (block_h, block_n, warps, stages, v_split, waves; at 16 heads);
   ``--once-tiles``: the same for the ``fold_once`` read (a seventh number caps registers);
   ``--fold-wide-tiles``: more two-GEMM rows of the ``fold`` read with these WideConfig tiles
@@ -27,6 +27,8 @@ for fp8, rel_err_vs_bf16 against the fp32 reference of the unquantised values (t
 quantisation's own error, default read).
 
     python benchmarks/bench_fp8.py --out $OUT/fp8_kernel_h200.json
+    python benchmarks/bench_fp8.py --reads "" --kernels split,wide,gluon_fp8 --out $OUT/fp8_paths_h200.json \
+        --shapes 16x8x32768,...,128x32x131072  # each fp8 kernel with its default read: the path table's fp8 source
     python benchmarks/bench_fp8.py --shapes 128x8x131072,128x32x32768,64x8x32768 --reads dequant \
         --kernels gluon_fp8 --out $OUT/fp8_gluon_h200.json  # the Gluon fp8 kernel beside the others
     TRITON_INTERPRET=1 python benchmarks/bench_fp8.py --shapes 16x2x256 --out /tmp/fp8_dry.json  # CPU dry run

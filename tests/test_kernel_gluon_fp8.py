@@ -21,6 +21,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kit.kernels import check_close, poisoned, ref64  # noqa: E402
+from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
 from dcp_pass.runtime.decode.kernels import registry  # noqa: E402
@@ -131,25 +132,13 @@ def test_launch_arguments_on_packed_rows():
         F.launch_args(call.shard(), config=GluonConfig(64, 32, 3))
 
 
+@compiles_offline
 def test_compiles_for_hopper_with_this_triton():
     """Valid Gluon for the installed Triton, within shared memory (the bf16 kernel's buffers:
     the fp8 tile waits in registers), no spills, the bf16 kernel's wgmma shapes and count
     (36 score steps + 2 x 4 value steps a tile), 16-byte loads of the fp8 rows."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("offline compiles need TRITON_INTERPRET unset")
     _gluon()
-    import importlib.util
-
-    import triton
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this Triton ships no ptxas / cuobjdump")
-    root = os.path.dirname(HERE)
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("offline_gluon", os.path.join(root, "benchmarks", "offline_gluon.py"))
-    off = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(off)
+    off = offline_module("offline_gluon")
     for separate in (False, True):
         r = off.compile_fp8(separate_rope=separate)
         assert r["stack"] == 0 and r["ldl"] == 0 and r["smem_kib"] <= 227, r
@@ -250,7 +239,6 @@ def test_bf16_rounding_of_the_dequantised_cache_is_what_wide_scales_cost():
     alone moves the output by about 0.14 (relative) from the unrounded dequantised cache,
     while on ordinary scales it moves it by under 1e-2: the GPU test's reference is the
     rounded cache for that reason, not a slack tolerance."""
-    g = torch.Generator().manual_seed(7)
     B, H, T = 3, 128, 5000
     local = torch.tensor([T, 39, 0])
     for wide, lo, hi in ((True, 0.05, 0.5), (False, 0.0, 1e-2)):

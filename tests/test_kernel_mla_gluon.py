@@ -8,10 +8,7 @@ ragged lengths with 0 and 1, several splits, striped lengths, and CUDA-graph cap
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +19,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kit.kernels import check_close, global_counts, poisoned, ref32  # noqa: E402,F401
+from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 
@@ -52,56 +50,11 @@ def test_not_offered_off_its_scope():
     assert shared((B, 1, 1, T), 1)
 
 
-def _offline_module(name):
-    """benchmarks/<name>.py, one of the offline sm_90 compile scripts (no GPU needed), or skip
-    where they cannot run."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
-
-    if not G.HAS_GLUON:
-        pytest.skip("this Triton has no Gluon")
-    import triton
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this Triton ships no ptxas / cuobjdump")
-    root = os.path.dirname(HERE)
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _offline():
     """(mla_gluon, benchmarks/offline_gluon.py), or skip where it cannot run."""
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
-    return G, _offline_module("offline_gluon")
-
-
-def compiles_offline(test):
-    """For a test that compiles kernels for sm_90 with Triton's real compiler. Under
-    TRITON_INTERPRET=1 (the usual way to run Triton on a CPU) a cold compile fails: the
-    variable is read when a kernel is decorated, so it cannot be switched off in this
-    process. Then the test runs in a fresh pytest process without it, and reports as
-    that run did (passed, skipped with its reason, or failed with its output)."""
-
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            return test(*args, **kwargs)
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-             f"{os.path.abspath(sys.modules[test.__module__].__file__)}::{test.__name__}"],
-            cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=900)
-        tail = (done.stdout + done.stderr)[-6000:]
-        if done.returncode == 0 and " skipped" in done.stdout and " passed" not in done.stdout:
-            reasons = [line.split(": ", 1)[-1] for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
-            pytest.skip(f"without TRITON_INTERPRET: {reasons[0] if reasons else 'skipped'}")
-        assert done.returncode == 0 and "1 passed" in done.stdout, f"run without TRITON_INTERPRET failed:\n{tail}"
-
-    return run
+    return G, offline_module("offline_gluon")
 
 
 @compiles_offline

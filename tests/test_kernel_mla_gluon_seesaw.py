@@ -22,7 +22,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kit.kernels import check_close, poisoned, ref32  # noqa: E402
-from test_kernel_mla_gluon import _offline_module, compiles_offline  # noqa: E402
+from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
 from dcp_pass.runtime.decode.kernels import registry  # noqa: E402
@@ -61,7 +61,7 @@ def test_compiles_for_hopper_with_this_triton():
     """Valid Gluon for the installed Triton, one fused cache and two: each warpgroup's 36 score
     steps (m64n64) and 2 x 4 value steps (m64n256), within shared memory."""
     _module()
-    off = _offline_module("offline_gluon")
+    off = offline_module("offline_gluon")
     for separate in (False, True):
         r = off.compile_roles(separate_rope=separate, seesaw=True)
         assert r["smem_kib"] <= 227, r

@@ -260,9 +260,16 @@ def offered(shape) -> Optional[str]:
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
         config: Optional[GluonConfig] = None):
     """Run the role-split kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
+    return launch_plain(_roles_jit, "role-split", call, out, lse_out, num_splits, config)
+
+
+def launch_plain(jit, name: str, call: AttentionCall, out, lse_out, num_splits: Optional[int],
+                 config: Optional[GluonConfig]):
+    """Launch a plain-call Gluon kernel that takes the role-split kernel's arguments (this one
+    and the seesaw kernel, ``mla_gluon_seesaw.py``), plus the stage-2 merge when split."""
     cfg = config or GLUON_DEFAULT
     if cfg.tiles != ROLES_TILES:
-        raise ValueError(f"the role-split Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
+        raise ValueError(f"the {name} Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
                          f"{ROLES_TILES[2]} stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
     call = call.shard()
     out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
@@ -271,7 +278,7 @@ def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int
     parts, n_hb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
     B, S, H, _ = call.q_lat.shape
     T = call.kv.shape[1]
-    launch(_roles_jit, (n_hb, ns, B), (
+    launch(jit, (n_hb, ns, B), (
         parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
         T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
         *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),

@@ -41,10 +41,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, launch
-from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, gluon_offered, gluon_reason,
-                           roles_preferred, split_frame)
-from .splits import reduce_launch
+from .common import AttentionCall
+from .gluon_common import HAS_GLUON, GluonConfig, gluon_offered, roles_preferred
+from .mla_gluon_roles import launch_plain
+from .mla_gluon_roles import supports as roles_supports
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -346,14 +346,7 @@ def supports(shape) -> Optional[str]:
     """Why the seesaw kernel cannot run a call of this shape (None: it can): the role-split
     kernel's calls (the Gluon calls without a mask or causal cap, row strides of multiples of
     16 elements: q and the cache rows are copied 16 bytes at a time)."""
-    reason = gluon_reason(shape)
-    if reason is not None:
-        return reason
-    if shape.mask != "none" or shape.causal:
-        return "it takes no mask and no causal cap"
-    if not shape.rows16:
-        return "its operands' row strides must be multiples of 16 elements"
-    return None
+    return roles_supports(shape)
 
 
 def offered(shape) -> Optional[str]:
@@ -371,26 +364,4 @@ def unmeasured(shape) -> bool:
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
         config: Optional[GluonConfig] = None):
     """Run the seesaw kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
-    cfg = config or GLUON_DEFAULT
-    if cfg.tiles != ROLES_TILES:
-        raise ValueError(f"the seesaw Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles, not "
-                         f"{cfg.block_h} x {cfg.block_n} in {cfg.stages} stages")
-    call = call.shard()
-    out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
-    if done:
-        return out, lse_out
-    parts, n_hb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
-    B, S, H, _ = call.q_lat.shape
-    T = call.kv.shape[1]
-    launch(_seesaw_jit, (n_hb, ns, B), (
-        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
-        T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-        *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
-        ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
-    ), dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-            HAS_LENS=call.kv_lens is not None), 4)
-    if ns > 1:
-        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim,
-                                                           ns)
-        launch(kernel, grid2, args, consts, warps)
-    return out, lse_out
+    return launch_plain(_seesaw_jit, "seesaw", call, out, lse_out, num_splits, config)
