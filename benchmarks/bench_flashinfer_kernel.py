@@ -15,6 +15,11 @@ reference like the others (rel. error of batch row 0, LSE in base 2).
 
     source benchmarks/flashinfer_env.sh && python3 benchmarks/bench_flashinfer_kernel.py \
         --out $OUT/flashinfer_kernel_h200.json        # vendor/flashinfer carried
+    ... --paths gluon_seesaw,gluon,wide,split --fi-pages T --shapes <18 shapes> \
+        --out $OUT/kernel_paths_h200.json             # the path table's bf16 source (make_path_table.py)
+
+``--paths`` names our kernels (``gluon``: the default Gluon config's, or registry kernel names);
+``--no-flashinfer`` times only those.
 """
 from __future__ import annotations
 

@@ -80,15 +80,16 @@ class Kernel:
         return getattr(self.impl(), "BUILD_ERRORS", ())
 
 
-# Registry order is the chooser's preference among kernels that tie (the two Gluon forms
-# share their timings) or where nothing measured decides.
+# Registry order is the chooser's preference among kernels that tie (the role-split and
+# lock-step Gluon forms share their timings) or where nothing measured decides.
 KERNELS: Dict[str, Kernel] = {k.name: k for k in (
     Kernel("gluon_seesaw", "mla_gluon_seesaw", "seesaw",
            "seesaw one-read Gluon kernel: two warpgroups take turns scoring the tiles of a pair and each holds "
            "half the output (Hopper, bf16 512 + 64, no mask or causal cap)", replayable=True, group="gluon"),
     Kernel("gluon_roles", "mla_gluon_roles", "gluon",
            "role-split one-read Gluon kernel, a scorer and a loader warpgroup (Hopper, bf16 512 + 64, "
-           "no mask or causal cap; the default for those calls on Triton 3.6)", replayable=True, group="gluon"),
+           "no mask or causal cap; on Triton 3.6 those calls where the seesaw form measured no faster)",
+           replayable=True, group="gluon"),
     Kernel("gluon_lock_step", "mla_gluon", "gluon",
            "lock-step one-read Gluon kernel (Hopper, bf16 512 + 64, a mask row per request, causal caps)",
            replayable=True, group="gluon"),
