@@ -54,7 +54,7 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _opaque, _store_half
+    from .mla_gluon_roles import _copy_q, _opaque, _store_half
 
 __all__ = ["supports", "offered", "unmeasured", "run"]
 if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
@@ -272,17 +272,8 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
     # iteration, so its wgmma descriptors are formed there, not hoisted and spilled
     q_lat_s = gl.allocate_shared_memory(dt, [1, BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
     q_rope_s = gl.allocate_shared_memory(dt, [1, BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
-    ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
-    cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
-    _async_load(q_lat_s.index(0), Q + b * sq_b + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
-                mask=(rq < SH)[:, None])
-    ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
-    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    _async_load(q_rope_s.index(0), QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
-                mask=(rr < SH)[:, None])
-    cp.commit_group()
+    _copy_q(q_lat_s.index(0), q_rope_s.index(0), Q + b * sq_b, QT + b * sqt_b, sq_s, sq_h, sqt_s, sqt_h, row0, H, SH,
+            BLOCK_H)
 
     k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
     k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
