@@ -69,22 +69,6 @@ def _copy_tile_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, SKV_T: gl.constex
                 mask=((t0 + nr) < end)[:, None])
 
 
-def _copy_q_src(q_lat_s, q_rope_s, q_row, qt_row, sq_s, sq_h, sqt_s, sqt_h, row0, H, SH, BLOCK_H: gl.constexpr):
-    """The block's q rows (row = token * H + head) into shared memory by cp.async, one commit
-    group; rows past SH zero-filled. (The seesaw kernel loads its q with this too.)"""
-    ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
-    cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
-    _async_load(q_lat_s, q_row + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
-                mask=(rq < SH)[:, None])
-    ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
-    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    _async_load(q_rope_s, qt_row + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
-                mask=(rr < SH)[:, None])
-    cp.commit_group()
-
-
 def _fill_src(j, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T: gl.constexpr,
               SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile j (if the split has it) into buffer j % 2; each loader thread arrives on the
@@ -193,7 +177,17 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
     salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
     q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
-    _copy_q(q_lat_s, q_rope_s, Q + b * sq_b, QT + b * sqt_b, sq_s, sq_h, sqt_s, sqt_h, row0, H, SH, BLOCK_H)
+    ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
+    cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
+    _async_load(q_lat_s, Q + b * sq_b + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
+                mask=(rq < SH)[:, None])
+    ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
+    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
+    _async_load(q_rope_s, QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
+                mask=(rr < SH)[:, None])
+    cp.commit_group()
 
     k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
     k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
@@ -233,7 +227,6 @@ if HAS_GLUON:
     _opaque = gluon.jit(_opaque_src)
     _store_half = gluon.jit(_store_half_src)
     _copy_tile = gluon.jit(_copy_tile_src)
-    _copy_q = gluon.jit(_copy_q_src)
     _fill = gluon.jit(_fill_src)
     _scorer = gluon.jit(_scorer_src)
     _loader = gluon.jit(_loader_src)

@@ -54,7 +54,7 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _copy_q, _opaque, _store_half
+    from .mla_gluon_roles import _opaque, _store_half
 
 __all__ = ["supports", "offered", "unmeasured", "run"]
 if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
@@ -80,6 +80,22 @@ def _copy_rope_src(dst, kt_row, t0, end, SKT_T: gl.constexpr, BLOCK_N: gl.conste
     n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     c = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
     _async_load(dst, kt_row + (t0 + n).to(gl.int64)[:, None] * SKT_T + c[None, :], mask=((t0 + n) < end)[:, None])
+
+
+def _copy_q_src(q_lat_s, q_rope_s, q_row, qt_row, sq_s, sq_h, sqt_s, sqt_h, row0, H, SH, BLOCK_H: gl.constexpr):
+    """The block's q rows (row = token * H + head) into shared memory by cp.async, one commit
+    group; rows past SH zero-filled (the role-split kernel's q load, as it stands there)."""
+    ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
+    cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
+    _async_load(q_lat_s, q_row + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
+                mask=(rq < SH)[:, None])
+    ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
+    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
+    _async_load(q_rope_s, qt_row + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
+                mask=(rr < SH)[:, None])
+    cp.commit_group()
 
 
 def _fill_low_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr, kv_row, kt_row, t0, end,
@@ -321,6 +337,7 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
 if HAS_GLUON:
     _copy_lat = gluon.jit(_copy_lat_src)
     _copy_rope = gluon.jit(_copy_rope_src)
+    _copy_q = gluon.jit(_copy_q_src)
     _fill_low = gluon.jit(_fill_low_src)
     _fill_high = gluon.jit(_fill_high_src)
     _masked_scores = gluon.jit(_masked_scores_src)
