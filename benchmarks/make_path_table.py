@@ -9,8 +9,11 @@ Sources (H200, committed under benchmarks/results/):
 * fp8_paths_h200.json       the kernels that read an fp8 latent cache, timed on packed fp8 rows
   (benchmarks/bench_fp8.py --reads "" --kernels split,wide,gluon_fp8): their own keys
   (split_fp8, wide_fp8, gluon_fp8), which the chooser compares for fp8 calls only.
-* masked_paths_int32_h200.json, masked_paths_16h_h200.json  what a decode step's mask row or a
-  causal cap costs each path (benchmarks/probe_masked_paths.py), per query rows
+* masked_paths_int32_h200.json, masked_paths_16h_h200.json, masked_paths_roles_h200.json,
+  masked_paths_fp8_h200.json  what a decode step's mask row or a causal cap costs each path
+  (benchmarks/probe_masked_paths.py), per query rows; a later file's figure replaces an
+  earlier one's for the same call, path and rows (the role-split kernel's masked calls
+  replace the lock-step kernel's under the shared "gluon" key: it runs them now)
 
     python benchmarks/make_path_table.py   # rewrites the MEASURED and CALL_COST blocks; commit them with the JSONs
 """
@@ -60,18 +63,32 @@ def rows() -> list[tuple]:
     return sorted((h, b, t, ms) for (h, b, t), ms in table.items() if ms)
 
 
-MASKED_RUNS = ("masked_paths_int32_h200.json", "masked_paths_16h_h200.json")
+MASKED_RUNS = ("masked_paths_int32_h200.json", "masked_paths_16h_h200.json", "masked_paths_roles_h200.json",
+               "masked_paths_fp8_h200.json")
+# a probe row's path (a registry kernel, or "gluon": the default config's) -> its cost key, per
+# cache; None: not a key of its own (the lock-step kernel shares "gluon" with the role-split
+# kernel, which takes its calls where both can run)
+PROBE_KEYS = {"bf16": {"split": "split", "wide": "wide", "gluon": "gluon", "gluon_roles": "gluon",
+                       "gluon_seesaw": "seesaw", "gluon_lock_step": None},
+              "fp8_e4m3": {"split": "split_fp8", "wide": "wide_fp8", "gluon_fp8": "gluon_fp8"}}
+KINDS = ("mask", "causal")  # (a call with both is a "causal" call: CallShape.kind)
 
 
 def call_costs() -> list[tuple]:
     """(call, path, query rows, time over the plain call's), "mask" and "causal" calls: the
-    median over the shapes measured at those rows."""
-    ratios: dict[tuple, list] = {}
+    median over the shapes measured at those rows, the last file's where several have them."""
+    costs: dict[tuple, float] = {}
     for name in MASKED_RUNS:
-        for r in json.load(open(os.path.join(HERE, "results", name)))["rows"]:
-            if r["call"] != "plain":
-                ratios.setdefault((r["call"], r["path"], r["H"]), []).append(r["vs_plain"])
-    return sorted((call, path, h, round(sorted(v)[len(v) // 2], 3)) for (call, path, h), v in ratios.items())
+        path = os.path.join(HERE, "results", name)
+        if not os.path.exists(path):
+            continue
+        ratios: dict[tuple, list] = {}
+        for r in json.load(open(path))["rows"]:
+            key = PROBE_KEYS[r.get("cache", "bf16")].get(r["path"])
+            if r["call"] in KINDS and key and r.get("vs_plain"):
+                ratios.setdefault((r["call"], key, r["H"]), []).append(r["vs_plain"])
+        costs.update({k: round(sorted(v)[len(v) // 2], 3) for k, v in ratios.items()})
+    return sorted((call, key, h, f) for (call, key, h), f in costs.items())
 
 
 def _replace_block(text: str, name: str, body: str) -> str:

@@ -64,9 +64,11 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
                           "sqt_h"))
 
 
-def compile_roles(num_splits: int = 16, separate_rope: bool = False, seesaw: bool = False):
+def compile_roles(num_splits: int = 16, separate_rope: bool = False, seesaw: bool = False, mask: bool = False,
+                  causal: bool = False):
     """The role-split kernel (``kernels/mla_gluon_roles.py``), or with `seesaw` the seesaw kernel
-    (``kernels/mla_gluon_seesaw.py``), fused cache (576-element rows) or two caches, kv_lens on."""
+    (``kernels/mla_gluon_seesaw.py``), fused cache (576-element rows) or two caches, kv_lens on,
+    with a decode step's mask row and / or a causal cap."""
     if seesaw:
         from dcp_pass.runtime.decode.kernels import mla_gluon_seesaw as S
 
@@ -77,9 +79,10 @@ def compile_roles(num_splits: int = 16, separate_rope: bool = False, seesaw: boo
         jit, src = R._roles_jit, R._roles_kernel_src
 
     consts = dict(SKV_T=512 if separate_rope else 576, SKT_T=64 if separate_rope else 576, BLOCK_H=64, BLOCK_N=64,
-                  NUM_SPLITS=num_splits, HAS_LENS=True)
+                  NUM_SPLITS=num_splits, HAS_LENS=True, HAS_MASK=mask, CAUSAL=causal)
     # (q's strides are marked too: it is copied by cp.async, and the launch takes it only so)
-    return compile_gluon(jit, src, consts, 4, ("H", "SH", "lens_c", "lens_r", "lens_sb"))
+    return compile_gluon(jit, src, consts, 4, ("H", "SH", "lens_c", "lens_r", "lens_sb", "sm_b", "sm_t", "sqp_b",
+                                              "sqp_s", "cp_world", "cp_rank"))
 
 
 _ARG_TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32",
@@ -112,10 +115,12 @@ def compile_launched(jit, src, args: tuple, consts: dict, num_warps: int):
     return cubin_report(triton.compile(GluonASTSource(jit, sig, consts, attrs), target=target, options=opts.__dict__))
 
 
-def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 128, separate_rope: bool = False):
+def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 128, separate_rope: bool = False,
+                mask: bool = False, causal: bool = False):
     """The fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on FlashMLA's packed rows (512 e4m3 +
     4 fp32 scales + 64 bf16 rope: 656 bytes), or a 528-byte latent row beside a bf16 rope
-    buffer, DeepSeek-V3's scale, kv_lens on, q [B, 1, H, 576] split into its two parts."""
+    buffer, DeepSeek-V3's scale, kv_lens on, q [B, 1, H, 576] split into its two parts; with
+    a decode step's mask row and / or a causal cap."""
     import torch
 
     from dcp_pass.runtime.decode.call import AttentionCall
@@ -130,7 +135,13 @@ def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: i
         latent, scales, rope = views(torch.zeros(batch, keys, 656, dtype=torch.uint8),
                                      Fp8Layout(512, 64, torch.bfloat16))
     lens = torch.full((batch,), keys, dtype=torch.int64)
-    call = AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales)
+    extras = {}
+    if mask:
+        extras["mask"] = torch.zeros(batch, 1, 1, keys)
+    if causal:
+        extras["q_pos"] = torch.full((batch, 1), keys - 1, dtype=torch.int64)
+    call = AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales,
+                         **extras)
     _, _, (grid, args, consts, _) = F.launch_args(call.shard(), num_splits=num_splits)
     return compile_launched(F._fp8_jit, F._fp8_kernel_src, args, consts, 4)
 
@@ -149,20 +160,22 @@ def main():
     if a.fp8:
         rows = []
         for separate in (False, True):
-            r = compile_fp8(separate_rope=separate)
-            save_ttgir(a.ttgir, "gluon_fp8" + ("_separate_rope" if separate else ""), r.pop("ttgir"))
-            rows.append(dict(config="fp8 " + ("528-byte latent rows + rope buffer" if separate else "packed 656-byte rows"),
-                             triton=triton.__version__, **r))
+            r = compile_fp8(separate_rope=separate, mask=a.mask, causal=a.causal)
+            tag = ("_mask" if a.mask else "") + ("_causal" if a.causal else "")
+            save_ttgir(a.ttgir, "gluon_fp8" + tag + ("_separate_rope" if separate else ""), r.pop("ttgir"))
+            rows.append(dict(config="fp8 " + ("528-byte latent rows + rope buffer" if separate else "packed 656-byte rows")
+                             + tag.replace("_", " "), triton=triton.__version__, **r))
             print(json.dumps(rows[-1]), flush=True)
         finish(rows, a.json)
         return
     if a.roles or a.seesaw:
         name = "seesaw" if a.seesaw else "roles"
         for separate in (False, True):
-            r = compile_roles(separate_rope=separate, seesaw=a.seesaw)
-            save_ttgir(a.ttgir, f"gluon_{name}" + ("_separate_rope" if separate else ""), r.pop("ttgir"))
-            print(json.dumps(dict(config=name + (" two caches" if separate else ""), triton=triton.__version__, **r)),
-                  flush=True)
+            r = compile_roles(separate_rope=separate, seesaw=a.seesaw, mask=a.mask, causal=a.causal)
+            tag = ("_mask" if a.mask else "") + ("_causal" if a.causal else "") + ("_separate_rope" if separate else "")
+            save_ttgir(a.ttgir, f"gluon_{name}{tag}", r.pop("ttgir"))
+            print(json.dumps(dict(config=name + tag.replace("_", " ").replace("separate rope", "two caches"),
+                                  triton=triton.__version__, **r)), flush=True)
         return
     rows = []
     for c in a.configs.split(";"):

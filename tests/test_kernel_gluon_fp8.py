@@ -5,7 +5,8 @@ calls it takes and why not, that the chooser never takes it unasked (not yet tim
 launch arguments on packed rows, and its offline sm_90 compile (no spills, shared memory).
 GPU: DeepSeek-V3 shapes (64 and 128 heads, B=8, 4K and 32K keys) against the float64
 attention of the dequantised cache, with ragged and empty requests, cache rows past each
-request's length poisoned with NaN, several splits, two caches, CUDA-graph capture.
+request's length poisoned with NaN, several splits, two caches, a decode step's mask row and
+a causal cap, CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, poisoned, ref64  # noqa: E402
+from kit.kernels import check_close, decode_mask_rows, last_positions, poisoned, ref64  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
@@ -61,8 +62,7 @@ def test_which_calls_it_takes():
     reasons = {
         "reads fp8_e4m3": dict(kv_quant="", dtype=torch.bfloat16),
         "Hopper": dict(capability=8),
-        "no mask": dict(mask="row"),
-        "no causal": dict(causal=True),
+        "one row per request": dict(mask="full"),
         "page pools": dict(paged=True),
         "bfloat16 queries": dict(query_dtype=torch.float16),
         "512 latent": dict(d_main=256),
@@ -72,6 +72,8 @@ def test_which_calls_it_takes():
     for words, kw in reasons.items():
         reason = F.supports(dataclasses.replace(FP8, **kw))
         assert reason is not None and words in reason, (kw, reason)
+    for kw in (dict(mask="row"), dict(causal=True)):  # a decode step's mask row, a causal cap
+        assert F.supports(dataclasses.replace(FP8, **kw)) is None, kw
     assert F.offered(dataclasses.replace(FP8, heads=16)) is None  # fp8 timings decide, at any row count
     assert "Triton 3.6" in F.offered(dataclasses.replace(FP8, triton="3.9.0"))
     assert F.offered(FP8) is None and F.unmeasured(FP8) is False
@@ -110,7 +112,8 @@ def test_launch_arguments_on_packed_rows():
     out, lse, plan = F.launch_args(call.shard(), num_splits=3)
     grid, args, consts, stage2 = plan
     assert grid == (2, 3, B) and stage2 is not None
-    assert consts == dict(SKV_T=656, SKT_T=328, BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=3, HAS_LENS=True)
+    assert consts == dict(SKV_T=656, SKT_T=328, BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=3, HAS_LENS=True, HAS_MASK=False,
+                          CAUSAL=False)
     names = list(__import__("inspect").signature(F._fp8_kernel_src).parameters)
     a = dict(zip(names, args))
     assert a["KV"].dtype == torch.float8_e4m3fn and a["KS"].dtype == torch.float32 and a["KT"].dtype == torch.bfloat16
@@ -136,11 +139,12 @@ def test_launch_arguments_on_packed_rows():
 def test_compiles_for_hopper_with_this_triton():
     """Valid Gluon for the installed Triton, within shared memory (the bf16 kernel's buffers:
     the fp8 tile waits in registers), no spills, the bf16 kernel's wgmma shapes and count
-    (36 score steps + 2 x 4 value steps a tile), 16-byte loads of the fp8 rows."""
+    (36 score steps + 2 x 4 value steps a tile), 16-byte loads of the fp8 rows; plain, and
+    with a decode step's mask row and a causal cap."""
     _gluon()
     off = offline_module("offline_gluon")
-    for separate in (False, True):
-        r = off.compile_fp8(separate_rope=separate)
+    for separate, masked in ((False, False), (True, False), (False, True)):
+        r = off.compile_fp8(separate_rope=separate, mask=masked, causal=masked)
         assert r["stack"] == 0 and r["ldl"] == 0 and r["smem_kib"] <= 227, r
         assert set(r["hgmma"]) == {"64x64x16", "64x256x16"} and r["n_hgmma"] == 36 + 8, r
 
@@ -271,6 +275,39 @@ def test_gpu_fp8_matches_the_two_gemm_kernel_and_a_nan_stays_in_its_request():
     out, lse = _fp8(call)
     assert torch.isnan(out[1]).all()
     check_close(out[[0, 2, 3]], lse[[0, 2, 3]], ro[[0, 2, 3]], rl[[0, 2, 3]], TOL)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_gpu_fp8_mask_rows_and_causal_caps(num_splits):
+    """A decode step's mask row per request (finite and -inf entries, a request that sees
+    nothing, a key-strided row); a causal cap on a striped 3-token call with 40 heads (rows of
+    different query positions share a block), with and without a mask row; against the float64
+    attention of the dequantised cache."""
+    g = torch.Generator().manual_seed(13)
+    B, T = 3, 3000
+    lens = torch.tensor([T, 2500, T], device="cuda")
+    call = _packed_call(B, 128, T, "cuda", lens, gen=g)
+    for mask in decode_mask_rows(B, T, "cuda"):
+        masked = call.replace(mask=mask)
+        ro, rl = ref64(masked)
+        out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
+        _fp8(masked, out, lse, num_splits)
+        check_close(out, lse, ro, rl, TOL)
+        assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    S, H = 3, 40
+    base = _packed_call(B, H, T, "cuda", None, separate=True, gen=g)
+    q_lat = torch.randn(B, S, H, 512, generator=g).to("cuda", torch.bfloat16)
+    q_rope = torch.randn(B, S, H, 64, generator=g).to("cuda", torch.bfloat16)
+    glens = torch.tensor([5001, 1, 4000 + 2 * 64], device="cuda")  # rank 1 of 2 holds the odd positions
+    for mask in (None, decode_mask_rows(B, 2 * T, "cuda")[0]):
+        capped = base.replace(q_lat=q_lat, q_rope=q_rope, kv_lens=glens, q_pos=last_positions(glens, S),
+                              stripe=(2, 1), mask=mask)
+        ro, rl = ref64(capped)
+        out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
+        _fp8(capped, out, lse, num_splits)
+        check_close(out, lse, ro, rl, TOL)
 
 
 @gpu

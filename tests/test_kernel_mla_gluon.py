@@ -102,10 +102,11 @@ def test_schedule_6_compiles_plain_and_masked():
 def test_role_split_kernel_compiles_for_hopper():
     """The role-split kernel (mla_gluon_roles.py) is valid Gluon here, with one fused cache and
     with two: no spill, its two wgmma shapes (the scorer's whole 64 x 64 score tile, both
-    value halves), 36 score steps + 2 x 4 value steps per tile, within shared memory."""
+    value halves), 36 score steps + 2 x 4 value steps per tile, within shared memory; plain,
+    and with a decode step's mask row and a causal cap."""
     _, off = _offline()
-    for separate in (False, True):
-        r = off.compile_roles(separate_rope=separate)
+    for separate, masked in ((False, False), (True, False), (False, True)):
+        r = off.compile_roles(separate_rope=separate, mask=masked, causal=masked)
         assert r["stack"] == 0 and r["smem_kib"] <= 227, r
         assert set(r["hgmma"]) == {"64x64x16", "64x256x16"} and r["n_hgmma"] == 36 + 8, r
 
@@ -261,7 +262,8 @@ def test_gpu_gluon_cuda_graph_capture():
 def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     """A decode mask row per request (-inf and finite entries, one request fully masked), and
     the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference;
-    the default schedule, schedule 3's ring, and q columns in registers."""
+    the default (the role-split kernel, which takes both), the lock-step form's schedule 3
+    ring and schedule 6 with q columns in registers, and the role-split kernel by name."""
     from dcp_pass.runtime.decode.kernels import mla_gluon as G
 
     cfg = G.GluonConfig.parse(tag) if tag else None
@@ -290,18 +292,19 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     _gluon(call.replace(mask=wide[..., ::2]), out2, lse2, cfg)
     check_close(out2, lse2, ro, rl, 2e-2)
 
-    S, c, r = 2, 2, 1
-    q2 = torch.randn(B, S, 64, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    # 3 tokens x 40 heads: rows of different query positions share a 64-row block
+    S, c, r, H = 3, 2, 1, 40
+    q2 = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     glens = torch.tensor([5001, 1, 4000], device="cuda")  # global counts; rank 1 holds odd positions
     q_pos = glens.view(B, 1) - S + torch.arange(S, device="cuda").view(1, S)
-    out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
+    out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
     call = AttentionCall(q2, None, kv, None, 512, SCALE, kv_lens=glens, q_pos=q_pos, stripe=(c, r))
     _gluon(call, out, lse, cfg)
     ro, rl = ref32(call)
     check_close(out, lse, ro, rl, 2e-2)
     # positions past int32 (the kernel compares in int32, clamped): every key visible
     far = torch.full((B, S), 2 ** 40, device="cuda")
-    out, lse = poisoned(B, S, 64, 512, torch.bfloat16, "cuda")
+    out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
     call = AttentionCall(q2, None, kv, None, 512, SCALE, kv_lens=glens, q_pos=far)
     _gluon(call, out, lse, cfg)
     ro, rl = ref32(call)

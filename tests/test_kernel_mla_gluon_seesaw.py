@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, poisoned, ref32  # noqa: E402
+from kit.kernels import check_close, decode_mask_rows, last_positions, poisoned, ref32  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
@@ -42,7 +42,9 @@ def _module():
 def test_which_calls_it_takes():
     S = _module()
     assert S.supports(H200) is None and S.offered(H200) is None
-    reasons = {"no mask": dict(mask="row"), "no causal": dict(causal=True), "Hopper": dict(capability=8),
+    for kw in (dict(mask="row"), dict(causal=True), dict(mask="row", causal=True)):  # a decode mask row, a cap
+        assert S.supports(dataclasses.replace(H200, **kw)) is None, kw
+    reasons = {"one row per request": dict(mask="full"), "Hopper": dict(capability=8),
                "bfloat16": dict(dtype=torch.float16), "multiples of 16": dict(rows16=False),
                "page pools": dict(paged=True), "torch reference only": dict(per_head=True)}
     for words, kw in reasons.items():
@@ -58,12 +60,13 @@ def test_which_calls_it_takes():
 
 @compiles_offline
 def test_compiles_for_hopper_with_this_triton():
-    """Valid Gluon for the installed Triton, one fused cache and two: each warpgroup's 36 score
-    steps (m64n64) and 2 x 4 value steps (m64n256), within shared memory."""
+    """Valid Gluon for the installed Triton, one fused cache and two, plain and with a mask row
+    and a causal cap: each warpgroup's 36 score steps (m64n64) and 2 x 4 value steps
+    (m64n256), within shared memory."""
     _module()
     off = offline_module("offline_gluon")
-    for separate in (False, True):
-        r = off.compile_roles(separate_rope=separate, seesaw=True)
+    for separate, masked in ((False, False), (True, False), (False, True)):
+        r = off.compile_roles(separate_rope=separate, seesaw=True, mask=masked, causal=masked)
         assert r["smem_kib"] <= 227, r
         assert set(r["hgmma"]) == {"64x64x16", "64x256x16"} and r["n_hgmma"] == 2 * (36 + 8), r
 
@@ -164,6 +167,38 @@ def test_gpu_running_max_handed_between_warpgroups():
     _seesaw(call.replace(kv=bad), out, lse)
     assert torch.isnan(out[3]).all()
     check_close(out[:3], lse[:3], ro[:3], rl[:3], 2e-2)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_gpu_mask_rows_and_causal_caps(num_splits):
+    """A decode step's mask row per request (finite and -inf entries, a request that sees
+    nothing, a key-strided row), a causal cap on a striped 3-token call with 40 heads (rows of
+    different query positions share a 64-row block; lengths that end a pair on its even tile),
+    and both at once, against the fp32 reference."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, T = 3, 3000
+    q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(B, T, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.tensor([T, 2500, T], device="cuda")
+    for mask in decode_mask_rows(B, T, "cuda"):
+        call = AttentionCall(q, None, kv, None, 512, SCALE, mask=mask, kv_lens=lens)
+        out, lse = poisoned(B, 1, 128, 512, torch.bfloat16, "cuda")
+        _seesaw(call, out, lse, num_splits)
+        ro, rl = ref32(call)
+        check_close(out, lse, ro, rl, 2e-2)
+        assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    S, H = 3, 40
+    q3 = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    glens = torch.tensor([5001, 1, 4000 + 2 * 64], device="cuda")  # rank 1 of 2 holds the odd positions
+    for mask in (None, decode_mask_rows(B, 2 * T, "cuda")[0]):  # (a mask row covers the global positions)
+        call = AttentionCall(q3, None, kv, None, 512, SCALE, kv_lens=glens, q_pos=last_positions(glens, S),
+                             stripe=(2, 1), mask=mask)
+        out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
+        _seesaw(call, out, lse, num_splits)
+        ro, rl = ref32(call)
+        check_close(out, lse, ro, rl, 2e-2)
 
 
 @gpu

@@ -124,3 +124,23 @@ def fp8_call(B, S, H, Dl, Dr, T, dtype, device="cpu", gen=None, spread=4.0, **ca
     to = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     call_kwargs.setdefault("scale", 0.5 / (Dl + Dr) ** 0.5)
     return AttentionCall(to(q_lat), to(q_rope), kv8.to(device), to(pe), Dl, kv_scale=scales.to(device), **call_kwargs)
+
+
+def decode_mask_rows(B: int, T: int, device) -> list:
+    """A decode step's additive mask row per request, [B, 1, 1, T] (B >= 3): request 0 sees its
+    first 2000 keys, request 1 every key with every 7th at -3, request 2 none (its output must
+    be 0 and its LSE -inf); then the same values as every other column of a wider row (key
+    stride 2: a kernel copying the row with its tiles must follow the stride)."""
+    mask = torch.zeros(B, 1, 1, T, device=device)
+    mask[0, ..., 2000:] = float("-inf")
+    mask[1, ..., ::7] = -3.0
+    mask[2] = float("-inf")
+    wide = torch.full((B, 1, 1, 2 * T), 7.0, device=device)
+    wide[..., ::2] = mask
+    return [mask, wide[..., ::2]]
+
+
+def last_positions(glens: torch.Tensor, S: int) -> torch.Tensor:
+    """The query positions of S tokens that end each request's global count (a verify or
+    prefill chunk's rows: token s of request b at glens[b] - S + s), [B, S]."""
+    return glens.view(-1, 1) - S + torch.arange(S, device=glens.device).view(1, S)

@@ -8,7 +8,8 @@ both fill (:func:`split_frame`), and the device-side helper both inline for a sp
 
 The registry (``registry.py``) lists the two forms as two kernels; on Triton 3.6, where it
 was measured 2-16 % faster on the H200 (docs/kernels.md), the role-split form is
-preferred for the calls it takes (no mask, no causal cap), the lock-step form runs the rest.
+preferred for the calls it takes (row strides of multiples of 16 elements, masked and causal
+calls included), the lock-step form runs the rest.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """One-read MLA decode kernel in Gluon (Triton's explicit-layout dialect), for Hopper: the
-lock-step form, the registry's "gluon_lock_step" kernel. On Triton 3.6 calls without a mask
-or a causal cap take the role-split form (``mla_gluon_roles.py``; 2-16 % faster on the H200,
-docs/kernels.md); this one takes the others (and all calls on other Tritons).
+lock-step form, the registry's "gluon_lock_step" kernel. On Triton 3.6 the warp-specialised
+forms (``mla_gluon_roles.py``, ``mla_gluon_seesaw.py``; 2-16 % faster on the H200 plain, 6-13 %
+with a mask row or a causal cap, docs/kernels.md) take every call whose row strides are
+multiples of 16 elements; this one takes the others (and all calls on other Tritons).
 
 Each latent KV tile is loaded into shared memory once and serves both GEMMs: as the keys
 of ``q . k`` (read transposed) and as the values of ``p @ v``. One program holds a block

@@ -27,8 +27,9 @@ scores and to P) would split the score GEMM into four chains with a wait each an
 the pace; dequantising puts the whole cost on the loader, which has a tile's time to spare.
 
 Scope: fp8 e4m3 latent of 512 columns with its [B, T, 4] fp32 scales, 64 bf16 rope columns
-(packed rows or a buffer of their own), bf16 queries, kv_lens with ``lens_stripe``, no mask
-and no causal cap, the split kernel's partials and stage-2 merge. The registry's
+(packed rows or a buffer of their own), bf16 queries, kv_lens with ``lens_stripe``, a mask
+row per request (copied with its tile's rope rows) and any causal cap (the scorer's, as in the
+bf16 kernel), the split kernel's partials and stage-2 merge. The registry's
 "gluon_fp8" kernel; the chooser takes it where its fp8 timings (path table key
 ``gluon_fp8``) are the fastest, which on the H200 is every plain fp8 call measured (16-128
 heads): 1.9-2.0x the two-GEMM kernel's read at 128 heads, 1.2x the split kernel's at 16.
@@ -39,9 +40,10 @@ from typing import Optional
 
 import torch
 
-from .common import LOG2E, AttentionCall, launch, only_reference
+from .common import LOG2E, AttentionCall, causal_operand, launch, mask_operand, only_reference
 from .gluon_common import (D_LAT, D_ROPE, GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, roles_preferred,
                            split_frame)
+from .mla_gluon_roles import mask_args
 from .splits import reduce_launch
 
 if HAS_GLUON:
@@ -52,7 +54,7 @@ if HAS_GLUON:
         warpgroup_mma_wait
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _opaque, _scorer, _store_half
+    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _scorer, _store_half
 
 __all__ = ["supports", "offered", "unmeasured", "run", "launch_args"]
 if HAS_GLUON:
@@ -124,10 +126,11 @@ def _dequant_src(x, s):
 
 
 def _put_src(j, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles,
-             SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile j (if the split has it) into buffer j % 2: its rope rows by cp.async (each loader
-    thread arrives on `full` when they land) and its dequantised latent from registers (one
-    more arrival once every thread's stores are fenced for the tensor cores)."""
+             SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, HAS_MASK: gl.constexpr):
+    """Tile j (if the split has it) into buffer j % 2: its rope rows (and its mask entries) by
+    cp.async (each loader thread arrives on `full` when they land) and its dequantised latent
+    from registers (one more arrival once every thread's stores are fenced for the tensor
+    cores)."""
     if j < n_tiles:
         buf = _opaque(j + salt) % 2
         t0 = start + j * BLOCK_N
@@ -136,6 +139,8 @@ def _put_src(j, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_ro
         cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
         _async_load(k_rope.index(buf), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
                     mask=((t0 + nr) < end)[:, None])
+        if HAS_MASK:
+            _copy_mask(mk.index(buf), mk_row, t0, end, sm_t, BLOCK_N)
         cp.mbarrier_arrive(full.index(buf), increment_count=False)
         lat = k_lat.index(buf)
         lat.slice(0, SB, dim=1).store(_dequant(x0, s0))
@@ -148,16 +153,18 @@ def _put_src(j, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_ro
 
 def _loader_fp8_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_words, ks_row, kt_row, sks_t, sks_c,
                     start, end, n_tiles, o_base, so_s, so_h, row0, H, SH, SKV_W: gl.constexpr, SKT_T: gl.constexpr,
-                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, HAS_MASK: gl.constexpr):
     """The loader: tiles into the two buffers (dequantised from the fp8 tile it holds in
     registers, loaded a tile ahead) and value columns 0-255 of every tile with P from shared
     memory; a buffer is refilled (tile j + 2) once both value GEMMs of tile j are done."""
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
     x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(0, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
-    _put(0, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+    _put(0, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N,
+         mk, mk_row, sm_t, HAS_MASK)
     x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(1, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
-    _put(1, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+    _put(1, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N,
+         mk, mk_row, sm_t, HAS_MASK)
     x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(2, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
     for j in range(n_tiles):
@@ -169,7 +176,7 @@ def _loader_fp8_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, k
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorer's value GEMM of this buffer is done too
         _put(j + 2, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles, SKT_T,
-             BLOCK_N)
+             BLOCK_N, mk, mk_row, sm_t, HAS_MASK)
         x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(j + 3, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
     mbarrier.wait(done, 0)
     _store_half(o_base, acc, l_s.load(row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
@@ -178,12 +185,15 @@ def _loader_fp8_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, k
 def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
                     sq_b8, sq_s8, sq_h8, sqt_b8, sqt_s8, sqt_h8, skv_b, sks_b, sks_t, sks_c, skt_b8,
                     so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
+                    MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
                     SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr):
+                    NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, HAS_MASK: gl.constexpr,
+                    CAUSAL: gl.constexpr):
     """One (64-row block, split, batch row), as the bf16 role-split kernel: the parent region
     loads q and finds the split's keys, then the scorer and the fp8 loader run the tiles.
     Strides named ``*8`` are in units of 8 elements (16 bytes of bf16: the cp.async copies'
-    vectors), so the compiler sees them aligned whatever the JIT can mark."""
+    vectors), so the compiler sees them aligned whatever the JIT can mark. MASK and CAUSAL as
+    in the bf16 role-split kernel."""
     pid_h = gl.program_id(0)
     pid_sp = gl.program_id(1)
     b = gl.program_id(2).to(gl.int64)
@@ -216,6 +226,10 @@ def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if HAS_MASK:
+        mk = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], vec_sl)  # each buffer's tile: its mask entries
+    else:
+        mk = a_s  # unused
     for i in gl.static_range(2):
         # per fill: every loader thread once its rope copies land, and the loader once (a
         # partition barrier, then one arrival) after its latent stores
@@ -225,6 +239,9 @@ def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_
     mbarrier.init(done, count=1)
 
     start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    qpos_row = QPOS + b * sqp_b
+    if CAUSAL:
+        end = _causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     cp.wait_group(0)
     fence_async_shared()
@@ -237,10 +254,11 @@ def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_
     l_base = L + b * sl_b + pid_sp * sl_sp
     gl.warp_specialize([
         (_scorer, (salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
-                   sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_H, BLOCK_N)),
+                   sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_H, BLOCK_N,
+                   mk, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
         (_loader_fp8, (salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_words, ks_row, kt_row, sks_t,
                        sks_c, start, end, n_tiles, o_base, so_s, so_h, row0, H, SH, SKV_T // 4, SKT_T, BLOCK_H,
-                       BLOCK_N)),
+                       BLOCK_N, mk, MASK + b * sm_b, sm_t, HAS_MASK)),
     ], [4], [256])
 
 
@@ -260,8 +278,9 @@ if HAS_GLUON:
 def supports(shape) -> Optional[str]:
     """Why the fp8 kernel cannot run a call of this shape (None: it can): Hopper, an fp8 e4m3
     latent of 512 columns (= values) with its scales, 64 rope columns and queries in bf16,
-    contiguous caches (packed rows or two buffers), no mask, no causal cap, operands with unit
-    feature stride, 16-byte aligned data and row strides of multiples of 8 elements."""
+    contiguous caches (packed rows or two buffers), a mask only as one row per request, any
+    causal cap, operands with unit feature stride, 16-byte aligned data and row strides of
+    multiples of 8 elements."""
     if not HAS_GLUON:
         return "this Triton has no Gluon"
     if shape.per_head or shape.offset_lens:
@@ -278,8 +297,8 @@ def supports(shape) -> Optional[str]:
         return "it takes bfloat16 queries and rope columns"
     if (shape.d_main, shape.d_tail, shape.v_dim) != (D_LAT, D_ROPE, D_LAT):
         return f"it is written for {D_LAT} latent (= values) + {D_ROPE} rope columns"
-    if shape.mask != "none" or shape.causal:
-        return "it takes no mask and no causal cap"
+    if shape.mask == "full":
+        return "it takes a mask only as one row per request shared by every head and query token"
     if not shape.gluon_aligned:
         return "its operands need unit feature strides, 16-byte aligned data and row strides of 8k elements"
     return None
@@ -328,8 +347,11 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
             *(x // 8 for x in qm.stride()[:3]), *(x // 8 for x in qt.stride()[:3]), km.stride(0),
             ks.stride(0), ks.stride(1), ks.stride(2), kt.stride(0) // 8,
             ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
+    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, km.device)  # one row per request (supports)
+    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, kt)
+    args += mask_args(mask_b, ms, kt, q_pos, qps, cp_world, cp_rank)
     consts = dict(SKV_T=km.stride(1), SKT_T=kt.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-                  HAS_LENS=call.kv_lens is not None)
+                  HAS_LENS=call.kv_lens is not None, HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None)
     stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None)
     return out, lse_out, ((n_hb, ns, B), args, consts, stage2)
 

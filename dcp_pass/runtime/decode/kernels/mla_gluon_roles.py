@@ -17,18 +17,21 @@ from a description of it):
   columns 0-255 (P from shared memory); a buffer is refilled with the tile two ahead once
   both value GEMMs of its tile are done.
 
-So the loader's value GEMM of tile j runs under the scorer's scores of tile j + 1. Scope:
-calls without a mask or a causal cap (those take the lock-step kernel), otherwise as
-``mla_gluon.py``: 512 latent (= values) + 64 rope columns in bf16, one fused cache or two,
-kv_lens with ``lens_stripe``, the split kernel's partials and stage-2 merge. The registry's
-"gluon_roles" kernel; it copies q by cp.async as well as the cache, so its operands' row
-strides must be multiples of 16 elements (Triton then marks them divisible).
+So the loader's value GEMM of tile j runs under the scorer's scores of tile j + 1. A decode
+step's mask row travels with its tile (the loader copies its 64 entries into a small buffer
+beside the tile, arriving on the same barrier) and the scorer adds it; a causal cap ends the
+split at the last key any row of the block can see and the scorer hides the keys after each
+row's query position. Scope as ``mla_gluon.py``: 512 latent (= values) + 64 rope columns in
+bf16, one fused cache or two, kv_lens with ``lens_stripe``, a mask row per request, any
+causal cap, the split kernel's partials and stage-2 merge. The registry's "gluon_roles"
+kernel; it copies q by cp.async as well as the cache, so its operands' row strides must be
+multiples of 16 elements (Triton then marks them divisible).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, launch
+from .common import LOG2E, AttentionCall, causal_operand, launch, mask_operand
 from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, gluon_offered, gluon_reason,
                            roles_preferred, split_frame)
 from .splits import reduce_launch
@@ -69,14 +72,56 @@ def _copy_tile_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, SKV_T: gl.constex
                 mask=((t0 + nr) < end)[:, None])
 
 
+def _copy_mask_src(dst, mk_row, t0, end, sm_t, BLOCK_N: gl.constexpr):
+    """The mask row's entries for the tile at key t0 into `dst` (fp32 [BLOCK_N]), 4 bytes a copy
+    (any key stride; 128 threads, two a key); past `end` zero-filled. Copied with the tile and
+    covered by the same barrier arrival: read from global memory after the score GEMM, a mask
+    row waits in the same queues as the cache stream (mla_gluon.py)."""
+    n = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    _async_load(dst, mk_row + (t0 + n) * sm_t, mask=(t0 + n) < end)
+
+
+def _query_positions_src(qpos_row, sqp_s, rows, H, SH):
+    """The query positions of block rows `rows` (row = token * H + head) as int32, clamped into
+    [-1, 2^31 - 2] so that the comparisons with key positions cannot wrap; -1 (sees nothing)
+    for rows past SH."""
+    q = gl.load(qpos_row + (rows // H) * sqp_s, mask=rows < SH, other=-1)
+    return gl.minimum(gl.maximum(q, -1), 2147483646).to(gl.int32)
+
+
+def _causal_end_src(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H: gl.constexpr):
+    """`end` cut at the last local key any row of the block may see: key k is at global position
+    k * cp_world + cp_rank, visible to a row whose query position is not before it."""
+    rows = row0 + gl.arange(0, BLOCK_H, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    qmax = gl.max(_query_positions(qpos_row, sqp_s, rows, H, SH), axis=0)
+    return gl.minimum(end, gl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(gl.int32))
+
+
+def _scores_log2_src(s, t0, end, sm_scale_log2, mk, qpos, cp_world, cp_rank, HAS_MASK: gl.constexpr,
+                     CAUSAL: gl.constexpr):
+    """A score tile (keys from t0) in base-2 units with the mask row `mk` added (HAS_MASK), -inf
+    where a row may not see a key: at or past `end`, or (CAUSAL) after the row's query position."""
+    cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+    k = t0 + cols
+    s = s * sm_scale_log2
+    if HAS_MASK:
+        s = s + mk[None, :] * 1.4426950408889634
+    valid = (k < end)[None, :]
+    if CAUSAL:
+        valid = valid & ((k * cp_world + cp_rank)[None, :] <= qpos[:, None])
+    return gl.where(valid, s, float("-inf"))
+
+
 def _fill_src(j, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T: gl.constexpr,
-              SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile j (if the split has it) into buffer j % 2; each loader thread arrives on the
-    buffer's `full` barrier once its copies have landed."""
+              SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, HAS_MASK: gl.constexpr):
+    """Tile j (if the split has it) into buffer j % 2, with its mask entries (HAS_MASK); each
+    loader thread arrives on the buffer's `full` barrier once its copies have landed."""
     if j < n_tiles:
         buf = _opaque(j + salt) % 2
         _copy_tile(k_lat.index(buf), k_rope.index(buf), start + j * BLOCK_N, end, kv_row, kt_row, SKV_T, SKT_T,
                    BLOCK_N)
+        if HAS_MASK:
+            _copy_mask(mk.index(buf), mk_row, start + j * BLOCK_N, end, sm_t, BLOCK_N)
         cp.mbarrier_arrive(full.index(buf), increment_count=False)
 
 
@@ -94,10 +139,12 @@ def _store_half_src(o_base, acc, l_i, c0: gl.constexpr, row0, so_s, so_h, H, SH,
 
 def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
                 sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
-                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mk, qpos_row, sqp_s, cp_world, cp_rank,
+                HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """The scorer: every tile's whole score block and online softmax (it alone holds the
-    running max and row sums), P into the tile's rope columns for the loader, and value
-    columns 256-511 with P from registers; writes its half of the output and the LSE."""
+    running max and row sums; the tile's mask entries added, a causal cap applied), P into
+    the tile's rope columns for the loader, and value columns 256-511 with P from registers;
+    writes its half of the output and the LSE."""
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
@@ -106,6 +153,10 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
+    if CAUSAL:
+        qpos = _query_positions(qpos_row, sqp_s, row0 + gl.arange(0, BLOCK_H, layout=row_s), H, SH)
+    else:
+        qpos = 0  # unused
     for j in range(n_tiles):
         buf = _opaque(j + salt) % 2
         mbarrier.wait(full.index(buf), (j // 2) & 1)
@@ -114,10 +165,21 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat_s, k_lat.index(buf).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        s = gl.where(((start + j * BLOCK_N + cols) < end)[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * sm_scale_log2 - m_use[:, None])
+        if HAS_MASK or CAUSAL:
+            if HAS_MASK:
+                mk_t = mk.index(buf).load(gl.SliceLayout(0, s_mma))  # landed with the tile
+            else:
+                mk_t = 0  # unused
+            s = _scores_log2(s, start + j * BLOCK_N, end, sm_scale_log2, mk_t, qpos, cp_world, cp_rank, HAS_MASK,
+                             CAUSAL)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - m_use[:, None])
+        else:  # (the plain call's code as GPU-tested: the scale folded into the exponent's FMA)
+            s = gl.where(((start + j * BLOCK_N + cols) < end)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * sm_scale_log2 - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
@@ -141,13 +203,15 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
 
 def _loader_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_row, kt_row, start, end, n_tiles,
                 o_base, so_s, so_h, row0, H, SH, SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr,
-                BLOCK_N: gl.constexpr):
+                BLOCK_N: gl.constexpr, mk, mk_row, sm_t, HAS_MASK: gl.constexpr):
     """The loader: the tiles' copies, and value columns 0-255 of every tile with P from shared
     memory; a buffer is refilled (tile j + 2) once both value GEMMs of tile j are done."""
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
-    _fill(0, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N)
-    _fill(1, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N)
+    _fill(0, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N, mk, mk_row, sm_t,
+          HAS_MASK)
+    _fill(1, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N, mk, mk_row, sm_t,
+          HAS_MASK)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
     for j in range(n_tiles):
         buf = _opaque(j + salt) % 2
@@ -157,7 +221,8 @@ def _loader_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_ro
                             is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorer's value GEMM of this buffer is done too
-        _fill(j + 2, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N)
+        _fill(j + 2, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N, mk, mk_row,
+              sm_t, HAS_MASK)
     mbarrier.wait(done, 0)
     _store_half(o_base, acc, l_s.load(row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
 
@@ -165,10 +230,16 @@ def _loader_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_ro
 def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
                       sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, skt_b,
                       so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
+                      MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
                       SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr):
+                      NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, HAS_MASK: gl.constexpr,
+                      CAUSAL: gl.constexpr):
     """One (64-row block, split, batch row): the parent region (the scorer's 4 warps) loads q
-    and finds the split's keys, then the two partitions run the tiles."""
+    and finds the split's keys, then the two partitions run the tiles. MASK: one additive row
+    per request shared by every head and query token ([B, T], strides (sm_b, sm_t)); CAUSAL:
+    local key k (global position k * cp_world + cp_rank) is visible to a row whose query
+    position QPOS[b, s] is not before it. (Their arguments come after the plain call's, so
+    that a plain call's parameters keep their offsets.)"""
     dt: gl.constexpr = KV.dtype.element_ty
     pid_h = gl.program_id(0)
     pid_sp = gl.program_id(1)
@@ -198,6 +269,10 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if HAS_MASK:
+        mk = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], vec_sl)  # each buffer's tile: its mask entries
+    else:
+        mk = a_s  # unused
     for i in gl.static_range(2):
         mbarrier.init(full.index(i), count=128)  # every loader thread, once per fill
         mbarrier.init(p_ready.index(i), count=1)  # Gluon's arrive: a partition barrier, then one arrival
@@ -206,6 +281,9 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
 
     # ---- this split's keys
     start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    qpos_row = QPOS + b * sqp_b
+    if CAUSAL:
+        end = _causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     cp.wait_group(0)
     fence_async_shared()
@@ -217,9 +295,11 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
     l_base = L + b * sl_b + pid_sp * sl_sp
     gl.warp_specialize([
         (_scorer, (salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
-                   sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_H, BLOCK_N)),
+                   sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_H, BLOCK_N,
+                   mk, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
         (_loader, (salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_row, kt_row, start, end, n_tiles,
-                   o_base, so_s, so_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N)),
+                   o_base, so_s, so_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N, mk, MASK + b * sm_b, sm_t,
+                   HAS_MASK)),
     ], [4], [256])
 
 
@@ -227,6 +307,10 @@ if HAS_GLUON:
     _opaque = gluon.jit(_opaque_src)
     _store_half = gluon.jit(_store_half_src)
     _copy_tile = gluon.jit(_copy_tile_src)
+    _copy_mask = gluon.jit(_copy_mask_src)
+    _query_positions = gluon.jit(_query_positions_src)
+    _causal_end = gluon.jit(_causal_end_src)
+    _scores_log2 = gluon.jit(_scores_log2_src)
     _fill = gluon.jit(_fill_src)
     _scorer = gluon.jit(_scorer_src)
     _loader = gluon.jit(_loader_src)
@@ -238,13 +322,11 @@ if HAS_GLUON:
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
     """Why the role-split kernel cannot run a call of this shape (None: it can): the Gluon
-    calls (gluon_reason) without a mask or causal cap, row strides of multiples of 16 elements
-    (16-byte cp.async copies of q and of the cache rows)."""
+    calls (gluon_reason: a mask only as one row per request, any causal cap), row strides of
+    multiples of 16 elements (16-byte cp.async copies of q and of the cache rows)."""
     reason = gluon_reason(shape)
     if reason is not None:
         return reason
-    if shape.mask != "none" or shape.causal:
-        return "it takes no mask and no causal cap"
     if not shape.rows16:
         return "its operands' row strides must be multiples of 16 elements"
     return None
@@ -260,13 +342,13 @@ def offered(shape) -> Optional[str]:
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
         config: Optional[GluonConfig] = None):
     """Run the role-split kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
-    return launch_plain(_roles_jit, "role-split", call, out, lse_out, num_splits, config)
+    return launch_role_args(_roles_jit, "role-split", call, out, lse_out, num_splits, config)
 
 
-def launch_plain(jit, name: str, call: AttentionCall, out, lse_out, num_splits: Optional[int],
-                 config: Optional[GluonConfig]):
-    """Launch a plain-call Gluon kernel that takes the role-split kernel's arguments (this one
-    and the seesaw kernel, ``mla_gluon_seesaw.py``), plus the stage-2 merge when split."""
+def launch_role_args(jit, name: str, call: AttentionCall, out, lse_out, num_splits: Optional[int],
+                     config: Optional[GluonConfig]):
+    """Launch a Gluon kernel that takes the role-split kernel's arguments (this one and the
+    seesaw kernel, ``mla_gluon_seesaw.py``), plus the stage-2 merge when split."""
     cfg = config or GLUON_DEFAULT
     if cfg.tiles != ROLES_TILES:
         raise ValueError(f"the {name} Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
@@ -278,15 +360,25 @@ def launch_plain(jit, name: str, call: AttentionCall, out, lse_out, num_splits: 
     parts, n_hb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
     B, S, H, _ = call.q_lat.shape
     T = call.kv.shape[1]
+    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, call.kv.device)  # one row per request (gluon_reason)
+    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, call.kv)
     launch(jit, (n_hb, ns, B), (
         parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
         T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
         *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
         ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
+        *mask_args(mask_b, ms, call.kv, q_pos, qps, cp_world, cp_rank),
     ), dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-            HAS_LENS=call.kv_lens is not None), 4)
+            HAS_LENS=call.kv_lens is not None, HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None), 4)
     if ns > 1:
         kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim,
                                                            ns)
         launch(kernel, grid2, args, consts, warps)
     return out, lse_out
+
+
+def mask_args(mask_b, ms, dummy, q_pos, qps, cp_world: int, cp_rank: int) -> tuple:
+    """The mask and causal arguments the role-split kernels take after the plain call's: MASK,
+    QPOS, the mask row's batch and key strides, q_pos's, the stripe (``dummy`` stands in for
+    an absent mask)."""
+    return (mask_b if mask_b is not None else dummy, q_pos, ms[0], ms[3], *qps, cp_world, cp_rank)

@@ -32,10 +32,15 @@ columns 256-511 by WG1 after ``p1 v1_R``. A score GEMM waits for its regions one
 the early-refilled one first. Shared memory is the role-split kernel's: q (72 KiB) and two
 64 x 576 tiles (144 KiB).
 
-Scope: as the role-split kernel (calls without a mask or a causal cap; 512 latent (= values)
-+ 64 rope columns in bf16, one fused cache or two, kv_lens with ``lens_stripe``, row strides of
-multiples of 16 elements), the split kernel's partials and stage-2 merge. The registry's
-"gluon_seesaw" kernel.
+A decode step's mask row travels with the tile its scorer waits for first (the even tile's in
+the low region WG0 refills, the odd tile's in the high region WG1 refills) and that scorer
+adds it; a causal cap ends the split at the last key any row of the block can see and each
+scorer hides the keys after its rows' query positions (the role-split kernel's helpers).
+
+Scope: as the role-split kernel (512 latent (= values) + 64 rope columns in bf16, one fused
+cache or two, kv_lens with ``lens_stripe``, a mask row per request, any causal cap, row
+strides of multiples of 16 elements), the split kernel's partials and stage-2 merge. The
+registry's "gluon_seesaw" kernel.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from typing import Optional
 
 from .common import AttentionCall
 from .gluon_common import HAS_GLUON, GluonConfig, gluon_offered, roles_preferred
-from .mla_gluon_roles import launch_plain
+from .mla_gluon_roles import launch_role_args
 from .mla_gluon_roles import supports as roles_supports
 
 if HAS_GLUON:
@@ -54,7 +59,7 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _opaque, _store_half
+    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _query_positions, _scores_log2, _store_half
 
 __all__ = ["supports", "offered", "unmeasured", "run"]
 if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
@@ -99,28 +104,45 @@ def _copy_q_src(q_lat_s, q_rope_s, q_row, qt_row, sq_s, sq_h, sqt_s, sqt_h, row0
 
 
 def _fill_low_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr, kv_row, kt_row, t0, end,
-                  SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Region "low" of a buffer: latent columns 0-255 (and the rope columns when `with_rope`);
-    each thread arrives on the region's full barrier once its copies land."""
+                  SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t,
+                  with_mask: gl.constexpr):
+    """Region "low" of a buffer: latent columns 0-255 (and the rope columns when `with_rope`, the
+    tile's mask entries into `mk` when `with_mask`); each thread arrives on the region's full
+    barrier once its copies land."""
     _copy_lat(lat.slice(0, DH, dim=1), kv_row, t0, end, 0, SKV_T, BLOCK_N)
     if with_rope:
         _copy_rope(rope, kt_row, t0, end, SKT_T, BLOCK_N)
+    if with_mask:
+        _copy_mask(mk, mk_row, t0, end, sm_t, BLOCK_N)
     cp.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
 def _fill_high_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr, kv_row, kt_row, t0, end,
-                   SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Region "high" of a buffer: latent columns 256-511 (and the rope columns when `with_rope`)."""
+                   SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t,
+                   with_mask: gl.constexpr):
+    """Region "high" of a buffer: latent columns 256-511 (and the rope columns when `with_rope`,
+    the mask entries when `with_mask`)."""
     _copy_lat(lat.slice(DH, DH, dim=1), kv_row, t0, end, DH, SKV_T, BLOCK_N)
     if with_rope:
         _copy_rope(rope, kt_row, t0, end, SKT_T, BLOCK_N)
+    if with_mask:
+        _copy_mask(mk, mk_row, t0, end, sm_t, BLOCK_N)
     cp.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
-def _masked_scores_src(s, t0, end, sm_scale_log2, BLOCK_N: gl.constexpr):
-    """Scores in base-2 units, -inf for keys at or past `end`."""
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    return gl.where(((t0 + cols) < end)[None, :], s * sm_scale_log2, float("-inf"))
+def _tile_scores_src(s, mk, t0, end, sm_scale_log2, qpos, cp_world, cp_rank, HAS_MASK: gl.constexpr,
+                     CAUSAL: gl.constexpr):
+    """A tile's scores in base-2 units: its mask entries (`mk`, landed with the region its
+    scorer waits for first) added, keys a row may not see at -inf."""
+    if HAS_MASK or CAUSAL:
+        if HAS_MASK:
+            mk_t = mk.load(gl.SliceLayout(0, s.type.layout))
+        else:
+            mk_t = 0  # unused
+        return _scores_log2(s, t0, end, sm_scale_log2, mk_t, qpos, cp_world, cp_rank, HAS_MASK, CAUSAL)
+    else:
+        cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        return gl.where(((t0 + cols) < end)[None, :], s * sm_scale_log2, float("-inf"))
 
 
 def _finite_src(m):
@@ -130,10 +152,12 @@ def _finite_src(m):
 
 def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar, kv_row, kt_row, start, end, n_pairs,
              sm_scale_log2, o_base, so_s, so_h, row0, H, SH, SKV_T: gl.constexpr, SKT_T: gl.constexpr,
-             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Warpgroup 0 (the default partition): even tiles' scores and softmax, output columns
-    0-255. `bar`: [even scores issued, m0 ready, m1 + P1 ready, P0 ready, WG0's row sums ready,
-    the total ready]."""
+             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, qpos_row, sqp_s, cp_world, cp_rank,
+             HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Warpgroup 0 (the default partition): even tiles' scores and softmax (their mask entries,
+    in `mk` slot 0, are copied with the even buffer's low region), output columns 0-255.
+    `bar`: [even scores issued, m0 ready, m1 + P1 ready, P0 ready, WG0's row sums ready, the
+    total ready]."""
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
@@ -141,6 +165,10 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
+    if CAUSAL:
+        qpos = _query_positions(qpos_row, sqp_s, row0 + gl.arange(0, BLOCK_H, layout=row_s), H, SH)
+    else:
+        qpos = 0  # unused
     for i in range(n_pairs):
         ph = i & 1
         b0 = _opaque(2 * i + salt) % 2  # 0 and 1, which LLVM cannot see: the descriptors stay in the loop
@@ -164,7 +192,7 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         s = warpgroup_mma(q_lat.slice(DH, DH, dim=1), lat0.slice(DH, DH, dim=1).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(q_rope, k_rope.index(b0).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        s = _masked_scores(s, t0, end, sm_scale_log2, BLOCK_N)
+        s = _tile_scores(s, mk.index(0), t0, end, sm_scale_log2, qpos, cp_world, cp_rank, HAS_MASK, CAUSAL)
         m0 = gl.maximum(m_i, gl.max(s, axis=1))
         m0_use = _finite(m0)
         p = gl.exp2(s - m0_use[:, None])
@@ -185,14 +213,14 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         acc = warpgroup_mma_wait(0, deps=[acc])
         if i + 1 < n_pairs:  # p0 v0_L was the last read of the even buffer's low columns
             _fill_low(full, F0A, lat0, k_rope.index(b0), False, kv_row, kt_row, t0 + 2 * BLOCK_N, end, SKV_T, SKT_T,
-                      BLOCK_N)
+                      BLOCK_N, mk.index(0), mk_row, sm_t, HAS_MASK)
         # ---- P1 (in the odd tile's rope columns) times its low value columns
         acc = warpgroup_mma(k_rope.index(b1), lat1.slice(0, DH, dim=1),
                             acc * gl.convert_layout(beta, row_o)[:, None], is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if i + 1 < n_pairs:  # the odd buffer's low columns and P1's rope columns are free
             _fill_low(full, F1A, lat1, k_rope.index(b1), True, kv_row, kt_row, t0 + 3 * BLOCK_N, end, SKV_T, SKT_T,
-                      BLOCK_N)
+                      BLOCK_N, mk, mk_row, sm_t, False)
         m_i = m1
     l_s.index(0).store(l_i)
     mbarrier.arrive(bar.index(4))
@@ -203,8 +231,10 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
 
 def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar, kv_row, kt_row, start, end, n_pairs,
              sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, SKV_T: gl.constexpr,
-             SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Warpgroup 1 (a worker): odd tiles' scores and softmax, output columns 256-511, the LSE."""
+             SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, qpos_row, sqp_s,
+             cp_world, cp_rank, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Warpgroup 1 (a worker): odd tiles' scores and softmax (their mask entries, in `mk` slot 1,
+    are copied with the odd buffer's high region), output columns 256-511, the LSE."""
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
@@ -212,6 +242,10 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
+    if CAUSAL:
+        qpos = _query_positions(qpos_row, sqp_s, row0 + gl.arange(0, BLOCK_H, layout=row_s), H, SH)
+    else:
+        qpos = 0  # unused
     for i in range(n_pairs):
         ph = i & 1
         b0 = _opaque(2 * i + salt) % 2
@@ -233,7 +267,7 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         s = warpgroup_mma(q_lat.slice(0, DH, dim=1), lat1.slice(0, DH, dim=1).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(q_rope, k_rope.index(b1).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        s = _masked_scores(s, t1, end, sm_scale_log2, BLOCK_N)
+        s = _tile_scores(s, mk.index(1), t1, end, sm_scale_log2, qpos, cp_world, cp_rank, HAS_MASK, CAUSAL)
         # ---- softmax against WG0's max of the even tile
         mbarrier.wait(bar.index(1), ph)
         m0 = m0_s.load(row_s)
@@ -255,11 +289,11 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         acc = warpgroup_mma_wait(1, deps=[acc])
         if i + 1 < n_pairs:  # p1 v1_R was the last read of the odd buffer's high columns
             _fill_high(full, F1B, lat1, k_rope.index(b1), False, kv_row, kt_row, t1 + 2 * BLOCK_N, end, SKV_T, SKT_T,
-                       BLOCK_N)
+                       BLOCK_N, mk.index(1), mk_row, sm_t, HAS_MASK)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if i + 1 < n_pairs:  # and p0 v0_R of the even buffer's high and rope columns
             _fill_high(full, F0B, lat0, k_rope.index(b0), True, kv_row, kt_row, t1 + BLOCK_N, end, SKV_T, SKT_T,
-                       BLOCK_N)
+                       BLOCK_N, mk, mk_row, sm_t, False)
         m_i = m1
     mbarrier.wait(bar.index(4), 0)
     l_i = l_i + l_s.index(0).load(row_s)  # both partial sums are relative to the last m1
@@ -274,10 +308,13 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
 def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
                        sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, skt_b,
                        so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
+                       MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
                        SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr):
+                       NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, HAS_MASK: gl.constexpr,
+                       CAUSAL: gl.constexpr):
     """One (64-row block, split, batch row): the parent region (WG0's warps) loads q, finds
-    the split's keys and issues the first two tiles, then the two warpgroups run the pairs."""
+    the split's keys and issues the first two tiles, then the two warpgroups run the pairs.
+    MASK and CAUSAL as in the role-split kernel (mla_gluon_roles.py)."""
     dt: gl.constexpr = KV.dtype.element_ty
     pid_h = gl.program_id(0)
     pid_sp = gl.program_id(1)
@@ -303,8 +340,15 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
         mbarrier.init(full.index(k), count=128)  # every thread of the filling warpgroup, once per fill
     for k in gl.static_range(6):
         mbarrier.init(bar.index(k), count=1)  # Gluon's arrive: a partition barrier, then one arrival
+    if HAS_MASK:
+        mk = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], vec_sl)  # the even and the odd tile's mask entries
+    else:
+        mk = l_s  # unused
 
     start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    qpos_row = QPOS + b * sqp_b
+    if CAUSAL:
+        end = _causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     n_pairs = gl.cdiv(n_tiles, 2)  # an odd count's last pair has a tile past the end: all masked
     cp.wait_group(0)
@@ -313,24 +357,26 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
 
     kv_row = KV + b * skv_b
     kt_row = KT + b * skt_b
+    mk_row = MASK + b * sm_b
     if n_pairs > 0:  # the first pair, all four regions, by the parent's warps (WG0's 128 threads)
         _fill_low(full, F0A, k_lat.index(0), k_rope.index(0), False, kv_row, kt_row, start, end, SKV_T, SKT_T,
-                  BLOCK_N)
+                  BLOCK_N, mk.index(0), mk_row, sm_t, HAS_MASK)
         _fill_high(full, F0B, k_lat.index(0), k_rope.index(0), True, kv_row, kt_row, start, end, SKV_T, SKT_T,
-                   BLOCK_N)
+                   BLOCK_N, mk, mk_row, sm_t, False)
         _fill_high(full, F1B, k_lat.index(1), k_rope.index(1), False, kv_row, kt_row, start + BLOCK_N, end, SKV_T,
-                   SKT_T, BLOCK_N)
+                   SKT_T, BLOCK_N, mk.index(1), mk_row, sm_t, HAS_MASK)
         _fill_low(full, F1A, k_lat.index(1), k_rope.index(1), True, kv_row, kt_row, start + BLOCK_N, end, SKV_T,
-                  SKT_T, BLOCK_N)
+                  SKT_T, BLOCK_N, mk, mk_row, sm_t, False)
 
     o_base = O + b * so_b + pid_sp * so_sp
     l_base = L + b * sl_b + pid_sp * sl_sp
     gl.warp_specialize([
         (_wg0, (salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar, kv_row, kt_row, start, end, n_pairs,
-                sm_scale_log2, o_base, so_s, so_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N)),
+                sm_scale_log2, o_base, so_s, so_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N, mk, mk_row, sm_t,
+                qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
         (_wg1, (salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar, kv_row, kt_row, start, end, n_pairs,
                 sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H,
-                BLOCK_N)),
+                BLOCK_N, mk, mk_row, sm_t, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
     ], [4], [256])
 
 
@@ -340,7 +386,7 @@ if HAS_GLUON:
     _copy_q = gluon.jit(_copy_q_src)
     _fill_low = gluon.jit(_fill_low_src)
     _fill_high = gluon.jit(_fill_high_src)
-    _masked_scores = gluon.jit(_masked_scores_src)
+    _tile_scores = gluon.jit(_tile_scores_src)
     _finite = gluon.jit(_finite_src)
     _wg0 = gluon.jit(_wg0_src)
     _wg1 = gluon.jit(_wg1_src)
@@ -352,8 +398,8 @@ if HAS_GLUON:
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
     """Why the seesaw kernel cannot run a call of this shape (None: it can): the role-split
-    kernel's calls (the Gluon calls without a mask or causal cap, row strides of multiples of
-    16 elements: q and the cache rows are copied 16 bytes at a time)."""
+    kernel's calls (the Gluon calls, row strides of multiples of 16 elements: q and the cache
+    rows are copied 16 bytes at a time)."""
     return roles_supports(shape)
 
 
@@ -372,4 +418,4 @@ def unmeasured(shape) -> bool:
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
         config: Optional[GluonConfig] = None):
     """Run the seesaw kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
-    return launch_plain(_seesaw_jit, "seesaw", call, out, lse_out, num_splits, config)
+    return launch_role_args(_seesaw_jit, "seesaw", call, out, lse_out, num_splits, config)

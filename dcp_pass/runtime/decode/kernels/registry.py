@@ -85,17 +85,19 @@ class Kernel:
 KERNELS: Dict[str, Kernel] = {k.name: k for k in (
     Kernel("gluon_seesaw", "mla_gluon_seesaw", "seesaw",
            "seesaw one-read Gluon kernel: two warpgroups take turns scoring the tiles of a pair and each holds "
-           "half the output (Hopper, bf16 512 + 64, no mask or causal cap)", replayable=True, group="gluon"),
+           "half the output (Hopper, bf16 512 + 64, a mask row per request, causal caps)", replayable=True,
+           group="gluon"),
     Kernel("gluon_roles", "mla_gluon_roles", "gluon",
            "role-split one-read Gluon kernel, a scorer and a loader warpgroup (Hopper, bf16 512 + 64, "
-           "no mask or causal cap; on Triton 3.6 those calls where the seesaw form measured no faster)",
+           "a mask row per request, causal caps; on Triton 3.6 the calls the seesaw form measured no faster on)",
            replayable=True, group="gluon"),
     Kernel("gluon_lock_step", "mla_gluon", "gluon",
-           "lock-step one-read Gluon kernel (Hopper, bf16 512 + 64, a mask row per request, causal caps)",
+           "lock-step one-read Gluon kernel (Hopper, bf16 512 + 64, a mask row per request, causal caps; the "
+           "calls whose row strides the warp-specialised forms cannot copy, and Tritons other than 3.6)",
            replayable=True, group="gluon"),
     Kernel("gluon_fp8", "mla_gluon_fp8", None,
            "role-split one-read Gluon kernel for an fp8 e4m3 latent cache, dequantised to bf16 by the loader "
-           "warpgroup (Hopper, 512 + 64, no mask or causal cap)", replayable=True, group="gluon_fp8",
+           "warpgroup (Hopper, 512 + 64, a mask row per request, causal caps)", replayable=True, group="gluon_fp8",
            fp8_cost_key="gluon_fp8"),
     Kernel("wide", "mla_wide", "wide", "two-GEMM Triton kernel for wide head blocks (contiguous caches)",
            replayable=True, fp8_cost_key="wide_fp8"),
