@@ -6,9 +6,10 @@ Sources (H200, committed under benchmarks/results/):
   FlashInfer through its adapter in a captured decode step (planned from the step's count,
   plus its measured per-step planning cost, plan_ms_per_call),
   16/64/128 heads, B 8/32, 4K-128K keys. It is the whole plain-call table.
-* fp8_paths_h200.json       the kernels that read an fp8 latent cache, timed on packed fp8 rows
-  (benchmarks/bench_fp8.py --reads "" --kernels split,wide,gluon_fp8): their own keys
-  (split_fp8, wide_fp8, gluon_fp8), which the chooser compares for fp8 calls only.
+* fp8_paths_h200.json, fp8_narrow_h200.json  the kernels that read an fp8 latent cache, timed
+  on packed fp8 rows (benchmarks/bench_fp8.py --reads "" --kernels split,wide,gluon_fp8[,
+  gluon_fp8_narrow]): their own keys (split_fp8, wide_fp8, gluon_fp8, gluon_fp8_narrow), which
+  the chooser compares for fp8 calls only; a later run's timing replaces an earlier one's.
 * masked_paths_int32_h200.json, masked_paths_16h_h200.json, masked_paths_roles_h200.json,
   masked_paths_fp8_h200.json  what a decode step's mask row or a causal cap costs each path
   (benchmarks/probe_masked_paths.py), per query rows; a later file's figure replaces an
@@ -29,9 +30,11 @@ PATHS_RUN = "kernel_paths_h200.json"
 # the run's column of each path; FlashInfer as the pass runs it (the adapter, captured), else its bare kernel
 COLUMNS = {"split": ("split_ms",), "wide": ("wide_ms",), "gluon": ("gluon_ms",), "seesaw": ("gluon_seesaw_ms",),
            "flashinfer": ("fi_step_ms", "fi_page_T_ms")}
-FP8_RUN = "fp8_paths_h200.json"
+# runs of bench_fp8.py; a later run's timing of a kernel at a shape replaces an earlier one's
+FP8_RUNS = ("fp8_paths_h200.json", "fp8_narrow_h200.json")
 # bench_fp8.py's kernel column (the kernel asked for and the one that ran) -> the fp8 cost key
-FP8_KERNELS = {"split (split)": "split_fp8", "wide (wide)": "wide_fp8", "gluon_fp8 (gluon_fp8)": "gluon_fp8"}
+FP8_KERNELS = {"split (split)": "split_fp8", "wide (wide)": "wide_fp8", "gluon_fp8 (gluon_fp8)": "gluon_fp8",
+               "gluon_fp8_narrow (gluon_fp8_narrow)": "gluon_fp8_narrow"}
 
 
 STEP_RUN = "model_fast_path_flashinfer_h200.json"
@@ -56,10 +59,12 @@ def rows() -> list[tuple]:
             ms = next((r[k] for k in keys if r.get(k)), None)
             if ms:
                 timings[path] = round(ms + plan_ms.get(path, 0.0), 4)
-    for r in json.load(open(os.path.join(HERE, "results", FP8_RUN)))["rows"]:
-        key = FP8_KERNELS.get(r["kernel"])
-        if r["dtype"] == "fp8_e4m3" and key and r.get("ms"):
-            table.setdefault((r["H"], r["B"], r["T"]), {})[key] = round(r["ms"], 4)
+    for name in FP8_RUNS:
+        path = os.path.join(HERE, "results", name)
+        for r in (json.load(open(path))["rows"] if os.path.exists(path) else ()):
+            key = FP8_KERNELS.get(r["kernel"])
+            if r["dtype"] == "fp8_e4m3" and key and r.get("ms"):
+                table.setdefault((r["H"], r["B"], r["T"]), {})[key] = round(r["ms"], 4)
     return sorted((h, b, t, ms) for (h, b, t), ms in table.items() if ms)
 
 

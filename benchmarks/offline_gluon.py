@@ -146,6 +146,29 @@ def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: i
     return compile_launched(F._fp8_jit, F._fp8_kernel_src, args, consts, 4)
 
 
+def compile_fp8_narrow(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 16,
+                       separate_rope: bool = False):
+    """The narrow fp8 kernel (``kernels/mla_gluon_fp8_narrow.py``) on packed 656-byte rows (or a
+    528-byte latent row beside a bf16 rope buffer), 16 heads, kv_lens on."""
+    import torch
+
+    from dcp_pass.runtime.decode.call import AttentionCall
+    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8_narrow as N
+    from dcp_pass.runtime.decode.kv_format import Fp8Layout, views
+
+    q = torch.zeros(batch, 1, heads, 576, dtype=torch.bfloat16)
+    if separate_rope:
+        latent, scales, _ = views(torch.zeros(batch, keys, 528, dtype=torch.uint8), Fp8Layout(512, 0, torch.bfloat16))
+        rope = torch.zeros(batch, keys, 64, dtype=torch.bfloat16)
+    else:
+        latent, scales, rope = views(torch.zeros(batch, keys, 656, dtype=torch.uint8),
+                                     Fp8Layout(512, 64, torch.bfloat16))
+    lens = torch.full((batch,), keys, dtype=torch.int64)
+    call = AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales)
+    _, _, (grid, args, consts, _) = N.launch_args(call.shard(), num_splits=num_splits)
+    return compile_launched(N._narrow_jit, N._narrow_kernel_src, args, consts, 4)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="64,64,2,3,128;64,64,2,3,0;64,64,2,2,0;64,64,2,1,0")
@@ -156,7 +179,19 @@ def main():
     ap.add_argument("--roles", action="store_true", help="the role-split kernel (mla_gluon_roles.py) instead")
     ap.add_argument("--seesaw", action="store_true", help="the seesaw kernel (mla_gluon_seesaw.py) instead")
     ap.add_argument("--fp8", action="store_true", help="the fp8-cache kernel (mla_gluon_fp8.py) instead")
+    ap.add_argument("--fp8-narrow", action="store_true",
+                    help="the narrow fp8 kernel (mla_gluon_fp8_narrow.py, 16 rows) instead")
     a = ap.parse_args()
+    if a.fp8_narrow:
+        rows = []
+        for separate in (False, True):
+            r = compile_fp8_narrow(separate_rope=separate)
+            save_ttgir(a.ttgir, "gluon_fp8_narrow" + ("_separate_rope" if separate else ""), r.pop("ttgir"))
+            rows.append(dict(config="fp8 narrow " + ("528-byte latent rows + rope buffer" if separate
+                                                     else "packed 656-byte rows"), triton=triton.__version__, **r))
+            print(json.dumps(rows[-1]), flush=True)
+        finish(rows, a.json)
+        return
     if a.fp8:
         rows = []
         for separate in (False, True):

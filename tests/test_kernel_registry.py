@@ -111,15 +111,15 @@ def test_the_chosen_kernel_is_pinned(monkeypatch, what, kw, expected):
 
 
 def test_registry_order_and_entries():
-    assert list(registry.KERNELS) == ["gluon_seesaw", "gluon_roles", "gluon_lock_step", "gluon_fp8", "wide", "split",
-                                      "flashinfer", "torch"]
+    assert list(registry.KERNELS) == ["gluon_seesaw", "gluon_roles", "gluon_lock_step", "gluon_fp8", "gluon_fp8_narrow",
+                                      "wide", "split", "flashinfer", "torch"]
     assert registry.TRITON_KERNELS == ATTENTION_BACKENDS["triton"].kernels
     assert {k: v.cost_key for k, v in registry.KERNELS.items()} == {
         "gluon_seesaw": "seesaw", "gluon_roles": "gluon", "gluon_lock_step": "gluon", "gluon_fp8": None,
-        "wide": "wide", "split": "split", "flashinfer": "flashinfer", "torch": None}
+        "gluon_fp8_narrow": None, "wide": "wide", "split": "split", "flashinfer": "flashinfer", "torch": None}
     # fp8 calls are chosen by timings on fp8 rows, under keys of their own
     assert {k: v.fp8_cost_key for k, v in registry.KERNELS.items() if v.fp8_cost_key} == {
-        "gluon_fp8": "gluon_fp8", "wide": "wide_fp8", "split": "split_fp8"}
+        "gluon_fp8": "gluon_fp8", "gluon_fp8_narrow": "gluon_fp8_narrow", "wide": "wide_fp8", "split": "split_fp8"}
     assert tuple(k for k, v in registry.KERNELS.items() if v.replayable) == registry.TRITON_KERNELS
     for kernel in registry.KERNELS.values():  # every entry's module has the registry's functions
         impl = kernel.impl()

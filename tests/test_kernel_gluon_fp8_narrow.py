@@ -1,0 +1,245 @@
+"""Tests of the narrow-row fp8 Gluon kernel (dcp_pass.runtime.decode.kernels.mla_gluon_fp8_narrow).
+
+Gluon has no interpreter: the kernel runs only on a Hopper GPU (``-m gpu``). On CPU: which
+calls it takes and why not, its launch arguments, and its offline sm_90 compile (no spills,
+its 68 m64n16 wgmmas a tile). GPU: 16 heads (and 8 and 12: a partial row block) over packed
+fp8 rows against the float64 attention of the dequantised cache, which it computes without
+rounding the cache (the scales act on the small tiles), with ragged and empty requests, rows
+past each length poisoned with NaN, several splits, stripes, two caches, multi-token rows,
+block scales spread by 2^20, a running max that moves along the cache, a NaN key and
+CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from kit.kernels import check_close, poisoned, ref64  # noqa: E402
+from kit.offline import compiles_offline, offline_module  # noqa: E402
+
+from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
+from dcp_pass.runtime.decode.kernels import registry  # noqa: E402
+from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack, views  # noqa: E402
+
+SCALE = 192 ** -0.5
+FP8_16 = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=True, fused=False, kv_quant="fp8_e4m3",
+                   query_dtype=torch.bfloat16, rows16=False, heads=16)
+
+
+def _narrow():
+    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8_narrow as N
+
+    if not N.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    return N
+
+
+def _packed_call(B, S, H, T, device="cpu", lens=None, separate=False, gen=None):
+    """q [B, S, H, 576] split into its parts, packed 656-byte rows (or a 528-byte latent row and
+    a rope buffer) read through their views."""
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(device=device,  # noqa: E731
+                                                                             dtype=torch.bfloat16)
+    q = rnd(B, S, H, 576)
+    kv = rnd(B, T, 576)
+    if separate:
+        latent, scales, _ = views(pack(kv[..., :512], Fp8Layout(512, 0, torch.bfloat16)),
+                                  Fp8Layout(512, 0, torch.bfloat16))
+        rope = kv[..., 512:].contiguous()
+    else:
+        latent, scales, rope = views(pack(kv, Fp8Layout(512, 64, torch.bfloat16)), Fp8Layout(512, 64, torch.bfloat16))
+    return AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, SCALE, kv_lens=lens, kv_scale=scales)
+
+
+def test_which_calls_it_takes():
+    N = _narrow()
+    assert N.supports(FP8_16) is None and N.offered(FP8_16) is None and N.unmeasured(FP8_16) is False
+    reasons = {
+        "reads fp8_e4m3": dict(kv_quant="", dtype=torch.bfloat16),
+        "Hopper": dict(capability=8),
+        "no mask": dict(mask="row"),
+        "no causal": dict(causal=True),
+        "page pools": dict(paged=True),
+        "bfloat16 queries": dict(query_dtype=torch.float16),
+        "512 latent": dict(d_main=256),
+        "row strides of 8k": dict(gluon_aligned=False),
+        "torch reference only": dict(per_head=True),
+    }
+    for words, kw in reasons.items():
+        reason = N.supports(dataclasses.replace(FP8_16, **kw))
+        assert reason is not None and words in reason, (kw, reason)
+    assert "more than 16 query rows" in N.offered(dataclasses.replace(FP8_16, heads=32))
+    assert "Triton 3.6" in N.offered(dataclasses.replace(FP8_16, triton="3.9.0"))
+    assert "Hopper" in registry.KERNELS["gluon_fp8_narrow"].supports(_packed_call(1, 1, 16, 16).shape)
+    assert registry.KERNELS["gluon_fp8_narrow"].cost_key_for(FP8_16) == "gluon_fp8_narrow"
+
+
+def test_launch_arguments():
+    """One program per 16 rows, split and batch row; the row strides as constants; the rope's
+    batch stride in 16-byte units; rows not 16-byte aligned refused, not misread."""
+    N = _narrow()
+    B, T = 2, 4096
+    call = _packed_call(B, 2, 12, T, lens=torch.tensor([T, 0]))  # 24 rows: two row blocks
+    out, lse, plan = N.launch_args(call.shard(), num_splits=3)
+    grid, args, consts, stage2 = plan
+    assert grid == (2, 3, B) and stage2 is not None
+    assert consts == dict(SKV_T=656, SKT_T=328, BLOCK_R=16, BLOCK_N=64, STAGES=3, NUM_SPLITS=3, HAS_LENS=True)
+    names = list(__import__("inspect").signature(N._narrow_kernel_src).parameters)
+    a = dict(zip(names, args))
+    assert a["KV"].dtype == torch.float8_e4m3fn and a["KS"].dtype == torch.float32 and a["KT"].dtype == torch.bfloat16
+    assert a["skt_b8"] == T * 328 // 8 and (a["T"], a["H"], a["SH"]) == (T, 12, 24)
+    assert N.launch_args(call.shard(), num_splits=1)[2][3] is None
+    odd = call.replace(kv=torch.zeros(B, T, 520, dtype=torch.uint8)[..., :512].view(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="16 bytes at a time"):
+        N.launch_args(odd.shard())
+
+
+@compiles_offline
+def test_compiles_for_hopper_with_this_triton():
+    """Valid Gluon for the installed Triton, one packed row and two buffers: within shared
+    memory, no spills, 36 score steps + 32 value steps of m64n16 a tile, e4m3 -> f16 by
+    packed conversions (two a 4-byte word)."""
+    _narrow()
+    off = offline_module("offline_gluon")
+    for separate in (False, True):
+        r = off.compile_fp8_narrow(separate_rope=separate)
+        assert r["stack"] == 0 and r["ldl"] == 0 and r["smem_kib"] <= 227, r
+        assert r["hgmma"] == ["64x16x16"] and r["n_hgmma"] == 36 + 32, r
+        assert r["f2fp_e4m3"] == 128, r
+
+
+# --------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                  reason="needs a Hopper GPU")
+TOL = 1e-2  # P rounded to f16 once; the cache enters unrounded
+
+
+def _poison_past(call, local):
+    """Rows past each request's visible keys: NaN latent bytes (e4m3 0x7f), NaN scales and rope."""
+    kv, ks, pe = call.kv.view(torch.uint8), call.kv_scale, call.pe
+    for b, n in enumerate(local.tolist()):
+        kv[b, n:] = 0x7F
+        ks[b, n:] = float("nan")
+        pe[b, n:] = float("nan")
+
+
+def _run(call, out=None, lse=None, num_splits=None):
+    from dcp_pass.runtime.decode.backends import attend
+
+    options = {} if num_splits is None else dict(num_splits=num_splits)
+    return attend(call, "gluon_fp8_narrow", out, lse, **options)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("heads", [16, 12, 8])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_gpu_against_the_dequantised_cache(heads, num_splits):
+    g = torch.Generator().manual_seed(heads * 7 + (num_splits or 0))
+    B, T = 8, 8192
+    lens = torch.tensor([T, 1, 0, T - 1, 64, 65, T // 3, 4097], device="cuda")
+    call = _packed_call(B, 1, heads, T, "cuda", lens, gen=g)
+    ro, rl = ref64(call)
+    _poison_past(call, lens)
+    out, lse = poisoned(B, 1, heads, 512, torch.bfloat16, "cuda")
+    _run(call, out, lse, num_splits)
+    check_close(out, lse, ro, rl, TOL)
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+
+
+@gpu
+@needs_hopper
+def test_gpu_stripes_two_caches_multi_token_rows_and_wide_scales():
+    """Global counts under a (2, 1) stripe, a latent buffer beside a rope buffer, 2 tokens x 8
+    heads (16 rows, token-major), and block scales spread by 2^20 between keys and columns: the
+    kernel folds the scales into the small tiles, so it follows the unrounded dequantised cache
+    as closely there as on ordinary scales."""
+    g = torch.Generator().manual_seed(7)
+    B, S, H, T = 3, 2, 8, 5000
+    glens = torch.tensor([2 * T, 77, 0], device="cuda")
+    local = torch.div(glens + 2 - 1 - 1, 2, rounding_mode="floor").clamp(max=T)
+    call = _packed_call(B, S, H, T, "cuda", None, separate=True, gen=g)
+    call.kv_scale[0, ::3, 1] *= 2.0 ** 10
+    call.kv_scale[0, 1::3, 2] *= 2.0 ** -10
+    ro, rl = ref64(call.replace(kv_lens=local))
+    _poison_past(call, local)
+    for stripe, lens in (((1, 0), local), ((2, 1), glens)):
+        for ns in (None, 3):
+            out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
+            _run(call.replace(kv_lens=lens, stripe=stripe), out, lse, ns)
+            check_close(out, lse, ro, rl, TOL)
+
+
+@gpu
+@needs_hopper
+def test_gpu_running_max_scaled_queries_and_a_nan_key():
+    """A max that rises tile after tile, one early key that dominates, queries scaled x 2^12 (the
+    f16 query blocks' power-of-two factors) and x 2^-12; then one NaN key: its request's rows
+    are NaN, the others exact."""
+    g = torch.Generator().manual_seed(11)
+    B, H, T = 4, 16, 6000
+    lens = torch.tensor([T, T, 4321, 3000], device="cuda")
+    call = _packed_call(B, 1, H, T, "cuda", lens, gen=g)
+    call.kv_scale[0] *= torch.linspace(0.2, 3.0, T, device="cuda")[:, None]
+    call.kv_scale[1, 5] *= 40
+    q = call.q_lat.clone()
+    q[2] *= 2.0 ** 12
+    q[3, :, :, :128] *= 2.0 ** -12
+    call = call.replace(q_lat=q)
+    ro, rl = ref64(call)
+    for ns in (None, 3):
+        out, lse = poisoned(B, 1, H, 512, torch.bfloat16, "cuda")
+        _run(call, out, lse, ns)
+        check_close(out, lse, ro, rl, TOL)
+    call.kv_scale[3, 1234, 2] = float("nan")  # what the quantiser writes for a block holding a NaN
+    out, lse = _run(call)
+    assert torch.isnan(out[3]).all()
+    check_close(out[:3], lse[:3], ro[:3], rl[:3], TOL)
+
+
+@gpu
+@needs_hopper
+def test_gpu_matches_the_fp8_role_split_kernel():
+    from dcp_pass.runtime.decode.backends import attend
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T = 8, 16, 4096
+    lens = torch.tensor([4096, 4000, 3333, 2048, 1000, 999, 128, 64], device="cuda")
+    call = _packed_call(B, 1, H, T, "cuda", lens, gen=g)
+    ro, rl = ref64(call)
+    o1, l1 = _run(call)
+    o2, l2 = attend(call, "gluon_fp8")
+    e1 = ((o1.double() - ro).norm() / ro.norm()).item()
+    e2 = ((o2.double() - ro).norm() / ro.norm()).item()
+    assert e1 <= e2 * 1.2 + 1e-4, (e1, e2)
+    # its LSE is exact to fp32 rounding (the role-split kernel's moves with the bf16-rounded cache)
+    lerr1, lerr2 = (l1 - rl).abs().max().item(), (l2 - rl).abs().max().item()
+    assert lerr1 < 1e-4 and lerr1 <= lerr2, (lerr1, lerr2)
+
+
+@gpu
+@needs_hopper
+def test_gpu_cuda_graph_capture():
+    B, H, T = 8, 16, 4096
+    lens = torch.full((B,), 100, device="cuda")
+    call = _packed_call(B, 1, H, T, "cuda", lens)
+    _run(call)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = _run(call)
+    lens.copy_(torch.randint(1, T + 1, (B,), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rl = ref64(call)
+    check_close(o, lse, ro, rl, TOL)
