@@ -147,7 +147,7 @@ def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: i
 
 
 def compile_fp8_narrow(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 16,
-                       separate_rope: bool = False):
+                       separate_rope: bool = False, scorers: int = 2):
     """The narrow fp8 kernel (``kernels/mla_gluon_fp8_narrow.py``) on packed 656-byte rows (or a
     528-byte latent row beside a bf16 rope buffer), 16 heads, kv_lens on."""
     import torch
@@ -165,7 +165,7 @@ def compile_fp8_narrow(num_splits: int = 16, batch: int = 2, keys: int = 4096, h
                                      Fp8Layout(512, 64, torch.bfloat16))
     lens = torch.full((batch,), keys, dtype=torch.int64)
     call = AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales)
-    _, _, (grid, args, consts, _) = N.launch_args(call.shard(), num_splits=num_splits)
+    _, _, (grid, args, consts, _) = N.launch_args(call.shard(), num_splits=num_splits, scorers=scorers)
     return compile_launched(N._narrow_jit, N._narrow_kernel_src, args, consts, 4)
 
 
@@ -184,11 +184,13 @@ def main():
     a = ap.parse_args()
     if a.fp8_narrow:
         rows = []
-        for separate in (False, True):
-            r = compile_fp8_narrow(separate_rope=separate)
-            save_ttgir(a.ttgir, "gluon_fp8_narrow" + ("_separate_rope" if separate else ""), r.pop("ttgir"))
-            rows.append(dict(config="fp8 narrow " + ("528-byte latent rows + rope buffer" if separate
-                                                     else "packed 656-byte rows"), triton=triton.__version__, **r))
+        for separate, scorers in ((False, 2), (True, 2), (False, 1)):
+            r = compile_fp8_narrow(separate_rope=separate, scorers=scorers)
+            save_ttgir(a.ttgir, f"gluon_fp8_narrow_s{scorers}" + ("_separate_rope" if separate else ""),
+                       r.pop("ttgir"))
+            rows.append(dict(config=f"fp8 narrow, {scorers} scorers, " + (
+                "528-byte latent rows + rope buffer" if separate else "packed 656-byte rows"),
+                triton=triton.__version__, **r))
             print(json.dumps(rows[-1]), flush=True)
         finish(rows, a.json)
         return

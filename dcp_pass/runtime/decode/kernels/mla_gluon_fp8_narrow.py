@@ -23,11 +23,14 @@ in units of the largest key scale seen so far, so they stay in [0, 1] (the accum
 rescaled when that largest scale grows, as for the running max). What is rounded: P, once, to
 f16 (11 bits; the bf16 kernels round it to 8); nothing else.
 
-One warpgroup a program; a tile's fp8 bytes and bf16 rope rows arrive by ``cp.async`` into a
-ring of STAGES staging buffers (the scales by plain loads a tile ahead, in registers), are
-converted into the f16 tile, then the two products run one after the other. The row sums
-are kept per key and row ([64, 16], rescaled with the running max) and reduced once at the
-end; the running max crosses the warps once a tile (``gl.max`` over keys).
+Three warpgroups a program (``gl.warp_specialize``): a *converter* holds the next tile's fp8
+words and scales in registers (plain 16-byte loads a tile ahead) and, once a buffer is free,
+writes them as f16 (and the scales, block-major) into it, its bf16 rope rows by ``cp.async``;
+two *scorers* take alternate tiles (scorer k the tiles k, k + 2, ...), each with its own
+running max, row sums and output, and write partials of their own that the split kernel's
+stage-2 merge combines. Two buffers of (f16 tile, rope rows, scales): 181 KiB of shared
+memory. A scorer's row sums are kept per key and row ([64, 16], rescaled with the running
+max) and reduced once at the end; its running max crosses its warps once a tile.
 
 Scope: an fp8 e4m3 latent of 512 columns with its fp32 scales (4 a token), 64 bf16 rope
 columns (packed rows or a buffer of their own), bf16 queries, kv_lens with ``lens_stripe``,
@@ -48,14 +51,16 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
     from .mla_gluon_roles import _opaque
 
 __all__ = ["NARROW", "supports", "offered", "unmeasured", "run", "launch_args"]
 
-NARROW = GluonConfig(block_h=16, block_n=64, stages=3)  # query rows (N), keys (M), staging buffers
+NARROW = GluonConfig(block_h=16, block_n=64, stages=2)  # query rows (N), keys (M), buffers
+SCORERS = 2  # scorer warpgroups a program, beside the converter
 MAX_ROWS = 16  # the rows the chooser offers it for (more rows re-read the cache once per 16)
 
 if HAS_GLUON:
@@ -83,33 +88,77 @@ def _to_f16_src(x):
     return gl.reshape(w, [x.shape[0], 4 * x.shape[1]])
 
 
-def _issue_tile_src(lat_dst, rope_dst, kv_words, kt_row, t0, end, SKV_W: gl.constexpr, SKT_T: gl.constexpr,
-                    BLOCK_N: gl.constexpr):
-    """The cp.async copies of the tile at key t0 (its fp8 bytes as 4-byte words, 16 bytes a copy,
-    and its bf16 rope rows) as one commit group; keys past `end` zero-filled."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-    w = gl.arange(0, DL // 4, layout=gl.SliceLayout(0, ld))
-    _async_load(lat_dst, kv_words + (t0 + n).to(gl.int64)[:, None] * SKV_W + w[None, :], mask=((t0 + n) < end)[:, None])
-    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
-    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_r))
-    _async_load(rope_dst, kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
-                mask=((t0 + nr) < end)[:, None])
-    cp.commit_group()
+def _load_block_src(kv_words, t, keep, blk: gl.constexpr, SKV_W: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One 128-column block of a tile's fp8 bytes as [BLOCK_N, 32] words (16-byte loads: four a
+    thread); 0 past the end."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    w = gl.arange(0, SB // 4, layout=gl.SliceLayout(0, ld))
+    return gl.load(kv_words + t[:, None] * SKV_W + (blk * (SB // 4) + w)[None, :], mask=keep[:, None], other=0)
 
 
-def _block_scale_src(ks_row, sks_t, sks_c, t0, end, blk: gl.constexpr, key_l: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The keys' scales of latent block `blk` for the tile at t0 ([BLOCK_N], one per key row of
-    S^T); 0 past `end`."""
-    k = t0 + gl.arange(0, BLOCK_N, layout=key_l)
-    return gl.load(ks_row + k.to(gl.int64) * sks_t + blk * sks_c, mask=k < end, other=0.0)
+def _load_tile_src(j, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The converter's registers for tile j: its four blocks of fp8 words and their keys'
+    scales; a tile past the split: all masked (no traffic)."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    k = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    keep = k < end
+    t = k.to(gl.int64)
+    x0 = _load_block(kv_words, t, keep, 0, SKV_W, BLOCK_N)
+    x1 = _load_block(kv_words, t, keep, 1, SKV_W, BLOCK_N)
+    x2 = _load_block(kv_words, t, keep, 2, SKV_W, BLOCK_N)
+    x3 = _load_block(kv_words, t, keep, 3, SKV_W, BLOCK_N)
+    ld_s: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ks = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=ld_s)
+    ts = ks.to(gl.int64) * sks_t
+    c0 = gl.load(ks_row + ts, mask=ks < end, other=0.0)
+    c1 = gl.load(ks_row + ts + sks_c, mask=ks < end, other=0.0)
+    c2 = gl.load(ks_row + ts + 2 * sks_c, mask=ks < end, other=0.0)
+    c3 = gl.load(ks_row + ts + 3 * sks_c, mask=ks < end, other=0.0)
+    return x0, x1, x2, x3, c0, c1, c2, c3
 
 
-def _q_block_factor_src(inv_f, blk: gl.constexpr, row_l: gl.constexpr):
-    """Column `blk` of the [BLOCK_R, 4] query factors, as a [BLOCK_R] vector over S^T's columns."""
-    idx = gl.arange(0, 4, layout=gl.SliceLayout(0, inv_f.type.layout))
-    return gl.convert_layout(gl.sum(gl.where(idx[None, :] == blk, inv_f, 0.0), axis=1), row_l)
+def _put_src(j, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, kt_row, start, end, n_tiles,
+             SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile j (if the split has it) into buffer j % 2: its rope rows by cp.async (each converter
+    thread arrives on `full` when they land), its bytes as f16 and its scales from registers (one
+    more arrival once every thread's stores are fenced for the tensor cores)."""
+    if j < n_tiles:
+        buf = _opaque(j + salt) % 2
+        t0 = start + j * BLOCK_N
+        ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+        cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_r))
+        _async_load(rope_s.index(buf), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
+                    mask=((t0 + nr) < end)[:, None])
+        cp.mbarrier_arrive(full.index(buf), increment_count=False)
+        tile = tile_s.index(buf)
+        tile.slice(0, SB, dim=1).store(_to_f16(x0))
+        tile.slice(SB, SB, dim=1).store(_to_f16(x1))
+        tile.slice(2 * SB, SB, dim=1).store(_to_f16(x2))
+        tile.slice(3 * SB, SB, dim=1).store(_to_f16(x3))
+        sc_s.index(4 * buf).store(c0)  # (block-major: the scorers read each block's scales as a vector)
+        sc_s.index(4 * buf + 1).store(c1)
+        sc_s.index(4 * buf + 2).store(c2)
+        sc_s.index(4 * buf + 3).store(c3)
+        fence_async_shared()  # these stores before the tensor cores' reads
+        mbarrier.arrive(full.index(buf))
+
+
+def _converter_src(salt, tile_s, rope_s, sc_s, full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start, end,
+                   n_tiles, SKV_W: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The converter (a 4-warp worker): the next tile's bytes and scales in registers (loaded a
+    tile ahead), written into a buffer as f16 once the scorer is done with the tile it held."""
+    x0, x1, x2, x3, c0, c1, c2, c3 = _load_tile(0, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
+    _put(0, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+    x0, x1, x2, x3, c0, c1, c2, c3 = _load_tile(1, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
+    _put(1, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+    x0, x1, x2, x3, c0, c1, c2, c3 = _load_tile(2, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
+    for j in range(n_tiles):
+        buf = _opaque(j + salt) % 2
+        mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorer is done with tile j
+        _put(j + 2, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, kt_row, start, end, n_tiles, SKT_T,
+             BLOCK_N)
+        x0, x1, x2, x3, c0, c1, c2, c3 = _load_tile(j + 3, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
 
 
 def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, H, SH):
@@ -122,75 +171,19 @@ def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, 
              o.to(o_base.dtype.element_ty), mask=(rows < SH)[None, :])
 
 
-def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
-                       sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, sks_b, sks_t, sks_c, skt_b8,
-                       so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
-                       SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr):
-    """One (BLOCK_R-row block, split, batch row), one warpgroup. ``skt_b8``: the rope's batch
-    stride in units of 8 elements (16 bytes: its cp.async vectors)."""
-    pid_r = gl.program_id(0)
-    pid_sp = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    row0 = pid_r * BLOCK_R
-    # S^T and O^T: keys (or value columns) along M over the 4 warps, the query rows along N
+def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full,
+                empty, sync, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h,
+                row0, H, SH, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Scorer k (of NUM_SCORERS, each a warpgroup): tiles k, k + NUM_SCORERS, ...: S^T, the
+    online softmax over its keys, P's four scaled copies, O^T; its own partial output and LSE."""
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_R, 16])
     key_l: gl.constexpr = gl.SliceLayout(1, s_mma)
     row_l: gl.constexpr = gl.SliceLayout(0, s_mma)
-
-    # ---- queries: the latent part in f16 scaled per (row, 128-column block) by a power of two
-    ld_q: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
-    rq = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld_q)))
-    bq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld_q)))
-    cq = gl.arange(0, SB, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld_q)))
-    q_off = (rq // H)[:, None, None] * sq_s + (rq % H)[:, None, None] * sq_h + (bq[None, :, None] * SB
-                                                                                   + cq[None, None, :])
-    q = gl.load(Q + b * sq_b + q_off, mask=(rq < SH)[:, None, None], other=0.0).to(gl.float32)
-    amax = gl.max(gl.abs(q), axis=2)
-    e = gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0)))  # (NaN stays NaN: NaN in, NaN out)
-    f = gl.exp2(13.0 - e)  # largest |q| of the block into [2^13, 2^14): f16's range, exactly
-    inv_f = gl.exp2(e - 13.0)
-    q16 = gl.reshape((q * f[:, :, None]).to(gl.float16), [BLOCK_R, DL])
-    # (buffers with a unit leading dimension are indexed with an opaque zero in every tile, so
-    # that the 68 wgmma descriptors are formed in the loop, not hoisted out of it and spilled)
-    q_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_R, DL],
-                                    gl.NVMMASharedLayout.get_default_for([BLOCK_R, DL], gl.float16))
-    q_s.index(0).store(q16)
-    ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rr = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld_qr))
-    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    q_rope = gl.load(QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
-                     mask=(rr < SH)[:, None], other=0.0)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DR],
-                                     gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], gl.bfloat16))
-    qr_s.index(0).store(q_rope)
-    g0 = _q_block_factor(inv_f, 0, row_l)
-    g1 = _q_block_factor(inv_f, 1, row_l)
-    g2 = _q_block_factor(inv_f, 2, row_l)
-    g3 = _q_block_factor(inv_f, 3, row_l)
-
-    # ---- staging ring (fp8 words, bf16 rope), the f16 tile both products read, P's four copies
-    lat_st = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, DL // 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    rope_st = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
-    tile_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, DL],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.float16))
-    p_s = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_R],
-                                    gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], gl.float16))
-
-    start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
-    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
-    salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
-    kv_words = (KV + b * skv_b).to(gl.pointer_type(gl.int32), bitcast=True)
-    kt_row = KT + b * (skt_b8 * 8)
-    ks_row = KS + b * sks_b
-    for i in gl.static_range(STAGES - 1):
-        _issue_tile(lat_st.index(i), rope_st.index(i), kv_words, kt_row, start + i * BLOCK_N, end, SKV_T // 4, SKT_T,
-                    BLOCK_N)
-    fence_async_shared()
-    _barrier()  # q's shared copies before the tensor cores read them
-
+    g0 = g_s.index(0).load(row_l)
+    g1 = g_s.index(1).load(row_l)
+    g2 = g_s.index(2).load(row_l)
+    g3 = g_s.index(3).load(row_l)
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=row_l)
     l_acc = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=s_mma)  # row sums, per key: reduced at the end
     u = gl.max(gl.zeros([BLOCK_N], gl.float32, layout=key_l), axis=0)  # P's unit: the largest key scale so far
@@ -198,47 +191,32 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
     o1 = gl.zeros([SB, BLOCK_R], gl.float32, layout=s_mma)
     o2 = gl.zeros([SB, BLOCK_R], gl.float32, layout=s_mma)
     o3 = gl.zeros([SB, BLOCK_R], gl.float32, layout=s_mma)
-    c0 = _block_scale(ks_row, sks_t, sks_c, start, end, 0, key_l, BLOCK_N)
-    c1 = _block_scale(ks_row, sks_t, sks_c, start, end, 1, key_l, BLOCK_N)
-    c2 = _block_scale(ks_row, sks_t, sks_c, start, end, 2, key_l, BLOCK_N)
-    c3 = _block_scale(ks_row, sks_t, sks_c, start, end, 3, key_l, BLOCK_N)
-    ld_w: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     keys = gl.arange(0, BLOCK_N, layout=key_l)
-    for j in range(n_tiles):
-        slot = j % STAGES
+    n_mine = gl.maximum(gl.cdiv(n_tiles - k, NUM_SCORERS), 0)
+    for i in range(n_mine):
+        j = k + i * NUM_SCORERS
         t0 = start + j * BLOCK_N
-        z = _opaque(salt + j) - j  # 0
-        tile = tile_s.index(z)
+        buf = _opaque(j + salt) % 2
+        z = _opaque(j + salt) - j  # 0: the descriptors are formed here, not hoisted and spilled
+        tile = tile_s.index(buf)
         q_lat = q_s.index(z)
-        cp.wait_group(STAGES - 2)
-        fence_async_shared()  # the copies' writes before the tensor cores' reads (the rope rows)
-        _barrier()  # every thread's copies of tile j landed; every warp is past tile j - 1's products
-        nxt = j + STAGES - 1
-        _issue_tile(lat_st.index(nxt % STAGES), rope_st.index(nxt % STAGES), kv_words, kt_row, start + nxt * BLOCK_N,
-                    end, SKV_T // 4, SKT_T, BLOCK_N)
-        # this tile's fp8 bytes -> the f16 tile, a 128-column block at a time (16 words a thread)
-        for blk in gl.static_range(4):
-            words = lat_st.index(slot).slice(blk * (SB // 4), SB // 4, dim=1).load(ld_w)
-            tile.slice(blk * SB, SB, dim=1).store(_to_f16(words))
-        fence_async_shared()
-        _barrier()
-        # S^T: the rope part (bf16) and the four latent blocks (f16), one accumulator each
+        mbarrier.wait(full.index(buf), (j // 2) & 1)
+        fence_async_shared()  # the rope copies' writes before the tensor cores' reads
         zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=s_mma)
-        sr = warpgroup_mma(rope_st.index(slot), qr_s.index(z).permute((1, 0)), zero, use_acc=False, is_async=True)
-        s0 = warpgroup_mma(tile.slice(0, SB, dim=1), q_lat.slice(0, SB, dim=1).permute((1, 0)), zero, use_acc=False,
-                           is_async=True)
+        sr = warpgroup_mma(rope_s.index(buf), qr_s.index(z).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s0 = warpgroup_mma(tile.slice(0, SB, dim=1), q_lat.slice(0, SB, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
         s1 = warpgroup_mma(tile.slice(SB, SB, dim=1), q_lat.slice(SB, SB, dim=1).permute((1, 0)), zero,
                            use_acc=False, is_async=True)
         s2 = warpgroup_mma(tile.slice(2 * SB, SB, dim=1), q_lat.slice(2 * SB, SB, dim=1).permute((1, 0)), zero,
                            use_acc=False, is_async=True)
         s3 = warpgroup_mma(tile.slice(3 * SB, SB, dim=1), q_lat.slice(3 * SB, SB, dim=1).permute((1, 0)), zero,
                            use_acc=False, is_async=True)
+        c0 = sc_s.index(4 * buf).load(key_l)
+        c1 = sc_s.index(4 * buf + 1).load(key_l)
+        c2 = sc_s.index(4 * buf + 2).load(key_l)
+        c3 = sc_s.index(4 * buf + 3).load(key_l)
         sr, s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=[sr, s0, s1, s2, s3])
-        # the next tile's scales, under this tile's softmax and value product
-        n0 = _block_scale(ks_row, sks_t, sks_c, t0 + BLOCK_N, end, 0, key_l, BLOCK_N)
-        n1 = _block_scale(ks_row, sks_t, sks_c, t0 + BLOCK_N, end, 1, key_l, BLOCK_N)
-        n2 = _block_scale(ks_row, sks_t, sks_c, t0 + BLOCK_N, end, 2, key_l, BLOCK_N)
-        n3 = _block_scale(ks_row, sks_t, sks_c, t0 + BLOCK_N, end, 3, key_l, BLOCK_N)
         s = sr + s0 * (c0[:, None] * g0[None, :]) + s1 * (c1[:, None] * g1[None, :]) \
             + s2 * (c2[:, None] * g2[None, :]) + s3 * (c3[:, None] * g3[None, :])
         valid = (t0 + keys) < end
@@ -255,44 +233,157 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
         inv_u = gl.where(u_new > 0.0, 1.0 / u_new, 0.0)
         rescale = alpha * gl.where(u_new > 0.0, u * inv_u, 1.0)
         u = u_new
-        p_s.index(z).store((p * (c0 * inv_u)[:, None]).to(gl.float16))
-        p_s.index(z + 1).store((p * (c1 * inv_u)[:, None]).to(gl.float16))
-        p_s.index(z + 2).store((p * (c2 * inv_u)[:, None]).to(gl.float16))
-        p_s.index(z + 3).store((p * (c3 * inv_u)[:, None]).to(gl.float16))
+        p_s.index(z + 4 * k).store((p * (c0 * inv_u)[:, None]).to(gl.float16))
+        p_s.index(z + 4 * k + 1).store((p * (c1 * inv_u)[:, None]).to(gl.float16))
+        p_s.index(z + 4 * k + 2).store((p * (c2 * inv_u)[:, None]).to(gl.float16))
+        p_s.index(z + 4 * k + 3).store((p * (c3 * inv_u)[:, None]).to(gl.float16))
         fence_async_shared()
-        _barrier()
+        mbarrier.arrive(sync.index(k))  # (a partition barrier, then one arrival): every warp's P is stored
+        mbarrier.wait(sync.index(k), i & 1)
         # O^T += V^T P^T, block by block (the f16 tile read transposed)
-        o0 = warpgroup_mma(tile.slice(0, SB, dim=1).permute((1, 0)), p_s.index(z), o0 * rescale[None, :],
+        o0 = warpgroup_mma(tile.slice(0, SB, dim=1).permute((1, 0)), p_s.index(z + 4 * k + 0), o0 * rescale[None, :],
                            is_async=True)
-        o1 = warpgroup_mma(tile.slice(SB, SB, dim=1).permute((1, 0)), p_s.index(z + 1), o1 * rescale[None, :],
+        o1 = warpgroup_mma(tile.slice(SB, SB, dim=1).permute((1, 0)), p_s.index(z + 4 * k + 1), o1 * rescale[None, :],
                            is_async=True)
-        o2 = warpgroup_mma(tile.slice(2 * SB, SB, dim=1).permute((1, 0)), p_s.index(z + 2), o2 * rescale[None, :],
+        o2 = warpgroup_mma(tile.slice(2 * SB, SB, dim=1).permute((1, 0)), p_s.index(z + 4 * k + 2), o2 * rescale[None, :],
                            is_async=True)
-        o3 = warpgroup_mma(tile.slice(3 * SB, SB, dim=1).permute((1, 0)), p_s.index(z + 3), o3 * rescale[None, :],
+        o3 = warpgroup_mma(tile.slice(3 * SB, SB, dim=1).permute((1, 0)), p_s.index(z + 4 * k + 3), o3 * rescale[None, :],
                            is_async=True)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
-        c0, c1, c2, c3 = n0, n1, n2, n3
-    cp.wait_group(0)
+        mbarrier.arrive(empty.index(buf))  # the converter may refill this buffer
 
     l_i = gl.sum(l_acc, axis=0)
     o_scale = gl.where(l_i == 0.0, 0.0, u / gl.where(l_i == 0.0, 1.0, l_i))
-    o_base = O + b * so_b + pid_sp * so_sp
     _store_block(o_base, o0, o_scale, 0, row0, so_s, so_h, H, SH)
     _store_block(o_base, o1, o_scale, 1, row0, so_s, so_h, H, SH)
     _store_block(o_base, o2, o_scale, 2, row0, so_s, so_h, H, SH)
     _store_block(o_base, o3, o_scale, 3, row0, so_s, so_h, H, SH)
     rows = row0 + gl.arange(0, BLOCK_R, layout=row_l)
     lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * lse_scale
-    gl.store(L + b * sl_b + pid_sp * sl_sp + (rows // H) * sl_s + (rows % H) * sl_h, lse, mask=rows < SH)
+    gl.store(l_base + (rows // H) * sl_s + (rows % H) * sl_h, lse, mask=rows < SH)
+
+
+def _scorer0_src(salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+                 sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
+                 BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SCORERS: gl.constexpr):
+    _scorer(0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+            sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R, BLOCK_N)
+
+
+def _scorer1_src(salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+                 sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
+                 BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SCORERS: gl.constexpr):
+    _scorer(1, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+            sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R, BLOCK_N)
+
+
+def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
+                       sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, sks_b, sks_t, sks_c, skt_b8,
+                       so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
+                       SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr):
+    """One (BLOCK_R-row block, split, batch row): the parent region (scorer 0's warps) puts q
+    into shared memory, then the converter and NUM_SCORERS scorers run the split's tiles; each
+    scorer writes a partial of its own (partial index split * NUM_SCORERS + scorer).
+    ``skt_b8``: the rope's batch stride in units of 8 elements (16 bytes: its cp.async vectors)."""
+    pid_r = gl.program_id(0)
+    pid_sp = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    row0 = pid_r * BLOCK_R
+    salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
+
+    # ---- queries: the latent part in f16 scaled per (row, 128-column block) by a power of two
+    ld_q: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
+    rq = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld_q)))
+    bq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld_q)))
+    cq = gl.arange(0, SB, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld_q)))
+    q_off = (rq // H)[:, None, None] * sq_s + (rq % H)[:, None, None] * sq_h + (bq[None, :, None] * SB
+                                                                                   + cq[None, None, :])
+    q = gl.load(Q + b * sq_b + q_off, mask=(rq < SH)[:, None, None], other=0.0).to(gl.float32)
+    amax = gl.max(gl.abs(q), axis=2)
+    e = gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0)))  # (NaN stays NaN: NaN in, NaN out)
+    f = gl.exp2(13.0 - e)  # largest |q| of the block into [2^13, 2^14): f16's range, exactly
+    # (buffers with a unit leading dimension are indexed with an opaque zero in every tile, so
+    # that the wgmma descriptors are formed in the loop, not hoisted out of it and spilled)
+    q_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_R, DL],
+                                    gl.NVMMASharedLayout.get_default_for([BLOCK_R, DL], gl.float16))
+    q_s.index(0).store(gl.reshape((q * f[:, :, None]).to(gl.float16), [BLOCK_R, DL]))
+    # the factors that scale the partial scores back, one [BLOCK_R] vector per block
+    g_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    inv_f = gl.exp2(e - 13.0)
+    blk_i = gl.arange(0, 4, layout=gl.SliceLayout(0, inv_f.type.layout))
+    for i in gl.static_range(4):
+        g_s.index(i).store(gl.sum(gl.where(blk_i[None, :] == i, inv_f, 0.0), axis=1))
+    ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rr = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld_qr))
+    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
+    q_rope = gl.load(QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
+                     mask=(rr < SH)[:, None], other=0.0)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DR],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], gl.bfloat16))
+    qr_s.index(0).store(q_rope)
+
+    # ---- two buffers (the f16 tile both products read, its bf16 rope rows, its scales), P's copies
+    tile_s = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, DL],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.float16))
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
+    sc_s = gl.allocate_shared_memory(gl.float32, [2 * 4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    p_s = gl.allocate_shared_memory(gl.float16, [NUM_SCORERS * 4, BLOCK_N, BLOCK_R],
+                                    gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], gl.float16))
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [NUM_SCORERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        # per fill: every converter thread once its rope copies land, and the converter once (a
+        # partition barrier, then one arrival) after its f16 and scale stores
+        mbarrier.init(full.index(i), count=128 + 1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(NUM_SCORERS):
+        mbarrier.init(sync.index(i), count=1)
+
+    start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+    fence_async_shared()
+    _barrier()  # q and the factors in shared memory before any partition reads them
+
+    kv_words = (KV + b * skv_b).to(gl.pointer_type(gl.int32), bitcast=True)
+    kt_row = KT + b * (skt_b8 * 8)
+    ks_row = KS + b * sks_b
+    o_base = O + b * so_b + (pid_sp * NUM_SCORERS) * so_sp
+    l_base = L + b * sl_b + (pid_sp * NUM_SCORERS) * sl_sp
+    if NUM_SCORERS == 1:
+        gl.warp_specialize([
+            (_scorer0, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+                        sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
+                        BLOCK_N, NUM_SCORERS)),
+            (_converter, (salt, tile_s, rope_s, sc_s, full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
+                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N)),
+        ], [4], [152])
+    else:
+        gl.warp_specialize([
+            (_scorer0, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+                        sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
+                        BLOCK_N, NUM_SCORERS)),
+            (_scorer1, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+                        sm_scale_log2, lse_scale, o_base + so_sp, so_s, so_h, l_base + sl_sp, sl_s, sl_h, row0, H,
+                        SH, BLOCK_R, BLOCK_N, NUM_SCORERS)),
+            (_converter, (salt, tile_s, rope_s, sc_s, full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
+                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N)),
+        ], [4, 4], [168, 168])
 
 
 if HAS_GLUON:
     _E4M3_F16_ASM = gl.constexpr(_E4M3_F16_ASM_TEXT)
     _to_f16 = gluon.jit(_to_f16_src)
-    _issue_tile = gluon.jit(_issue_tile_src)
-    _block_scale = gluon.jit(_block_scale_src)
-    _q_block_factor = gluon.jit(_q_block_factor_src)
+    _load_block = gluon.jit(_load_block_src)
+    _load_tile = gluon.jit(_load_tile_src)
+    _put = gluon.jit(_put_src)
+    _converter = gluon.jit(_converter_src)
     _store_block = gluon.jit(_store_block_src)
+    _scorer = gluon.jit(_scorer_src)
+    _scorer0 = gluon.jit(_scorer0_src)
+    _scorer1 = gluon.jit(_scorer1_src)
     _narrow_jit = gluon.jit(_narrow_kernel_src)
 
 
@@ -342,45 +433,53 @@ def unmeasured(shape) -> bool:
 
 
 def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
-                config: Optional[GluonConfig] = None):
+                config: Optional[GluonConfig] = None, scorers: int = SCORERS):
     """(out, lse_out, None) when the outputs are final without a launch, else (out, lse_out,
-    (grid, args, consts, stage-2 launch or None)) for a call's rank view (a ShardView)."""
+    (grid, args, consts, stage-2 launch or None)) for a call's rank view (a ShardView).
+    `scorers`: scorer warpgroups a program (1 or 2); each writes a partial of its own."""
+    from .splits import partial_outputs
+
     cfg = config or NARROW
-    if (cfg.block_h, cfg.block_n) != (NARROW.block_h, NARROW.block_n) or cfg.stages < 2:
-        raise ValueError(f"the narrow fp8 Gluon kernel runs {NARROW.block_h}-row x {NARROW.block_n}-key tiles "
-                         f"in >= 2 stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
+    if (cfg.block_h, cfg.block_n) != (NARROW.block_h, NARROW.block_n):
+        raise ValueError(f"the narrow fp8 Gluon kernel runs {NARROW.block_h}-row x {NARROW.block_n}-key tiles, "
+                         f"not {cfg.block_h} x {cfg.block_n}")
+    if scorers not in (1, 2):
+        raise ValueError(f"the narrow fp8 Gluon kernel runs 1 or 2 scorer warpgroups, not {scorers}")
     if call.kv_scale is None:
         raise ValueError("the narrow fp8 Gluon kernel needs the latent's scales (kv_scale)")
     out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
     if done:
         return out, lse_out, None
-    parts, n_rb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
+    parts, n_rb, ns, (lens, lens_sb, lens_c, lens_r), _ = frame
     qm, qt, km, kt, ks = parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, call.kv_scale
     if kt.stride(-1) != 1 or any(x % 8 for x in kt.stride()[:-1]) or kt.data_ptr() % 16:
         raise ValueError(f"the narrow fp8 Gluon kernel copies the rope rows 16 bytes at a time: it needs unit "
                          f"feature stride, 16-byte aligned data and strides of multiples of 8, got {tuple(kt.stride())}")
     if km.stride(-1) != 1 or km.stride(0) % 16 or km.stride(1) % 16 or km.data_ptr() % 16:
-        raise ValueError(f"the narrow fp8 Gluon kernel copies the latent rows 16 bytes at a time: it needs unit "
+        raise ValueError(f"the narrow fp8 Gluon kernel reads the latent rows 16 bytes at a time: it needs unit "
                          f"feature stride, 16-byte aligned data and strides of multiples of 16, got "
                          f"{tuple(km.stride())}")
     if qm.stride(-1) != 1 or qt.stride(-1) != 1:
         raise ValueError("the narrow fp8 Gluon kernel needs queries with unit feature stride")
     B, S, H, _ = call.q_lat.shape
     T = km.shape[1]
+    n_part = ns * scorers
+    o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, n_part, H, call.lse_base)
     args = (qm, qt, km, ks, kt, lens, o_part, l_part,
             T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
             *qm.stride()[:3], *qt.stride()[:3], km.stride(0), ks.stride(0), ks.stride(1), ks.stride(2),
             kt.stride(0) // 8, ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
     consts = dict(SKV_T=km.stride(1), SKT_T=kt.stride(1), BLOCK_R=cfg.block_h, BLOCK_N=cfg.block_n,
-                  STAGES=cfg.stages, NUM_SPLITS=ns, HAS_LENS=call.kv_lens is not None)
-    stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None)
+                  NUM_SCORERS=scorers, NUM_SPLITS=ns, HAS_LENS=call.kv_lens is not None)
+    stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, n_part) if n_part > 1
+              else None)
     return out, lse_out, ((n_rb, ns, B), args, consts, stage2)
 
 
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
-        config: Optional[GluonConfig] = None):
-    """Run the narrow fp8 kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
-    out, lse_out, plan = launch_args(call.shard(), out, lse_out, num_splits, config)
+        config: Optional[GluonConfig] = None, scorers: int = SCORERS):
+    """Run the narrow fp8 kernel (plus the stage-2 merge of its partials); returns (out, lse_out)."""
+    out, lse_out, plan = launch_args(call.shard(), out, lse_out, num_splits, config, scorers)
     if plan is None:
         return out, lse_out
     grid, args, consts, stage2 = plan
