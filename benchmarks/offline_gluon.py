@@ -115,16 +115,13 @@ def compile_launched(jit, src, args: tuple, consts: dict, num_warps: int):
     return cubin_report(triton.compile(GluonASTSource(jit, sig, consts, attrs), target=target, options=opts.__dict__))
 
 
-def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 128, separate_rope: bool = False,
-                mask: bool = False, causal: bool = False):
-    """The fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on FlashMLA's packed rows (512 e4m3 +
-    4 fp32 scales + 64 bf16 rope: 656 bytes), or a 528-byte latent row beside a bf16 rope
-    buffer, DeepSeek-V3's scale, kv_lens on, q [B, 1, H, 576] split into its two parts; with
-    a decode step's mask row and / or a causal cap."""
+def fp8_call(batch: int, keys: int, heads: int, separate_rope: bool, **extras):
+    """A CPU AttentionCall over FlashMLA's packed rows (512 e4m3 + 4 fp32 scales + 64 bf16 rope:
+    656 bytes), or a 528-byte latent row beside a bf16 rope buffer, DeepSeek-V3's scale, kv_lens
+    on, q [B, 1, H, 576] split into its two parts (``extras``: the call's mask / q_pos)."""
     import torch
 
     from dcp_pass.runtime.decode.call import AttentionCall
-    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8 as F
     from dcp_pass.runtime.decode.kv_format import Fp8Layout, views
 
     q = torch.zeros(batch, 1, heads, 576, dtype=torch.bfloat16)
@@ -135,36 +132,35 @@ def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: i
         latent, scales, rope = views(torch.zeros(batch, keys, 656, dtype=torch.uint8),
                                      Fp8Layout(512, 64, torch.bfloat16))
     lens = torch.full((batch,), keys, dtype=torch.int64)
+    return AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales,
+                         **extras)
+
+
+def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 128, separate_rope: bool = False,
+                mask: bool = False, causal: bool = False):
+    """The fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on :func:`fp8_call`'s operands, with a
+    decode step's mask row and / or a causal cap."""
+    import torch
+
+    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8 as F
+
     extras = {}
     if mask:
         extras["mask"] = torch.zeros(batch, 1, 1, keys)
     if causal:
         extras["q_pos"] = torch.full((batch, 1), keys - 1, dtype=torch.int64)
-    call = AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales,
-                         **extras)
+    call = fp8_call(batch, keys, heads, separate_rope, **extras)
     _, _, (grid, args, consts, _) = F.launch_args(call.shard(), num_splits=num_splits)
     return compile_launched(F._fp8_jit, F._fp8_kernel_src, args, consts, 4)
 
 
 def compile_fp8_narrow(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 16,
                        separate_rope: bool = False, scorers: int = 2):
-    """The narrow fp8 kernel (``kernels/mla_gluon_fp8_narrow.py``) on packed 656-byte rows (or a
-    528-byte latent row beside a bf16 rope buffer), 16 heads, kv_lens on."""
-    import torch
-
-    from dcp_pass.runtime.decode.call import AttentionCall
+    """The narrow fp8 kernel (``kernels/mla_gluon_fp8_narrow.py``) on :func:`fp8_call`'s operands,
+    16 heads, with 1 or 2 scorer warpgroups."""
     from dcp_pass.runtime.decode.kernels import mla_gluon_fp8_narrow as N
-    from dcp_pass.runtime.decode.kv_format import Fp8Layout, views
 
-    q = torch.zeros(batch, 1, heads, 576, dtype=torch.bfloat16)
-    if separate_rope:
-        latent, scales, _ = views(torch.zeros(batch, keys, 528, dtype=torch.uint8), Fp8Layout(512, 0, torch.bfloat16))
-        rope = torch.zeros(batch, keys, 64, dtype=torch.bfloat16)
-    else:
-        latent, scales, rope = views(torch.zeros(batch, keys, 656, dtype=torch.uint8),
-                                     Fp8Layout(512, 64, torch.bfloat16))
-    lens = torch.full((batch,), keys, dtype=torch.int64)
-    call = AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales)
+    call = fp8_call(batch, keys, heads, separate_rope)
     _, _, (grid, args, consts, _) = N.launch_args(call.shard(), num_splits=num_splits, scorers=scorers)
     return compile_launched(N._narrow_jit, N._narrow_kernel_src, args, consts, 4)
 

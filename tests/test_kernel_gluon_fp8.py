@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, decode_mask_rows, last_positions, poisoned, ref64  # noqa: E402
+from kit.kernels import check_close, decode_mask_rows, last_positions, poison_fp8_rows, poisoned, ref64  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
@@ -158,15 +158,6 @@ needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.ge
 TOL = 2e-2  # the bf16 Gluon kernels' tolerance: P and the output in bf16, the cache values rounded to bf16 once
 
 
-def _poison_past(call, local):
-    """Rows past each request's visible keys: NaN latent bytes (e4m3 0x7f), NaN scales and rope."""
-    kv, ks, pe = call.kv.view(torch.uint8), call.kv_scale, call.pe
-    for b, n in enumerate(local.tolist()):
-        kv[b, n:] = 0x7F
-        ks[b, n:] = float("nan")
-        pe[b, n:] = float("nan")
-
-
 def _fp8(call, out=None, lse=None, num_splits=None):
     from dcp_pass.runtime.decode.backends import attend
 
@@ -179,7 +170,7 @@ def _check(call, lens_local, num_splits=None, stripe=None):
     clean = call.replace(kv_lens=lens_local)
     ro, rl = ref64(clean)  # before poisoning: the reference never reads past a length anyway
     target = call if stripe is None else call.replace(stripe=stripe)
-    _poison_past(call, lens_local)
+    poison_fp8_rows(call, lens_local)
     out, lse = poisoned(B, 1, H, 512, torch.bfloat16, "cuda")
     _fp8(target, out, lse, num_splits)
     check_close(out, lse, ro, rl, TOL)
@@ -221,7 +212,7 @@ def test_gpu_fp8_striped_lengths_two_caches_and_wide_scales():
     ro, rl = ref64(rounded)
     exact_o, _ = ref64(call.replace(kv_lens=local))
     rounding_err = ((ro - exact_o).norm() / exact_o.norm()).item()
-    _poison_past(call, local)
+    poison_fp8_rows(call, local)
     for stripe, lens in (((1, 0), local), ((2, 1), glens)):
         out, lse = poisoned(B, 1, H, 512, torch.bfloat16, "cuda")
         _fp8(call.replace(kv_lens=lens, stripe=stripe), out, lse)

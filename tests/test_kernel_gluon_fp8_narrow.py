@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, poisoned, ref64  # noqa: E402
+from kit.kernels import check_close, poison_fp8_rows, poisoned, ref64  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
@@ -134,15 +134,6 @@ needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.ge
 TOL = 1e-2  # P rounded to f16 once; the cache enters unrounded
 
 
-def _poison_past(call, local):
-    """Rows past each request's visible keys: NaN latent bytes (e4m3 0x7f), NaN scales and rope."""
-    kv, ks, pe = call.kv.view(torch.uint8), call.kv_scale, call.pe
-    for b, n in enumerate(local.tolist()):
-        kv[b, n:] = 0x7F
-        ks[b, n:] = float("nan")
-        pe[b, n:] = float("nan")
-
-
 def _run(call, out=None, lse=None, num_splits=None):
     from dcp_pass.runtime.decode.backends import attend
 
@@ -160,7 +151,7 @@ def test_gpu_against_the_dequantised_cache(heads, num_splits):
     lens = torch.tensor([T, 1, 0, T - 1, 64, 65, T // 3, 4097], device="cuda")
     call = _packed_call(B, 1, heads, T, "cuda", lens, gen=g)
     ro, rl = ref64(call)
-    _poison_past(call, lens)
+    poison_fp8_rows(call, lens)
     out, lse = poisoned(B, 1, heads, 512, torch.bfloat16, "cuda")
     _run(call, out, lse, num_splits)
     check_close(out, lse, ro, rl, TOL)
@@ -182,7 +173,7 @@ def test_gpu_stripes_two_caches_multi_token_rows_and_wide_scales():
     call.kv_scale[0, ::3, 1] *= 2.0 ** 10
     call.kv_scale[0, 1::3, 2] *= 2.0 ** -10
     ro, rl = ref64(call.replace(kv_lens=local))
-    _poison_past(call, local)
+    poison_fp8_rows(call, local)
     for stripe, lens in (((1, 0), local), ((2, 1), glens)):
         for ns in (None, 3):
             out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")

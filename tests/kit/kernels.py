@@ -144,3 +144,13 @@ def last_positions(glens: torch.Tensor, S: int) -> torch.Tensor:
     """The query positions of S tokens that end each request's global count (a verify or
     prefill chunk's rows: token s of request b at glens[b] - S + s), [B, S]."""
     return glens.view(-1, 1) - S + torch.arange(S, device=glens.device).view(1, S)
+
+
+def poison_fp8_rows(call: AttentionCall, local) -> None:
+    """An fp8 call's cache rows past each request's visible keys (`local`, per request) made NaN
+    in place: latent bytes e4m3 0x7f, scales and rope NaN (a kernel must not read them)."""
+    kv, ks, pe = call.kv.view(torch.uint8), call.kv_scale, call.pe
+    for b, n in enumerate(torch.as_tensor(local).tolist()):
+        kv[b, n:] = 0x7F
+        ks[b, n:] = float("nan")
+        pe[b, n:] = float("nan")

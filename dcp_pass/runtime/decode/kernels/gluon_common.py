@@ -43,7 +43,7 @@ except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
 __all__ = ["HAS_GLUON", "BUILD_ERRORS", "D_LAT", "D_ROPE", "GLUON_DEFAULT", "GluonConfig", "ROLES_TILES", "Schedule",
-           "default_q_reg", "gluon_reason", "lock_step_default", "roles_preferred", "split_frame"]
+           "default_q_reg", "fp8_gluon_reason", "gluon_reason", "lock_step_default", "roles_preferred", "split_frame"]
 
 D_LAT = 512  # latent columns (= values) the kernels are written for
 D_ROPE = 64  # rope columns
@@ -171,6 +171,32 @@ def gluon_reason(shape) -> Optional[str]:
         return f"it is written for {D_LAT} latent (= values) + {D_ROPE} rope columns"
     if shape.mask == "full":
         return "it takes a mask only as one row per request shared by every head and query token"
+    if not shape.gluon_aligned:
+        return "its operands need unit feature strides, 16-byte aligned data and row strides of 8k elements"
+    return None
+
+
+def fp8_gluon_reason(shape) -> Optional[str]:
+    """Why the fp8 Gluon kernels cannot run a call of this shape, masks aside (None: they can):
+    Hopper, an fp8 e4m3 latent of 512 columns (= values) with its scales, 64 rope columns and
+    queries in bf16, contiguous caches (packed rows or two buffers), operands with unit feature
+    stride, 16-byte aligned data and row strides of multiples of 8 elements."""
+    if not HAS_GLUON:
+        return "this Triton has no Gluon"
+    if shape.per_head or shape.offset_lens:
+        return only_reference(shape)
+    if shape.kv_quant != "fp8_e4m3":
+        return "it reads fp8_e4m3 latent caches (16-bit caches take the bf16 Gluon kernels)"
+    if shape.dtype != torch.float8_e4m3fn:
+        return f"an fp8_e4m3 latent cache must be float8_e4m3fn, not {shape.dtype}"
+    if shape.paged:
+        return "it reads contiguous caches, not page pools"
+    if shape.device != "cuda" or shape.capability != 9:
+        return "it needs a Hopper GPU (compute capability 9.x)"
+    if shape.query_dtype != torch.bfloat16 or not shape.same_dtypes:
+        return "it takes bfloat16 queries and rope columns"
+    if (shape.d_main, shape.d_tail, shape.v_dim) != (D_LAT, D_ROPE, D_LAT):
+        return f"it is written for {D_LAT} latent (= values) + {D_ROPE} rope columns"
     if not shape.gluon_aligned:
         return "its operands need unit feature strides, 16-byte aligned data and row strides of 8k elements"
     return None

@@ -38,11 +38,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from .common import LOG2E, AttentionCall, causal_operand, launch, mask_operand, only_reference
-from .gluon_common import (D_LAT, D_ROPE, GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, roles_preferred,
-                           split_frame)
+from .common import LOG2E, AttentionCall, causal_operand, launch, mask_operand
+from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, fp8_gluon_reason,
+                           roles_preferred, split_frame)
 from .mla_gluon_roles import mask_args
 from .splits import reduce_launch
 
@@ -276,32 +274,12 @@ if HAS_GLUON:
 # the registry's entry (kernel "gluon_fp8")
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
-    """Why the fp8 kernel cannot run a call of this shape (None: it can): Hopper, an fp8 e4m3
-    latent of 512 columns (= values) with its scales, 64 rope columns and queries in bf16,
-    contiguous caches (packed rows or two buffers), a mask only as one row per request, any
-    causal cap, operands with unit feature stride, 16-byte aligned data and row strides of
-    multiples of 8 elements."""
-    if not HAS_GLUON:
-        return "this Triton has no Gluon"
-    if shape.per_head or shape.offset_lens:
-        return only_reference(shape)
-    if shape.kv_quant != "fp8_e4m3":
-        return "it reads fp8_e4m3 latent caches (16-bit caches take gluon_roles)"
-    if shape.dtype != torch.float8_e4m3fn:
-        return f"an fp8_e4m3 latent cache must be float8_e4m3fn, not {shape.dtype}"
-    if shape.paged:
-        return "it reads contiguous caches, not page pools"
-    if shape.device != "cuda" or shape.capability != 9:
-        return "it needs a Hopper GPU (compute capability 9.x)"
-    if shape.query_dtype != torch.bfloat16 or not shape.same_dtypes:
-        return "it takes bfloat16 queries and rope columns"
-    if (shape.d_main, shape.d_tail, shape.v_dim) != (D_LAT, D_ROPE, D_LAT):
-        return f"it is written for {D_LAT} latent (= values) + {D_ROPE} rope columns"
-    if shape.mask == "full":
+    """Why the fp8 kernel cannot run a call of this shape (None: it can): the fp8 Gluon calls
+    (gluon_common.fp8_gluon_reason), a mask only as one row per request, any causal cap."""
+    reason = fp8_gluon_reason(shape)
+    if reason is None and shape.mask == "full":
         return "it takes a mask only as one row per request shared by every head and query token"
-    if not shape.gluon_aligned:
-        return "its operands need unit feature strides, 16-byte aligned data and row strides of 8k elements"
-    return None
+    return reason
 
 
 def offered(shape) -> Optional[str]:

@@ -41,10 +41,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from .common import LOG2E, AttentionCall, launch, only_reference
-from .gluon_common import D_LAT, D_ROPE, HAS_GLUON, GluonConfig, roles_preferred, split_frame
+from .common import LOG2E, AttentionCall, launch
+from .gluon_common import HAS_GLUON, GluonConfig, fp8_gluon_reason, roles_preferred, split_frame
 from .splits import reduce_launch
 
 if HAS_GLUON:
@@ -392,29 +390,11 @@ if HAS_GLUON:
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
     """Why the narrow fp8 kernel cannot run a call of this shape (None: it can): the fp8 Gluon
-    kernel's calls (Hopper, fp8 e4m3 latent of 512 columns with its scales, 64 bf16 rope
-    columns, bf16 queries, contiguous caches) without a mask or causal cap."""
-    if not HAS_GLUON:
-        return "this Triton has no Gluon"
-    if shape.per_head or shape.offset_lens:
-        return only_reference(shape)
-    if shape.kv_quant != "fp8_e4m3":
-        return "it reads fp8_e4m3 latent caches"
-    if shape.dtype != torch.float8_e4m3fn:
-        return f"an fp8_e4m3 latent cache must be float8_e4m3fn, not {shape.dtype}"
-    if shape.paged:
-        return "it reads contiguous caches, not page pools"
-    if shape.device != "cuda" or shape.capability != 9:
-        return "it needs a Hopper GPU (compute capability 9.x)"
-    if shape.query_dtype != torch.bfloat16 or not shape.same_dtypes:
-        return "it takes bfloat16 queries and rope columns"
-    if (shape.d_main, shape.d_tail, shape.v_dim) != (D_LAT, D_ROPE, D_LAT):
-        return f"it is written for {D_LAT} latent (= values) + {D_ROPE} rope columns"
-    if shape.mask != "none" or shape.causal:
+    calls (gluon_common.fp8_gluon_reason) without a mask or causal cap."""
+    reason = fp8_gluon_reason(shape)
+    if reason is None and (shape.mask != "none" or shape.causal):
         return "it takes no mask and no causal cap"
-    if not shape.gluon_aligned:
-        return "its operands need unit feature strides, 16-byte aligned data and row strides of 8k elements"
-    return None
+    return reason
 
 
 def offered(shape) -> Optional[str]:
