@@ -21,7 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, decode_mask_rows, last_positions, poison_fp8_rows, poisoned, ref64  # noqa: E402
+from kit.kernels import (FP8_GLUON_REFUSALS, check_close, decode_mask_rows, last_positions, poison_fp8_rows,  # noqa: E402
+                         poisoned, ref64)
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
@@ -59,16 +60,7 @@ def test_which_calls_it_takes():
     F = _gluon()
     assert F.supports(FP8) is None
     assert F.supports(dataclasses.replace(FP8, fused=True)) is None  # (either layout of the rope columns)
-    reasons = {
-        "reads fp8_e4m3": dict(kv_quant="", dtype=torch.bfloat16),
-        "Hopper": dict(capability=8),
-        "one row per request": dict(mask="full"),
-        "page pools": dict(paged=True),
-        "bfloat16 queries": dict(query_dtype=torch.float16),
-        "512 latent": dict(d_main=256),
-        "row strides of 8k": dict(gluon_aligned=False),
-        "torch reference only": dict(per_head=True),
-    }
+    reasons = {**FP8_GLUON_REFUSALS, "one row per request": dict(mask="full")}
     for words, kw in reasons.items():
         reason = F.supports(dataclasses.replace(FP8, **kw))
         assert reason is not None and words in reason, (kw, reason)

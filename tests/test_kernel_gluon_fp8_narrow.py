@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, poison_fp8_rows, poisoned, ref64  # noqa: E402
+from kit.kernels import FP8_GLUON_REFUSALS, check_close, poison_fp8_rows, poisoned, ref64  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
@@ -61,17 +61,7 @@ def _packed_call(B, S, H, T, device="cpu", lens=None, separate=False, gen=None):
 def test_which_calls_it_takes():
     N = _narrow()
     assert N.supports(FP8_16) is None and N.offered(FP8_16) is None and N.unmeasured(FP8_16) is False
-    reasons = {
-        "reads fp8_e4m3": dict(kv_quant="", dtype=torch.bfloat16),
-        "Hopper": dict(capability=8),
-        "no mask": dict(mask="row"),
-        "no causal": dict(causal=True),
-        "page pools": dict(paged=True),
-        "bfloat16 queries": dict(query_dtype=torch.float16),
-        "512 latent": dict(d_main=256),
-        "row strides of 8k": dict(gluon_aligned=False),
-        "torch reference only": dict(per_head=True),
-    }
+    reasons = {**FP8_GLUON_REFUSALS, "no mask": dict(mask="row"), "no causal": dict(causal=True)}
     for words, kw in reasons.items():
         reason = N.supports(dataclasses.replace(FP8_16, **kw))
         assert reason is not None and words in reason, (kw, reason)

@@ -154,3 +154,16 @@ def poison_fp8_rows(call: AttentionCall, local) -> None:
         kv[b, n:] = 0x7F
         ks[b, n:] = float("nan")
         pe[b, n:] = float("nan")
+
+
+# a CallShape change each fp8 Gluon kernel refuses, and words of its reason (their shared
+# checks, kernels.gluon_common.fp8_gluon_reason)
+FP8_GLUON_REFUSALS = {
+    "reads fp8_e4m3": dict(kv_quant="", dtype=torch.bfloat16),
+    "Hopper": dict(capability=8),
+    "page pools": dict(paged=True),
+    "bfloat16 queries": dict(query_dtype=torch.float16),
+    "512 latent": dict(d_main=256),
+    "row strides of 8k": dict(gluon_aligned=False),
+    "torch reference only": dict(per_head=True),
+}

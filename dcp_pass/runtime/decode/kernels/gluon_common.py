@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .common import fp8_reason, lens_operand, only_reference, outputs
+from .common import fp8_reason, launch, lens_operand, only_reference, outputs
 
 try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
     import triton
@@ -43,7 +43,7 @@ except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
 __all__ = ["HAS_GLUON", "BUILD_ERRORS", "D_LAT", "D_ROPE", "GLUON_DEFAULT", "GluonConfig", "ROLES_TILES", "Schedule",
-           "default_q_reg", "fp8_gluon_reason", "gluon_reason", "lock_step_default", "roles_preferred", "split_frame"]
+           "default_q_reg", "fp8_gluon_reason", "gluon_reason", "launch_plan", "lock_step_default", "roles_preferred", "split_frame"]
 
 D_LAT = 512  # latent columns (= values) the kernels are written for
 D_ROPE = 64  # rope columns
@@ -209,10 +209,11 @@ def gluon_offered(shape) -> Optional[str]:
     return None
 
 
-def split_frame(call, out, lse_out, num_splits, cfg: GluonConfig):
-    """What both forms' launches start from, over a call's rank view (a ShardView): (out,
+def split_frame(call, out, lse_out, num_splits, cfg: GluonConfig, partials_per_split: int = 1):
+    """What the Gluon launches start from, over a call's rank view (a ShardView): (out,
     lse_out, done, (parts, n_hb, ns, lens operand, partial outputs)); ``done``: the outputs
-    are final already (no rows, empty shard)."""
+    are final already (no rows, empty shard). ``partials_per_split``: partials each program
+    writes (the narrow fp8 kernel's scorers write one each), so ns x that are merged."""
     from .splits import partial_outputs, split_count
 
     parts = call.parts()
@@ -225,10 +226,23 @@ def split_frame(call, out, lse_out, num_splits, cfg: GluonConfig):
     n_hb = triton.cdiv(S * H, cfg.block_h)
     ns = num_splits or cfg.num_splits or split_count(B, n_hb, T, kv.device, cfg.waves)
     lens = lens_operand(call.kv_lens, call.lens_stripe, B, kv)
-    partials = partial_outputs(out, lse_out, ns, H, call.lse_base)
+    partials = partial_outputs(out, lse_out, ns * partials_per_split, H, call.lse_base)
     if partials[2][4] != 1:
         raise ValueError("the Gluon MLA kernels write outputs whose feature stride is 1")
     return out, lse_out, False, (parts, n_hb, ns, lens, partials)
+
+
+def launch_plan(jit, out, lse_out, plan, num_warps: int = 4):
+    """Launch a Gluon kernel's plan ``(grid, args, consts, stage-2 launch or None)`` as its
+    ``launch_args`` builds it (None: the outputs are final already); returns (out, lse_out)."""
+    if plan is None:
+        return out, lse_out
+    grid, args, consts, stage2 = plan
+    launch(jit, grid, args, consts, num_warps)
+    if stage2 is not None:
+        kernel, grid2, args2, consts2, warps = stage2
+        launch(kernel, grid2, args2, consts2, warps)
+    return out, lse_out
 
 
 def _split_keys_src(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr,

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, causal_operand, launch, mask_operand
+from .common import LOG2E, AttentionCall, causal_operand, mask_operand
 from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, fp8_gluon_reason,
-                           roles_preferred, split_frame)
+                           launch_plan, roles_preferred, split_frame)
 from .mla_gluon_roles import mask_args
 from .splits import reduce_launch
 
@@ -337,12 +337,4 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
         config: Optional[GluonConfig] = None):
     """Run the fp8 kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
-    out, lse_out, plan = launch_args(call.shard(), out, lse_out, num_splits, config)
-    if plan is None:
-        return out, lse_out
-    grid, args, consts, stage2 = plan
-    launch(_fp8_jit, grid, args, consts, 4)
-    if stage2 is not None:
-        kernel, grid2, args2, consts2, warps = stage2
-        launch(kernel, grid2, args2, consts2, warps)
-    return out, lse_out
+    return launch_plan(_fp8_jit, *launch_args(call.shard(), out, lse_out, num_splits, config))

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, launch
-from .gluon_common import HAS_GLUON, GluonConfig, fp8_gluon_reason, roles_preferred, split_frame
+from .common import LOG2E, AttentionCall
+from .gluon_common import HAS_GLUON, GluonConfig, fp8_gluon_reason, launch_plan, roles_preferred, split_frame
 from .splits import reduce_launch
 
 if HAS_GLUON:
@@ -417,8 +417,6 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
     """(out, lse_out, None) when the outputs are final without a launch, else (out, lse_out,
     (grid, args, consts, stage-2 launch or None)) for a call's rank view (a ShardView).
     `scorers`: scorer warpgroups a program (1 or 2); each writes a partial of its own."""
-    from .splits import partial_outputs
-
     cfg = config or NARROW
     if (cfg.block_h, cfg.block_n) != (NARROW.block_h, NARROW.block_n):
         raise ValueError(f"the narrow fp8 Gluon kernel runs {NARROW.block_h}-row x {NARROW.block_n}-key tiles, "
@@ -427,10 +425,10 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
         raise ValueError(f"the narrow fp8 Gluon kernel runs 1 or 2 scorer warpgroups, not {scorers}")
     if call.kv_scale is None:
         raise ValueError("the narrow fp8 Gluon kernel needs the latent's scales (kv_scale)")
-    out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
+    out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg, partials_per_split=scorers)
     if done:
         return out, lse_out, None
-    parts, n_rb, ns, (lens, lens_sb, lens_c, lens_r), _ = frame
+    parts, n_rb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
     qm, qt, km, kt, ks = parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, call.kv_scale
     if kt.stride(-1) != 1 or any(x % 8 for x in kt.stride()[:-1]) or kt.data_ptr() % 16:
         raise ValueError(f"the narrow fp8 Gluon kernel copies the rope rows 16 bytes at a time: it needs unit "
@@ -444,7 +442,6 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
     B, S, H, _ = call.q_lat.shape
     T = km.shape[1]
     n_part = ns * scorers
-    o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, n_part, H, call.lse_base)
     args = (qm, qt, km, ks, kt, lens, o_part, l_part,
             T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
             *qm.stride()[:3], *qt.stride()[:3], km.stride(0), ks.stride(0), ks.stride(1), ks.stride(2),
@@ -459,12 +456,4 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
         config: Optional[GluonConfig] = None, scorers: int = SCORERS):
     """Run the narrow fp8 kernel (plus the stage-2 merge of its partials); returns (out, lse_out)."""
-    out, lse_out, plan = launch_args(call.shard(), out, lse_out, num_splits, config, scorers)
-    if plan is None:
-        return out, lse_out
-    grid, args, consts, stage2 = plan
-    launch(_narrow_jit, grid, args, consts, 4)
-    if stage2 is not None:
-        kernel, grid2, args2, consts2, warps = stage2
-        launch(kernel, grid2, args2, consts2, warps)
-    return out, lse_out
+    return launch_plan(_narrow_jit, *launch_args(call.shard(), out, lse_out, num_splits, config, scorers))

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, causal_operand, launch, mask_operand
+from .common import LOG2E, AttentionCall, causal_operand, mask_operand
 from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, gluon_offered, gluon_reason,
-                           roles_preferred, split_frame)
+                           launch_plan, roles_preferred, split_frame)
 from .splits import reduce_launch
 
 if HAS_GLUON:
@@ -87,6 +87,17 @@ def _query_positions_src(qpos_row, sqp_s, rows, H, SH):
     for rows past SH."""
     q = gl.load(qpos_row + (rows // H) * sqp_s, mask=rows < SH, other=-1)
     return gl.minimum(gl.maximum(q, -1), 2147483646).to(gl.int32)
+
+
+def _row_positions_src(qpos_row, sqp_s, row0, H, SH, row_l: gl.constexpr, BLOCK_H: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+    """A scorer's query positions of the block's rows, in layout `row_l`, for a causal cap (0,
+    unused, without one)."""
+    if CAUSAL:
+        qpos = _query_positions(qpos_row, sqp_s, row0 + gl.arange(0, BLOCK_H, layout=row_l), H, SH)
+    else:
+        qpos = 0
+    return qpos
 
 
 def _causal_end_src(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H: gl.constexpr):
@@ -153,10 +164,7 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_mma))
-    if CAUSAL:
-        qpos = _query_positions(qpos_row, sqp_s, row0 + gl.arange(0, BLOCK_H, layout=row_s), H, SH)
-    else:
-        qpos = 0  # unused
+    qpos = _row_positions(qpos_row, sqp_s, row0, H, SH, row_s, BLOCK_H, CAUSAL)
     for j in range(n_tiles):
         buf = _opaque(j + salt) % 2
         mbarrier.wait(full.index(buf), (j // 2) & 1)
@@ -309,6 +317,7 @@ if HAS_GLUON:
     _copy_tile = gluon.jit(_copy_tile_src)
     _copy_mask = gluon.jit(_copy_mask_src)
     _query_positions = gluon.jit(_query_positions_src)
+    _row_positions = gluon.jit(_row_positions_src)
     _causal_end = gluon.jit(_causal_end_src)
     _scores_log2 = gluon.jit(_scores_log2_src)
     _fill = gluon.jit(_fill_src)
@@ -362,19 +371,15 @@ def launch_role_args(jit, name: str, call: AttentionCall, out, lse_out, num_spli
     T = call.kv.shape[1]
     mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, call.kv.device)  # one row per request (gluon_reason)
     q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, call.kv)
-    launch(jit, (n_hb, ns, B), (
-        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
-        T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-        *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
-        ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
-        *mask_args(mask_b, ms, call.kv, q_pos, qps, cp_world, cp_rank),
-    ), dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-            HAS_LENS=call.kv_lens is not None, HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None), 4)
-    if ns > 1:
-        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim,
-                                                           ns)
-        launch(kernel, grid2, args, consts, warps)
-    return out, lse_out
+    args = (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
+            T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
+            *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
+            ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
+            *mask_args(mask_b, ms, call.kv, q_pos, qps, cp_world, cp_rank))
+    consts = dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
+                  HAS_LENS=call.kv_lens is not None, HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None)
+    stage2 = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None
+    return launch_plan(jit, out, lse_out, ((n_hb, ns, B), args, consts, stage2))
 
 
 def mask_args(mask_b, ms, dummy, q_pos, qps, cp_world: int, cp_rank: int) -> tuple:

@@ -59,7 +59,7 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _query_positions, _scores_log2, _store_half
+    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _row_positions, _scores_log2, _store_half
 
 __all__ = ["supports", "offered", "unmeasured", "run"]
 if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
@@ -165,10 +165,7 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
-    if CAUSAL:
-        qpos = _query_positions(qpos_row, sqp_s, row0 + gl.arange(0, BLOCK_H, layout=row_s), H, SH)
-    else:
-        qpos = 0  # unused
+    qpos = _row_positions(qpos_row, sqp_s, row0, H, SH, row_s, BLOCK_H, CAUSAL)
     for i in range(n_pairs):
         ph = i & 1
         b0 = _opaque(2 * i + salt) % 2  # 0 and 1, which LLVM cannot see: the descriptors stay in the loop
@@ -242,10 +239,7 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
-    if CAUSAL:
-        qpos = _query_positions(qpos_row, sqp_s, row0 + gl.arange(0, BLOCK_H, layout=row_s), H, SH)
-    else:
-        qpos = 0  # unused
+    qpos = _row_positions(qpos_row, sqp_s, row0, H, SH, row_s, BLOCK_H, CAUSAL)
     for i in range(n_pairs):
         ph = i & 1
         b0 = _opaque(2 * i + salt) % 2
