@@ -77,15 +77,20 @@ def test_which_calls_it_takes():
 
 def test_the_chooser_takes_it_where_its_fp8_timings_are_fastest(monkeypatch):
     """fp8 calls are chosen by timings on fp8 rows (path table keys split_fp8, wide_fp8,
-    gluon_fp8): on the H200 this kernel at every plain call measured, 16 heads included;
-    without the Gluon kernels, the two-GEMM kernel at 128 heads and the split kernel at 16,
-    as their fp8 timings say (not their bf16 ones)."""
+    gluon_fp8, gluon_fp8_narrow): on the H200 this kernel at every plain call measured from 64
+    heads, the narrow fp8 kernel at 16 heads (its own rows; masked 16-head calls come here);
+    without the Gluon kernels, the two-GEMM kernel at 128 heads and the split kernel at 16, as
+    their fp8 timings say (not their bf16 ones)."""
     _gluon()
     monkeypatch.delenv("DCP_MLA_GLUON", raising=False)
     assert registry.KERNELS["gluon_fp8"] in registry.candidates(FP8, registry.TRITON_KERNELS)
     for heads, batch, keys in ((128, 8, 131072), (128, 32, 32768), (64, 8, 4096), (16, 8, 131072), (16, 32, 32768)):
         shape = dataclasses.replace(FP8, heads=heads, batch=batch, keys=keys)
-        assert registry.choose(shape, registry.TRITON_KERNELS).name == "gluon_fp8", (heads, batch, keys)
+        want = "gluon_fp8_narrow" if heads == 16 else "gluon_fp8"
+        assert registry.choose(shape, registry.TRITON_KERNELS).name == want, (heads, batch, keys)
+        if heads == 16:
+            masked = dataclasses.replace(shape, mask="row")
+            assert registry.choose(masked, registry.TRITON_KERNELS).name == "gluon_fp8", (heads, batch, keys)
     monkeypatch.setenv("DCP_MLA_GLUON", "0")
     assert registry.choose(dataclasses.replace(FP8, heads=128, keys=131072), registry.TRITON_KERNELS).name == "wide"
     assert registry.choose(dataclasses.replace(FP8, heads=16, keys=131072), registry.TRITON_KERNELS).name == "split"

@@ -81,7 +81,8 @@ def test_launch_arguments():
     out, lse, plan = N.launch_args(call.shard(), num_splits=3)
     grid, args, consts, stage2 = plan
     assert grid == (2, 3, B) and stage2 is not None
-    assert consts == dict(SKV_T=656, SKT_T=328, BLOCK_R=16, BLOCK_N=64, NUM_SCORERS=2, NUM_SPLITS=3, HAS_LENS=True)
+    assert consts == dict(SKV_T=656, SKT_T=328, BLOCK_R=16, BLOCK_N=64, NUM_SCORERS=2, NUM_SPLITS=3, HAS_LENS=True,
+                          L2_AHEAD=1)
     names = list(__import__("inspect").signature(N._narrow_kernel_src).parameters)
     a = dict(zip(names, args))
     assert a["KV"].dtype == torch.float8_e4m3fn and a["KS"].dtype == torch.float32 and a["KT"].dtype == torch.bfloat16

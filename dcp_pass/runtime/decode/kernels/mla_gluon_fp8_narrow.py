@@ -23,14 +23,16 @@ in units of the largest key scale seen so far, so they stay in [0, 1] (the accum
 rescaled when that largest scale grows, as for the running max). What is rounded: P, once, to
 f16 (11 bits; the bf16 kernels round it to 8); nothing else.
 
-Three warpgroups a program (``gl.warp_specialize``): a *converter* holds the next tile's fp8
-words and scales in registers (plain 16-byte loads a tile ahead) and, once a buffer is free,
-writes them as f16 (and the scales, block-major) into it, its bf16 rope rows by ``cp.async``;
-two *scorers* take alternate tiles (scorer k the tiles k, k + 2, ...), each with its own
-running max, row sums and output, and write partials of their own that the split kernel's
-stage-2 merge combines. Two buffers of (f16 tile, rope rows, scales): 181 KiB of shared
-memory. A scorer's row sums are kept per key and row ([64, 16], rescaled with the running
-max) and reduced once at the end; its running max crosses its warps once a tile.
+Three warpgroups a program (``gl.warp_specialize``): a *converter* moves each tile's fp8 words
+global -> a staging buffer (``cp.async``) -> registers -> an f16 buffer, and issues the next
+tile's copies (and an L2 prefetch of the tile after it) as soon as this tile's words are in
+registers, so that they fly while it converts, stores and waits for a free buffer; its keys'
+scales travel in registers, its bf16 rope rows by ``cp.async`` into a ring of three slots a
+tile ahead. Two *scorers* take alternate tiles (scorer k the tiles k, k + 2, ...), each with
+its own running max, row sums and output, and write partials of their own that the split
+kernel's stage-2 merge combines. Two f16 buffers, the staging buffer, three rope slots: 221
+KiB of shared memory. A scorer's row sums are kept per key and row ([64, 16], rescaled with
+the running max) and reduced once at the end; its running max crosses its warps once a tile.
 
 Scope: an fp8 e4m3 latent of 512 columns with its fp32 scales (4 a token), 64 bf16 rope
 columns (packed rows or a buffer of their own), bf16 queries, kv_lens with ``lens_stripe``,
@@ -59,10 +61,16 @@ __all__ = ["NARROW", "supports", "offered", "unmeasured", "run", "launch_args"]
 
 NARROW = GluonConfig(block_h=16, block_n=64, stages=2)  # query rows (N), keys (M), buffers
 SCORERS = 2  # scorer warpgroups a program, beside the converter
+L2_AHEAD = 1  # the tile after the staged one is prefetched into L2 (0: none; 2 measured no better)
 MAX_ROWS = 16  # the rows the chooser offers it for (more rows re-read the cache once per 16)
 
 if HAS_GLUON:
     DL, DR, SB = gl.constexpr(512), gl.constexpr(64), gl.constexpr(128)
+    # a 128-column block's fp8 words [BLOCK_N, 32] in the converter: 16 bytes a thread, 8 rows x 4
+    # threads a warp, so that the f16 stores into the 128-byte-swizzled tile are conflict-free
+    # (an 8-lane phase writes two rows' four 16-byte pieces, which the swizzle puts on all 32
+    # banks; with 4 rows x 8 threads two lanes of a phase shared banks): 4 % faster on the H200
+    _WORDS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 
 # four e4m3 values of one word -> four f16 (exact: e4m3 is a subset of f16), lowest byte first
 _E4M3_F16_ASM_TEXT = """{
@@ -86,25 +94,35 @@ def _to_f16_src(x):
     return gl.reshape(w, [x.shape[0], 4 * x.shape[1]])
 
 
-def _load_block_src(kv_words, t, keep, blk: gl.constexpr, SKV_W: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One 128-column block of a tile's fp8 bytes as [BLOCK_N, 32] words (16-byte loads: four a
-    thread); 0 past the end."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    w = gl.arange(0, SB // 4, layout=gl.SliceLayout(0, ld))
-    return gl.load(kv_words + t[:, None] * SKV_W + (blk * (SB // 4) + w)[None, :], mask=keep[:, None], other=0)
+def _prefetch_l2_src(kv_bytes, t0, end, SKV_T: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key rows [t0, t0 + BLOCK_N) into L2, one bulk prefetch a warp of a warp-uniform range of
+    BLOCK_N / 4 whole rows (a per-lane address would make ptxas loop over the lanes); ranges
+    reaching past `end` are skipped."""
+    wl: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[], lane_bases=[[0], [0], [0], [0], [0]],
+                                                  warp_bases=[[1], [2]], block_bases=[], shape=[4])
+    row = t0 + gl.arange(0, 4, layout=wl) * (BLOCK_N // 4)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+        "=r,l,r,r", [kv_bytes + row.to(gl.int64) * SKV_T, ((row + BLOCK_N // 4) <= end).to(gl.int32),
+                     gl.full([4], SKV_T * (BLOCK_N // 4), gl.int32, layout=wl)],
+        dtype=gl.int32, is_pure=False, pack=1)
 
 
-def _load_tile_src(j, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The converter's registers for tile j: its four blocks of fp8 words and their keys'
-    scales; a tile past the split: all masked (no traffic)."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+def _issue_tile_src(j, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W: gl.constexpr,
+                    BLOCK_N: gl.constexpr, kv_bytes, L2_AHEAD: gl.constexpr):
+    """Tile j's fp8 words into the staging buffer by cp.async (one commit group; each thread
+    copies the 16-byte pieces it will read back itself, so no barrier orders them) and its keys'
+    scales into registers; past the split: all masked (no traffic)."""
+    ld: gl.constexpr = _WORDS_LAYOUT
     k = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-    keep = k < end
-    t = k.to(gl.int64)
-    x0 = _load_block(kv_words, t, keep, 0, SKV_W, BLOCK_N)
-    x1 = _load_block(kv_words, t, keep, 1, SKV_W, BLOCK_N)
-    x2 = _load_block(kv_words, t, keep, 2, SKV_W, BLOCK_N)
-    x3 = _load_block(kv_words, t, keep, 3, SKV_W, BLOCK_N)
+    w = gl.arange(0, SB // 4, layout=gl.SliceLayout(0, ld))
+    rows = kv_words + k.to(gl.int64)[:, None] * SKV_W + w[None, :]
+    keep = (k < end)[:, None]
+    for blk in gl.static_range(4):
+        _async_load(stage_s.index(blk), rows + blk * (SB // 4), mask=keep)
+    cp.commit_group()
+    if L2_AHEAD > 0:
+        _prefetch_l2(kv_bytes, start + (j + L2_AHEAD) * BLOCK_N, end, SKV_W * 4, BLOCK_N)
     ld_s: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     ks = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=ld_s)
     ts = ks.to(gl.int64) * sks_t
@@ -112,23 +130,38 @@ def _load_tile_src(j, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W: gl.cons
     c1 = gl.load(ks_row + ts + sks_c, mask=ks < end, other=0.0)
     c2 = gl.load(ks_row + ts + 2 * sks_c, mask=ks < end, other=0.0)
     c3 = gl.load(ks_row + ts + 3 * sks_c, mask=ks < end, other=0.0)
-    return x0, x1, x2, x3, c0, c1, c2, c3
+    return c0, c1, c2, c3
 
 
-def _put_src(j, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, kt_row, start, end, n_tiles,
-             SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile j (if the split has it) into buffer j % 2: its rope rows by cp.async (each converter
-    thread arrives on `full` when they land), its bytes as f16 and its scales from registers (one
-    more arrival once every thread's stores are fenced for the tensor cores)."""
+def _take_tile_src(stage_s, OUTSTANDING: gl.constexpr):
+    """The staged tile's words into registers, once this thread's copies have landed (all but
+    the OUTSTANDING newest commit groups)."""
+    ld: gl.constexpr = _WORDS_LAYOUT
+    cp.wait_group(OUTSTANDING)
+    return (stage_s.index(0).load(ld), stage_s.index(1).load(ld), stage_s.index(2).load(ld),
+            stage_s.index(3).load(ld))
+
+
+def _issue_rope_src(j, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile j's bf16 rope rows (if the split has it) into rope slot j % 3 by cp.async; each
+    converter thread arrives on the slot's barrier when its copies land."""
     if j < n_tiles:
-        buf = _opaque(j + salt) % 2
+        slot = j % 3
         t0 = start + j * BLOCK_N
         ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
         cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_r))
-        _async_load(rope_s.index(buf), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
+        _async_load(rope_s.index(slot), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
                     mask=((t0 + nr) < end)[:, None])
-        cp.mbarrier_arrive(full.index(buf), increment_count=False)
+        cp.mbarrier_arrive(rope_full.index(slot), increment_count=False)
+        cp.commit_group()
+
+
+def _put_src(j, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tiles):
+    """Tile j (if the split has it) into buffer j % 2: its bytes as f16 and its scales from
+    registers, then one arrival once every thread's stores are fenced for the tensor cores."""
+    if j < n_tiles:
+        buf = _opaque(j + salt) % 2
         tile = tile_s.index(buf)
         tile.slice(0, SB, dim=1).store(_to_f16(x0))
         tile.slice(SB, SB, dim=1).store(_to_f16(x1))
@@ -142,21 +175,33 @@ def _put_src(j, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3
         mbarrier.arrive(full.index(buf))
 
 
-def _converter_src(salt, tile_s, rope_s, sc_s, full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start, end,
-                   n_tiles, SKV_W: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The converter (a 4-warp worker): the next tile's bytes and scales in registers (loaded a
-    tile ahead), written into a buffer as f16 once the scorer is done with the tile it held."""
-    x0, x1, x2, x3, c0, c1, c2, c3 = _load_tile(0, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
-    _put(0, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
-    x0, x1, x2, x3, c0, c1, c2, c3 = _load_tile(1, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
-    _put(1, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
-    x0, x1, x2, x3, c0, c1, c2, c3 = _load_tile(2, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
+def _converter_src(salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t,
+                   sks_c, start, end, n_tiles, SKV_W: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr,
+                   kv_bytes, L2_AHEAD: gl.constexpr):
+    """The converter (a 4-warp worker). A tile's fp8 words travel global -> staging buffer
+    (cp.async) -> registers -> f16 buffer: the next tile's copies are issued as soon as this
+    tile's words are in registers, so they fly while this tile is converted and stored and
+    while the converter waits for a free buffer. Rope rows go to a ring of three slots, issued
+    a tile ahead of their latent's f16 store, once the scorers are done with the slot."""
+    _issue_rope(0, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+    _issue_rope(1, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+    _issue_rope(2, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+    c0, c1, c2, c3 = _issue_tile(0, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
+    x0, x1, x2, x3 = _take_tile(stage_s, 0)
+    n0, n1, n2, n3 = _issue_tile(1, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
+    _put(0, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tiles)
+    x0, x1, x2, x3 = _take_tile(stage_s, 0)
+    c0, c1, c2, c3 = _issue_tile(2, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
+    _put(1, salt, full, tile_s, sc_s, x0, x1, x2, x3, n0, n1, n2, n3, n_tiles)
     for j in range(n_tiles):
+        # tile j + 2: its words from the staging buffer, then tile j + 3's copies behind them
+        x0, x1, x2, x3 = _take_tile(stage_s, 0)
+        n0, n1, n2, n3 = _issue_tile(j + 3, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
         buf = _opaque(j + salt) % 2
-        mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorer is done with tile j
-        _put(j + 2, salt, full, tile_s, rope_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, kt_row, start, end, n_tiles, SKT_T,
-             BLOCK_N)
-        x0, x1, x2, x3, c0, c1, c2, c3 = _load_tile(j + 3, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
+        mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorers are done with tile j (and its rope slot)
+        _issue_rope(j + 3, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+        _put(j + 2, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tiles)
+        c0, c1, c2, c3 = n0, n1, n2, n3
 
 
 def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, H, SH):
@@ -170,7 +215,7 @@ def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, 
 
 
 def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full,
-                empty, sync, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h,
+                rope_full, empty, sync, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h,
                 row0, H, SH, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr):
     """Scorer k (of NUM_SCORERS, each a warpgroup): tiles k, k + NUM_SCORERS, ...: S^T, the
     online softmax over its keys, P's four scaled copies, O^T; its own partial output and LSE."""
@@ -198,10 +243,12 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
         z = _opaque(j + salt) - j  # 0: the descriptors are formed here, not hoisted and spilled
         tile = tile_s.index(buf)
         q_lat = q_s.index(z)
+        slot = _opaque(j + salt) % 3
         mbarrier.wait(full.index(buf), (j // 2) & 1)
+        mbarrier.wait(rope_full.index(slot), (j // 3) & 1)
         fence_async_shared()  # the rope copies' writes before the tensor cores' reads
         zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=s_mma)
-        sr = warpgroup_mma(rope_s.index(buf), qr_s.index(z).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sr = warpgroup_mma(rope_s.index(slot), qr_s.index(z).permute((1, 0)), zero, use_acc=False, is_async=True)
         s0 = warpgroup_mma(tile.slice(0, SB, dim=1), q_lat.slice(0, SB, dim=1).permute((1, 0)), zero,
                            use_acc=False, is_async=True)
         s1 = warpgroup_mma(tile.slice(SB, SB, dim=1), q_lat.slice(SB, SB, dim=1).permute((1, 0)), zero,
@@ -261,17 +308,17 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
     gl.store(l_base + (rows // H) * sl_s + (rows % H) * sl_h, lse, mask=rows < SH)
 
 
-def _scorer0_src(salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+def _scorer0_src(salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                  sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
                  BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SCORERS: gl.constexpr):
-    _scorer(0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+    _scorer(0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
             sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R, BLOCK_N)
 
 
-def _scorer1_src(salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+def _scorer1_src(salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                  sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
                  BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SCORERS: gl.constexpr):
-    _scorer(1, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+    _scorer(1, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
             sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R, BLOCK_N)
 
 
@@ -279,7 +326,8 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
                        sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, sks_b, sks_t, sks_c, skt_b8,
                        so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
                        SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr):
+                       NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr,
+                       L2_AHEAD: gl.constexpr):
     """One (BLOCK_R-row block, split, batch row): the parent region (scorer 0's warps) puts q
     into shared memory, then the converter and NUM_SCORERS scorers run the split's tiles; each
     scorer writes a partial of its own (partial index split * NUM_SCORERS + scorer).
@@ -324,19 +372,26 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
     # ---- two buffers (the f16 tile both products read, its bf16 rope rows, its scales), P's copies
     tile_s = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, DL],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.float16))
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR],
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, DR],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
+    # the next tile's fp8 words on their way in: one [BLOCK_N, 32]-word piece per 128-column block
+    # (its two halves of a row swapped on odd rows: an 8-lane phase of _WORDS_LAYOUT's copies and
+    # loads, two rows x 64 bytes, then covers all 32 banks)
+    stage_s = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N, SB // 4], gl.SwizzledSharedLayout(16, 1, 2, [1, 0]))
     sc_s = gl.allocate_shared_memory(gl.float32, [2 * 4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_s = gl.allocate_shared_memory(gl.float16, [NUM_SCORERS * 4, BLOCK_N, BLOCK_R],
                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], gl.float16))
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    rope_full = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     sync = gl.allocate_shared_memory(gl.int64, [NUM_SCORERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        # per fill: every converter thread once its rope copies land, and the converter once (a
-        # partition barrier, then one arrival) after its f16 and scale stores
-        mbarrier.init(full.index(i), count=128 + 1)
+        # per fill: the converter once (a partition barrier, then one arrival) after its f16 and
+        # scale stores
+        mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(3):
+        mbarrier.init(rope_full.index(i), count=128)  # every converter thread once its rope copies land
     for i in gl.static_range(NUM_SCORERS):
         mbarrier.init(sync.index(i), count=1)
 
@@ -352,30 +407,32 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
     l_base = L + b * sl_b + (pid_sp * NUM_SCORERS) * sl_sp
     if NUM_SCORERS == 1:
         gl.warp_specialize([
-            (_scorer0, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+            (_scorer0, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
                         BLOCK_N, NUM_SCORERS)),
-            (_converter, (salt, tile_s, rope_s, sc_s, full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
-                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N)),
+            (_converter, (salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
+                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD)),
         ], [4], [152])
     else:
         gl.warp_specialize([
-            (_scorer0, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+            (_scorer0, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
                         BLOCK_N, NUM_SCORERS)),
-            (_scorer1, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, empty, sync, start, end, n_tiles,
+            (_scorer1, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base + so_sp, so_s, so_h, l_base + sl_sp, sl_s, sl_h, row0, H,
                         SH, BLOCK_R, BLOCK_N, NUM_SCORERS)),
-            (_converter, (salt, tile_s, rope_s, sc_s, full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
-                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N)),
+            (_converter, (salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
+                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD)),
         ], [4, 4], [168, 168])
 
 
 if HAS_GLUON:
     _E4M3_F16_ASM = gl.constexpr(_E4M3_F16_ASM_TEXT)
     _to_f16 = gluon.jit(_to_f16_src)
-    _load_block = gluon.jit(_load_block_src)
-    _load_tile = gluon.jit(_load_tile_src)
+    _prefetch_l2 = gluon.jit(_prefetch_l2_src)
+    _issue_tile = gluon.jit(_issue_tile_src)
+    _take_tile = gluon.jit(_take_tile_src)
+    _issue_rope = gluon.jit(_issue_rope_src)
     _put = gluon.jit(_put_src)
     _converter = gluon.jit(_converter_src)
     _store_block = gluon.jit(_store_block_src)
@@ -447,7 +504,8 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
             *qm.stride()[:3], *qt.stride()[:3], km.stride(0), ks.stride(0), ks.stride(1), ks.stride(2),
             kt.stride(0) // 8, ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
     consts = dict(SKV_T=km.stride(1), SKT_T=kt.stride(1), BLOCK_R=cfg.block_h, BLOCK_N=cfg.block_n,
-                  NUM_SCORERS=scorers, NUM_SPLITS=ns, HAS_LENS=call.kv_lens is not None)
+                  NUM_SCORERS=scorers, NUM_SPLITS=ns, HAS_LENS=call.kv_lens is not None,
+                  L2_AHEAD=L2_AHEAD)
     stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, n_part) if n_part > 1
               else None)
     return out, lse_out, ((n_rb, ns, B), args, consts, stage2)

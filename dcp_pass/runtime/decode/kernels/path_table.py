@@ -16,11 +16,11 @@ from typing import Optional
 
 MEASURED = (
     (16, 8, 4096, {"split": 0.0256, "wide": 0.0287, "gluon": 0.0212, "seesaw": 0.0235, "flashinfer": 0.2153}),
-    (16, 8, 32768, {"split": 0.0941, "wide": 0.1687, "gluon": 0.0917, "seesaw": 0.0999, "flashinfer": 0.2871, "split_fp8": 0.1297, "wide_fp8": 0.1982, "gluon_fp8": 0.1052, "gluon_fp8_narrow": 0.1085}),
-    (16, 8, 131072, {"split": 0.2979, "wide": 0.5975, "gluon": 0.3077, "seesaw": 0.3243, "flashinfer": 0.5105, "split_fp8": 0.4401, "wide_fp8": 0.7132, "gluon_fp8": 0.3568, "gluon_fp8_narrow": 0.3571}),
+    (16, 8, 32768, {"split": 0.0941, "wide": 0.1687, "gluon": 0.0917, "seesaw": 0.0999, "flashinfer": 0.2871, "split_fp8": 0.1302, "wide_fp8": 0.1982, "gluon_fp8": 0.1053, "gluon_fp8_narrow": 0.0919}),
+    (16, 8, 131072, {"split": 0.2979, "wide": 0.5975, "gluon": 0.3077, "seesaw": 0.3243, "flashinfer": 0.5105, "split_fp8": 0.4428, "wide_fp8": 0.7132, "gluon_fp8": 0.3569, "gluon_fp8_narrow": 0.3011}),
     (16, 32, 4096, {"split": 0.0582, "wide": 0.0964, "gluon": 0.0561, "seesaw": 0.0609, "flashinfer": 0.2506}),
-    (16, 32, 32768, {"split": 0.2957, "wide": 0.5969, "gluon": 0.3113, "seesaw": 0.3227, "flashinfer": 0.495, "split_fp8": 0.4366, "wide_fp8": 0.7066, "gluon_fp8": 0.3527, "gluon_fp8_narrow": 0.3575}),
-    (16, 32, 131072, {"split": 1.1359, "wide": 2.3238, "gluon": 1.2945, "seesaw": 1.4037, "flashinfer": 1.5255, "split_fp8": 1.6912, "wide_fp8": 2.7467, "gluon_fp8": 1.3708, "gluon_fp8_narrow": 1.3566}),
+    (16, 32, 32768, {"split": 0.2957, "wide": 0.5969, "gluon": 0.3113, "seesaw": 0.3227, "flashinfer": 0.495, "split_fp8": 0.4399, "wide_fp8": 0.7066, "gluon_fp8": 0.3539, "gluon_fp8_narrow": 0.299}),
+    (16, 32, 131072, {"split": 1.1359, "wide": 2.3238, "gluon": 1.2945, "seesaw": 1.4037, "flashinfer": 1.5255, "split_fp8": 1.698, "wide_fp8": 2.7467, "gluon_fp8": 1.4074, "gluon_fp8_narrow": 1.1371}),
     (64, 8, 4096, {"split": 0.0353, "wide": 0.036, "gluon": 0.0269, "seesaw": 0.029, "flashinfer": 0.2188}),
     (64, 8, 32768, {"split": 0.1807, "wide": 0.1939, "gluon": 0.0967, "seesaw": 0.1046, "flashinfer": 0.2898, "split_fp8": 0.6273, "wide_fp8": 0.3037, "gluon_fp8": 0.1114}),
     (64, 8, 131072, {"split": 0.6501, "wide": 0.6989, "gluon": 0.3325, "seesaw": 0.3441, "flashinfer": 0.5343, "split_fp8": 2.4505, "wide_fp8": 1.1373, "gluon_fp8": 0.361}),
