@@ -308,20 +308,6 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
     gl.store(l_base + (rows // H) * sl_s + (rows % H) * sl_h, lse, mask=rows < SH)
 
 
-def _scorer0_src(salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
-                 sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
-                 BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SCORERS: gl.constexpr):
-    _scorer(0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
-            sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R, BLOCK_N)
-
-
-def _scorer1_src(salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
-                 sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
-                 BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SCORERS: gl.constexpr):
-    _scorer(1, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
-            sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R, BLOCK_N)
-
-
 def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
                        sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, sks_b, sks_t, sks_c, skt_b8,
                        so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
@@ -407,20 +393,20 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
     l_base = L + b * sl_b + (pid_sp * NUM_SCORERS) * sl_sp
     if NUM_SCORERS == 1:
         gl.warp_specialize([
-            (_scorer0, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
+            (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
-                        BLOCK_N, NUM_SCORERS)),
+                        BLOCK_N)),
             (_converter, (salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
                           end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD)),
         ], [4], [152])
     else:
         gl.warp_specialize([
-            (_scorer0, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
+            (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
-                        BLOCK_N, NUM_SCORERS)),
-            (_scorer1, (salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
+                        BLOCK_N)),
+            (_scorer, (1, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base + so_sp, so_s, so_h, l_base + sl_sp, sl_s, sl_h, row0, H,
-                        SH, BLOCK_R, BLOCK_N, NUM_SCORERS)),
+                        SH, BLOCK_R, BLOCK_N)),
             (_converter, (salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
                           end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD)),
         ], [4, 4], [168, 168])
@@ -437,8 +423,6 @@ if HAS_GLUON:
     _converter = gluon.jit(_converter_src)
     _store_block = gluon.jit(_store_block_src)
     _scorer = gluon.jit(_scorer_src)
-    _scorer0 = gluon.jit(_scorer0_src)
-    _scorer1 = gluon.jit(_scorer1_src)
     _narrow_jit = gluon.jit(_narrow_kernel_src)
 
 
