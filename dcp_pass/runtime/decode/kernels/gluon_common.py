@@ -150,30 +150,50 @@ class GluonConfig:
 GLUON_DEFAULT = GluonConfig()
 
 
+def _gluon_call_reason(shape) -> Optional[str]:
+    """What every Gluon kernel refuses first: a Triton without Gluon, a call only the
+    reference runs."""
+    if not HAS_GLUON:
+        return "this Triton has no Gluon"
+    if shape.per_head or shape.offset_lens:
+        return only_reference(shape)
+    return None
+
+
+def _hopper_operands_reason(shape, dtype_reason: Optional[str], mask_reason: Optional[str] = None) -> Optional[str]:
+    """The checks every Gluon kernel makes after its cache type, in this order: contiguous
+    caches, a Hopper GPU, the kernel's dtypes (`dtype_reason`, given by the caller), DeepSeek's
+    column counts, the kernel's mask rule (`mask_reason`), aligned operands."""
+    if shape.paged:
+        return "it reads contiguous caches, not page pools"
+    if shape.device != "cuda" or shape.capability != 9:
+        return "it needs a Hopper GPU (compute capability 9.x)"
+    if dtype_reason:
+        return dtype_reason
+    if (shape.d_main, shape.d_tail, shape.v_dim) != (D_LAT, D_ROPE, D_LAT):
+        return f"it is written for {D_LAT} latent (= values) + {D_ROPE} rope columns"
+    if mask_reason:
+        return mask_reason
+    if not shape.gluon_aligned:
+        return "its operands need unit feature strides, 16-byte aligned data and row strides of 8k elements"
+    return None
+
+
 def gluon_reason(shape) -> Optional[str]:
     """Why the Gluon kernels cannot run a call of this shape (None: they can): Hopper, bf16,
     512 latent (= values) + 64 rope columns, fused in one cache or in two, unit feature
     strides, 16-byte aligned data and row strides of multiples of 8 elements; a mask only if
     one row per request serves every head and token (a decode step's); any causal cap."""
-    if not HAS_GLUON:
-        return "this Triton has no Gluon"
-    if shape.per_head or shape.offset_lens:
-        return only_reference(shape)
+    reason = _gluon_call_reason(shape)
+    if reason is not None:
+        return reason
     if shape.kv_quant:
         return fp8_reason(shape)
-    if shape.paged:
-        return "it reads contiguous caches, not page pools"
-    if shape.device != "cuda" or shape.capability != 9:
-        return "it needs a Hopper GPU (compute capability 9.x)"
-    if shape.dtype != torch.bfloat16 or not shape.same_dtypes:
-        return "it takes bfloat16 queries and caches"
-    if (shape.d_main, shape.d_tail, shape.v_dim) != (D_LAT, D_ROPE, D_LAT):
-        return f"it is written for {D_LAT} latent (= values) + {D_ROPE} rope columns"
-    if shape.mask == "full":
-        return "it takes a mask only as one row per request shared by every head and query token"
-    if not shape.gluon_aligned:
-        return "its operands need unit feature strides, 16-byte aligned data and row strides of 8k elements"
-    return None
+    bf16 = shape.dtype == torch.bfloat16 and shape.same_dtypes
+    mask_ok = shape.mask != "full"
+    return _hopper_operands_reason(
+        shape, None if bf16 else "it takes bfloat16 queries and caches",
+        None if mask_ok else "it takes a mask only as one row per request shared by every head and query token")
 
 
 def fp8_gluon_reason(shape) -> Optional[str]:
@@ -181,25 +201,15 @@ def fp8_gluon_reason(shape) -> Optional[str]:
     Hopper, an fp8 e4m3 latent of 512 columns (= values) with its scales, 64 rope columns and
     queries in bf16, contiguous caches (packed rows or two buffers), operands with unit feature
     stride, 16-byte aligned data and row strides of multiples of 8 elements."""
-    if not HAS_GLUON:
-        return "this Triton has no Gluon"
-    if shape.per_head or shape.offset_lens:
-        return only_reference(shape)
+    reason = _gluon_call_reason(shape)
+    if reason is not None:
+        return reason
     if shape.kv_quant != "fp8_e4m3":
         return "it reads fp8_e4m3 latent caches (16-bit caches take the bf16 Gluon kernels)"
     if shape.dtype != torch.float8_e4m3fn:
         return f"an fp8_e4m3 latent cache must be float8_e4m3fn, not {shape.dtype}"
-    if shape.paged:
-        return "it reads contiguous caches, not page pools"
-    if shape.device != "cuda" or shape.capability != 9:
-        return "it needs a Hopper GPU (compute capability 9.x)"
-    if shape.query_dtype != torch.bfloat16 or not shape.same_dtypes:
-        return "it takes bfloat16 queries and rope columns"
-    if (shape.d_main, shape.d_tail, shape.v_dim) != (D_LAT, D_ROPE, D_LAT):
-        return f"it is written for {D_LAT} latent (= values) + {D_ROPE} rope columns"
-    if not shape.gluon_aligned:
-        return "its operands need unit feature strides, 16-byte aligned data and row strides of 8k elements"
-    return None
+    bf16 = shape.query_dtype == torch.bfloat16 and shape.same_dtypes
+    return _hopper_operands_reason(shape, None if bf16 else "it takes bfloat16 queries and rope columns")
 
 
 def gluon_offered(shape) -> Optional[str]:
