@@ -31,6 +31,7 @@ from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
+from dcp_pass.runtime.decode.kernels import gluon_common as GC  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
 from dcp_pass.runtime.decode.kernels import splits as SP  # noqa: E402
@@ -292,13 +293,14 @@ def reduce_only_ms(B, H, ns):
 
 
 def time_without_merge(sets, cfg):
-    """The Gluon launch with the stage-2 merge kernel skipped (its output is then garbage)."""
-    real = G.launch
-    G.launch = lambda kernel, *a, **k: None if kernel is SP._reduce_jit else real(kernel, *a, **k)
+    """The Gluon launch with the stage-2 merge kernel skipped (its output is then garbage): the
+    launch every Gluon kernel's plan goes through (gluon_common.launch_plan) is wrapped."""
+    real = GC.launch
+    GC.launch = lambda kernel, *a, **k: None if kernel is SP._reduce_jit else real(kernel, *a, **k)
     try:
         return time_triton(sets, cfg, path="gluon")
     finally:
-        G.launch = real
+        GC.launch = real
 
 
 def gluon_split_sweep(results, ceil, shapes, splits):

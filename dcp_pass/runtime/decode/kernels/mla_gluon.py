@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, causal_operand, launch, mask_operand
+from .common import LOG2E, AttentionCall, causal_operand, mask_operand
 from .gluon_common import (D_LAT, D_ROPE, GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, Schedule,  # noqa: F401
-                           default_q_reg, gluon_offered, gluon_reason, split_frame)
+                           default_q_reg, gluon_offered, gluon_reason, launch_plan, split_frame)
 from .splits import reduce_launch
 
 if HAS_GLUON:
@@ -430,20 +430,14 @@ def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int
     mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, kv.device)  # one row per request (gluon_reason)
     q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, kv)
     masked = mask_b is not None or call.causal is not None
-    launch(_mla_gluon_jit, (n_hb, ns, B), (
-        parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else kv, q_pos,
-        o_part, l_part,
-        T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
-        *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], *parts.k_main.stride()[:2], *parts.k_tail.stride()[:2],
-        ms[0], ms[3], *qps,
-        ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
-    ), dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
-            HAS_LENS=call.kv_lens is not None,
-            SCHEDULE=cfg.lock_step_schedule(), Q_REG=cfg.q_reg_for(masked),
-            HAS_MASK=mask_b is not None,
-            CAUSAL=call.causal is not None), 8)
-    if ns > 1:
-        kernel, grid2, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim,
-                                                           ns)
-        launch(kernel, grid2, args, consts, warps)
-    return out, lse_out
+    args = (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else kv, q_pos,
+            o_part, l_part,
+            T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
+            *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], *parts.k_main.stride()[:2],
+            *parts.k_tail.stride()[:2], ms[0], ms[3], *qps,
+            ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
+    consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
+                  HAS_LENS=call.kv_lens is not None, SCHEDULE=cfg.lock_step_schedule(), Q_REG=cfg.q_reg_for(masked),
+                  HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None)
+    stage2 = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None
+    return launch_plan(_mla_gluon_jit, out, lse_out, ((n_hb, ns, B), args, consts, stage2), num_warps=8)
