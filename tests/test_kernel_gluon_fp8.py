@@ -21,15 +21,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import (FP8_GLUON_REFUSALS, check_close, decode_mask_rows, last_positions, poison_fp8_rows,  # noqa: E402
-                         poisoned, ref64)
+from kit.kernels import (FP8_GLUON_REFUSALS, check_close, decode_mask_rows, last_positions,  # noqa: E402
+                         packed_fp8_call, poison_fp8_rows, poisoned, ref64)
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
 from dcp_pass.runtime.decode.kernels import registry  # noqa: E402
-from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack, views  # noqa: E402
 
-SCALE = 192 ** -0.5
 FP8 = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=True, fused=False, kv_quant="fp8_e4m3",
                 query_dtype=torch.bfloat16, rows16=False)  # packed rows on an H200: what it is for
 
@@ -43,17 +41,8 @@ def _gluon():
 
 
 def _packed_call(B, H, T, device="cpu", lens=None, separate=False, gen=None, dtype=torch.bfloat16):
-    """q [B, 1, H, 576] split into its parts, packed 656-byte rows (or a 528-byte latent row and
-    a rope buffer) read through their views."""
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)  # noqa: E731
-    q = rnd(B, 1, H, 576)
-    kv = rnd(B, T, 576)
-    if separate:
-        latent, scales, _ = views(pack(kv[..., :512], Fp8Layout(512, 0, dtype)), Fp8Layout(512, 0, dtype))
-        rope = kv[..., 512:].contiguous()
-    else:
-        latent, scales, rope = views(pack(kv, Fp8Layout(512, 64, dtype)), Fp8Layout(512, 64, dtype))
-    return AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, SCALE, kv_lens=lens, kv_scale=scales)
+    """One query token a row over packed fp8 rows (kit.kernels.packed_fp8_call)."""
+    return packed_fp8_call(B, 1, H, T, device, lens, separate, gen, dtype)
 
 
 def test_which_calls_it_takes():

@@ -23,13 +23,12 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kit.kernels import FP8_GLUON_REFUSALS, check_close, poison_fp8_rows, poisoned, ref64  # noqa: E402
+from kit.kernels import packed_fp8_call as _packed_call  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
-from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
+from dcp_pass.runtime.decode.call import CallShape  # noqa: E402
 from dcp_pass.runtime.decode.kernels import registry  # noqa: E402
-from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack, views  # noqa: E402
 
-SCALE = 192 ** -0.5
 FP8_16 = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=True, fused=False, kv_quant="fp8_e4m3",
                    query_dtype=torch.bfloat16, rows16=False, heads=16)
 
@@ -40,22 +39,6 @@ def _narrow():
     if not N.HAS_GLUON:
         pytest.skip("this Triton has no Gluon")
     return N
-
-
-def _packed_call(B, S, H, T, device="cpu", lens=None, separate=False, gen=None):
-    """q [B, S, H, 576] split into its parts, packed 656-byte rows (or a 528-byte latent row and
-    a rope buffer) read through their views."""
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(device=device,  # noqa: E731
-                                                                             dtype=torch.bfloat16)
-    q = rnd(B, S, H, 576)
-    kv = rnd(B, T, 576)
-    if separate:
-        latent, scales, _ = views(pack(kv[..., :512], Fp8Layout(512, 0, torch.bfloat16)),
-                                  Fp8Layout(512, 0, torch.bfloat16))
-        rope = kv[..., 512:].contiguous()
-    else:
-        latent, scales, rope = views(pack(kv, Fp8Layout(512, 64, torch.bfloat16)), Fp8Layout(512, 64, torch.bfloat16))
-    return AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, SCALE, kv_lens=lens, kv_scale=scales)
 
 
 def test_which_calls_it_takes():

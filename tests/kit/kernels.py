@@ -126,6 +126,23 @@ def fp8_call(B, S, H, Dl, Dr, T, dtype, device="cpu", gen=None, spread=4.0, **ca
     return AttentionCall(to(q_lat), to(q_rope), kv8.to(device), to(pe), Dl, kv_scale=scales.to(device), **call_kwargs)
 
 
+def packed_fp8_call(B, S, H, T, device="cpu", lens=None, separate=False, gen=None, dtype=torch.bfloat16) -> AttentionCall:
+    """q [B, S, H, 576] split into its parts over an fp8 cache as the fp8 Gluon kernels read it:
+    FlashMLA's packed 656-byte rows (or a 528-byte latent row and a rope buffer) through their
+    views, DeepSeek-V3's scale."""
+    from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack, views
+
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)  # noqa: E731
+    q = rnd(B, S, H, 576)
+    kv = rnd(B, T, 576)
+    if separate:
+        latent, scales, _ = views(pack(kv[..., :512], Fp8Layout(512, 0, dtype)), Fp8Layout(512, 0, dtype))
+        rope = kv[..., 512:].contiguous()
+    else:
+        latent, scales, rope = views(pack(kv, Fp8Layout(512, 64, dtype)), Fp8Layout(512, 64, dtype))
+    return AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 192 ** -0.5, kv_lens=lens, kv_scale=scales)
+
+
 def decode_mask_rows(B: int, T: int, device) -> list:
     """A decode step's additive mask row per request, [B, 1, 1, T] (B >= 3): request 0 sees its
     first 2000 keys, request 1 every key with every 7th at -3, request 2 none (its output must
