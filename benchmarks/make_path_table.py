@@ -11,7 +11,8 @@ Sources (H200, committed under benchmarks/results/):
   gluon_fp8_narrow]): their own keys (split_fp8, wide_fp8, gluon_fp8, gluon_fp8_narrow), which
   the chooser compares for fp8 calls only; a later run's timing replaces an earlier one's.
 * masked_paths_int32_h200.json, masked_paths_16h_h200.json, masked_paths_roles_h200.json,
-  masked_paths_fp8_h200.json  what a decode step's mask row or a causal cap costs each path
+  masked_paths_fp8_h200.json, masked_paths_fp8_narrow_h200.json  what a decode step's mask
+  row or a causal cap costs each path
   (benchmarks/probe_masked_paths.py), per query rows; a later file's figure replaces an
   earlier one's for the same call, path and rows (the role-split kernel's masked calls
   replace the lock-step kernel's under the shared "gluon" key: it runs them now)
@@ -68,13 +69,14 @@ def rows() -> list[tuple]:
 
 
 MASKED_RUNS = ("masked_paths_int32_h200.json", "masked_paths_16h_h200.json", "masked_paths_roles_h200.json",
-               "masked_paths_fp8_h200.json")
+               "masked_paths_fp8_h200.json", "masked_paths_fp8_narrow_h200.json")
 # a probe row's path (a registry kernel, or "gluon": the default config's) -> its cost key, per
 # cache; None: not a key of its own (the lock-step kernel shares "gluon" with the role-split
 # kernel, which takes its calls where both can run)
 PROBE_KEYS = {"bf16": {"split": "split", "wide": "wide", "gluon": "gluon", "gluon_roles": "gluon",
                        "gluon_seesaw": "seesaw", "gluon_lock_step": None},
-              "fp8_e4m3": {"split": "split_fp8", "wide": "wide_fp8", "gluon_fp8": "gluon_fp8"}}
+              "fp8_e4m3": {"split": "split_fp8", "wide": "wide_fp8", "gluon_fp8": "gluon_fp8",
+                           "gluon_fp8_narrow": "gluon_fp8_narrow"}}
 KINDS = ("mask", "causal")  # (a call with both is a "causal" call: CallShape.kind)
 
 

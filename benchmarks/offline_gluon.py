@@ -136,31 +136,36 @@ def fp8_call(batch: int, keys: int, heads: int, separate_rope: bool, **extras):
                          **extras)
 
 
-def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 128, separate_rope: bool = False,
-                mask: bool = False, causal: bool = False):
-    """The fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on :func:`fp8_call`'s operands, with a
-    decode step's mask row and / or a causal cap."""
+def _fp8_extras(batch: int, keys: int, mask: bool, causal: bool) -> dict:
+    """A decode step's mask row (zeros) and / or a causal cap at the last key, for :func:`fp8_call`."""
     import torch
-
-    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8 as F
 
     extras = {}
     if mask:
         extras["mask"] = torch.zeros(batch, 1, 1, keys)
     if causal:
         extras["q_pos"] = torch.full((batch, 1), keys - 1, dtype=torch.int64)
-    call = fp8_call(batch, keys, heads, separate_rope, **extras)
+    return extras
+
+
+def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 128, separate_rope: bool = False,
+                mask: bool = False, causal: bool = False):
+    """The fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on :func:`fp8_call`'s operands, with a
+    decode step's mask row and / or a causal cap."""
+    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8 as F
+
+    call = fp8_call(batch, keys, heads, separate_rope, **_fp8_extras(batch, keys, mask, causal))
     _, _, (grid, args, consts, _) = F.launch_args(call.shard(), num_splits=num_splits)
     return compile_launched(F._fp8_jit, F._fp8_kernel_src, args, consts, 4)
 
 
 def compile_fp8_narrow(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 16,
-                       separate_rope: bool = False, scorers: int = 2):
+                       separate_rope: bool = False, scorers: int = 2, mask: bool = False, causal: bool = False):
     """The narrow fp8 kernel (``kernels/mla_gluon_fp8_narrow.py``) on :func:`fp8_call`'s operands,
-    16 heads, with 1 or 2 scorer warpgroups."""
+    16 heads, with 1 or 2 scorer warpgroups, a decode step's mask row and / or a causal cap."""
     from dcp_pass.runtime.decode.kernels import mla_gluon_fp8_narrow as N
 
-    call = fp8_call(batch, keys, heads, separate_rope)
+    call = fp8_call(batch, keys, heads, separate_rope, **_fp8_extras(batch, keys, mask, causal))
     _, _, (grid, args, consts, _) = N.launch_args(call.shard(), num_splits=num_splits, scorers=scorers)
     return compile_launched(N._narrow_jit, N._narrow_kernel_src, args, consts, 4)
 
@@ -180,12 +185,13 @@ def main():
     a = ap.parse_args()
     if a.fp8_narrow:
         rows = []
+        tag = ("_mask" if a.mask else "") + ("_causal" if a.causal else "")
         for separate, scorers in ((False, 2), (True, 2), (False, 1)):
-            r = compile_fp8_narrow(separate_rope=separate, scorers=scorers)
-            save_ttgir(a.ttgir, f"gluon_fp8_narrow_s{scorers}" + ("_separate_rope" if separate else ""),
+            r = compile_fp8_narrow(separate_rope=separate, scorers=scorers, mask=a.mask, causal=a.causal)
+            save_ttgir(a.ttgir, f"gluon_fp8_narrow_s{scorers}" + tag + ("_separate_rope" if separate else ""),
                        r.pop("ttgir"))
             rows.append(dict(config=f"fp8 narrow, {scorers} scorers, " + (
-                "528-byte latent rows + rope buffer" if separate else "packed 656-byte rows"),
+                "528-byte latent rows + rope buffer" if separate else "packed 656-byte rows") + tag.replace("_", " "),
                 triton=triton.__version__, **r))
             print(json.dumps(rows[-1]), flush=True)
         finish(rows, a.json)

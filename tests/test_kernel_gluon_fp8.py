@@ -67,7 +67,8 @@ def test_which_calls_it_takes():
 def test_the_chooser_takes_it_where_its_fp8_timings_are_fastest(monkeypatch):
     """fp8 calls are chosen by timings on fp8 rows (path table keys split_fp8, wide_fp8,
     gluon_fp8, gluon_fp8_narrow): on the H200 this kernel at every plain call measured from 64
-    heads, the narrow fp8 kernel at 16 heads (its own rows; masked 16-head calls come here);
+    heads, the narrow fp8 kernel at 16 rows, a decode step's mask row and a causal cap included
+    (a 2-token verify at 16 heads has 32 rows and comes here);
     without the Gluon kernels, the two-GEMM kernel at 128 heads and the split kernel at 16, as
     their fp8 timings say (not their bf16 ones)."""
     _gluon()
@@ -79,7 +80,11 @@ def test_the_chooser_takes_it_where_its_fp8_timings_are_fastest(monkeypatch):
         assert registry.choose(shape, registry.TRITON_KERNELS).name == want, (heads, batch, keys)
         if heads == 16:
             masked = dataclasses.replace(shape, mask="row")
-            assert registry.choose(masked, registry.TRITON_KERNELS).name == "gluon_fp8", (heads, batch, keys)
+            assert registry.choose(masked, registry.TRITON_KERNELS).name == "gluon_fp8_narrow", (heads, batch, keys)
+            verify = dataclasses.replace(shape, tokens=2, causal=True)
+            assert registry.choose(verify, registry.TRITON_KERNELS).name == "gluon_fp8", (heads, batch, keys)
+            verify8 = dataclasses.replace(verify, heads=8)
+            assert registry.choose(verify8, registry.TRITON_KERNELS).name == "gluon_fp8_narrow", (heads, batch, keys)
     monkeypatch.setenv("DCP_MLA_GLUON", "0")
     assert registry.choose(dataclasses.replace(FP8, heads=128, keys=131072), registry.TRITON_KERNELS).name == "wide"
     assert registry.choose(dataclasses.replace(FP8, heads=16, keys=131072), registry.TRITON_KERNELS).name == "split"

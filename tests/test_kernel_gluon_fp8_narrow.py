@@ -6,8 +6,8 @@ its 68 m64n16 wgmmas a tile). GPU: 16 heads (and 8 and 12: a partial row block) 
 fp8 rows against the float64 attention of the dequantised cache, which it computes without
 rounding the cache (the scales act on the small tiles), with ragged and empty requests, rows
 past each length poisoned with NaN, several splits, stripes, two caches, multi-token rows,
-block scales spread by 2^20, a running max that moves along the cache, a NaN key and
-CUDA-graph capture.
+block scales spread by 2^20, a running max that moves along the cache, a NaN key, a decode
+step's mask row, causal caps on striped multi-token calls and CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import FP8_GLUON_REFUSALS, check_close, poison_fp8_rows, poisoned, ref64  # noqa: E402
+from kit.kernels import (FP8_GLUON_REFUSALS, check_close, decode_mask_rows, last_positions,  # noqa: E402
+                         poison_fp8_rows, poisoned, ref64)
 from kit.kernels import packed_fp8_call as _packed_call  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
@@ -44,10 +45,12 @@ def _narrow():
 def test_which_calls_it_takes():
     N = _narrow()
     assert N.supports(FP8_16) is None and N.offered(FP8_16) is None and N.unmeasured(FP8_16) is False
-    reasons = {**FP8_GLUON_REFUSALS, "no mask": dict(mask="row"), "no causal": dict(causal=True)}
+    reasons = {**FP8_GLUON_REFUSALS, "one row per request": dict(mask="full")}
     for words, kw in reasons.items():
         reason = N.supports(dataclasses.replace(FP8_16, **kw))
         assert reason is not None and words in reason, (kw, reason)
+    for kw in (dict(mask="row"), dict(causal=True), dict(mask="row", causal=True)):  # a decode step's row, a cap
+        assert N.supports(dataclasses.replace(FP8_16, **kw)) is None, kw
     assert "more than 16 query rows" in N.offered(dataclasses.replace(FP8_16, heads=32))
     assert "Triton 3.6" in N.offered(dataclasses.replace(FP8_16, triton="3.9.0"))
     assert "Hopper" in registry.KERNELS["gluon_fp8_narrow"].supports(_packed_call(1, 1, 16, 16).shape)
@@ -65,7 +68,7 @@ def test_launch_arguments():
     grid, args, consts, stage2 = plan
     assert grid == (2, 3, B) and stage2 is not None
     assert consts == dict(SKV_T=656, SKT_T=328, BLOCK_R=16, BLOCK_N=64, NUM_SCORERS=2, NUM_SPLITS=3, HAS_LENS=True,
-                          L2_AHEAD=1)
+                          L2_AHEAD=1, HAS_MASK=False, CAUSAL=False)
     names = list(__import__("inspect").signature(N._narrow_kernel_src).parameters)
     a = dict(zip(names, args))
     assert a["KV"].dtype == torch.float8_e4m3fn and a["KS"].dtype == torch.float32 and a["KT"].dtype == torch.bfloat16
@@ -78,23 +81,33 @@ def test_launch_arguments():
         N.launch_args(odd.shard())
     with pytest.raises(ValueError, match="1 or 2 scorer"):
         N.launch_args(call.shard(), scorers=3)
+    # a decode step's mask row (key stride 2) and a causal cap on rank 1 of a 2-way stripe
+    mask = torch.zeros(B, 1, 1, 4 * T)[..., ::2]  # global keys, every other column
+    capped = call.replace(mask=mask, q_pos=torch.tensor([[T + 5, T + 6], [7, 8]]), stripe=(2, 1))
+    grid, args, consts, _ = N.launch_args(capped.shard(), num_splits=3)[2]
+    a = dict(zip(names, args))
+    assert consts["HAS_MASK"] and consts["CAUSAL"]
+    assert a["MASK"].dtype == torch.float32 and (a["sm_t"], a["cp_world"], a["cp_rank"]) == (4, 2, 1), a
+    assert a["QPOS"].tolist() == [[T + 5, T + 6], [7, 8]]
 
 
 @compiles_offline
 def test_compiles_for_hopper_with_this_triton():
-    """Valid Gluon for the installed Triton, one packed row and two buffers, one scorer and two:
-    within shared memory, at most 8 bytes spilled on Triton 3.6, 36 score steps + 32 value steps of m64n16 a tile
+    """Valid Gluon for the installed Triton, one packed row and two buffers, one scorer and two,
+    plain and with a mask row and a causal cap: within shared memory, at most 8 bytes spilled on
+    Triton 3.6 (40 masked and capped), 36 score steps + 32 value steps of m64n16 a tile
     per scorer, e4m3 -> f16 by packed conversions (two a 4-byte word, in three places: the
     converter's first two fills and its loop)."""
     import triton
 
     _narrow()
     off = offline_module("offline_gluon")
-    for separate, scorers in ((False, 2), (True, 2), (False, 1)):
-        r = off.compile_fp8_narrow(separate_rope=separate, scorers=scorers)
+    for separate, scorers, masked in ((False, 2, False), (True, 2, False), (False, 1, False), (False, 2, True)):
+        r = off.compile_fp8_narrow(separate_rope=separate, scorers=scorers, mask=masked, causal=masked)
         assert r["smem_kib"] <= 227, r
         if triton.__version__.startswith("3.6"):  # where it is offered (3.9's compiler spills 24 bytes)
-            assert r["stack"] <= 8 and r["ldl"] <= 2, r
+            # a mask row and a causal cap: 40 bytes (a cross-warp reduction before the roles: 344)
+            assert (r["stack"], r["ldl"]) <= ((40, 17) if masked else (8, 2)), r
         assert r["hgmma"] == ["64x16x16"] and r["n_hgmma"] == scorers * (36 + 32), r
         assert r["f2fp_e4m3"] == 3 * 128, r
 
@@ -200,6 +213,36 @@ def test_gpu_matches_the_fp8_role_split_kernel():
     # its LSE is exact to fp32 rounding (the role-split kernel's moves with the bf16-rounded cache)
     lerr1, lerr2 = (l1 - rl).abs().max().item(), (l2 - rl).abs().max().item()
     assert lerr1 < 1e-4 and lerr1 <= lerr2, (lerr1, lerr2)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_gpu_mask_rows_and_causal_caps(num_splits):
+    """A decode step's mask row per request at 16 heads (finite and -inf entries, a request that
+    sees nothing, a key-strided row); causal caps on striped calls of 2 tokens x 8 heads and 4 x
+    4 (rows of different query positions share the block), with and without a mask row; against
+    the float64 attention of the dequantised cache."""
+    g = torch.Generator().manual_seed(17)
+    B, T = 3, 3000
+    lens = torch.tensor([T, 2500, T], device="cuda")
+    call = _packed_call(B, 1, 16, T, "cuda", lens, gen=g)
+    for mask in decode_mask_rows(B, T, "cuda"):
+        masked = call.replace(mask=mask)
+        ro, rl = ref64(masked)
+        out, lse = poisoned(B, 1, 16, 512, torch.bfloat16, "cuda")
+        _run(masked, out, lse, num_splits)
+        check_close(out, lse, ro, rl, TOL)
+        assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    glens = torch.tensor([5001, 1, 4000 + 2 * 64], device="cuda")  # rank 1 of 2 holds the odd positions
+    for S, H in ((2, 8), (4, 4)):
+        base = _packed_call(B, S, H, T, "cuda", None, separate=S == 4, gen=g)
+        for mask in (None, decode_mask_rows(B, 2 * T, "cuda")[0]):
+            capped = base.replace(kv_lens=glens, q_pos=last_positions(glens, S), stripe=(2, 1), mask=mask)
+            ro, rl = ref64(capped)
+            out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
+            _run(capped, out, lse, num_splits)
+            check_close(out, lse, ro, rl, TOL)
 
 
 @gpu

@@ -190,17 +190,23 @@ def gluon_reason(shape) -> Optional[str]:
     if shape.kv_quant:
         return fp8_reason(shape)
     bf16 = shape.dtype == torch.bfloat16 and shape.same_dtypes
-    mask_ok = shape.mask != "full"
-    return _hopper_operands_reason(
-        shape, None if bf16 else "it takes bfloat16 queries and caches",
-        None if mask_ok else "it takes a mask only as one row per request shared by every head and query token")
+    return _hopper_operands_reason(shape, None if bf16 else "it takes bfloat16 queries and caches",
+                                   _row_mask_reason(shape))
+
+
+def _row_mask_reason(shape) -> Optional[str]:
+    """The Gluon kernels' mask rule: a mask only as one row per request (a decode step's), which
+    they copy with each tile."""
+    if shape.mask == "full":
+        return "it takes a mask only as one row per request shared by every head and query token"
+    return None
 
 
 def fp8_gluon_reason(shape) -> Optional[str]:
-    """Why the fp8 Gluon kernels cannot run a call of this shape, masks aside (None: they can):
-    Hopper, an fp8 e4m3 latent of 512 columns (= values) with its scales, 64 rope columns and
-    queries in bf16, contiguous caches (packed rows or two buffers), operands with unit feature
-    stride, 16-byte aligned data and row strides of multiples of 8 elements."""
+    """Why the fp8 Gluon kernels cannot run a call of this shape (None: they can): Hopper, an fp8
+    e4m3 latent of 512 columns (= values) with its scales, 64 rope columns and queries in bf16,
+    contiguous caches (packed rows or two buffers), a mask only as one row per request, operands
+    with unit feature stride, 16-byte aligned data and row strides of multiples of 8 elements."""
     reason = _gluon_call_reason(shape)
     if reason is not None:
         return reason
@@ -209,7 +215,8 @@ def fp8_gluon_reason(shape) -> Optional[str]:
     if shape.dtype != torch.float8_e4m3fn:
         return f"an fp8_e4m3 latent cache must be float8_e4m3fn, not {shape.dtype}"
     bf16 = shape.query_dtype == torch.bfloat16 and shape.same_dtypes
-    return _hopper_operands_reason(shape, None if bf16 else "it takes bfloat16 queries and rope columns")
+    return _hopper_operands_reason(shape, None if bf16 else "it takes bfloat16 queries and rope columns",
+                                   _row_mask_reason(shape))
 
 
 def gluon_offered(shape) -> Optional[str]:

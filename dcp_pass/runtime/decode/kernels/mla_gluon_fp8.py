@@ -275,11 +275,8 @@ if HAS_GLUON:
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
     """Why the fp8 kernel cannot run a call of this shape (None: it can): the fp8 Gluon calls
-    (gluon_common.fp8_gluon_reason), a mask only as one row per request, any causal cap."""
-    reason = fp8_gluon_reason(shape)
-    if reason is None and shape.mask == "full":
-        return "it takes a mask only as one row per request shared by every head and query token"
-    return reason
+    (gluon_common.fp8_gluon_reason: a mask only as one row per request, any causal cap)."""
+    return fp8_gluon_reason(shape)
 
 
 def offered(shape) -> Optional[str]:

@@ -35,16 +35,20 @@ KiB of shared memory. A scorer's row sums are kept per key and row ([64, 16], re
 the running max) and reduced once at the end; its running max crosses its warps once a tile.
 
 Scope: an fp8 e4m3 latent of 512 columns with its fp32 scales (4 a token), 64 bf16 rope
-columns (packed rows or a buffer of their own), bf16 queries, kv_lens with ``lens_stripe``,
-no mask or causal cap, 16-byte aligned rows; the split kernel's partials and stage-2 merge.
+columns (packed rows or a buffer of their own), bf16 queries, kv_lens with ``lens_stripe``, a
+decode step's mask row per request (its entries copied with the tile's rope rows, into a ring
+of their own) and any causal cap (each row's last visible key compared per tile; the split's
+keys cut at the block's last), 16-byte aligned rows; the split kernel's partials and stage-2
+merge.
 The registry's "gluon_fp8_narrow" kernel, offered for calls of at most 16 query rows.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall
+from .common import LOG2E, AttentionCall, causal_operand, mask_operand
 from .gluon_common import HAS_GLUON, GluonConfig, fp8_gluon_reason, launch_plan, roles_preferred, split_frame
+from .mla_gluon_roles import mask_args
 from .splits import reduce_launch
 
 if HAS_GLUON:
@@ -55,7 +59,7 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _opaque
+    from .mla_gluon_roles import _copy_mask, _opaque, _query_positions, _row_positions
 
 __all__ = ["NARROW", "supports", "offered", "unmeasured", "run", "launch_args"]
 
@@ -143,9 +147,11 @@ def _take_tile_src(stage_s, OUTSTANDING: gl.constexpr):
             stage_s.index(3).load(ld))
 
 
-def _issue_rope_src(j, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile j's bf16 rope rows (if the split has it) into rope slot j % 3 by cp.async; each
-    converter thread arrives on the slot's barrier when its copies land."""
+def _issue_rope_src(j, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr,
+                    mk_s, mk_row, sm_t, HAS_MASK: gl.constexpr):
+    """Tile j's bf16 rope rows (if the split has it) into rope slot j % 3 by cp.async, and its
+    mask entries (HAS_MASK) into mask slot j % 3; each converter thread arrives on the slot's
+    barrier when its copies land."""
     if j < n_tiles:
         slot = j % 3
         t0 = start + j * BLOCK_N
@@ -154,6 +160,8 @@ def _issue_rope_src(j, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T: gl
         cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_r))
         _async_load(rope_s.index(slot), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
                     mask=((t0 + nr) < end)[:, None])
+        if HAS_MASK:
+            _copy_mask(mk_s.index(slot), mk_row, t0, end, sm_t, BLOCK_N)
         cp.mbarrier_arrive(rope_full.index(slot), increment_count=False)
         cp.commit_group()
 
@@ -178,15 +186,15 @@ def _put_src(j, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tile
 
 def _converter_src(salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t,
                    sks_c, start, end, n_tiles, SKV_W: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr,
-                   kv_bytes, L2_AHEAD: gl.constexpr):
+                   kv_bytes, L2_AHEAD: gl.constexpr, mk_s, mk_row, sm_t, HAS_MASK: gl.constexpr):
     """The converter (a 4-warp worker). A tile's fp8 words travel global -> staging buffer
     (cp.async) -> registers -> f16 buffer: the next tile's copies are issued as soon as this
     tile's words are in registers, so they fly while this tile is converted and stored and
     while the converter waits for a free buffer. Rope rows go to a ring of three slots, issued
     a tile ahead of their latent's f16 store, once the scorers are done with the slot."""
-    _issue_rope(0, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
-    _issue_rope(1, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
-    _issue_rope(2, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+    _issue_rope(0, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
+    _issue_rope(1, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
+    _issue_rope(2, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
     c0, c1, c2, c3 = _issue_tile(0, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
     x0, x1, x2, x3 = _take_tile(stage_s, 0)
     n0, n1, n2, n3 = _issue_tile(1, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
@@ -200,9 +208,19 @@ def _converter_src(salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, 
         n0, n1, n2, n3 = _issue_tile(j + 3, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
         buf = _opaque(j + salt) % 2
         mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorers are done with tile j (and its rope slot)
-        _issue_rope(j + 3, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N)
+        _issue_rope(j + 3, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
         _put(j + 2, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tiles)
         c0, c1, c2, c3 = n0, n1, n2, n3
+
+
+def _causal_end_local_src(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_R: gl.constexpr):
+    """`end` cut at the last local key any row of the block may see (as the role-split kernels'
+    _causal_end), every thread reading all BLOCK_R rows' positions: a reduction across warps
+    here (shared memory and a barrier before the partitions) costs the scorers ~80 spilled
+    registers on Triton 3.6."""
+    rows = row0 + gl.arange(0, BLOCK_R, layout=gl.BlockedLayout([BLOCK_R], [32], [4], [0]))
+    qmax = gl.max(_query_positions(qpos_row, sqp_s, rows, H, SH), axis=0)
+    return gl.minimum(end, gl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(gl.int32))
 
 
 def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, H, SH):
@@ -217,9 +235,11 @@ def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, 
 
 def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full,
                 rope_full, empty, sync, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h,
-                row0, H, SH, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr):
+                row0, H, SH, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, mk_s, qpos_row, sqp_s, cp_world, cp_rank,
+                HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """Scorer k (of NUM_SCORERS, each a warpgroup): tiles k, k + NUM_SCORERS, ...: S^T, the
-    online softmax over its keys, P's four scaled copies, O^T; its own partial output and LSE."""
+    online softmax over its keys (the mask row added, HAS_MASK; keys after a row's query position
+    unseen, CAUSAL), P's four scaled copies, O^T; its own partial output and LSE."""
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_R, 16])
     key_l: gl.constexpr = gl.SliceLayout(1, s_mma)
@@ -236,6 +256,11 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
     o2 = gl.zeros([SB, BLOCK_R], gl.float32, layout=s_mma)
     o3 = gl.zeros([SB, BLOCK_R], gl.float32, layout=s_mma)
     keys = gl.arange(0, BLOCK_N, layout=key_l)
+    if CAUSAL:  # each row's last visible local key (key k sits at global position k * cp_world + cp_rank)
+        qpos = _row_positions(qpos_row, sqp_s, row0, H, SH, row_l, BLOCK_R, CAUSAL)
+        last = gl.where(qpos >= cp_rank, (qpos - cp_rank) // cp_world, -1)
+    else:
+        last = 0
     n_mine = gl.maximum(gl.cdiv(n_tiles - k, NUM_SCORERS), 0)
     for i in range(n_mine):
         j = k + i * NUM_SCORERS
@@ -266,7 +291,13 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
         s = sr + s0 * (c0[:, None] * g0[None, :]) + s1 * (c1[:, None] * g1[None, :]) \
             + s2 * (c2[:, None] * g2[None, :]) + s3 * (c3[:, None] * g3[None, :])
         valid = (t0 + keys) < end
-        s = gl.where(valid[:, None], s * sm_scale_log2, float("-inf"))
+        s = s * sm_scale_log2
+        if HAS_MASK:
+            s = s + mk_s.index(slot).load(key_l)[:, None] * 1.4426950408889634  # (landed with the rope rows)
+        seen = valid[:, None]
+        if CAUSAL:
+            seen = seen & ((t0 + keys)[:, None] <= last[None, :])
+        s = gl.where(seen, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[None, :])
@@ -312,9 +343,10 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
 def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
                        sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, sks_b, sks_t, sks_c, skt_b8,
                        so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
+                       MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
                        SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr,
-                       L2_AHEAD: gl.constexpr):
+                       L2_AHEAD: gl.constexpr, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """One (BLOCK_R-row block, split, batch row): the parent region (scorer 0's warps) puts q
     into shared memory, then the converter and NUM_SCORERS scorers run the split's tiles; each
     scorer writes a partial of its own (partial index split * NUM_SCORERS + scorer).
@@ -368,6 +400,10 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
     sc_s = gl.allocate_shared_memory(gl.float32, [2 * 4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_s = gl.allocate_shared_memory(gl.float16, [NUM_SCORERS * 4, BLOCK_N, BLOCK_R],
                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], gl.float16))
+    if HAS_MASK:  # each rope slot's tile: its mask entries
+        mk_s = gl.allocate_shared_memory(gl.float32, [3, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        mk_s = sc_s  # unused
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     rope_full = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
@@ -383,6 +419,9 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
         mbarrier.init(sync.index(i), count=1)
 
     start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    qpos_row = QPOS + b * sqp_b
+    if CAUSAL:
+        end = _causal_end_local(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_R)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     fence_async_shared()
     _barrier()  # q and the factors in shared memory before any partition reads them
@@ -396,20 +435,22 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
         gl.warp_specialize([
             (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
-                        BLOCK_N)),
+                        BLOCK_N, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
             (_converter, (salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
-                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD)),
+                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD, mk_s, MASK + b * sm_b, sm_t,
+                          HAS_MASK)),
         ], [4], [152])
     else:
         gl.warp_specialize([
             (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
-                        BLOCK_N)),
+                        BLOCK_N, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
             (_scorer, (1, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
                         sm_scale_log2, lse_scale, o_base + so_sp, so_s, so_h, l_base + sl_sp, sl_s, sl_h, row0, H,
-                        SH, BLOCK_R, BLOCK_N)),
+                        SH, BLOCK_R, BLOCK_N, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
             (_converter, (salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
-                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD)),
+                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD, mk_s, MASK + b * sm_b, sm_t,
+                          HAS_MASK)),
         ], [4, 4], [168, 168])
 
 
@@ -422,6 +463,7 @@ if HAS_GLUON:
     _issue_rope = gluon.jit(_issue_rope_src)
     _put = gluon.jit(_put_src)
     _converter = gluon.jit(_converter_src)
+    _causal_end_local = gluon.jit(_causal_end_local_src)
     _store_block = gluon.jit(_store_block_src)
     _scorer = gluon.jit(_scorer_src)
     _narrow_jit = gluon.jit(_narrow_kernel_src)
@@ -432,11 +474,8 @@ if HAS_GLUON:
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
     """Why the narrow fp8 kernel cannot run a call of this shape (None: it can): the fp8 Gluon
-    calls (gluon_common.fp8_gluon_reason) without a mask or causal cap."""
-    reason = fp8_gluon_reason(shape)
-    if reason is None and (shape.mask != "none" or shape.causal):
-        return "it takes no mask and no causal cap"
-    return reason
+    calls (gluon_common.fp8_gluon_reason: a mask only as one row per request, any causal cap)."""
+    return fp8_gluon_reason(shape)
 
 
 def offered(shape) -> Optional[str]:
@@ -488,9 +527,12 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
             T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
             *qm.stride()[:3], *qt.stride()[:3], km.stride(0), ks.stride(0), ks.stride(1), ks.stride(2),
             kt.stride(0) // 8, ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
+    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, km.device)  # one row per request (supports)
+    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, kt)
+    args += mask_args(mask_b, ms, kt, q_pos, qps, cp_world, cp_rank)
     consts = dict(SKV_T=km.stride(1), SKT_T=kt.stride(1), BLOCK_R=cfg.block_h, BLOCK_N=cfg.block_n,
                   NUM_SCORERS=scorers, NUM_SPLITS=ns, HAS_LENS=call.kv_lens is not None,
-                  L2_AHEAD=L2_AHEAD)
+                  L2_AHEAD=L2_AHEAD, HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None)
     stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, n_part) if n_part > 1
               else None)
     return out, lse_out, ((n_rb, ns, B), args, consts, stage2)

@@ -102,7 +102,7 @@ KERNELS: Dict[str, Kernel] = {k.name: k for k in (
     Kernel("gluon_fp8_narrow", "mla_gluon_fp8_narrow", None,
            "narrow-row Gluon kernel for an fp8 e4m3 latent cache: keys as the wgmma's 64 rows, up to 16 query "
            "rows as its N, the e4m3 bytes converted to f16 exactly and the block scales applied to the small "
-           "tiles (Hopper, 512 + 64, no mask or causal cap)", replayable=True, group="gluon_fp8",
+           "tiles (Hopper, 512 + 64, a mask row per request, causal caps)", replayable=True, group="gluon_fp8",
            fp8_cost_key="gluon_fp8_narrow"),
     Kernel("wide", "mla_wide", "wide", "two-GEMM Triton kernel for wide head blocks (contiguous caches)",
            replayable=True, fp8_cost_key="wide_fp8"),
