@@ -1,0 +1,157 @@
+"""Narrow fp8 kernel builds timed side by side with the bf16 split kernel, after a check of each
+build's output against _base's on ragged lengths (0 to 3000 keys, 1 / 3 / 16 splits).
+
+Module files beside this script: `_base.py` is kernels/mla_gluon_fp8_narrow.py at 585a7ec with
+absolute imports (`from dcp_pass.runtime.decode.kernels.common import ...`), `_c2.py` the same
+with fp8_narrow_two_converters.patch applied. Generated builds: a name's suffix edits its
+base's source (`_a2`/`a2`: L2_AHEAD 2; `_nopv`: no value products; `_noqk`: no latent score
+products; `_nostore`: no f16 stores; `_nosc`: no scale loads; `_norope`: no rope copies;
+`_nol2`: no L2 prefetch; `_cp4x8`: copies 4 rows x 8 threads, read back after a barrier);
+the second list's builds are also timed with scorers that only hand buffers back ("ns").
+Run 2026-12-03 on nvidia-h200 from `scratch/` (results/fp8_narrow_converters_h200.json):
+
+    python time_fp8_narrow_variants.py _base,_c2,_c2a2 _base,_c2
+    python time_fp8_narrow_variants.py _base,_base_nopv,_base_noqk,_base_nostore _base,_base_nostore
+    python time_fp8_narrow_variants.py _base _base_nostore,_base_nosc_nostore,_base_norope_nostore,...
+"""
+import importlib.util, json, os, sys
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "docs", "archive", "benchmarks"))
+import torch
+import bench_fp8 as F8
+from common import bench, graph_of
+from dcp_pass.runtime.decode.backends import attend
+
+
+def cut(src, begin, end, new):
+    i = src.index(begin)
+    return src[:i] + new + src[src.index(end, i):]
+
+
+def module(name, src=None):
+    path = os.path.join(HERE, f"{name}.py")
+    if src is not None:
+        path = os.path.join(HERE, f"_gen{name}.py")
+        open(path, "w").write(src)
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _nopv(src):
+    return cut(src, "        # O^T += V^T P^T", "        mbarrier.arrive(empty.index(buf))  # the converter", "")
+
+
+def _noqk(src):
+    src = cut(src, "        s0 = warpgroup_mma(tile.slice(0, SB", "        c0 = sc_s.index(4 * buf).load(key_l)",
+              "        s0 = zero\n        s1 = zero\n        s2 = zero\n        s3 = zero\n")
+    return src.replace("sr, s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=[sr, s0, s1, s2, s3])",
+                       "sr = warpgroup_mma_wait(0, deps=[sr])")
+
+
+def _nostore(src):  # the converter's f16 stores gone (its conversions too: their results unused)
+    return cut(src, "        tile.slice(0, SB, dim=1).store(_to_f16(x0))", "        sc_s.index(4 * buf).store(c0)", "")
+
+
+def _nosc(src):  # no scale loads: every scale 1.0
+    return cut(src, "    c0 = gl.load(ks_row + ts, mask=ks < end, other=0.0)", "    return c0, c1, c2, c3",
+               "    c0 = gl.full([BLOCK_N], 1.0, gl.float32, layout=ld_s)\n    c1 = c0\n    c2 = c0\n    c3 = c0\n")
+
+
+def _norope(src):  # no rope copies (the slot barriers still complete)
+    return cut(src, "        _async_load(rope_s.index(slot)", "        cp.mbarrier_arrive(rope_full", "")
+
+
+def _cp4x8(src):  # copies 4 rows x 8 threads a warp (128 B of a row each), read back 8 x 4 after a barrier
+    a = "    ld: gl.constexpr = _WORDS_LAYOUT\n    k = start + j * BLOCK_N"
+    assert src.count(a) == 1
+    src = src.replace(a, "    ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])\n    k = start + j * BLOCK_N")
+    b = """    cp.wait_group(OUTSTANDING)
+    return (stage_s.index(0).load(ld), stage_s.index(1).load(ld), stage_s.index(2).load(ld),
+            stage_s.index(3).load(ld))"""
+    assert src.count(b) == 1
+    return src.replace(b, """    cp.wait_group(OUTSTANDING)
+    _barrier()  # every thread's copies landed (a thread reads pieces others copied)
+    x = (stage_s.index(0).load(ld), stage_s.index(1).load(ld), stage_s.index(2).load(ld),
+         stage_s.index(3).load(ld))
+    _barrier()  # every read done before the next tile's copies overwrite the buffer
+    return x""")
+
+
+GEN = {"cp4x8": _cp4x8, "nosc": _nosc, "norope": _norope, "nol2": lambda s: s.replace("L2_AHEAD = 1  #", "L2_AHEAD = 0  #"),
+       "a2": lambda s: s.replace("L2_AHEAD = 1  #", "L2_AHEAD = 2  #"), "nopv": _nopv, "noqk": _noqk,
+       "nostore": _nostore}
+
+
+def source(name):
+    for tag, fn in GEN.items():
+        if name.endswith("_" + tag) or (tag == "a2" and name.endswith("a2")):
+            return fn(source(name[: -len(tag) - (0 if tag == "a2" else 1)]))
+    return open(os.path.join(HERE, f"{name}.py")).read()
+
+
+def no_score(src):
+    return cut(src, "        zero = gl.zeros([BLOCK_N, BLOCK_R]", "        mbarrier.arrive(empty.index(buf))  # the converter", "")
+
+
+def ragged_check(mods, rows):
+    torch.manual_seed(1)
+    B, H, T = 12, 16, 3000
+    q = torch.randn(B, 1, H, 576, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(B, T, 576, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([0, 1, 2, 63, 64, 65, 127, 129, 1000, 2047, 2999, 3000], device="cuda")
+    packed = F8.pack(kv, F8.LAYOUT)
+    base = None
+    for name, mod in mods.items():
+        if name.startswith("ns") or any(name.endswith("_" + t) for t in ("nopv", "noqk", "nostore")):
+            continue
+        for ns in (1, 3, 16):
+            o, l = mod.run(F8.fp8_call(q, packed, lens), num_splits=ns)
+            torch.cuda.synchronize()
+            if base is None or name == "_base" and ns == 1:
+                base = (o.float().clone(), l.float().clone())
+            r = dict(check="ragged", variant=name, splits=ns,
+                     max_abs_out=(o.float() - base[0]).abs().max().item(),
+                     lse_diff=(l.float() - base[1]).nan_to_num(0.0, 0.0, 0.0).abs().max().item(),
+                     lse_inf_same=bool(((l == float("-inf")) == (base[1] == float("-inf"))).all().item()))
+            rows.append(r); print(json.dumps(r), flush=True)
+
+
+SHAPES = ((16, 8, 131072), (16, 32, 32768))
+
+
+def main():
+    names = sys.argv[1].split(",")
+    mods = {n: module(n, source(n) if not os.path.exists(os.path.join(HERE, f"{n}.py")) else None) for n in names}
+    mods.update({"ns" + n: module("ns" + n, no_score(source(n))) for n in sys.argv[2].split(",") if n})
+    rows = []
+    ragged_check(mods, rows)
+    for H, B, T in SHAPES:
+        sets = F8.make_sets(B, H, T, True)
+        ref = mods["_base"].run(F8.fp8_call(*sets[0]))[0].float()
+        for rep in range(2):
+            for name, mod in mods.items():
+                calls = [(lambda s=s, mod=mod: mod.run(F8.fp8_call(*s))) for s in sets]
+                try:
+                    o = calls[0]()[0].float(); torch.cuda.synchronize()
+                    err = ((o - ref).norm() / ref.norm()).item()
+                    ms = bench(graph_of(calls)) / len(calls)
+                except Exception as e:  # noqa: BLE001
+                    ms, err = f"{type(e).__name__}: {e}"[:300], None
+                rows.append(dict(H=H, B=B, T=T, variant=name, rep=rep, ms=ms, diff_vs_base=err))
+                print(json.dumps(rows[-1]), flush=True)
+        bsets = F8.make_sets(B, H, T, False)
+        calls = [(lambda s=s: attend(F8.bf16_call(*s), "split")) for s in bsets]
+        calls[0](); torch.cuda.synchronize()
+        rows.append(dict(H=H, B=B, T=T, variant="bf16_split", ms=bench(graph_of(calls)) / len(calls)))
+        print(json.dumps(rows[-1]), flush=True)
+        del sets, bsets
+    json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "time_mods.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
