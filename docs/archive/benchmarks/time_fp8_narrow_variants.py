@@ -3,12 +3,14 @@ build's output against _base's on ragged lengths (0 to 3000 keys, 1 / 3 / 16 spl
 
 Module files beside this script: `_base.py` is kernels/mla_gluon_fp8_narrow.py at 585a7ec with
 absolute imports (`from dcp_pass.runtime.decode.kernels.common import ...`), `_c2.py` the same
-with fp8_narrow_two_converters.patch applied. Generated builds: a name's suffix edits its
+with fp8_narrow_two_converters.patch applied, `_regs.py` with fp8_narrow_register_operands.patch
+(a prototype). Generated builds: a name's suffix edits its
 base's source (`_a2`/`a2`: L2_AHEAD 2; `_nopv`: no value products; `_noqk`: no latent score
 products; `_nostore`: no f16 stores; `_nosc`: no scale loads; `_norope`: no rope copies;
 `_nol2`: no L2 prefetch; `_cp4x8`: copies 4 rows x 8 threads, read back after a barrier);
 the second list's builds are also timed with scorers that only hand buffers back ("ns").
-Run 2026-12-03 on nvidia-h200 from `scratch/` (results/fp8_narrow_converters_h200.json):
+SHORT=1: one shape, one pass, 16 splits in the ragged check. `_regs` and `_cp4x8` were built
+(offline) but never run: the session's device time ran out. Run 2026-12-03 on nvidia-h200 from `scratch/` (results/fp8_narrow_converters_h200.json):
 
     python time_fp8_narrow_variants.py _base,_c2,_c2a2 _base,_c2
     python time_fp8_narrow_variants.py _base,_base_nopv,_base_noqk,_base_nostore _base,_base_nostore
@@ -109,7 +111,7 @@ def ragged_check(mods, rows):
     for name, mod in mods.items():
         if name.startswith("ns") or any(name.endswith("_" + t) for t in ("nopv", "noqk", "nostore")):
             continue
-        for ns in (1, 3, 16):
+        for ns in ((16,) if os.environ.get('SHORT') else (1, 3, 16)):
             o, l = mod.run(F8.fp8_call(q, packed, lens), num_splits=ns)
             torch.cuda.synchronize()
             if base is None or name == "_base" and ns == 1:
@@ -121,7 +123,7 @@ def ragged_check(mods, rows):
             rows.append(r); print(json.dumps(r), flush=True)
 
 
-SHAPES = ((16, 8, 131072), (16, 32, 32768))
+SHAPES = ((16, 8, 131072),) if os.environ.get('SHORT') else ((16, 8, 131072), (16, 32, 32768))
 
 
 def main():
@@ -133,7 +135,7 @@ def main():
     for H, B, T in SHAPES:
         sets = F8.make_sets(B, H, T, True)
         ref = mods["_base"].run(F8.fp8_call(*sets[0]))[0].float()
-        for rep in range(2):
+        for rep in range(1 if os.environ.get('SHORT') else 2):
             for name, mod in mods.items():
                 calls = [(lambda s=s, mod=mod: mod.run(F8.fp8_call(*s))) for s in sets]
                 try:
