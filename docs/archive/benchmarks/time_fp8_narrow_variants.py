@@ -9,6 +9,13 @@ base's source (`_a2`/`a2`: L2_AHEAD 2; `_nopv`: no value products; `_noqk`: no l
 products; `_nostore`: no f16 stores; `_nosc`: no scale loads; `_norope`: no rope copies;
 `_nol2`: no L2 prefetch; `_cp4x8`: copies 4 rows x 8 threads, read back after a barrier);
 the second list's builds are also timed with scorers that only hand buffers back ("ns").
+To build a module file (then carry the folder to the GPU machine):
+
+    git show 585a7ec:dcp_pass/runtime/decode/kernels/mla_gluon_fp8_narrow.py > k.py
+    patch k.py fp8_narrow_register_operands.patch      # (none for _base.py)
+    sed -e 's/^from \./from dcp_pass.runtime.decode.kernels./' \
+        -e 's/^    from \./    from dcp_pass.runtime.decode.kernels./' k.py > _regs.py
+
 SHORT=1: one shape, one pass, 16 splits in the ragged check. `_regs` and `_cp4x8` were built
 (offline) but never run: the session's device time ran out. Run 2026-12-03 on nvidia-h200 from `scratch/` (results/fp8_narrow_converters_h200.json):
 
