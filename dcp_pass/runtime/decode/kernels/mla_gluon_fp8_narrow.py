@@ -59,7 +59,7 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _copy_mask, _opaque, _query_positions, _row_positions
+    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _row_positions
 
 __all__ = ["NARROW", "supports", "offered", "unmeasured", "run", "launch_args"]
 
@@ -211,16 +211,6 @@ def _converter_src(salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, 
         _issue_rope(j + 3, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
         _put(j + 2, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tiles)
         c0, c1, c2, c3 = n0, n1, n2, n3
-
-
-def _causal_end_local_src(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_R: gl.constexpr):
-    """`end` cut at the last local key any row of the block may see (as the role-split kernels'
-    _causal_end), every thread reading all BLOCK_R rows' positions: a reduction across warps
-    here (shared memory and a barrier before the partitions) costs the scorers ~80 spilled
-    registers on Triton 3.6."""
-    rows = row0 + gl.arange(0, BLOCK_R, layout=gl.BlockedLayout([BLOCK_R], [32], [4], [0]))
-    qmax = gl.max(_query_positions(qpos_row, sqp_s, rows, H, SH), axis=0)
-    return gl.minimum(end, gl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(gl.int32))
 
 
 def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, H, SH):
@@ -421,7 +411,7 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
     start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     qpos_row = QPOS + b * sqp_b
     if CAUSAL:
-        end = _causal_end_local(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_R)
+        end = _causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_R, BLOCK_R)  # (per thread)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     fence_async_shared()
     _barrier()  # q and the factors in shared memory before any partition reads them
@@ -463,7 +453,6 @@ if HAS_GLUON:
     _issue_rope = gluon.jit(_issue_rope_src)
     _put = gluon.jit(_put_src)
     _converter = gluon.jit(_converter_src)
-    _causal_end_local = gluon.jit(_causal_end_local_src)
     _store_block = gluon.jit(_store_block_src)
     _scorer = gluon.jit(_scorer_src)
     _narrow_jit = gluon.jit(_narrow_kernel_src)

@@ -100,10 +100,14 @@ def _row_positions_src(qpos_row, sqp_s, row0, H, SH, row_l: gl.constexpr, BLOCK_
     return qpos
 
 
-def _causal_end_src(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H: gl.constexpr):
+def _causal_end_src(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H: gl.constexpr,
+                    ROWS_PER_THREAD: gl.constexpr = 1):
     """`end` cut at the last local key any row of the block may see: key k is at global position
-    k * cp_world + cp_rank, visible to a row whose query position is not before it."""
-    rows = row0 + gl.arange(0, BLOCK_H, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    k * cp_world + cp_rank, visible to a row whose query position is not before it.
+    ROWS_PER_THREAD = BLOCK_H: every thread reads all the rows' positions, so the maximum needs
+    no reduction across warps (shared memory and a barrier; before the narrow fp8 kernel's
+    partitions that cost its scorers 336 spilled bytes on Triton 3.6)."""
+    rows = row0 + gl.arange(0, BLOCK_H, layout=gl.BlockedLayout([ROWS_PER_THREAD], [32], [4], [0]))
     qmax = gl.max(_query_positions(qpos_row, sqp_s, rows, H, SH), axis=0)
     return gl.minimum(end, gl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(gl.int32))
 
