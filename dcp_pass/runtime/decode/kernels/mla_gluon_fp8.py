@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, causal_operand, mask_operand
+from .common import LOG2E, AttentionCall
 from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, fp8_gluon_reason,
                            launch_plan, roles_preferred, split_frame)
 from .mla_gluon_roles import mask_args
@@ -322,11 +322,10 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
             *(x // 8 for x in qm.stride()[:3]), *(x // 8 for x in qt.stride()[:3]), km.stride(0),
             ks.stride(0), ks.stride(1), ks.stride(2), kt.stride(0) // 8,
             ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
-    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, km.device)  # one row per request (supports)
-    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, kt)
-    args += mask_args(mask_b, ms, kt, q_pos, qps, cp_world, cp_rank)
+    m_args, m_consts = mask_args(call, T, kt)
+    args += m_args
     consts = dict(SKV_T=km.stride(1), SKT_T=kt.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-                  HAS_LENS=call.kv_lens is not None, HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None)
+                  HAS_LENS=call.kv_lens is not None, **m_consts)
     stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None)
     return out, lse_out, ((n_hb, ns, B), args, consts, stage2)
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, causal_operand, mask_operand
+from .common import LOG2E, AttentionCall
 from .gluon_common import HAS_GLUON, GluonConfig, fp8_gluon_reason, launch_plan, roles_preferred, split_frame
 from .mla_gluon_roles import mask_args
 from .splits import reduce_launch
@@ -516,12 +516,11 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
             T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
             *qm.stride()[:3], *qt.stride()[:3], km.stride(0), ks.stride(0), ks.stride(1), ks.stride(2),
             kt.stride(0) // 8, ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
-    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, km.device)  # one row per request (supports)
-    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, kt)
-    args += mask_args(mask_b, ms, kt, q_pos, qps, cp_world, cp_rank)
+    m_args, m_consts = mask_args(call, T, kt)
+    args += m_args
     consts = dict(SKV_T=km.stride(1), SKT_T=kt.stride(1), BLOCK_R=cfg.block_h, BLOCK_N=cfg.block_n,
                   NUM_SCORERS=scorers, NUM_SPLITS=ns, HAS_LENS=call.kv_lens is not None,
-                  L2_AHEAD=L2_AHEAD, HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None)
+                  L2_AHEAD=L2_AHEAD, **m_consts)
     stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, n_part) if n_part > 1
               else None)
     return out, lse_out, ((n_rb, ns, B), args, consts, stage2)

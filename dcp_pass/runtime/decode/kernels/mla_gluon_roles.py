@@ -373,21 +373,26 @@ def launch_role_args(jit, name: str, call: AttentionCall, out, lse_out, num_spli
     parts, n_hb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
     B, S, H, _ = call.q_lat.shape
     T = call.kv.shape[1]
-    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, call.kv.device)  # one row per request (gluon_reason)
-    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, call.kv)
+    m_args, m_consts = mask_args(call, T, call.kv)
     args = (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
             T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
             *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
             ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
-            *mask_args(mask_b, ms, call.kv, q_pos, qps, cp_world, cp_rank))
+            *m_args)
     consts = dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-                  HAS_LENS=call.kv_lens is not None, HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None)
+                  HAS_LENS=call.kv_lens is not None, **m_consts)
     stage2 = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None
     return launch_plan(jit, out, lse_out, ((n_hb, ns, B), args, consts, stage2))
 
 
-def mask_args(mask_b, ms, dummy, q_pos, qps, cp_world: int, cp_rank: int) -> tuple:
-    """The mask and causal arguments the role-split kernels take after the plain call's: MASK,
-    QPOS, the mask row's batch and key strides, q_pos's, the stripe (``dummy`` stands in for
-    an absent mask)."""
-    return (mask_b if mask_b is not None else dummy, q_pos, ms[0], ms[3], *qps, cp_world, cp_rank)
+def mask_args(call, T: int, dummy) -> tuple:
+    """(arguments, constants) of a call's mask row and causal cap, for the warp-specialised Gluon
+    kernels (role split, seesaw, both fp8 ones): MASK, QPOS, the mask row's batch and key
+    strides, q_pos's, the stripe, after the plain call's arguments (``dummy``, a tensor on the
+    call's device, stands in for an absent operand); HAS_MASK and CAUSAL. The mask is one row
+    per request (gluon_reason, fp8_gluon_reason); T: the keys the kernel spans."""
+    B, S, H, _ = call.q_lat.shape
+    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, dummy.device)
+    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, dummy)
+    return ((mask_b if mask_b is not None else dummy, q_pos, ms[0], ms[3], *qps, cp_world, cp_rank),
+            dict(HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None))
