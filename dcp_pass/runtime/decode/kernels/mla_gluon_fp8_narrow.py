@@ -75,6 +75,11 @@ if HAS_GLUON:
     # (an 8-lane phase writes two rows' four 16-byte pieces, which the swizzle puts on all 32
     # banks; with 4 rows x 8 threads two lanes of a phase shared banks): 4 % faster on the H200
     _WORDS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
+    # the same words as the converter copies them: 4 rows x 8 threads a warp, a row's 128 bytes of
+    # the block per 8 lanes. A 656-byte row starts 16 bytes into a 32-byte sector on odd keys, so a
+    # 64-byte piece (8 x 4) touched 3 sectors where 2 hold it; a 128-byte piece touches 5 for 4
+    # (the copy layout alone: 3 % faster on the H200, 9 % with the early conversion in _take_tile)
+    _COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
 
 # four e4m3 values of one word -> four f16 (exact: e4m3 is a subset of f16), lowest byte first
 _E4M3_F16_ASM_TEXT = """{
@@ -114,11 +119,11 @@ def _prefetch_l2_src(kv_bytes, t0, end, SKV_T: gl.constexpr, BLOCK_N: gl.constex
 
 def _issue_tile_src(j, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W: gl.constexpr,
                     BLOCK_N: gl.constexpr, kv_bytes, L2_AHEAD: gl.constexpr):
-    """Tile j's fp8 words into the staging buffer by cp.async (one commit group; each thread
-    copies the 16-byte pieces it will read back itself), the rows of tile j + L2_AHEAD into L2
-    (8-10 % faster on the H200 with this layout: the next tile's copies find their bytes there) and tile j's
-    keys' scales into registers; past the split: all masked (no traffic)."""
-    ld: gl.constexpr = _WORDS_LAYOUT
+    """Tile j's fp8 words into the staging buffer by cp.async (one commit group, in _COPY_LAYOUT),
+    the rows of tile j + L2_AHEAD into L2 (8-10 % faster on the H200: the next tile's copies find
+    their bytes there) and tile j's keys' scales into registers; past the split: all masked (no
+    traffic)."""
+    ld: gl.constexpr = _COPY_LAYOUT
     k = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     w = gl.arange(0, SB // 4, layout=gl.SliceLayout(0, ld))
     rows = kv_words + k.to(gl.int64)[:, None] * SKV_W + w[None, :]
@@ -139,12 +144,20 @@ def _issue_tile_src(j, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_
 
 
 def _take_tile_src(stage_s, OUTSTANDING: gl.constexpr):
-    """The staged tile's words into registers, once this thread's copies have landed (all but
-    the OUTSTANDING newest commit groups)."""
+    """The staged tile into registers once every converter thread's copies have landed (all but
+    the OUTSTANDING newest commit groups; a thread reads pieces other threads copied): blocks 0
+    and 1 already converted to f16, blocks 2 and 3 as words. The two blocks are converted here,
+    before the converter waits for a free buffer, so that less of the conversion lies between a
+    scorer freeing a buffer and its refill (all four: spills, and slower on the H200)."""
     ld: gl.constexpr = _WORDS_LAYOUT
     cp.wait_group(OUTSTANDING)
-    return (stage_s.index(0).load(ld), stage_s.index(1).load(ld), stage_s.index(2).load(ld),
-            stage_s.index(3).load(ld))
+    _barrier()  # every thread's copies landed
+    x0 = stage_s.index(0).load(ld)
+    x1 = stage_s.index(1).load(ld)
+    x2 = stage_s.index(2).load(ld)
+    x3 = stage_s.index(3).load(ld)
+    _barrier()  # every thread's reads done before the next tile's copies overwrite the buffer
+    return _to_f16(x0), _to_f16(x1), x2, x3
 
 
 def _issue_rope_src(j, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -166,14 +179,15 @@ def _issue_rope_src(j, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T: gl
         cp.commit_group()
 
 
-def _put_src(j, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tiles):
-    """Tile j (if the split has it) into buffer j % 2: its bytes as f16 and its scales from
-    registers, then one arrival once every thread's stores are fenced for the tensor cores."""
+def _put_src(j, salt, full, tile_s, sc_s, h0, h1, x2, x3, c0, c1, c2, c3, n_tiles):
+    """Tile j (if the split has it) into buffer j % 2: its blocks as f16 (h0, h1 converted by
+    _take_tile, x2, x3 words converted here) and its scales from registers, then one arrival once
+    every thread's stores are fenced for the tensor cores."""
     if j < n_tiles:
         buf = _opaque(j + salt) % 2
         tile = tile_s.index(buf)
-        tile.slice(0, SB, dim=1).store(_to_f16(x0))
-        tile.slice(SB, SB, dim=1).store(_to_f16(x1))
+        tile.slice(0, SB, dim=1).store(h0)
+        tile.slice(SB, SB, dim=1).store(h1)
         tile.slice(2 * SB, SB, dim=1).store(_to_f16(x2))
         tile.slice(3 * SB, SB, dim=1).store(_to_f16(x3))
         sc_s.index(4 * buf).store(c0)  # (block-major: the scorers read each block's scales as a vector)
@@ -196,20 +210,20 @@ def _converter_src(salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, 
     _issue_rope(1, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
     _issue_rope(2, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
     c0, c1, c2, c3 = _issue_tile(0, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
-    x0, x1, x2, x3 = _take_tile(stage_s, 0)
+    h0, h1, x2, x3 = _take_tile(stage_s, 0)
     n0, n1, n2, n3 = _issue_tile(1, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
-    _put(0, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tiles)
-    x0, x1, x2, x3 = _take_tile(stage_s, 0)
+    _put(0, salt, full, tile_s, sc_s, h0, h1, x2, x3, c0, c1, c2, c3, n_tiles)
+    h0, h1, x2, x3 = _take_tile(stage_s, 0)
     c0, c1, c2, c3 = _issue_tile(2, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
-    _put(1, salt, full, tile_s, sc_s, x0, x1, x2, x3, n0, n1, n2, n3, n_tiles)
+    _put(1, salt, full, tile_s, sc_s, h0, h1, x2, x3, n0, n1, n2, n3, n_tiles)
     for j in range(n_tiles):
         # tile j + 2: its words from the staging buffer, then tile j + 3's copies behind them
-        x0, x1, x2, x3 = _take_tile(stage_s, 0)
+        h0, h1, x2, x3 = _take_tile(stage_s, 0)
         n0, n1, n2, n3 = _issue_tile(j + 3, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
         buf = _opaque(j + salt) % 2
         mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorers are done with tile j (and its rope slot)
         _issue_rope(j + 3, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
-        _put(j + 2, salt, full, tile_s, sc_s, x0, x1, x2, x3, c0, c1, c2, c3, n_tiles)
+        _put(j + 2, salt, full, tile_s, sc_s, h0, h1, x2, x3, c0, c1, c2, c3, n_tiles)
         c0, c1, c2, c3 = n0, n1, n2, n3
 
 
@@ -384,8 +398,8 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
     rope_s = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, DR],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
     # the next tile's fp8 words on their way in: one [BLOCK_N, 32]-word piece per 128-column block
-    # (its two halves of a row swapped on odd rows: an 8-lane phase of _WORDS_LAYOUT's copies and
-    # loads, two rows x 64 bytes, then covers all 32 banks)
+    # (its two halves of a row swapped on odd rows: an 8-lane phase of _WORDS_LAYOUT's loads, two
+    # rows x 64 bytes, then covers all 32 banks; one of _COPY_LAYOUT's copies writes a 128-byte row)
     stage_s = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N, SB // 4], gl.SwizzledSharedLayout(16, 1, 2, [1, 0]))
     sc_s = gl.allocate_shared_memory(gl.float32, [2 * 4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_s = gl.allocate_shared_memory(gl.float16, [NUM_SCORERS * 4, BLOCK_N, BLOCK_R],
