@@ -2,9 +2,14 @@
 build's output against _base's on ragged lengths (0 to 3000 keys, 1 / 3 / 16 splits).
 
 Module files beside this script: `_base.py` is kernels/mla_gluon_fp8_narrow.py at 585a7ec with
-absolute imports (`from dcp_pass.runtime.decode.kernels.common import ...`), `_c2.py` the same
-with fp8_narrow_two_converters.patch applied, `_regs.py` with fp8_narrow_register_operands.patch
-(a prototype). Generated builds: a name's suffix edits its
+absolute imports (`from dcp_pass.runtime.decode.kernels.common import ...`); the others are that
+file with a patch applied: `_c2.py` fp8_narrow_two_converters.patch, `_regs.py`
+fp8_narrow_register_operands.patch (a prototype: loader warpgroup, register operands),
+`_rs.py` fp8_narrow_register_staging.patch (odd tiles loaded into the converter's registers,
+two tiles in flight), `_sc.py` fp8_narrow_scales_in_ring.patch (each tile's scales copied by
+cp.async with its rope rows, read by the scorers), `_pre2.py` fp8_narrow_early_conversion.patch
+(blocks 0 and 1 converted before the wait for a free buffer; `_scpre2` / `_scpre4`: the same
+edit on `_sc.py`, two or four blocks). Generated builds: a name's suffix edits its
 base's source (`_a2`/`a2`: L2_AHEAD 2; `_nopv`: no value products; `_noqk`: no latent score
 products; `_nostore`: no f16 stores; `_nosc`: no scale loads; `_norope`: no rope copies;
 `_nol2`: no L2 prefetch; `_cp4x8`: copies 4 rows x 8 threads, read back after a barrier);
@@ -16,12 +21,20 @@ To build a module file (then carry the folder to the GPU machine):
     sed -e 's/^from \./from dcp_pass.runtime.decode.kernels./' \
         -e 's/^    from \./    from dcp_pass.runtime.decode.kernels./' k.py > _regs.py
 
-SHORT=1: one shape, one pass, 16 splits in the ragged check. `_regs` and `_cp4x8` were built
-(offline) but never run: the session's device time ran out. Run 2026-12-03 on nvidia-h200 from `scratch/` (results/fp8_narrow_converters_h200.json):
+SHORT=1: one shape, one pass, 16 splits in the ragged check. Run 2026-12-03 on nvidia-h200 from
+`scratch/` (results/fp8_narrow_converters_h200.json):
 
     python time_fp8_narrow_variants.py _base,_c2,_c2a2 _base,_c2
     python time_fp8_narrow_variants.py _base,_base_nopv,_base_noqk,_base_nostore _base,_base_nostore
     python time_fp8_narrow_variants.py _base _base_nostore,_base_nosc_nostore,_base_norope_nostore,...
+
+and later that day (results/fp8_narrow_copies_h200.json; the product took `_pre2_cp4x8`):
+
+    SHORT=1 python time_fp8_narrow_variants.py _base,_regs ""
+    SHORT=1 python time_fp8_narrow_variants.py _base,_base_cp4x8 ""
+    python time_fp8_narrow_variants.py _base,_rs,_rs_nol2 ""
+    python time_fp8_narrow_variants.py _base,_sc,_sc_cp4x8,_scpre2,_scpre4,_scpre2_cp4x8 _sc_cp4x8
+    python time_fp8_narrow_variants.py _base,_base_cp4x8,_pre2,_pre2_cp4x8 ""
 """
 import importlib.util, json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
