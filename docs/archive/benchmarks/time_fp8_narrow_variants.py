@@ -13,7 +13,8 @@ edit on `_sc.py`, two or four blocks). Generated builds: a name's suffix edits i
 base's source (`_a2`/`a2`: L2_AHEAD 2; `_nopv`: no value products; `_noqk`: no latent score
 products; `_nostore`: no f16 stores; `_nosc`: no scale loads; `_norope`: no rope copies;
 `_nol2`: no L2 prefetch; `_cp4x8`: copies 4 rows x 8 threads, read back after a barrier);
-the second list's builds are also timed with scorers that only hand buffers back ("ns").
+the second list's builds are also timed with scorers that only hand buffers back ("ns"; for
+`_regs`: its loader's stream alone, compiled on Triton 3.6 but not yet run).
 To build a module file (then carry the folder to the GPU machine):
 
     git show 585a7ec:dcp_pass/runtime/decode/kernels/mla_gluon_fp8_narrow.py > k.py
@@ -117,6 +118,9 @@ def source(name):
 
 
 def no_score(src):
+    if "mbarrier.arrive(free.index(slot))" in src:  # the register-operand prototype: its loader's stream alone
+        return cut(src, "        fence_async_shared()  # the copies' writes", "\n\n    l_i = gl.sum(l_acc, axis=0)",
+                   "        mbarrier.arrive(free.index(slot))")
     return cut(src, "        zero = gl.zeros([BLOCK_N, BLOCK_R]", "        mbarrier.arrive(empty.index(buf))  # the converter", "")
 
 
