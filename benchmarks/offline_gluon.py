@@ -92,11 +92,16 @@ _ARG_TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float3
 def compile_launched(jit, src, args: tuple, consts: dict, num_warps: int):
     """Compile a Gluon kernel for sm_90 with the argument kinds the JIT would give ``args``:
     tensors as pointers (divisible by 16 when their data is 16-byte aligned), floats as fp32,
-    ints equal to 1 as constants, other ints as i32 (divisible by 16 when they are)."""
+    ints equal to 1 as constants, other ints as i32 (divisible by 16 when they are), TMA tensor
+    descriptors (Gluon's host TensorDescriptor) as the JIT mangles them."""
+    from triton.runtime.jit import mangle_type
+
     sig, attrs, consts = {}, {}, dict(consts)
     names = list(inspect.signature(src).parameters)
     for i, (n, v) in enumerate(zip(names, args)):
-        if hasattr(v, "data_ptr"):
+        if type(v).__name__ == "TensorDescriptor":
+            sig[n] = mangle_type(v)
+        elif hasattr(v, "data_ptr"):
             sig[n] = _ARG_TYPES[str(v.dtype)]
             if v.data_ptr() % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]

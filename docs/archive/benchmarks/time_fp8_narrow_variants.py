@@ -9,7 +9,12 @@ fp8_narrow_register_operands.patch (a prototype: loader warpgroup, register oper
 two tiles in flight), `_sc.py` fp8_narrow_scales_in_ring.patch (each tile's scales copied by
 cp.async with its rope rows, read by the scorers), `_pre2.py` fp8_narrow_early_conversion.patch
 (blocks 0 and 1 converted before the wait for a free buffer; `_scpre2` / `_scpre4`: the same
-edit on `_sc.py`, two or four blocks). Generated builds: a name's suffix edits its
+edit on `_sc.py`, two or four blocks). From the kernel at 0c64846 (`git show
+0c64846:...`, the same import edit): `_p.py` unchanged, `_tma.py` with fp8_narrow_tma_words.patch
+(the converter's words staged by TMA: four 128-byte-wide boxes into a 128-byte-swizzled buffer,
+one mbarrier with the bytes expected, rows past the split zeroed in registers; the scales,
+rope rows and mask entries as before; compiled on Triton 3.6, 24 bytes spilled; not yet run:
+`python time_fp8_narrow_variants.py _base,_p,_tma _p,_tma`). Generated builds: a name's suffix edits its
 base's source (`_a2`/`a2`: L2_AHEAD 2; `_nopv`: no value products; `_noqk`: no latent score
 products; `_nostore`: no f16 stores; `_nosc`: no scale loads; `_norope`: no rope copies;
 `_nol2`: no L2 prefetch; `_cp4x8`: copies 4 rows x 8 threads, read back after a barrier);
