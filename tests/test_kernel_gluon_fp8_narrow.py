@@ -94,8 +94,8 @@ def test_launch_arguments():
 @compiles_offline
 def test_compiles_for_hopper_with_this_triton():
     """Valid Gluon for the installed Triton, one packed row and two buffers, one scorer and two,
-    plain and with a mask row and a causal cap: within shared memory, at most 8 bytes spilled on
-    Triton 3.6 (40 masked and capped), 36 score steps + 32 value steps of m64n16 a tile
+    plain and with a mask row and a causal cap: within shared memory, at most 16 bytes spilled on
+    Triton 3.6 (56 masked and capped), 36 score steps + 32 value steps of m64n16 a tile
     per scorer, e4m3 -> f16 by packed conversions (two a 4-byte word, in three places: the
     converter's first two fills and its loop)."""
     import triton
@@ -106,8 +106,10 @@ def test_compiles_for_hopper_with_this_triton():
         r = off.compile_fp8_narrow(separate_rope=separate, scorers=scorers, mask=masked, causal=masked)
         assert r["smem_kib"] <= 227, r
         if triton.__version__.startswith("3.6"):  # where it is offered (3.9's compiler spills 24 bytes)
-            # a mask row and a causal cap: 40 bytes (a cross-warp reduction before the roles: 344)
-            assert (r["stack"], r["ldl"]) <= ((40, 17) if masked else (8, 2)), r
+            # the converter's two blocks converted before its wait for a free buffer cost 8 bytes
+            # (9 % faster with the 128-byte copies on the H200); a mask row and a causal cap: 56 bytes
+            # (a cross-warp reduction before the roles: 344)
+            assert (r["stack"], r["ldl"]) <= ((56, 17) if masked else (16, 4)), r
         assert r["hgmma"] == ["64x16x16"] and r["n_hgmma"] == scorers * (36 + 32), r
         assert r["f2fp_e4m3"] == 3 * 128, r
 
