@@ -13,13 +13,16 @@ edit on `_sc.py`, two or four blocks). From the kernel at 0c64846 (`git show
 0c64846:...`, the same import edit): `_p.py` unchanged, `_tma.py` with fp8_narrow_tma_words.patch
 (the converter's words staged by TMA: four 128-byte-wide boxes into a 128-byte-swizzled buffer,
 one mbarrier with the bytes expected, rows past the split zeroed in registers; the scales,
-rope rows and mask entries as before; compiled on Triton 3.6, 24 bytes spilled; not yet run:
-`python time_fp8_narrow_variants.py _base,_p,_tma _p,_tma`). Generated builds: a name's suffix edits its
+rope rows and mask entries as before; Triton 3.6: 24 bytes spilled), `_vs.py` with
+fp8_narrow_vector_scales.patch (one 16-byte load of a key's four scales), `_pb.py` with
+fp8_narrow_block_handoff.patch (full / empty barriers per 128-column block), `_half.py` with
+fp8_narrow_column_split_scorers.patch (both scorers on every tile, each over two latent blocks,
+partial scores added through shared memory; one partial a split). Generated builds: a name's suffix edits its
 base's source (`_a2`/`a2`: L2_AHEAD 2; `_nopv`: no value products; `_noqk`: no latent score
 products; `_nostore`: no f16 stores; `_nosc`: no scale loads; `_norope`: no rope copies;
 `_nol2`: no L2 prefetch; `_cp4x8`: copies 4 rows x 8 threads, read back after a barrier);
 the second list's builds are also timed with scorers that only hand buffers back ("ns"; for
-`_regs`: its loader's stream alone, compiled on Triton 3.6 but not yet run).
+`_regs`: its loader's stream alone).
 To build a module file (then carry the folder to the GPU machine):
 
     git show 585a7ec:dcp_pass/runtime/decode/kernels/mla_gluon_fp8_narrow.py > k.py
@@ -41,6 +44,13 @@ and later that day (results/fp8_narrow_copies_h200.json; the product took `_pre2
     python time_fp8_narrow_variants.py _base,_rs,_rs_nol2 ""
     python time_fp8_narrow_variants.py _base,_sc,_sc_cp4x8,_scpre2,_scpre4,_scpre2_cp4x8 _sc_cp4x8
     python time_fp8_narrow_variants.py _base,_base_cp4x8,_pre2,_pre2_cp4x8 ""
+
+and at the sixth stop (results/fp8_narrow_loaders_h200.json; none taken):
+
+    python time_fp8_narrow_variants.py _base,_p,_tma,_regs _p,_tma,_regs
+    python time_fp8_narrow_variants.py _base,_p,_vs _p,_vs
+    python time_fp8_narrow_variants.py _base,_p,_pb ""
+    python time_fp8_narrow_variants.py _base,_p,_half ""
 """
 import importlib.util, json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
