@@ -1,9 +1,10 @@
-"""The same fp8 cache bytes in two layouts, timed with the same kernels: FlashMLA's packed
-656-byte row (latent, scales, rope of a token side by side; what the product stores) and a
-planar copy (three contiguous arrays: latent [B, T, 512] e4m3, scales [B, T, 4] fp32, rope
-[B, T, 64] bf16). The kernels take both through the same strided views, so the difference is
-the layout's alone: a packed row starts 16 bytes into a 32-byte sector on odd keys and its
-parts' copies share sectors with their neighbours'; planar rows are whole sectors.
+"""The same fp8 cache values in three layouts, timed with the same kernels: FlashMLA's packed
+656-byte row (latent, scales, rope of a token side by side; what the product stores), a planar
+copy (three contiguous arrays: latent [B, T, 512] e4m3, scales [B, T, 4] fp32, rope [B, T, 64]
+bf16) and 672-byte rows ("row672": latent, rope, scales, 16 bytes of padding; 21 whole 32-byte
+sectors, so every part of every row starts on a sector). The kernels take all three through
+the same strided views, so the difference is the layout's alone: a packed row starts 16 bytes
+into a sector on odd keys and its parts' copies share sectors with their neighbours'.
 
 Checked first: each build's output and LSE on planar inputs against the packed ones (ragged
 lengths 0 to 3000), which must be identical. Then per shape: the narrow builds `_p` (the
@@ -16,7 +17,7 @@ the repository root that holds both scripts and the module files (the runs used 
 
     python probe_fp8_planar.py        # -> $OUT/fp8_planar.json
 
-Run 2026-12-03 on nvidia-h200 (results/fp8_planar_h200.json).
+Run 2026-12-03 on nvidia-h200 (results/fp8_planar_h200.json: twice, the first before row672 was added).
 """
 import json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,6 +33,16 @@ SHAPES = ((16, 8, 32768), (16, 8, 131072), (16, 32, 32768), (16, 32, 131072), (1
 def planar(rows):
     latent, scales, rope = views(rows, F8.LAYOUT)
     return latent.contiguous(), scales.contiguous(), rope.contiguous()
+
+
+def row672(rows):
+    """The rows re-laid as 672-byte rows (latent | rope | scales | padding); their three views."""
+    latent, scales, rope = views(rows, F8.LAYOUT)
+    wide = torch.zeros(*rows.shape[:-1], 672, dtype=torch.uint8, device=rows.device)
+    wide[..., :512] = latent.view(torch.uint8)
+    wide[..., 512:640] = rope.contiguous().view(torch.uint8)
+    wide[..., 640:656] = scales.contiguous().view(torch.uint8)
+    return wide[..., :512].view(latent.dtype), wide[..., 640:656].view(torch.float32), wide[..., 512:640].view(rope.dtype)
 
 
 def planar_call(q, parts, lens):
@@ -60,18 +71,21 @@ def main():
     packed = F8.pack(torch.randn(12, 3000, 576, dtype=torch.bfloat16, device="cuda"), F8.LAYOUT)
     lens = torch.tensor([0, 1, 2, 63, 64, 65, 127, 129, 1000, 2047, 2999, 3000], device="cuda")
     o0, l0 = mods["_p"].run(F8.fp8_call(q, packed, lens))
-    for name in ("_p", "_tma"):
-        o, lse = mods[name].run(planar_call(q, planar(packed), lens))
-        record(check="planar_vs_packed", variant=name, max_abs_out=(o.float() - o0.float()).abs().max().item(),
+    for name, layout in (("_p", planar), ("_tma", planar), ("_p", row672)):
+        o, lse = mods[name].run(planar_call(q, layout(packed), lens))
+        record(check=f"{layout.__name__}_vs_packed", variant=name,
+               max_abs_out=(o.float() - o0.float()).abs().max().item(),
                lse_diff=(lse - l0).nan_to_num(0.0, 0.0, 0.0).abs().max().item())
     del q, packed
     for H, B, T in SHAPES:
         sets = {"packed": F8.make_sets(B, H, T, True)}
         sets["planar"] = [(q, planar(r), n) for q, r, n in sets["packed"]]
-        make = {"packed": lambda s: F8.fp8_call(*s), "planar": lambda s: planar_call(*s)}
+        sets["row672"] = [(q, row672(r), n) for q, r, n in sets["packed"]]
+        make = {"packed": lambda s: F8.fp8_call(*s), "planar": lambda s: planar_call(*s),
+                "row672": lambda s: planar_call(*s)}
         for rep in range(2):
             for layout, ss in sets.items():
-                builds = [n for n in mods if not (layout == "packed" and n.endswith("_tma"))] if H == 16 else []
+                builds = [n for n in mods if layout == "planar" or not n.endswith("_tma")] if H == 16 else []
                 for name in builds:
                     ms = timed([(lambda s=s, m=mods[name]: m.run(make[layout](s))) for s in ss])
                     record(H=H, B=B, T=T, variant=name, layout=layout, rep=rep, ms=ms)
