@@ -52,7 +52,7 @@ if HAS_GLUON:
         warpgroup_mma_wait
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _scorer, _store_half
+    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _role_buffers, _scorer, _store_half
 
 __all__ = ["supports", "offered", "unmeasured", "run", "launch_args"]
 if HAS_GLUON:
@@ -213,28 +213,10 @@ def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_
                 + (rr % H)[:, None] * (sqt_h8 * 8) + cr[None, :], mask=(rr < SH)[:, None])
     cp.commit_group()
 
-    k_lat = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DL],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
-    k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
-    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec_sl)  # each buffer's tile: the rows' rescale
-    l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # the final row sums, for the loader
-    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    if HAS_MASK:
-        mk = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], vec_sl)  # each buffer's tile: its mask entries
-    else:
-        mk = a_s  # unused
-    for i in gl.static_range(2):
-        # per fill: every loader thread once its rope copies land, and the loader once (a
-        # partition barrier, then one arrival) after its latent stores
-        mbarrier.init(full.index(i), count=128 + 1)
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(done, count=1)
+    # (full, per fill: every loader thread once its rope copies land, and the loader once (a
+    # partition barrier, then one arrival) after its latent stores)
+    k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, mk = _role_buffers(gl.bfloat16, BLOCK_H, BLOCK_N, 128 + 1,
+                                                                            HAS_MASK)
 
     start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     qpos_row = QPOS + b * sqp_b

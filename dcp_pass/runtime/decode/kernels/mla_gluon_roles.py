@@ -239,6 +239,33 @@ def _loader_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_ro
     _store_half(o_base, acc, l_s.load(row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
 
 
+def _role_buffers_src(dt: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FULL_COUNT: gl.constexpr,
+                      HAS_MASK: gl.constexpr):
+    """The role-split kernels' shared memory after q, in this order: two tiles of `dt` (latent,
+    rope), each buffer's row rescale, the final row sums, the barriers (`full` counting
+    FULL_COUNT arrivals a fill; the others one: Gluon's arrive is a partition barrier, then one
+    arrival) and, with HAS_MASK, each buffer's mask entries (else `a_s` stands in, unused)."""
+    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
+    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
+    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec_sl)  # each buffer's tile: the rows' rescale
+    l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # the final row sums, for the loader
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if HAS_MASK:
+        mk = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], vec_sl)  # each buffer's tile: its mask entries
+    else:
+        mk = a_s
+    for i in gl.static_range(2):
+        mbarrier.init(full.index(i), count=FULL_COUNT)
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(done, count=1)
+    return k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, mk
+
+
 def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
                       sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, skt_b,
                       so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
@@ -272,24 +299,8 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
                 mask=(rr < SH)[:, None])
     cp.commit_group()
 
-    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
-    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
-    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec_sl)  # each buffer's tile: the rows' rescale
-    l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # the final row sums, for the loader
-    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    if HAS_MASK:
-        mk = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], vec_sl)  # each buffer's tile: its mask entries
-    else:
-        mk = a_s  # unused
-    for i in gl.static_range(2):
-        mbarrier.init(full.index(i), count=128)  # every loader thread, once per fill
-        mbarrier.init(p_ready.index(i), count=1)  # Gluon's arrive: a partition barrier, then one arrival
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(done, count=1)
+    # (full: every loader thread once per fill)
+    k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, mk = _role_buffers(dt, BLOCK_H, BLOCK_N, 128, HAS_MASK)
 
     # ---- this split's keys
     start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
@@ -325,6 +336,7 @@ if HAS_GLUON:
     _causal_end = gluon.jit(_causal_end_src)
     _scores_log2 = gluon.jit(_scores_log2_src)
     _fill = gluon.jit(_fill_src)
+    _role_buffers = gluon.jit(_role_buffers_src)
     _scorer = gluon.jit(_scorer_src)
     _loader = gluon.jit(_loader_src)
     _roles_jit = gluon.jit(_roles_kernel_src)
