@@ -22,7 +22,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kit.kernels import (FP8_GLUON_REFUSALS, check_close, decode_mask_rows, last_positions,  # noqa: E402
-                         packed_fp8_call, poison_fp8_rows, poisoned, ref64)
+                         gluon_kernel, packed_fp8_call, poison_fp8_rows, poisoned, ref64)
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
@@ -33,11 +33,7 @@ FP8 = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=True, fused=False, kv_qua
 
 
 def _gluon():
-    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8 as F
-
-    if not F.HAS_GLUON:
-        pytest.skip("this Triton has no Gluon")
-    return F
+    return gluon_kernel("mla_gluon_fp8")
 
 
 def _packed_call(B, H, T, device="cpu", lens=None, separate=False, gen=None, dtype=torch.bfloat16):

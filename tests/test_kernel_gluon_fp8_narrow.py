@@ -23,7 +23,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kit.kernels import (FP8_GLUON_REFUSALS, check_close, decode_mask_rows, last_positions,  # noqa: E402
-                         poison_fp8_rows, poisoned, ref64)
+                         gluon_kernel, poison_fp8_rows, poisoned, ref64)
 from kit.kernels import packed_fp8_call as _packed_call  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
@@ -35,11 +35,7 @@ FP8_16 = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=True, fused=False, kv_
 
 
 def _narrow():
-    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8_narrow as N
-
-    if not N.HAS_GLUON:
-        pytest.skip("this Triton has no Gluon")
-    return N
+    return gluon_kernel("mla_gluon_fp8_narrow")
 
 
 def test_which_calls_it_takes():

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, decode_mask_rows, last_positions, poisoned, ref32  # noqa: E402
+from kit.kernels import check_close, decode_mask_rows, gluon_kernel, last_positions, poisoned, ref32  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape  # noqa: E402
@@ -32,11 +32,7 @@ H200 = CallShape(heads=128, batch=8, keys=32768)
 
 
 def _module():
-    from dcp_pass.runtime.decode.kernels import mla_gluon_seesaw as S
-
-    if not S.HAS_GLUON:
-        pytest.skip("this Triton has no Gluon")
-    return S
+    return gluon_kernel("mla_gluon_seesaw")
 
 
 def test_which_calls_it_takes():

@@ -17,6 +17,19 @@ LOG2E = 1.4426950408889634
 TOL = {torch.float32: 2e-5, torch.float16: 1e-2}
 
 
+def gluon_kernel(name: str):
+    """The kernel module `name` of dcp_pass.runtime.decode.kernels; skips the test where this
+    Triton has no Gluon."""
+    import importlib
+
+    import pytest
+
+    module = importlib.import_module(f"dcp_pass.runtime.decode.kernels.{name}")
+    if not module.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    return module
+
+
 def gen() -> torch.Generator:
     """A generator with a fresh random seed (every check draws new data)."""
     g = torch.Generator()
