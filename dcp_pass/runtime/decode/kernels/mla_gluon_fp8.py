@@ -24,7 +24,9 @@ kernel), in bf16's range, so no scale can overflow or underflow it. Folding the
 scales (exact e4m3 values in fp16, each 128-column block's scale applied to its partial
 scores and to P) would split the score GEMM into four chains with a wait each and a second
 [64, 64] accumulator, and P into four scaled copies, all on the scorer, the role that sets
-the pace; dequantising puts the whole cost on the loader, which has a tile's time to spare.
+the bf16 kernel's pace (and has no registers left); dequantising puts the whole cost on the
+loader. Profiled at 128 heads (docs/kernels.md) that makes the loader the pace: its loads and
+conversions of a tile take longer than the scorer's products, which wait for its fills.
 
 Scope: fp8 e4m3 latent of 512 columns with its [B, T, 4] fp32 scales, 64 bf16 rope columns
 (packed rows or a buffer of their own), bf16 queries, kv_lens with ``lens_stripe``, a mask
