@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.kernels import check_close, global_counts, poisoned, ref32  # noqa: E402,F401
+from kit.kernels import check_close, global_counts, gluon_kernel, poisoned, ref32  # noqa: E402,F401
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
@@ -117,10 +117,9 @@ def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
 
     from dcp_pass.runtime.decode import backends
     from dcp_pass.runtime.decode.call import CallShape
-    from dcp_pass.runtime.decode.kernels import mla_gluon_roles, mla_gluon_seesaw, mla_wide, registry
+    from dcp_pass.runtime.decode.kernels import mla_gluon_seesaw, mla_wide, registry
 
-    if not mla_gluon_roles.HAS_GLUON:
-        pytest.skip("this Triton has no Gluon")
+    mla_gluon_roles = gluon_kernel("mla_gluon_roles")
 
     def broken(*args, **kwargs):
         raise CompilationError("kernel.py", None, "async_copy_global_to_shared has been removed")
