@@ -90,7 +90,7 @@ def cubin_report(k) -> dict:
                 n_hmma=sass.count(" HMMA"), ldl=sass.count("LDL"), stl=sass.count("STL"),
                 cp_async=sass.count("LDGSTS"), tma=sass.count("UTMALDG"), bar=sass.count("BAR.SYNC"),
                 l2_prefetch=sass.count("CCTL.E.PF2"), ldsm=sass.count("LDSM."), lds_u8=sass.count("LDS.U8"),
-                f2fp_e4m3=sass.count("F2FP.F16.E4M3"),
+                f2fp_e4m3=sass.count("F2FP.F16.E4M3"), n_qgmma=len(re.findall(r"QGMMA\.\d+x\d+x\d+", sass)),
                 sass_sha1=hashlib.sha1(code.encode()).hexdigest()[:12], ttgir=k.asm["ttgir"])
 
 

@@ -1,10 +1,11 @@
 """Tests of the narrow-row fp8 Gluon kernel (dcp_pass.runtime.decode.kernels.mla_gluon_fp8_narrow).
 
 Gluon has no interpreter: the kernel runs only on a Hopper GPU (``-m gpu``). On CPU: which
-calls it takes and why not, its launch arguments, and its offline sm_90 compile (no spills,
-its 68 m64n16 wgmmas a tile). GPU: 16 heads (and 8 and 12: a partial row block) over packed
-fp8 rows against the float64 attention of the dequantised cache, which it computes without
-rounding the cache (the scales act on the small tiles), with ragged and empty requests, rows
+calls it takes and why not, its launch arguments, and its offline sm_90 compile (no spills;
+per scorer and tile 16 fp8 score wgmmas and 36 of m64n16). GPU: 16 heads (and 8 and 12: a
+partial row block) over packed fp8 rows against the float64 attention of the dequantised cache,
+which it computes without rounding the cache (the scales act on the small tiles; the queries
+enter as two exact e4m3 parts), with ragged and empty requests, rows
 past each length poisoned with NaN, several splits, stripes, two caches, multi-token rows,
 block scales spread by 2^20, a running max that moves along the cache, a NaN key, a decode
 step's mask row, causal caps on striped multi-token calls and CUDA-graph capture.
@@ -23,7 +24,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kit.kernels import (FP8_GLUON_REFUSALS, check_close, decode_mask_rows, last_positions,  # noqa: E402
-                         gluon_kernel, poison_fp8_rows, poisoned, ref64)
+                         gluon_kernel, poison_fp8_rows, poisoned, ref64, rel_err)
 from kit.kernels import packed_fp8_call as _packed_call  # noqa: E402
 from kit.offline import compiles_offline, offline_module  # noqa: E402
 
@@ -64,7 +65,7 @@ def test_launch_arguments():
     grid, args, consts, stage2 = plan
     assert grid == (2, 3, B) and stage2 is not None
     assert consts == dict(SKV_T=656, SKT_T=328, BLOCK_R=16, BLOCK_N=64, NUM_SCORERS=2, NUM_SPLITS=3, HAS_LENS=True,
-                          L2_AHEAD=1, HAS_MASK=False, CAUSAL=False)
+                          STAGES=4, HAS_MASK=False, CAUSAL=False)
     names = list(__import__("inspect").signature(N._narrow_kernel_src).parameters)
     a = dict(zip(names, args))
     assert a["KV"].dtype == torch.float8_e4m3fn and a["KS"].dtype == torch.float32 and a["KT"].dtype == torch.bfloat16
@@ -89,11 +90,11 @@ def test_launch_arguments():
 
 @compiles_offline
 def test_compiles_for_hopper_with_this_triton():
-    """Valid Gluon for the installed Triton, one packed row and two buffers, one scorer and two,
-    plain and with a mask row and a causal cap: within shared memory, at most 16 bytes spilled on
-    Triton 3.6 (56 masked and capped), 36 score steps + 32 value steps of m64n16 a tile
-    per scorer, e4m3 -> f16 by packed conversions (two a 4-byte word, in three places: the
-    converter's first two fills and its loop)."""
+    """Valid Gluon for the installed Triton, one packed row and two caches, one scorer and two,
+    plain and with a mask row and a causal cap: within shared memory, no spills, per scorer and
+    tile 16 fp8 score steps (m64n32k32: four 128-column blocks, the two query parts as N) read
+    straight from the staged bytes, 4 rope score steps and 32 value steps of m64n16k16, and the
+    values' e4m3 -> f16 packed conversions (one per two values: 128 a thread and tile)."""
     import triton
 
     _narrow()
@@ -101,13 +102,11 @@ def test_compiles_for_hopper_with_this_triton():
     for separate, scorers, masked in ((False, 2, False), (True, 2, False), (False, 1, False), (False, 2, True)):
         r = off.compile_fp8_narrow(separate_rope=separate, scorers=scorers, mask=masked, causal=masked)
         assert r["smem_kib"] <= 227, r
-        if triton.__version__.startswith("3.6"):  # where it is offered (3.9's compiler spills 24 bytes)
-            # the converter's two blocks converted before its wait for a free buffer cost 8 bytes
-            # (9 % faster with the 128-byte copies on the H200); a mask row and a causal cap: 56 bytes
-            # (a cross-warp reduction before the roles: 344)
-            assert (r["stack"], r["ldl"]) <= ((56, 17) if masked else (16, 4)), r
-        assert r["hgmma"] == ["64x16x16"] and r["n_hgmma"] == scorers * (36 + 32), r
-        assert r["f2fp_e4m3"] == 3 * 128, r
+        if triton.__version__.startswith(("3.6", "3.9")):  # (where it is offered, and this machine's)
+            assert (r["stack"], r["ldl"]) == (0, 0), r
+        assert r["hgmma"] == ["64x16x16"] and r["n_hgmma"] == scorers * (4 + 32), r
+        assert r["n_qgmma"] == scorers * 16, r
+        assert r["f2fp_e4m3"] >= scorers * 128, r
 
 
 # --------------------------------------------------------------------------------------
@@ -116,7 +115,19 @@ def test_compiles_for_hopper_with_this_triton():
 gpu = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                   reason="needs a Hopper GPU")
-TOL = 1e-2  # P rounded to f16 once; the cache enters unrounded
+TOL = 1e-2  # P rounded to f16 once, fp8 tensor-core sums; the cache enters unrounded
+
+
+def _check_logit_scaled(out, lse, ref_out, ref_lse):
+    """check_close's output bound, and an LSE bound relative to the logits' size: the fp8 tensor
+    cores add a block's products with ~2^-13 of their magnitude, so where the logits reach
+    thousands (queries x 2^12, key scales x 2^10) the LSE moves by units."""
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert rel_err(out, ref_out) < TOL, rel_err(out, ref_out)
+    neg = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), neg)
+    bound = 1e-3 * ref_lse[~neg].abs().clamp(min=1.0)
+    assert ((lse.double()[~neg] - ref_lse[~neg]).abs() <= bound).all(), (lse.double()[~neg] - ref_lse[~neg]).abs().max()
 
 
 def _run(call, out=None, lse=None, num_splits=None):
@@ -148,8 +159,8 @@ def test_gpu_against_the_dequantised_cache(heads, num_splits):
 def test_gpu_stripes_two_caches_multi_token_rows_and_wide_scales():
     """Global counts under a (2, 1) stripe, a latent buffer beside a rope buffer, 2 tokens x 8
     heads (16 rows, token-major), and block scales spread by 2^20 between keys and columns: the
-    kernel folds the scales into the small tiles, so it follows the unrounded dequantised cache
-    as closely there as on ordinary scales."""
+    kernel folds the scales into the small tiles (the cache is never rounded); its LSE error grows
+    with the logits there (the fp8 tensor cores' sums), its output stays within TOL."""
     g = torch.Generator().manual_seed(7)
     B, S, H, T = 3, 2, 8, 5000
     glens = torch.tensor([2 * T, 77, 0], device="cuda")
@@ -163,14 +174,14 @@ def test_gpu_stripes_two_caches_multi_token_rows_and_wide_scales():
         for ns in (None, 3):
             out, lse = poisoned(B, S, H, 512, torch.bfloat16, "cuda")
             _run(call.replace(kv_lens=lens, stripe=stripe), out, lse, ns)
-            check_close(out, lse, ro, rl, TOL)
+            _check_logit_scaled(out, lse, ro, rl)
 
 
 @gpu
 @needs_hopper
 def test_gpu_running_max_scaled_queries_and_a_nan_key():
     """A max that rises tile after tile, one early key that dominates, queries scaled x 2^12 (the
-    f16 query blocks' power-of-two factors) and x 2^-12; then one NaN key: its request's rows
+    query blocks' power-of-two factors) and x 2^-12; then one NaN key: its request's rows
     are NaN, the others exact."""
     g = torch.Generator().manual_seed(11)
     B, H, T = 4, 16, 6000
@@ -186,11 +197,11 @@ def test_gpu_running_max_scaled_queries_and_a_nan_key():
     for ns in (None, 3):
         out, lse = poisoned(B, 1, H, 512, torch.bfloat16, "cuda")
         _run(call, out, lse, ns)
-        check_close(out, lse, ro, rl, TOL)
+        _check_logit_scaled(out, lse, ro, rl)
     call.kv_scale[3, 1234, 2] = float("nan")  # what the quantiser writes for a block holding a NaN
     out, lse = _run(call)
     assert torch.isnan(out[3]).all()
-    check_close(out[:3], lse[:3], ro[:3], rl[:3], TOL)
+    _check_logit_scaled(out[:3], lse[:3], ro[:3], rl[:3])
 
 
 @gpu
@@ -208,9 +219,9 @@ def test_gpu_matches_the_fp8_role_split_kernel():
     e1 = ((o1.double() - ro).norm() / ro.norm()).item()
     e2 = ((o2.double() - ro).norm() / ro.norm()).item()
     assert e1 <= e2 * 1.2 + 1e-4, (e1, e2)
-    # its LSE is exact to fp32 rounding (the role-split kernel's moves with the bf16-rounded cache)
+    # its LSE carries the fp8 tensor cores' additions (the role-split kernel's, the bf16-rounded cache)
     lerr1, lerr2 = (l1 - rl).abs().max().item(), (l2 - rl).abs().max().item()
-    assert lerr1 < 1e-4 and lerr1 <= lerr2, (lerr1, lerr2)
+    assert lerr1 < 3e-3 and lerr2 < 3e-3, (lerr1, lerr2)
 
 
 @gpu

@@ -5,41 +5,41 @@ memory-bound, and an fp8 cache (656 bytes a token instead of 1152) could make it
 faster. The fp8 role-split kernel (``mla_gluon_fp8.py``) cannot: its 64-row tile does four
 times the matrix work of 16 rows, which at 16 heads costs more than reading the cache. Here
 both products are transposed so that the 64 keys of a tile fill the wgmma's 64 rows and the
-query rows are its narrow N (16):
+query rows are its narrow N:
 
-* scores ``S^T = K Q^T``: M = 64 keys, N = 16 rows, over the 512 latent columns in four
-  128-column blocks (one accumulator each, so each block's per-key scale multiplies its
-  partial scores exactly) and the 64 rope columns (bf16, a fifth accumulator);
-* values ``O^T = V^T P^T``: M = 512 value columns (four 128-column blocks, the tile read
-  transposed), N = 16 rows, K = 64 keys; each block's per-key scale multiplies P instead
-  (four [64, 16] copies of P, one per block).
+* scores ``S^T = K Q^T`` in fp8: M = 64 keys, K = each 128-column latent block (one
+  accumulator a block, so that each block's per-key scale multiplies its partial scores
+  exactly), N = 32: the 16 query rows twice, as two e4m3 parts ``hi = e4m3(q f)`` and
+  ``lo = e4m3(16 (q f - hi))``, where ``f`` is the power of two that puts the row's largest
+  value of the block into [2^7, 2^8). The A operand is the tile's e4m3 bytes as copied into
+  shared memory: nothing converts them for this product. The 64 rope columns are a bf16
+  product of their own;
+* values ``O^T = V^T P^T``: M = 512 value columns (four 128-column blocks), N = 16 rows, K =
+  64 keys, in f16: V^T is not K-major, which an fp8 operand must be, so each block's bytes
+  go from shared memory into the wgmma's register operand, two keys' bytes paired by ``prmt``
+  and converted to f16 exactly (the value columns permuted in registers, put back when the
+  output is stored); each block's per-key scale multiplies P instead (four [64, 16] copies).
 
-So the fp8 values are never multiplied by their scales: each tile's e4m3 bytes become f16
-(exact: every e4m3 value is an f16, one packed conversion per two values) in one shared
-tile that both products read, and the scales act on the small [64, 16] tiles. The queries
-enter the f16 products scaled per row and block by a power of two that puts their largest
-value in [2^13, 2^14) (exact; the partial scores are scaled back), and P's copies are counted
-in units of the largest key scale seen so far, so they stay in [0, 1] (the accumulator is
-rescaled when that largest scale grows, as for the running max). What is rounded: P, once, to
-f16 (11 bits; the bf16 kernels round it to 8); nothing else.
+What is rounded: ``hi + lo / 16`` equals ``q f`` for every bf16 query value down to 2^-14 of its
+block's largest (two e4m3 parts hold its 8 significant bits); the fp8 tensor cores add a
+block's products with less than fp32's precision (LSE error ~1e-3, outputs as the bf16
+kernels'); P is rounded once to f16 (11 bits). The cache is never rounded.
 
-Three warpgroups a program (``gl.warp_specialize``): a *converter* moves each tile's fp8 words
-global -> a staging buffer (``cp.async``) -> registers -> an f16 buffer, and issues the next
-tile's copies (and an L2 prefetch of the tile after it) as soon as this tile's words are in
-registers, so that they fly while it converts, stores and waits for a free buffer; its keys'
-scales travel in registers, its bf16 rope rows by ``cp.async`` into a ring of three slots a
-tile ahead. Two *scorers* take alternate tiles (scorer k the tiles k, k + 2, ...), each with
-its own running max, row sums and output, and write partials of their own that the split
-kernel's stage-2 merge combines. Two f16 buffers, the staging buffer, three rope slots: 221
+Three warpgroups a program (``gl.warp_specialize``): a *loader* copies each tile's e4m3 bytes
+(a [64, 128]-byte piece per block, 128-byte-swizzled, the fp8 wgmma's operand layout), its bf16
+rope rows, its keys' scales (block-major) and a decode step's mask entries by ``cp.async`` into
+one of STAGES slots, once the scorer that held the slot has freed it. Two *scorers* take
+alternate tiles (scorer k the tiles k, k + 2, ...), each with its own running max, row sums and
+output, and write partials of their own that the split kernel's stage-2 merge combines; a
+scorer frees its slot once the last block's value operand is in registers. Four slots: 199
 KiB of shared memory. A scorer's row sums are kept per key and row ([64, 16], rescaled with
 the running max) and reduced once at the end; its running max crosses its warps once a tile.
 
 Scope: an fp8 e4m3 latent of 512 columns with its fp32 scales (4 a token), 64 bf16 rope
 columns (packed rows or a buffer of their own), bf16 queries, kv_lens with ``lens_stripe``, a
-decode step's mask row per request (its entries copied with the tile's rope rows, into a ring
-of their own) and any causal cap (each row's last visible key compared per tile; the split's
-keys cut at the block's last), 16-byte aligned rows; the split kernel's partials and stage-2
-merge.
+decode step's mask row per request (its entries staged with the tile) and any causal cap (each
+row's last visible key compared per tile; the split's keys cut at the block's last), 16-byte
+aligned rows; the split kernel's partials and stage-2 merge.
 The registry's "gluon_fp8_narrow" kernel, offered for calls of at most 16 query rows.
 """
 from __future__ import annotations
@@ -63,195 +63,118 @@ if HAS_GLUON:
 
 __all__ = ["NARROW", "supports", "offered", "unmeasured", "run", "launch_args"]
 
-NARROW = GluonConfig(block_h=16, block_n=64, stages=2)  # query rows (N), keys (M), buffers
-SCORERS = 2  # scorer warpgroups a program, beside the converter
-L2_AHEAD = 1  # the tile after the staged one is prefetched into L2 (0: none; 2 measured no better)
+NARROW = GluonConfig(block_h=16, block_n=64, stages=4)  # query rows (N), keys (M), staged tiles
+SCORERS = 2  # scorer warpgroups a program, beside the loader
+SCORER_REGS, LOADER_REGS = 200, 112  # registers a thread of each worker partition (Triton 3.6: no spills)
 MAX_ROWS = 16  # the rows the chooser offers it for (more rows re-read the cache once per 16)
 
 if HAS_GLUON:
     DL, DR, SB = gl.constexpr(512), gl.constexpr(64), gl.constexpr(128)
-    # a 128-column block's fp8 words [BLOCK_N, 32] in the converter: 16 bytes a thread, 8 rows x 4
-    # threads a warp, so that the f16 stores into the 128-byte-swizzled tile are conflict-free
-    # (an 8-lane phase writes two rows' four 16-byte pieces, which the swizzle puts on all 32
-    # banks; with 4 rows x 8 threads two lanes of a phase shared banks): 4 % faster on the H200
-    _WORDS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
-    # the same words as the converter copies them: 4 rows x 8 threads a warp, a row's 128 bytes of
-    # the block per 8 lanes. A 656-byte row starts 16 bytes into a 32-byte sector on odd keys, so a
-    # 64-byte piece (8 x 4) touched 3 sectors where 2 hold it; a 128-byte piece touches 5 for 4
-    # (the copy layout alone: 3 % faster on the H200, 9 % with the early conversion in _take_tile)
-    _COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
+    # the values operand V^T [128 value columns, 64 keys] of one block, as the words a scorer reads
+    # from the staged bytes: a thread holds keys 2 (l % 4) + i + 8 hi + 16 kk of word (four value
+    # columns) 8 w + l // 4, so that pairing two keys' bytes gives the wgmma's register operand
+    # with no data between threads (the value columns permuted: _store_block puts them back)
+    _PV_WORDS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[64, 32]))
+    _A_OP = gl.constexpr(gl.DotOperandLayout(0, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                           instr_shape=[16, 16, 16]), 2))
+    # a block's [64 keys, 128] e4m3 bytes as 4-byte words, and as the fp8 wgmma reads them
+    _WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+    _BYTES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    _REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
-# four e4m3 values of one word -> four f16 (exact: e4m3 is a subset of f16), lowest byte first
-_E4M3_F16_ASM_TEXT = """{
-.reg .b16 lo, hi;
-.reg .b32 p01, p23;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.e4m3x2 p01, lo;
-cvt.rn.f16x2.e4m3x2 p23, hi;
-mov.b32 {$0, $1}, p01;
-mov.b32 {$2, $3}, p23;
-}"""
+# two keys' words (four value columns each) -> eight f16: for value column c, byte c of both words
+# (prmt selector 0x40 + 0x11 c) becomes one f16 pair (outputs 2c, 2c + 1)
+_PAIRS_ASM_TEXT = "{\n.reg .b32 t, p;\n.reg .b16 l, u;\n" + "".join(
+    f"prmt.b32 t, $8, $9, {0x40 + 0x11 * c:#x};\nmov.b32 {{l, u}}, t;\ncvt.rn.f16x2.e4m3x2 p, l;\n"
+    f"mov.b32 {{${2 * c}, ${2 * c + 1}}}, p;\n" for c in range(4)) + "}"
 
 
-def _to_f16_src(x):
-    """[BLOCK_N, W] int32 words of e4m3 values -> [BLOCK_N, 4 W] f16; column 4k + i is byte i of word k."""
-    v0, v1, v2, v3 = gl.inline_asm_elementwise(_E4M3_F16_ASM, "=h,=h,=h,=h,r", [x],
-                                               dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-                                               is_pure=True, pack=1)
-    w = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [n, k, i, p] = value 2p + i of word k
-    w = gl.permute(w, (0, 1, 3, 2))  # [n, k, p, i]: row-major order is then column 4k + 2p + i
-    return gl.reshape(w, [x.shape[0], 4 * x.shape[1]])
+def _pv_operand_src(words_s, piece):
+    """A staged block's V^T [128 value columns (permuted), 64 keys] in f16, as the values
+    product's register operand (exact: every e4m3 value is an f16)."""
+    x = words_s.index(piece).load(_PV_WORDS)
+    x = gl.reshape(x, [4, 2, 4, 2, 32])  # [kk, hi, c, i, q]
+    x = gl.permute(x, (0, 1, 2, 4, 3))  # [kk, hi, c, q, i]
+    xa, xb = gl.split(x)
+    o = gl.inline_asm_elementwise(_PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [xa, xb], dtype=(gl.float16,) * 8,
+                                  is_pure=True, pack=1)
+    t = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+    t = gl.reshape(t, [4, 2, 4, 4, 8, 2, 2, 2])  # [kk, hi, c, w, r, i, a, b]
+    t = gl.permute(t, (7, 3, 6, 4, 0, 1, 2, 5))  # [b, w, a, r, kk, hi, c, i]
+    return gl.convert_layout(gl.reshape(t, [SB, 64]), _A_OP, assert_trivial=True)
 
 
-def _prefetch_l2_src(kv_bytes, t0, end, SKV_T: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key rows [t0, t0 + BLOCK_N) into L2, one bulk prefetch a warp of a warp-uniform range of
-    BLOCK_N / 4 whole rows (a per-lane address would make ptxas loop over the lanes); ranges
-    reaching past `end` are skipped."""
-    wl: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[], lane_bases=[[0], [0], [0], [0], [0]],
-                                                  warp_bases=[[1], [2]], block_bases=[], shape=[4])
-    row = t0 + gl.arange(0, 4, layout=wl) * (BLOCK_N // 4)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-        "=r,l,r,r", [kv_bytes + row.to(gl.int64) * SKV_T, ((row + BLOCK_N // 4) <= end).to(gl.int32),
-                     gl.full([4], SKV_T * (BLOCK_N // 4), gl.int32, layout=wl)],
-        dtype=gl.int32, is_pure=False, pack=1)
+def _hi_lo_src(acc, s_layout: gl.constexpr):
+    """A block's [64 keys, 32] fp8 scores (B column n: query row n % 8 + 8 (n // 16), part
+    (n // 8) % 2) -> [64, 16] scores of the rows, hi + lo / 16 (no data between threads)."""
+    a = gl.reshape(acc, [64, 2, 2, 8])  # [key, row // 8, part, row % 8]
+    a = gl.permute(a, (0, 1, 3, 2))
+    hi, lo = gl.split(gl.reshape(a, [64, 16, 2]))
+    return gl.convert_layout(hi + lo * 0.0625, s_layout, assert_trivial=True)
 
 
-def _issue_tile_src(j, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W: gl.constexpr,
-                    BLOCK_N: gl.constexpr, kv_bytes, L2_AHEAD: gl.constexpr):
-    """Tile j's fp8 words into the staging buffer by cp.async (one commit group, in _COPY_LAYOUT),
-    the rows of tile j + L2_AHEAD into L2 (8-10 % faster on the H200: the next tile's copies find
-    their bytes there) and tile j's keys' scales into registers; past the split: all masked (no
-    traffic)."""
-    ld: gl.constexpr = _COPY_LAYOUT
-    k = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-    w = gl.arange(0, SB // 4, layout=gl.SliceLayout(0, ld))
-    rows = kv_words + k.to(gl.int64)[:, None] * SKV_W + w[None, :]
-    keep = (k < end)[:, None]
-    for blk in gl.static_range(4):
-        _async_load(stage_s.index(blk), rows + blk * (SB // 4), mask=keep)
-    cp.commit_group()
-    if L2_AHEAD > 0:
-        _prefetch_l2(kv_bytes, start + (j + L2_AHEAD) * BLOCK_N, end, SKV_W * 4, BLOCK_N)
+def _loader_src(words_s, rope_s, sc_s, mk_s, full, free, kv_words, ks_row, kt_row, sks_t, sks_c, start, end,
+                n_tiles, SKV_W: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                mk_row, sm_t, HAS_MASK: gl.constexpr):
+    """The loader (a 4-warp worker): tile j's e4m3 bytes (four [64, 128]-byte pieces, a row's
+    128 bytes of a block per 8 lanes), rope rows, scales (block-major) and mask entries by
+    cp.async into slot j % STAGES once the scorer that held it freed it; each loader thread
+    arrives on the slot's barrier when its copies land. Past the split: all masked (zeros)."""
+    ld_w: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     ld_s: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    ks = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=ld_s)
-    ts = ks.to(gl.int64) * sks_t
-    c0 = gl.load(ks_row + ts, mask=ks < end, other=0.0)
-    c1 = gl.load(ks_row + ts + sks_c, mask=ks < end, other=0.0)
-    c2 = gl.load(ks_row + ts + 2 * sks_c, mask=ks < end, other=0.0)
-    c3 = gl.load(ks_row + ts + 3 * sks_c, mask=ks < end, other=0.0)
-    return c0, c1, c2, c3
-
-
-def _take_tile_src(stage_s, OUTSTANDING: gl.constexpr):
-    """The staged tile into registers once every converter thread's copies have landed (all but
-    the OUTSTANDING newest commit groups; a thread reads pieces other threads copied): blocks 0
-    and 1 already converted to f16, blocks 2 and 3 as words. The two blocks are converted here,
-    before the converter waits for a free buffer, so that less of the conversion lies between a
-    scorer freeing a buffer and its refill (all four: spills, and slower on the H200)."""
-    ld: gl.constexpr = _WORDS_LAYOUT
-    cp.wait_group(OUTSTANDING)
-    _barrier()  # every thread's copies landed
-    x0 = stage_s.index(0).load(ld)
-    x1 = stage_s.index(1).load(ld)
-    x2 = stage_s.index(2).load(ld)
-    x3 = stage_s.index(3).load(ld)
-    _barrier()  # every thread's reads done before the next tile's copies overwrite the buffer
-    return _to_f16(x0), _to_f16(x1), x2, x3
-
-
-def _issue_rope_src(j, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr,
-                    mk_s, mk_row, sm_t, HAS_MASK: gl.constexpr):
-    """Tile j's bf16 rope rows (if the split has it) into rope slot j % 3 by cp.async, and its
-    mask entries (HAS_MASK) into mask slot j % 3; each converter thread arrives on the slot's
-    barrier when its copies land."""
-    if j < n_tiles:
-        slot = j % 3
+    nw = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_w))
+    cw = gl.arange(0, SB // 4, layout=gl.SliceLayout(0, ld_w))
+    nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_r))
+    ns = gl.arange(0, BLOCK_N, layout=ld_s)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        mbarrier.wait(free.index(slot), ((j // STAGES) & 1) ^ 1)
         t0 = start + j * BLOCK_N
-        ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
-        cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_r))
+        for blk in gl.static_range(4):
+            _async_load(words_s.index(4 * slot + blk),
+                        kv_words + (t0 + nw).to(gl.int64)[:, None] * SKV_W + (blk * (SB // 4) + cw)[None, :],
+                        mask=((t0 + nw) < end)[:, None])
+            _async_load(sc_s.index(4 * slot + blk), ks_row + (t0 + ns).to(gl.int64) * sks_t + blk * sks_c,
+                        mask=(t0 + ns) < end)
         _async_load(rope_s.index(slot), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
                     mask=((t0 + nr) < end)[:, None])
         if HAS_MASK:
             _copy_mask(mk_s.index(slot), mk_row, t0, end, sm_t, BLOCK_N)
-        cp.mbarrier_arrive(rope_full.index(slot), increment_count=False)
+        cp.mbarrier_arrive(full.index(slot), increment_count=False)
         cp.commit_group()
-
-
-def _put_src(j, salt, full, tile_s, sc_s, h0, h1, x2, x3, c0, c1, c2, c3, n_tiles):
-    """Tile j (if the split has it) into buffer j % 2: its blocks as f16 (h0, h1 converted by
-    _take_tile, x2, x3 words converted here) and its scales from registers, then one arrival once
-    every thread's stores are fenced for the tensor cores."""
-    if j < n_tiles:
-        buf = _opaque(j + salt) % 2
-        tile = tile_s.index(buf)
-        tile.slice(0, SB, dim=1).store(h0)
-        tile.slice(SB, SB, dim=1).store(h1)
-        tile.slice(2 * SB, SB, dim=1).store(_to_f16(x2))
-        tile.slice(3 * SB, SB, dim=1).store(_to_f16(x3))
-        sc_s.index(4 * buf).store(c0)  # (block-major: the scorers read each block's scales as a vector)
-        sc_s.index(4 * buf + 1).store(c1)
-        sc_s.index(4 * buf + 2).store(c2)
-        sc_s.index(4 * buf + 3).store(c3)
-        fence_async_shared()  # these stores before the tensor cores' reads
-        mbarrier.arrive(full.index(buf))
-
-
-def _converter_src(salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t,
-                   sks_c, start, end, n_tiles, SKV_W: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr,
-                   kv_bytes, L2_AHEAD: gl.constexpr, mk_s, mk_row, sm_t, HAS_MASK: gl.constexpr):
-    """The converter (a 4-warp worker). A tile's fp8 words travel global -> staging buffer
-    (cp.async) -> registers -> f16 buffer: the next tile's copies are issued as soon as this
-    tile's words are in registers, so they fly while this tile is converted and stored and
-    while the converter waits for a free buffer. Rope rows go to a ring of three slots, issued
-    a tile ahead of their latent's f16 store, once the scorers are done with the slot."""
-    _issue_rope(0, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
-    _issue_rope(1, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
-    _issue_rope(2, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
-    c0, c1, c2, c3 = _issue_tile(0, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
-    h0, h1, x2, x3 = _take_tile(stage_s, 0)
-    n0, n1, n2, n3 = _issue_tile(1, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
-    _put(0, salt, full, tile_s, sc_s, h0, h1, x2, x3, c0, c1, c2, c3, n_tiles)
-    h0, h1, x2, x3 = _take_tile(stage_s, 0)
-    c0, c1, c2, c3 = _issue_tile(2, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
-    _put(1, salt, full, tile_s, sc_s, h0, h1, x2, x3, n0, n1, n2, n3, n_tiles)
-    for j in range(n_tiles):
-        # tile j + 2: its words from the staging buffer, then tile j + 3's copies behind them
-        h0, h1, x2, x3 = _take_tile(stage_s, 0)
-        n0, n1, n2, n3 = _issue_tile(j + 3, stage_s, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N, kv_bytes, L2_AHEAD)
-        buf = _opaque(j + salt) % 2
-        mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorers are done with tile j (and its rope slot)
-        _issue_rope(j + 3, rope_s, rope_full, kt_row, start, end, n_tiles, SKT_T, BLOCK_N, mk_s, mk_row, sm_t, HAS_MASK)
-        _put(j + 2, salt, full, tile_s, sc_s, h0, h1, x2, x3, c0, c1, c2, c3, n_tiles)
-        c0, c1, c2, c3 = n0, n1, n2, n3
+    cp.wait_group(0)
 
 
 def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, H, SH):
-    """Output columns [128 blk, 128 blk + 128) of the block's rows from O^T's accumulator."""
+    """Output columns of block blk from O^T's accumulator, its rows' value columns permuted back
+    (logical 64 b + 16 w + 8 a + r <-> physical 4 (8 w + r) + a + 2 b)."""
     o_l: gl.constexpr = acc.type.layout
-    cols = blk * SB + gl.arange(0, SB, layout=gl.SliceLayout(1, o_l))
+    m = gl.arange(0, SB, layout=gl.SliceLayout(1, o_l))
+    cols = blk * SB + 4 * (8 * ((m % 64) // 16) + m % 8) + ((m % 16) // 8) + 2 * (m // 64)
     rows = row0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_l))
     o = acc * gl.convert_layout(scale_r, gl.SliceLayout(0, o_l))[None, :]
     gl.store(o_base + (rows // H)[None, :] * so_s + (rows % H)[None, :] * so_h + cols[:, None],
              o.to(o_base.dtype.element_ty), mask=(rows < SH)[None, :])
 
 
-def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full,
-                rope_full, empty, sync, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h,
-                row0, H, SH, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, mk_s, qpos_row, sqp_s, cp_world, cp_rank,
-                HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """Scorer k (of NUM_SCORERS, each a warpgroup): tiles k, k + NUM_SCORERS, ...: S^T, the
-    online softmax over its keys (the mask row added, HAS_MASK; keys after a row's query position
-    unseen, CAUSAL), P's four scaled copies, O^T; its own partial output and LSE."""
+def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s, words_s, bytes_s, rope_s, sc_s,
+                p_s, full, free, sync, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base,
+                sl_s, sl_h, row0, H, SH, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, mk_s,
+                qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Scorer k (of NUM_SCORERS, each a warpgroup): tiles k, k + NUM_SCORERS, ...: S^T (fp8, from
+    the staged bytes), the online softmax over its keys (the mask row added, HAS_MASK; keys after
+    a row's query position unseen, CAUSAL), P's four scaled copies, O^T (f16, the staged bytes
+    converted in registers); its own partial output and LSE."""
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_R, 16])
+    s8_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, 2 * BLOCK_R, 32])
     key_l: gl.constexpr = gl.SliceLayout(1, s_mma)
     row_l: gl.constexpr = gl.SliceLayout(0, s_mma)
-    g0 = g_s.index(0).load(row_l)
-    g1 = g_s.index(1).load(row_l)
-    g2 = g_s.index(2).load(row_l)
-    g3 = g_s.index(3).load(row_l)
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=row_l)
     l_acc = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=s_mma)  # row sums, per key: reduced at the end
     u = gl.max(gl.zeros([BLOCK_N], gl.float32, layout=key_l), axis=0)  # P's unit: the largest key scale so far
@@ -269,35 +192,40 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
     for i in range(n_mine):
         j = k + i * NUM_SCORERS
         t0 = start + j * BLOCK_N
-        buf = _opaque(j + salt) % 2
+        slot = _opaque(j + salt) % STAGES
         z = _opaque(j + salt) - j  # 0: the descriptors are formed here, not hoisted and spilled
-        tile = tile_s.index(buf)
-        q_lat = q_s.index(z)
-        slot = _opaque(j + salt) % 3
-        mbarrier.wait(full.index(buf), (j // 2) & 1)
-        mbarrier.wait(rope_full.index(slot), (j // 3) & 1)
-        fence_async_shared()  # the rope copies' writes before the tensor cores' reads
+        q8 = q_s.index(z)
+        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        fence_async_shared()  # the copies' writes before the tensor cores' reads
         zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=s_mma)
+        zero8 = gl.zeros([BLOCK_N, 2 * BLOCK_R], gl.float32, layout=s8_mma)
         sr = warpgroup_mma(rope_s.index(slot), qr_s.index(z).permute((1, 0)), zero, use_acc=False, is_async=True)
-        s0 = warpgroup_mma(tile.slice(0, SB, dim=1), q_lat.slice(0, SB, dim=1).permute((1, 0)), zero,
+        c0 = sc_s.index(4 * slot).load(key_l)
+        c1 = sc_s.index(4 * slot + 1).load(key_l)
+        c2 = sc_s.index(4 * slot + 2).load(key_l)
+        c3 = sc_s.index(4 * slot + 3).load(key_l)
+        # two blocks' accumulators in flight, each added once done (four at once: more registers
+        # live, and slower on the H200)
+        a0 = warpgroup_mma(bytes_s.index(4 * slot), q8.slice(0, SB, dim=1).permute((1, 0)), zero8, use_acc=False,
+                           is_async=True)
+        a1 = warpgroup_mma(bytes_s.index(4 * slot + 1), q8.slice(SB, SB, dim=1).permute((1, 0)), zero8,
                            use_acc=False, is_async=True)
-        s1 = warpgroup_mma(tile.slice(SB, SB, dim=1), q_lat.slice(SB, SB, dim=1).permute((1, 0)), zero,
+        sr, a0 = warpgroup_mma_wait(1, deps=[sr, a0])
+        s = sr + _hi_lo(a0, s_mma) * (c0[:, None] * g_s.index(0).load(row_l)[None, :])
+        a2 = warpgroup_mma(bytes_s.index(4 * slot + 2), q8.slice(2 * SB, SB, dim=1).permute((1, 0)), zero8,
                            use_acc=False, is_async=True)
-        s2 = warpgroup_mma(tile.slice(2 * SB, SB, dim=1), q_lat.slice(2 * SB, SB, dim=1).permute((1, 0)), zero,
+        a1 = warpgroup_mma_wait(1, deps=[a1])
+        s = s + _hi_lo(a1, s_mma) * (c1[:, None] * g_s.index(1).load(row_l)[None, :])
+        a3 = warpgroup_mma(bytes_s.index(4 * slot + 3), q8.slice(3 * SB, SB, dim=1).permute((1, 0)), zero8,
                            use_acc=False, is_async=True)
-        s3 = warpgroup_mma(tile.slice(3 * SB, SB, dim=1), q_lat.slice(3 * SB, SB, dim=1).permute((1, 0)), zero,
-                           use_acc=False, is_async=True)
-        c0 = sc_s.index(4 * buf).load(key_l)
-        c1 = sc_s.index(4 * buf + 1).load(key_l)
-        c2 = sc_s.index(4 * buf + 2).load(key_l)
-        c3 = sc_s.index(4 * buf + 3).load(key_l)
-        sr, s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=[sr, s0, s1, s2, s3])
-        s = sr + s0 * (c0[:, None] * g0[None, :]) + s1 * (c1[:, None] * g1[None, :]) \
-            + s2 * (c2[:, None] * g2[None, :]) + s3 * (c3[:, None] * g3[None, :])
+        a2 = warpgroup_mma_wait(1, deps=[a2])
+        s = s + _hi_lo(a2, s_mma) * (c2[:, None] * g_s.index(2).load(row_l)[None, :])
+        a3 = warpgroup_mma_wait(0, deps=[a3])
+        s = s + _hi_lo(a3, s_mma) * (c3[:, None] * g_s.index(3).load(row_l)[None, :])
         valid = (t0 + keys) < end
         s = s * sm_scale_log2
         if HAS_MASK:
-            s = s + mk_s.index(slot).load(key_l)[:, None] * 1.4426950408889634  # (landed with the rope rows)
+            s = s + mk_s.index(slot).load(key_l)[:, None] * 1.4426950408889634  # (staged with the tile)
         seen = valid[:, None]
         if CAUSAL:
             seen = seen & ((t0 + keys)[:, None] <= last[None, :])
@@ -321,17 +249,19 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
         fence_async_shared()
         mbarrier.arrive(sync.index(k))  # (a partition barrier, then one arrival): every warp's P is stored
         mbarrier.wait(sync.index(k), i & 1)
-        # O^T += V^T P^T, block by block (the f16 tile read transposed)
-        o0 = warpgroup_mma(tile.slice(0, SB, dim=1).permute((1, 0)), p_s.index(z + 4 * k + 0), o0 * rescale[None, :],
-                           is_async=True)
-        o1 = warpgroup_mma(tile.slice(SB, SB, dim=1).permute((1, 0)), p_s.index(z + 4 * k + 1), o1 * rescale[None, :],
-                           is_async=True)
-        o2 = warpgroup_mma(tile.slice(2 * SB, SB, dim=1).permute((1, 0)), p_s.index(z + 4 * k + 2), o2 * rescale[None, :],
-                           is_async=True)
-        o3 = warpgroup_mma(tile.slice(3 * SB, SB, dim=1).permute((1, 0)), p_s.index(z + 4 * k + 3), o3 * rescale[None, :],
-                           is_async=True)
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
-        mbarrier.arrive(empty.index(buf))  # the converter may refill this buffer
+        # O^T += V^T P^T, block by block, two blocks' register operands at a time
+        v0 = _pv_operand(words_s, 4 * slot)
+        o0 = warpgroup_mma(v0, p_s.index(z + 4 * k + 0), o0 * rescale[None, :], is_async=True)
+        v1 = _pv_operand(words_s, 4 * slot + 1)
+        o1 = warpgroup_mma(v1, p_s.index(z + 4 * k + 1), o1 * rescale[None, :], is_async=True)
+        o0, v0 = warpgroup_mma_wait(1, deps=[o0, v0])
+        v2 = _pv_operand(words_s, 4 * slot + 2)
+        o2 = warpgroup_mma(v2, p_s.index(z + 4 * k + 2), o2 * rescale[None, :], is_async=True)
+        o1, v1 = warpgroup_mma_wait(1, deps=[o1, v1])
+        v3 = _pv_operand(words_s, 4 * slot + 3)
+        mbarrier.arrive(free.index(slot))  # every operand of the slot is read (the score GEMMs waited above)
+        o3 = warpgroup_mma(v3, p_s.index(z + 4 * k + 3), o3 * rescale[None, :], is_async=True)
+        o2, o3, v2, v3 = warpgroup_mma_wait(0, deps=[o2, o3, v2, v3])
 
     l_i = gl.sum(l_acc, axis=0)
     o_scale = gl.where(l_i == 0.0, 0.0, u / gl.where(l_i == 0.0, 1.0, l_i))
@@ -344,42 +274,65 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
     gl.store(l_base + (rows // H) * sl_s + (rows % H) * sl_h, lse, mask=rows < SH)
 
 
-def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
-                       sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, sks_b, sks_t, sks_c, skt_b8,
-                       so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
-                       MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
-                       SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr,
-                       L2_AHEAD: gl.constexpr, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """One (BLOCK_R-row block, split, batch row): the parent region (scorer 0's warps) puts q
-    into shared memory, then the converter and NUM_SCORERS scorers run the split's tiles; each
-    scorer writes a partial of its own (partial index split * NUM_SCORERS + scorer).
-    ``skt_b8``: the rope's batch stride in units of 8 elements (16 bytes: its cp.async vectors)."""
-    pid_r = gl.program_id(0)
-    pid_sp = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    row0 = pid_r * BLOCK_R
-    salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
+def _as_bytes_src(words_s, n: gl.constexpr, rows: gl.constexpr):
+    """The staged words [n, rows, 32] as the e4m3 bytes [n, rows, 128] the fp8 wgmma reads (the
+    same 128-byte-swizzled memory; the method's name moved between Triton 3.6 and 3.9)."""
+    if _REINTERPRET_PUBLIC:
+        return words_s.reinterpret(gl.float8e4nv, [n, rows, SB], _BYTES_SMEM)
+    else:
+        return words_s._reinterpret(gl.float8e4nv, [n, rows, SB], _BYTES_SMEM)
 
-    # ---- queries: the latent part in f16 scaled per (row, 128-column block) by a power of two
-    ld_q: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
-    rq = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld_q)))
+
+def _block_exponents_src(Q, b, sq_b, sq_s, sq_h, rq, H, SH, ld_q: gl.constexpr):
+    """The queries of block rows `rq` as fp32 [rows, 4 blocks, 128] (layout ld_q) and, per row and
+    block, the exponent of the largest magnitude (0 for an all-zero block; NaN stays NaN)."""
     bq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld_q)))
     cq = gl.arange(0, SB, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld_q)))
     q_off = (rq // H)[:, None, None] * sq_s + (rq % H)[:, None, None] * sq_h + (bq[None, :, None] * SB
                                                                                    + cq[None, None, :])
     q = gl.load(Q + b * sq_b + q_off, mask=(rq < SH)[:, None, None], other=0.0).to(gl.float32)
     amax = gl.max(gl.abs(q), axis=2)
-    e = gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0)))  # (NaN stays NaN: NaN in, NaN out)
-    f = gl.exp2(13.0 - e)  # largest |q| of the block into [2^13, 2^14): f16's range, exactly
+    return q, gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0)))
+
+
+def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
+                       sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, sks_b, sks_t, sks_c, skt_b8,
+                       so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
+                       MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
+                       SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr,
+                       STAGES: gl.constexpr, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """One (BLOCK_R-row block, split, batch row): the parent region (scorer 0's warps) puts the
+    queries' e4m3 parts into shared memory, then the loader and NUM_SCORERS scorers run the
+    split's tiles; each scorer writes a partial of its own (partial index split * NUM_SCORERS +
+    scorer). ``skt_b8``: the rope's batch stride in units of 8 elements (16 bytes: its cp.async
+    vectors)."""
+    pid_r = gl.program_id(0)
+    pid_sp = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    row0 = pid_r * BLOCK_R
+    salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
+
+    # ---- queries: per (row, 128-column block) scaled by the power of two f that puts the largest
+    # |q| into [2^7, 2^8) (e4m3 reaches 448), then two e4m3 parts, hi = e4m3(q f) and lo =
+    # e4m3(16 (q f - hi)); B column n of a block's score product: row n % 8 + 8 (n // 16), part
+    # (n // 8) % 2, so that a thread's accumulator holds both parts of its rows (_hi_lo)
+    ld_q: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
+    nq = gl.arange(0, 2 * BLOCK_R, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld_q)))
+    q, e = _block_exponents(Q, b, sq_b, sq_s, sq_h, row0 + nq % 8 + 8 * (nq // 16), H, SH, ld_q)
+    qf = q * gl.exp2(7.0 - e)[:, :, None]
+    hi = qf.to(gl.float8e4nv)
+    lo = ((qf - hi.to(gl.float32)) * 16.0).to(gl.float8e4nv)
     # (buffers with a unit leading dimension are indexed with an opaque zero in every tile, so
     # that the wgmma descriptors are formed in the loop, not hoisted out of it and spilled)
-    q_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_R, DL],
-                                    gl.NVMMASharedLayout.get_default_for([BLOCK_R, DL], gl.float16))
-    q_s.index(0).store(gl.reshape((q * f[:, :, None]).to(gl.float16), [BLOCK_R, DL]))
-    # the factors that scale the partial scores back, one [BLOCK_R] vector per block
+    q_s = gl.allocate_shared_memory(gl.float8e4nv, [1, 2 * BLOCK_R, DL],
+                                    gl.NVMMASharedLayout.get_default_for([2 * BLOCK_R, DL], gl.float8e4nv))
+    q_s.index(0).store(gl.reshape(gl.where((((nq // 8) % 2) == 0)[:, None, None], hi, lo), [2 * BLOCK_R, DL]))
+    # the factors that scale a block's partial scores back, 2^(e - 7), one [BLOCK_R] vector per block
+    rg = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld_q)))
+    _, eg = _block_exponents(Q, b, sq_b, sq_s, sq_h, rg, H, SH, ld_q)
     g_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    inv_f = gl.exp2(e - 13.0)
+    inv_f = gl.exp2(eg - 7.0)
     blk_i = gl.arange(0, 4, layout=gl.SliceLayout(0, inv_f.type.layout))
     for i in gl.static_range(4):
         g_s.index(i).store(gl.sum(gl.where(blk_i[None, :] == i, inv_f, 0.0), axis=1))
@@ -392,33 +345,25 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
                                      gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], gl.bfloat16))
     qr_s.index(0).store(q_rope)
 
-    # ---- two buffers (the f16 tile both products read, its bf16 rope rows, its scales), P's copies
-    tile_s = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, DL],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.float16))
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, DR],
+    # ---- STAGES slots (the tile's e4m3 bytes, one piece a block; its rope rows, scales and mask
+    # entries); P's copies
+    words_s = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BLOCK_N, SB // 4], _WORDS_SMEM)
+    bytes_s = _as_bytes(words_s, STAGES * 4, BLOCK_N)
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
-    # the next tile's fp8 words on their way in: one [BLOCK_N, 32]-word piece per 128-column block
-    # (its two halves of a row swapped on odd rows: an 8-lane phase of _WORDS_LAYOUT's loads, two
-    # rows x 64 bytes, then covers all 32 banks; one of _COPY_LAYOUT's copies writes a 128-byte row)
-    stage_s = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N, SB // 4], gl.SwizzledSharedLayout(16, 1, 2, [1, 0]))
-    sc_s = gl.allocate_shared_memory(gl.float32, [2 * 4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sc_s = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_s = gl.allocate_shared_memory(gl.float16, [NUM_SCORERS * 4, BLOCK_N, BLOCK_R],
                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], gl.float16))
-    if HAS_MASK:  # each rope slot's tile: its mask entries
-        mk_s = gl.allocate_shared_memory(gl.float32, [3, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if HAS_MASK:
+        mk_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         mk_s = sc_s  # unused
-    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    rope_full = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     sync = gl.allocate_shared_memory(gl.int64, [NUM_SCORERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        # per fill: the converter once (a partition barrier, then one arrival) after its f16 and
-        # scale stores
-        mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(3):
-        mbarrier.init(rope_full.index(i), count=128)  # every converter thread once its rope copies land
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=128)  # every loader thread once its copies land
+        mbarrier.init(free.index(i), count=1)  # the scorer that took the slot (a partition barrier, then one arrival)
     for i in gl.static_range(NUM_SCORERS):
         mbarrier.init(sync.index(i), count=1)
 
@@ -428,47 +373,47 @@ def _narrow_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, l
         end = _causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_R, BLOCK_R)  # (per thread)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     fence_async_shared()
-    _barrier()  # q and the factors in shared memory before any partition reads them
+    _barrier()  # the queries and the factors in shared memory before any partition reads them
 
     kv_words = (KV + b * skv_b).to(gl.pointer_type(gl.int32), bitcast=True)
     kt_row = KT + b * (skt_b8 * 8)
     ks_row = KS + b * sks_b
+    mk_row = MASK + b * sm_b
     o_base = O + b * so_b + (pid_sp * NUM_SCORERS) * so_sp
     l_base = L + b * sl_b + (pid_sp * NUM_SCORERS) * sl_sp
     if NUM_SCORERS == 1:
         gl.warp_specialize([
-            (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
-                        sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
-                        BLOCK_N, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-            (_converter, (salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
-                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD, mk_s, MASK + b * sm_b, sm_t,
-                          HAS_MASK)),
-        ], [4], [152])
+            (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, words_s, bytes_s, rope_s, sc_s, p_s, full, free, sync,
+                       start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H,
+                       SH, BLOCK_R, BLOCK_N, STAGES, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
+            (_loader, (words_s, rope_s, sc_s, mk_s, full, free, kv_words, ks_row, kt_row, sks_t, sks_c, start, end,
+                       n_tiles, SKV_T // 4, SKT_T, BLOCK_N, STAGES, mk_row, sm_t, HAS_MASK)),
+        ], [4], [LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
-                        sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_R,
-                        BLOCK_N, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-            (_scorer, (1, NUM_SCORERS, salt, q_s, qr_s, g_s, tile_s, rope_s, sc_s, p_s, full, rope_full, empty, sync, start, end, n_tiles,
-                        sm_scale_log2, lse_scale, o_base + so_sp, so_s, so_h, l_base + sl_sp, sl_s, sl_h, row0, H,
-                        SH, BLOCK_R, BLOCK_N, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-            (_converter, (salt, tile_s, rope_s, sc_s, stage_s, full, rope_full, empty, kv_words, ks_row, kt_row, sks_t, sks_c, start,
-                          end, n_tiles, SKV_T // 4, SKT_T, BLOCK_N, KV + b * skv_b, L2_AHEAD, mk_s, MASK + b * sm_b, sm_t,
-                          HAS_MASK)),
-        ], [4, 4], [168, 168])
+            (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, words_s, bytes_s, rope_s, sc_s, p_s, full, free, sync,
+                       start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H,
+                       SH, BLOCK_R, BLOCK_N, STAGES, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
+            (_scorer, (1, NUM_SCORERS, salt, q_s, qr_s, g_s, words_s, bytes_s, rope_s, sc_s, p_s, full, free, sync,
+                       start, end, n_tiles, sm_scale_log2, lse_scale, o_base + so_sp, so_s, so_h, l_base + sl_sp, sl_s,
+                       sl_h, row0, H, SH, BLOCK_R, BLOCK_N, STAGES, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK,
+                       CAUSAL)),
+            (_loader, (words_s, rope_s, sc_s, mk_s, full, free, kv_words, ks_row, kt_row, sks_t, sks_c, start, end,
+                       n_tiles, SKV_T // 4, SKT_T, BLOCK_N, STAGES, mk_row, sm_t, HAS_MASK)),
+        ], [4, 4], [SCORER_REGS, LOADER_REGS])
 
 
 if HAS_GLUON:
-    _E4M3_F16_ASM = gl.constexpr(_E4M3_F16_ASM_TEXT)
-    _to_f16 = gluon.jit(_to_f16_src)
-    _prefetch_l2 = gluon.jit(_prefetch_l2_src)
-    _issue_tile = gluon.jit(_issue_tile_src)
-    _take_tile = gluon.jit(_take_tile_src)
-    _issue_rope = gluon.jit(_issue_rope_src)
-    _put = gluon.jit(_put_src)
-    _converter = gluon.jit(_converter_src)
+    _PAIRS_ASM = gl.constexpr(_PAIRS_ASM_TEXT)
+    LOADER_REGS = gl.constexpr(LOADER_REGS)
+    SCORER_REGS = gl.constexpr(SCORER_REGS)
+    _pv_operand = gluon.jit(_pv_operand_src)
+    _hi_lo = gluon.jit(_hi_lo_src)
+    _loader = gluon.jit(_loader_src)
     _store_block = gluon.jit(_store_block_src)
     _scorer = gluon.jit(_scorer_src)
+    _block_exponents = gluon.jit(_block_exponents_src)
+    _as_bytes = gluon.jit(_as_bytes_src)
     _narrow_jit = gluon.jit(_narrow_kernel_src)
 
 
@@ -534,7 +479,7 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
     args += m_args
     consts = dict(SKV_T=km.stride(1), SKT_T=kt.stride(1), BLOCK_R=cfg.block_h, BLOCK_N=cfg.block_n,
                   NUM_SCORERS=scorers, NUM_SPLITS=ns, HAS_LENS=call.kv_lens is not None,
-                  L2_AHEAD=L2_AHEAD, **m_consts)
+                  STAGES=cfg.stages, **m_consts)
     stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, n_part) if n_part > 1
               else None)
     return out, lse_out, ((n_rb, ns, B), args, consts, stage2)
