@@ -17,7 +17,14 @@ rope rows and mask entries as before; Triton 3.6: 24 bytes spilled), `_vs.py` wi
 fp8_narrow_vector_scales.patch (one 16-byte load of a key's four scales), `_pb.py` with
 fp8_narrow_block_handoff.patch (full / empty barriers per 128-column block), `_half.py` with
 fp8_narrow_column_split_scorers.patch (both scorers on every tile, each over two latent blocks,
-partial scores added through shared memory; one partial a split). Generated builds: a name's suffix edits its
+partial scores added through shared memory; one partial a split). From `_regs.py`: `_f8s.py` with
+fp8_narrow_fp8_scores.patch (the score product in fp8 from the staged bytes, the queries as two
+e4m3 parts), then `_f8sv.py` = `_f8s.py` with fp8_narrow_fp8_scores_staged_scales.patch (two block
+accumulators in flight, added as each is done; the scales staged block-major; the design the
+product took at the seventh stop); `_f8sq.py` is `_f8sv.py` with the scales staged as before;
+`_f8s3q.py` is `_f8sq.py` with a third scorer (SCORERS = 3, registers 152 / 56: 80 bytes spilled);
+`_f8sqp.py` is `_f8sq.py` with `max_num_imprecise_acc=32` on the four fp8 score wgmmas (each k32
+step's sum promoted to fp32: 120 bytes spilled). Generated builds: a name's suffix edits its
 base's source (`_a2`/`a2`: L2_AHEAD 2; `_nopv`: no value products; `_noqk`: no latent score
 products; `_nostore`: no f16 stores; `_nosc`: no scale loads; `_norope`: no rope copies;
 `_nol2`: no L2 prefetch; `_cp4x8`: copies 4 rows x 8 threads, read back after a barrier);
@@ -51,6 +58,12 @@ and at the sixth stop (results/fp8_narrow_loaders_h200.json; none taken):
     python time_fp8_narrow_variants.py _base,_p,_vs _p,_vs
     python time_fp8_narrow_variants.py _base,_p,_pb ""
     python time_fp8_narrow_variants.py _base,_p,_half ""
+
+and at the seventh stop (results/fp8_narrow_fp8_scores_h200.json, three runs; the product took `_f8sv`):
+
+    python time_fp8_narrow_variants.py _base,_p,_f8s _f8s
+    SHORT=1 python time_fp8_narrow_variants.py _base,_p,_f8s,_f8sq,_f8s3q,_f8sqp _f8s3q
+    python time_fp8_narrow_variants.py _base,_p,_f8sq,_f8sv _f8sv
 """
 import importlib.util, json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
