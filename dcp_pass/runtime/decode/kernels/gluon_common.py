@@ -29,10 +29,12 @@ try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    # names that moved between Triton releases (3.6: async_copy_global_to_shared,
-    # thread_barrier; later: async_load, barrier); the kernels call these aliases
+    # names that moved between Triton releases (3.6: async_copy_global_to_shared for cp.async
+    # and TMA, thread_barrier; later: async_load, barrier); the kernels call these aliases
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the older name)
 
     # what a Triton that cannot build or launch a Gluon kernel raises (its API moves between
     # releases): the chooser then stops offering both forms in this process
