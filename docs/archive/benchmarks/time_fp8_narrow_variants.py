@@ -1,4 +1,4 @@
-"""Narrow fp8 kernel builds timed side by side with the bf16 split kernel, after a check of each
+r"""Narrow fp8 kernel builds timed side by side with the bf16 split kernel, after a check of each
 build's output against _base's on ragged lengths (0 to 3000 keys, 1 / 3 / 16 splits).
 
 Module files beside this script: `_base.py` is kernels/mla_gluon_fp8_narrow.py at 585a7ec with
@@ -64,6 +64,16 @@ and at the seventh stop (results/fp8_narrow_fp8_scores_h200.json, three runs; th
     python time_fp8_narrow_variants.py _base,_p,_f8s _f8s
     SHORT=1 python time_fp8_narrow_variants.py _base,_p,_f8s,_f8sq,_f8s3q,_f8sqp _f8s3q
     python time_fp8_narrow_variants.py _base,_p,_f8sq,_f8sv _f8sv
+
+and on 2026-12-04 (results/fp8_narrow_tma_h200.json, three runs; the product took the TMA loader
+as `_p2`). `_base.py` is then the kernel at 721f22d; `_t3.py` is it with
+fp8_narrow_tma_three_scorers.patch (a TMA loader for the bytes and rope rows, scales by cp.async,
+three scorers at 160 / 32 registers), `_t3b.py` that with 168 / 24, `_t2.py` that with SCORERS = 2
+and 200 / 112; `_p2.py` is the kernel at ec215ce (rank-3 boxes, scales by TMA too):
+
+    python time_fp8_narrow_variants.py _base,_t3,_t3b ""
+    python time_fp8_narrow_variants.py _base,_t2 _base,_t2
+    python time_fp8_narrow_variants.py _base,_p2 _p2
 """
 import importlib.util, json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -146,6 +156,9 @@ def source(name):
 
 
 def no_score(src):
+    if "        if t0 + BLOCK_N > end:  # (the split's last tile)" in src:  # the TMA loader's stream alone
+        return cut(src, "        valid = (t0 + keys) < end\n        if t0 + BLOCK_N > end:", "\n\n    l_i = gl.sum(l_acc, axis=0)",
+                   "        mbarrier.arrive(free.index(slot))")
     if "mbarrier.arrive(free.index(slot))" in src:  # the register-operand prototype: its loader's stream alone
         return cut(src, "        fence_async_shared()  # the copies' writes", "\n\n    l_i = gl.sum(l_acc, axis=0)",
                    "        mbarrier.arrive(free.index(slot))")
