@@ -96,6 +96,11 @@ if HAS_GLUON:
     _WORDS3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3))
     _ROPE3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
     _SCALES3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+    # a block's [128 value columns, 16 rows] of output in column order: a thread's registers hold
+    # four adjacent columns first (the stores' 16-byte vectors), eight lanes a row's 32 columns
+    _STORE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]], lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
+        warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 16]))
     # a tile's scales [64 keys, 4 blocks] as a scorer reads them: a thread holds its score rows'
     # keys (those of SliceLayout(1, the score accumulator)) with all four blocks, so that two
     # splits give each block's vector in the scorer's own layout
@@ -198,13 +203,15 @@ def _tile_scales_src(sc_s, slot, valid, key_l: gl.constexpr):
 
 
 def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, H, SH):
-    """Output columns of block blk from O^T's accumulator, its rows' value columns permuted back
-    (logical 64 b + 16 w + 8 a + r <-> physical 4 (8 w + r) + a + 2 b)."""
-    o_l: gl.constexpr = acc.type.layout
-    m = gl.arange(0, SB, layout=gl.SliceLayout(1, o_l))
-    cols = blk * SB + 4 * (8 * ((m % 64) // 16) + m % 8) + ((m % 16) // 8) + 2 * (m // 64)
-    rows = row0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_l))
-    o = acc * gl.convert_layout(scale_r, gl.SliceLayout(0, o_l))[None, :]
+    """Output columns of block blk from O^T's accumulator. Its rows (logical 64 b + 16 w + 8 a + r,
+    physical value column 4 (8 w + r) + a + 2 b) are put in column order in registers, so that a
+    thread stores four adjacent columns of a row at once and eight lanes a row's 128 bytes (the
+    accumulator's own order wrote 4-byte pieces 16 bytes apart: 8 us a call on the H200)."""
+    o = acc * gl.convert_layout(scale_r, gl.SliceLayout(0, acc.type.layout))[None, :]
+    o = gl.permute(gl.reshape(o, [2, 4, 2, 8, acc.shape[1]]), (1, 3, 0, 2, 4))  # [b, w, a, r, n] -> [w, r, b, a, n]
+    o = gl.convert_layout(gl.reshape(o, [SB, acc.shape[1]]), _STORE_LAYOUT)  # (registers reordered in place)
+    cols = blk * SB + gl.arange(0, SB, layout=gl.SliceLayout(1, _STORE_LAYOUT))
+    rows = row0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, _STORE_LAYOUT))
     gl.store(o_base + (rows // H)[None, :] * so_s + (rows % H)[None, :] * so_h + cols[:, None],
              o.to(o_base.dtype.element_ty), mask=(rows < SH)[None, :])
 
