@@ -1,8 +1,9 @@
 """Tests of the narrow-row fp8 Gluon kernel (dcp_pass.runtime.decode.kernels.mla_gluon_fp8_narrow).
 
 Gluon has no interpreter: the kernel runs only on a Hopper GPU (``-m gpu``). On CPU: which
-calls it takes and why not, its launch arguments, and its offline sm_90 compile (no spills;
-per scorer and tile 16 fp8 score wgmmas and 36 of m64n16). GPU: 16 heads (and 8 and 12: a
+calls it takes and why not, its launch arguments (TMA descriptors over the rows' own strides),
+and its offline sm_90 compile (spills pinned; six TMA boxes a tile; per scorer and tile 16 fp8
+score wgmmas and 36 of m64n16). GPU: 16 heads (and 8 and 12: a
 partial row block) over packed fp8 rows against the float64 attention of the dequantised cache,
 which it computes without rounding the cache (the scales act on the small tiles; the queries
 enter as two exact e4m3 parts), with ragged and empty requests, rows
