@@ -328,7 +328,13 @@ def test_gpu_fp8_real_shapes(H, paged, read, monkeypatch):
         check_close(out, lse, ro, rl, 2e-2)
     from dcp_pass.runtime.decode.backends import choose_kernel
 
-    assert choose_kernel(call, "auto").name in ("split", "wide")
+    # auto's choice (on a Hopper with Triton 3.6 one of the Gluon fp8 kernels for the unpaged
+    # call, by the path table) is a kernel, not the reference, and runs this call as well
+    chosen = choose_kernel(call, "auto").name
+    assert chosen != "torch", chosen
+    out, lse = poisoned(4, 1, H, 512, torch.bfloat16, "cuda")
+    _attend(call, chosen, out, lse)
+    check_close(out, lse, ro, rl, 2e-2)
 
 
 @gpu
