@@ -92,10 +92,12 @@ if HAS_GLUON:
     _BYTES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
     _REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     # the staged pieces as rank-3 TMA boxes [1, rows, columns] (batch row, keys, columns): a unit
-    # leading dimension moves no address
-    _WORDS3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3))
-    _ROPE3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
-    _SCALES3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+    # leading dimension moves no address. Built once: the host's descriptors take the same objects
+    # (constructing them costs microseconds a call)
+    _WORDS3, _ROPE3, _SCALES3 = (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3),
+                                 gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3),
+                                 gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+    _WORDS3_SMEM, _ROPE3_SMEM, _SCALES3_SMEM = gl.constexpr(_WORDS3), gl.constexpr(_ROPE3), gl.constexpr(_SCALES3)
     # a block's [128 value columns, 16 rows] of output in column order: a thread's registers hold
     # four adjacent columns first (the stores' 16-byte vectors), eight lanes a row's 32 columns
     _STORE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
@@ -499,22 +501,17 @@ def tile_descriptors(km, kt, ks, block_n: int):
     128 bytes]), rope rows (bf16, [64, 64]) and scales (fp32, [64, 4]); TMA reads 16-byte aligned
     rows with strides of multiples of 16 bytes and unit column stride, and refuses anything else here
     (with what to change), not later in the launch."""
-    parts = (("latent rows", km, 16), ("rope rows", kt, 16), ("scales", ks, 16))
-    for what, t, align in parts:
+    for what, t in (("latent rows", km), ("rope rows", kt), ("scales", ks)):
         nbytes = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % align or any(x * nbytes % 16 for x in t.stride()[:-1]):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(x * nbytes % 16 for x in t.stride()[:-1]):
             raise ValueError(f"the narrow fp8 Gluon kernel reads the {what} by TMA 16 bytes at a time: it needs unit "
                              f"feature stride, 16-byte aligned data and strides of multiples of 16 bytes, got "
                              f"{tuple(t.stride())} ({t.dtype})")
     B, T = km.shape[0], km.shape[1]
     words = km.view(torch.int32)
-    kvd = TensorDescriptor(words, [B, T, SB_W], list(words.stride()), [1, block_n, 32],
-                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3))
-    ktd = TensorDescriptor(kt, [B, T, 64], list(kt.stride()), [1, block_n, 64],
-                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
-    ksd = TensorDescriptor(ks, [B, T, 4], list(ks.stride()), [1, block_n, 4],
-                           gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
-    return kvd, ktd, ksd
+    return (TensorDescriptor(words, [B, T, SB_W], list(words.stride()), [1, block_n, 32], _WORDS3),
+            TensorDescriptor(kt, [B, T, 64], list(kt.stride()), [1, block_n, 64], _ROPE3),
+            TensorDescriptor(ks, [B, T, 4], list(ks.stride()), [1, block_n, 4], _SCALES3))
 
 
 def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
