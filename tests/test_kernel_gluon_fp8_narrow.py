@@ -89,6 +89,15 @@ def test_launch_arguments():
         N.launch_args(odd.shard())
     with pytest.raises(ValueError, match="1 or 2 scorer"):
         N.launch_args(call.shard(), scorers=3)
+    # a rope buffer of its own whose rows are 68 elements apart (136 bytes: not a TMA stride), and
+    # scales whose rows are 5 floats apart: refused with the part named, before any launch
+    two = _packed_call(B, 1, 16, T, separate=True)
+    odd_rope = torch.zeros(B, T, 68, dtype=torch.bfloat16)[..., :64]
+    with pytest.raises(ValueError, match="rope rows by TMA"):
+        N.launch_args(two.replace(pe=odd_rope).shard())
+    odd_scales = torch.ones(B, T, 5)[..., :4]
+    with pytest.raises(ValueError, match="scales by TMA"):
+        N.launch_args(two.replace(kv_scale=odd_scales).shard())
     # a decode step's mask row (key stride 2) and a causal cap on rank 1 of a 2-way stripe
     mask = torch.zeros(B, 1, 1, 4 * T)[..., ::2]  # global keys, every other column
     capped = call.replace(mask=mask, q_pos=torch.tensor([[T + 5, T + 6], [7, 8]]), stripe=(2, 1))
