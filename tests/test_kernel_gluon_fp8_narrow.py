@@ -56,9 +56,9 @@ def test_which_calls_it_takes():
 
 
 def test_launch_arguments():
-    """One program per 16 rows, split and batch row; the row strides as constants; the rope's
-    batch stride in 16-byte units; a partial per scorer; rows not 16-byte aligned refused, not
-    misread."""
+    """One program per 16 rows, split and batch row; TMA descriptors over the rows' own strides;
+    a partial per scorer (two splits' worth a program for the stage-2 merge); rows TMA cannot read
+    refused, with the part named, not misread."""
     N = _narrow()
     B, T = 2, 4096
     call = _packed_call(B, 2, 12, T, lens=torch.tensor([T, 0]))  # 24 rows: two row blocks
@@ -84,6 +84,7 @@ def test_launch_arguments():
     # each scorer writes a partial: one split and one scorer write the output directly
     assert N.launch_args(call.shard(), num_splits=1)[2][3] is not None
     assert N.launch_args(call.shard(), num_splits=1, scorers=1)[2][3] is None
+    assert stage2[3]["NUM_SPLITS"] == 3 * 2
     odd = call.replace(kv=torch.zeros(B, T, 520, dtype=torch.uint8)[..., :512].view(torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="16 bytes at a time"):
         N.launch_args(odd.shard())
