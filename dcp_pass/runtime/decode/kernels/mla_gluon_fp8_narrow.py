@@ -149,9 +149,10 @@ def _loader_src(words_s, rope_s, sc_s, mk_s, full, free, kvd, ktd, ksd, b, start
     expected byte count on the slot's barrier; a decode step's mask entries by cp.async (each
     thread arrives when its copies land). Keys past T arrive as zeros; keys past the split's
     end within T as the cache holds them (the scorer zeroes or masks them)."""
-    words3 = _view3(words_s, gl.int32, STAGES * 4, BLOCK_N, SB // 4, _WORDS3_SMEM)
-    rope3 = _view3(rope_s, gl.bfloat16, STAGES, BLOCK_N, DR, _ROPE3_SMEM)
-    sc3 = _view3(sc_s, gl.float32, STAGES, BLOCK_N, 4, _SCALES3_SMEM)
+    # (the slots as rank-3 boxes' destinations [n, 1, rows, columns]: a unit dimension moves no address)
+    words3 = _reinterpreted(words_s, gl.int32, [STAGES * 4, 1, BLOCK_N, SB // 4], _WORDS3_SMEM)
+    rope3 = _reinterpreted(rope_s, gl.bfloat16, [STAGES, 1, BLOCK_N, DR], _ROPE3_SMEM)
+    sc3 = _reinterpreted(sc_s, gl.float32, [STAGES, 1, BLOCK_N, 4], _SCALES3_SMEM)
     for j in range(n_tiles):
         slot = j % STAGES
         mbarrier.wait(free.index(slot), ((j // STAGES) & 1) ^ 1)
@@ -170,14 +171,13 @@ def _loader_src(words_s, rope_s, sc_s, mk_s, full, free, kvd, ktd, ksd, b, start
         cp.wait_group(0)
 
 
-def _view3_src(buf, dtype: gl.constexpr, n: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr,
-               layout: gl.constexpr):
-    """Staged pieces [n, rows, cols] as [n, 1, rows, cols], a rank-3 TMA box's destination (the
-    same memory; the reinterpreting method's name moved between Triton 3.6 and 3.9)."""
+def _reinterpreted_src(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """The same shared memory as another type, shape and layout (the method's name moved between
+    Triton 3.6 and 3.9)."""
     if _REINTERPRET_PUBLIC:
-        return buf.reinterpret(dtype, [n, 1, rows, cols], layout)
+        return buf.reinterpret(dtype, shape, layout)
     else:
-        return buf._reinterpret(dtype, [n, 1, rows, cols], layout)
+        return buf._reinterpret(dtype, shape, layout)
 
 
 def _zero_tail_src(words_s, slot, t0, end, BLOCK_N: gl.constexpr):
@@ -330,15 +330,6 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
     gl.store(l_base + (rows // H) * sl_s + (rows % H) * sl_h, lse, mask=rows < SH)
 
 
-def _as_bytes_src(words_s, n: gl.constexpr, rows: gl.constexpr):
-    """The staged words [n, rows, 32] as the e4m3 bytes [n, rows, 128] the fp8 wgmma reads (the
-    same 128-byte-swizzled memory; the method's name moved between Triton 3.6 and 3.9)."""
-    if _REINTERPRET_PUBLIC:
-        return words_s.reinterpret(gl.float8e4nv, [n, rows, SB], _BYTES_SMEM)
-    else:
-        return words_s._reinterpret(gl.float8e4nv, [n, rows, SB], _BYTES_SMEM)
-
-
 def _block_exponents_src(Q, b, sq_b, sq_s, sq_h, rq, H, SH, ld_q: gl.constexpr):
     """The queries of block rows `rq` as fp32 [rows, 4 blocks, 128] (layout ld_q) and, per row and
     block, the exponent of the largest magnitude (0 for an all-zero block; NaN stays NaN)."""
@@ -353,9 +344,9 @@ def _block_exponents_src(Q, b, sq_b, sq_s, sq_h, rq, H, SH, ld_q: gl.constexpr):
 
 def _narrow_kernel_src(Q, QT, KVD, KTD, KSD, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
                        sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
-                       MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr,
-                       STAGES: gl.constexpr, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+                       MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank, BLOCK_R: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                       HAS_LENS: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """One (BLOCK_R-row block, split, batch row): the parent region (scorer 0's warps) puts the
     queries' e4m3 parts into shared memory, then the loader and NUM_SCORERS scorers run the
     split's tiles; each scorer writes a partial of its own (partial index split * NUM_SCORERS +
@@ -402,7 +393,7 @@ def _narrow_kernel_src(Q, QT, KVD, KTD, KSD, LENS, O, L, T, H, SH, sm_scale_log2
     # ---- STAGES slots (the tile's e4m3 bytes, one piece a block; its rope rows, scales and mask
     # entries); P's copies
     words_s = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BLOCK_N, SB // 4], _WORDS_SMEM)
-    bytes_s = _as_bytes(words_s, STAGES * 4, BLOCK_N)
+    bytes_s = _reinterpreted(words_s, gl.float8e4nv, [STAGES * 4, BLOCK_N, SB], _BYTES_SMEM)  # (as the fp8 wgmma reads)
     rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
     sc_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, 4],
@@ -462,13 +453,12 @@ if HAS_GLUON:
     _pv_operand = gluon.jit(_pv_operand_src)
     _hi_lo = gluon.jit(_hi_lo_src)
     _loader = gluon.jit(_loader_src)
-    _view3 = gluon.jit(_view3_src)
+    _reinterpreted = gluon.jit(_reinterpreted_src)
     _zero_tail = gluon.jit(_zero_tail_src)
     _tile_scales = gluon.jit(_tile_scales_src)
     _store_block = gluon.jit(_store_block_src)
     _scorer = gluon.jit(_scorer_src)
     _block_exponents = gluon.jit(_block_exponents_src)
-    _as_bytes = gluon.jit(_as_bytes_src)
     _narrow_jit = gluon.jit(_narrow_kernel_src)
 
 
