@@ -81,7 +81,11 @@ def rel_err(a, b):
     return (a - b).norm().item() / max(den, 1e-30)
 
 
-def check_close(out, lse, ref_out, ref_lse, tol, lse_base="e"):
+def check_close(out, lse, ref_out, ref_lse, tol, lse_base="e", lse_rel=None):
+    """Outputs within `tol` (relative), the same empty rows (-inf LSE, output 0), the LSE within
+    an absolute bound, or, with `lse_rel`, within lse_rel of its own size (at least 1): for kernels
+    whose sums keep a fixed relative precision (fp8 tensor cores), where logits in the thousands
+    move the LSE by units."""
     assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
     assert not torch.isnan(lse).any(), "NaN LSE"
     if lse_base == "2":
@@ -91,8 +95,12 @@ def check_close(out, lse, ref_out, ref_lse, tol, lse_base="e"):
     neg = torch.isneginf(ref_lse)
     assert torch.equal(torch.isneginf(lse), neg), "empty rows differ (-inf LSE pattern)"
     if (~neg).any():
-        lerr = (lse.double()[~neg] - ref_lse[~neg]).abs().max().item()
-        assert lerr < max(tol, 1e-4) * 10, f"lse abs err {lerr:.3e}"
+        diff = (lse.double()[~neg] - ref_lse[~neg]).abs()
+        if lse_rel is None:
+            assert diff.max().item() < max(tol, 1e-4) * 10, f"lse abs err {diff.max().item():.3e}"
+        else:
+            bound = lse_rel * ref_lse[~neg].abs().clamp(min=1.0)
+            assert (diff <= bound).all(), f"lse err {diff.max().item():.3e} beyond {lse_rel} of its size"
     if neg.any():
         assert (out.double()[neg] == 0).all(), "empty rows must have output 0"
 
