@@ -321,20 +321,17 @@ def test_gpu_fp8_real_shapes(H, paged, read, monkeypatch):
                                    pe=call.pe.cpu(), kv_scale=call.kv_scale.cpu(), kv_lens=lens.cpu()), 64, g)
         call = call.replace(q_lat=call.q_lat.cuda(), q_rope=call.q_rope.cuda(), kv=call.kv.cuda(), pe=call.pe.cuda(),
                             kv_scale=call.kv_scale.cuda(), page_table=call.page_table.cuda(), kv_lens=lens)
-    ro, rl = ref32(call)
-    for kernel in ("split",) if paged else ("split", "wide"):
-        out, lse = poisoned(4, 1, H, 512, torch.bfloat16, "cuda")
-        _attend(call, kernel, out, lse)
-        check_close(out, lse, ro, rl, 2e-2)
     from dcp_pass.runtime.decode.backends import choose_kernel
 
+    ro, rl = ref32(call)
     # auto's choice (on a Hopper with Triton 3.6 one of the Gluon fp8 kernels for the unpaged
     # call, by the path table) is a kernel, not the reference, and runs this call as well
     chosen = choose_kernel(call, "auto").name
     assert chosen != "torch", chosen
-    out, lse = poisoned(4, 1, H, 512, torch.bfloat16, "cuda")
-    _attend(call, chosen, out, lse)
-    check_close(out, lse, ro, rl, 2e-2)
+    for kernel in (("split",) if paged else ("split", "wide")) + (chosen,):
+        out, lse = poisoned(4, 1, H, 512, torch.bfloat16, "cuda")
+        _attend(call, kernel, out, lse)
+        check_close(out, lse, ro, rl, 2e-2)
 
 
 @gpu
