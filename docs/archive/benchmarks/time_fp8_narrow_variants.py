@@ -74,6 +74,20 @@ and 200 / 112; `_p2.py` is the kernel at ec215ce (rank-3 boxes, scales by TMA to
     python time_fp8_narrow_variants.py _base,_t3,_t3b ""
     python time_fp8_narrow_variants.py _base,_t2 _base,_t2
     python time_fp8_narrow_variants.py _base,_p2 _p2
+
+and at the second stop of 2026-12-04 (results/fp8_narrow_prologue_pdl_h200.json and
+results/fp8_narrow_scorer_cuts_h200.json; none taken). `_base.py` is then the kernel at 2f3a314;
+`_q1a.py` it with fp8_narrow_one_query_load.patch, `_pdl.py` with fp8_narrow_pdl_merge.patch,
+`_j.py` with fp8_narrow_joined_reduction.patch, `_jb.py` `_j.py` with
+fp8_narrow_plain_barrier.patch, `_lzj.py` `_j.py` with fp8_narrow_lazy_rescale.patch (`_lz.py`:
+that patch's lazy rescale alone on `_base.py`). SHAPES (e.g. 16x32x131072,16x8x131072) and REPS
+set the timed shapes and passes; every build is also checked against `_base` on logits and key
+scales that grow and shrink along the keys (growth_check):
+
+    python time_fp8_narrow_variants.py _base,_q1a,_pdl ""
+    SHAPES=16x8x32768,16x8x131072,16x32x32768,16x32x131072 python time_fp8_narrow_variants.py _base,_lz,_lzj ""
+    REPS=3 SHAPES=16x8x131072,16x32x32768,16x32x131072 python time_fp8_narrow_variants.py _base,_j,_jb,_lzj ""
+    REPS=6 SHORT=1 SHAPES=16x32x131072,16x8x131072 python time_fp8_narrow_variants.py _base,_lzj ""
 """
 import importlib.util, json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -189,6 +203,35 @@ def ragged_check(mods, rows):
 
 
 SHAPES = ((16, 8, 131072),) if os.environ.get('SHORT') else ((16, 8, 131072), (16, 32, 32768))
+if os.environ.get('SHAPES'):
+    SHAPES = tuple(tuple(int(x) for x in s.split('x')) for s in os.environ['SHAPES'].split(','))
+
+
+def growth_check(mods, rows):
+    """Logits and key scales that grow (and shrink) along the keys: the running max and P's unit
+    move in many tiles, by more and by less than any threshold; each build against _base."""
+    torch.manual_seed(2)
+    B, H, T = 4, 16, 8192
+    q = torch.randn(B, 1, H, 576, dtype=torch.bfloat16, device="cuda")
+    ramp = torch.linspace(0.05, 6.0, T, device="cuda")
+    wave = 1 + 4 * torch.sin(torch.linspace(0, 30, T, device="cuda")).abs()
+    for kind, f in (("up", ramp), ("down", ramp.flip(0)), ("wave", wave)):
+        kv = (torch.randn(B, T, 576, device="cuda") * f[None, :, None]).to(torch.bfloat16)
+        lens = torch.tensor([T, T - 1, 4097, 65], device="cuda")
+        packed = F8.pack(kv, F8.LAYOUT)
+        ref = None
+        for name, mod in mods.items():
+            if name.startswith("ns"):
+                continue
+            o, l = mod.run(F8.fp8_call(q, packed, lens), num_splits=4)
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = (o.float().clone(), l.float().clone())
+            r = dict(check="growth", kind=kind, variant=name,
+                     rel_out=((o.float() - ref[0]).norm() / ref[0].norm()).item(),
+                     max_abs_out=(o.float() - ref[0]).abs().max().item(),
+                     lse_diff=(l.float() - ref[1]).abs().max().item(), nan=bool(o.isnan().any().item()))
+            rows.append(r); print(json.dumps(r), flush=True)
 
 
 def main():
@@ -197,10 +240,11 @@ def main():
     mods.update({"ns" + n: module("ns" + n, no_score(source(n))) for n in sys.argv[2].split(",") if n})
     rows = []
     ragged_check(mods, rows)
+    growth_check(mods, rows)
     for H, B, T in SHAPES:
         sets = F8.make_sets(B, H, T, True)
         ref = mods["_base"].run(F8.fp8_call(*sets[0]))[0].float()
-        for rep in range(1 if os.environ.get('SHORT') else 2):
+        for rep in range(int(os.environ.get("REPS", "1" if os.environ.get("SHORT") else "2"))):
             for name, mod in mods.items():
                 calls = [(lambda s=s, mod=mod: mod.run(F8.fp8_call(*s))) for s in sets]
                 try:
