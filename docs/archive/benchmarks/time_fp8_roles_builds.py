@@ -10,6 +10,13 @@ repository root holding this script, time_fp8_narrow_variants.py and the module 
 run used scratch/), 2026-12-03 on nvidia-h200 (results/fp8_roles_load_hints_h200.json):
 
     python time_fp8_roles_builds.py _f8cg,_f8ef
+
+and at the second stop of 2026-12-04 (results/fp8_roles_converter_h200.json), with the shapes
+below (128 heads, B=8 32K / 128K, B=32 32K), REPS passes and the bf16 cache's role-split kernel
+beside them: `_r3.py` = mla_gluon_fp8.py at 2f3a314 with fp8_roles_converter_warpgroup.patch
+(its registers from R3_REGS, "value-GEMM warpgroup,converter"):
+
+    R3_REGS=160,120 REPS=3 python time_fp8_roles_builds.py _r3
 """
 import json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,9 +38,10 @@ o0, l0 = attend(F8.fp8_call(q, packed, lens), "gluon_fp8")
 for n, m in mods.items():
     o, l = m.run(F8.fp8_call(q, packed, lens))
     rec(check="ragged", variant=n, max_abs=(o.float() - o0.float()).abs().max().item(), lse=(l - l0).nan_to_num(0., 0., 0.).abs().max().item())
-for H, B, T in ((128, 8, 32768), (128, 32, 32768), (64, 8, 32768)):
+for H, B, T in ((128, 8, 32768), (128, 8, 131072), (128, 32, 32768)):
     sets = F8.make_sets(B, H, T, True)
-    for rep in range(2):
+    bsets = F8.make_sets(B, H, T, False)
+    for rep in range(int(os.environ.get("REPS", "2"))):
         calls = [(lambda s=s: attend(F8.fp8_call(*s), "gluon_fp8")) for s in sets]
         calls[0](); torch.cuda.synchronize()
         rec(H=H, B=B, T=T, variant="product", rep=rep, ms=bench(graph_of(calls)) / len(calls))
@@ -41,5 +49,9 @@ for H, B, T in ((128, 8, 32768), (128, 32, 32768), (64, 8, 32768)):
             calls = [(lambda s=s, m=m: m.run(F8.fp8_call(*s))) for s in sets]
             calls[0](); torch.cuda.synchronize()
             rec(H=H, B=B, T=T, variant=n, rep=rep, ms=bench(graph_of(calls)) / len(calls))
-    del sets
+        calls = [(lambda s=s: attend(F8.bf16_call(*s), "gluon_roles")) for s in bsets]
+        calls[0](); torch.cuda.synchronize()
+        rec(H=H, B=B, T=T, variant="bf16_gluon_roles", rep=rep, ms=bench(graph_of(calls)) / len(calls))
+    del sets, bsets
+    torch.cuda.empty_cache()
 json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "fp8_roles_builds.json"), "w"), indent=1)
