@@ -88,6 +88,10 @@ scales that grow and shrink along the keys (growth_check):
     SHAPES=16x8x32768,16x8x131072,16x32x32768,16x32x131072 python time_fp8_narrow_variants.py _base,_lz,_lzj ""
     REPS=3 SHAPES=16x8x131072,16x32x32768,16x32x131072 python time_fp8_narrow_variants.py _base,_j,_jb,_lzj ""
     REPS=6 SHORT=1 SHAPES=16x32x131072,16x8x131072 python time_fp8_narrow_variants.py _base,_lzj ""
+
+and `_pq.py` (fp8_narrow_queries_in_scorer.patch; results/fp8_narrow_queries_in_scorer_h200.json):
+
+    REPS=4 SHAPES=16x8x32768,16x8x131072,16x32x32768,16x32x131072 python time_fp8_narrow_variants.py _base,_pq ""
 """
 import importlib.util, json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
