@@ -12,7 +12,14 @@ calls issued back to back (one sync at the end), for each layer of the call stac
 * ``dispatcher`` kernels.mla_attention (shape checks, config, both Triton launches)
 * ``empty_x2``   two torch.empty calls (the allocation floor)
 
+With ``--cache fp8_e4m3`` the cache is packed fp8 rows (kv_format), and ``op_lens`` /
+``op_lens_python`` cycle over ``--layers`` caches of one shape, as a model's layers call the
+op: every layer shares one replay signature, and the narrow fp8 kernel's TMA descriptors are
+moved to each layer's cache (made once per cache); the rows without device key counts are
+left out there.
+
     python benchmarks/bench_host.py --out host.json
+    python benchmarks/bench_host.py --cache fp8_e4m3 --layers 4 --out host_fp8.json
 """
 from __future__ import annotations
 
@@ -48,7 +55,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--cache", default="", choices=["", "fp8_e4m3"], help="'': the model's dtype")
+    ap.add_argument("--layers", type=int, default=1, help="caches of one shape the fp8 op calls cycle over")
     a = ap.parse_args()
+    if a.cache:
+        return fp8_rows(a)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     rows = []
@@ -73,6 +84,33 @@ def main():
             rows.append(dict(H=H, entry=name, us_per_call=per_call_us(fn, dev=dev)))
             print(rows[-1], flush=True)
     md = fmt_table(rows, [("H", "H"), ("entry", "entry"), ("host us/call", "us_per_call")])
+    print(md)
+    if a.out:
+        write_json(a.out, dict(env=env_info(), rows=rows, table_md=md))
+
+
+def fp8_rows(a):
+    """op_lens and op_lens_python over `a.layers` packed fp8 caches, called in turn."""
+    from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack
+
+    layout = Fp8Layout(KV_LORA, ROPE, torch.bfloat16)
+    rows = []
+    for H in [int(h) for h in a.heads.split(",")]:
+        B, T = 1, 256
+        q = torch.randn(B, 1, H, KV_LORA + ROPE, dtype=torch.bfloat16, device="cuda")
+        caches = [pack(torch.randn(B, T + 1, KV_LORA + ROPE, device="cuda"), layout) for _ in range(a.layers)]
+        glens = torch.full((B,), 2 * T, dtype=torch.int64, device="cuda")
+        turn = [0]
+
+        def op():
+            turn[0] += 1
+            return torch.ops.dcp.mla_local_attention(q, None, caches[turn[0] % a.layers], None, 2 * T, 2, 0, KV_LORA,
+                                                     SCALE, None, "e", "auto", glens, kv_format=layout.spec())
+
+        for name, fn in [("op_lens", op), ("op_lens_python", lambda: without_replay(op))]:
+            rows.append(dict(H=H, entry=name, cache=a.cache, layers=a.layers, us_per_call=per_call_us(fn)))
+            print(rows[-1], flush=True)
+    md = fmt_table(rows, [("H", "H"), ("entry", "entry"), ("layers", "layers"), ("host us/call", "us_per_call")])
     print(md)
     if a.out:
         write_json(a.out, dict(env=env_info(), rows=rows, table_md=md))

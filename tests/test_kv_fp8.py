@@ -205,10 +205,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("fused", [False, True], ids=["two_caches", "fused"])
 @torch.no_grad()
-def test_gpu_example_model_fast_path_fp8(fused):
+def test_gpu_example_model_fast_path_fp8(fused, monkeypatch):
     """One GPU, dcp_size=1 through fast_path, inductor with CUDA graphs and device positions (the
     defaults on CUDA): the bf16 model with the fp8 cache against the fp32 model, beside the same
-    compile with the bf16 cache; the fp8 stripe is the caches' only storage."""
+    compile with the bf16 cache; the fp8 stripe is the caches' only storage. The fp8 run again
+    with the op's launch replay off gives the same logits bit for bit: the two layers share one
+    replay signature, and each must read its own cache."""
     from dcp_pass.backend import DcpBackend
     from dcp_pass.models.deepseek_mla import ModelArgs, build_model
     from dcp_pass.models.generate import greedy_generate, teacher_forced
@@ -220,17 +222,20 @@ def test_gpu_example_model_fast_path_fp8(fused):
     ref = build_model(ModelArgs(dtype=torch.float32, **shape), seed=1, device="cuda")
     tokens, ref_logits = greedy_generate(ref, PROMPTS, STEPS + spread)
     ref_logits = torch.stack(ref_logits[:STEPS + spread])
-    errs = {}
-    for kv_dtype in (None, "fp8_e4m3"):
+    errs, runs = {}, {}
+    for kv_dtype, replay in ((None, "1"), ("fp8_e4m3", "1"), ("fp8_e4m3", "0")):
+        monkeypatch.setenv("DCP_REPLAY", replay)
         torch._dynamo.reset()
         with dcp_pass.deferred_caches(min_bytes=0):
             model = build_model(ModelArgs(dtype=torch.bfloat16, **shape), seed=1, device="cuda")
         backend = DcpBackend(dcp_size=1, tp_size=1, fast_path=True, kv_cache_dtype=kv_dtype)
         logits = torch.stack(teacher_forced(torch.compile(model, backend=backend), PROMPTS, tokens, STEPS))
         errs[kv_dtype] = (logits - ref_logits).abs().mean().item()
+        runs[kv_dtype, replay] = logits
         held = sum(cache.held_nbytes(b) for n, b in model.named_buffers() if n.endswith("_cache"))
         assert held == 0 or kv_dtype is None, held
     assert errs["fp8_e4m3"] <= 6 * errs[None] + 1e-3, errs
+    assert torch.equal(runs["fp8_e4m3", "1"], runs["fp8_e4m3", "0"])
     torch._dynamo.reset()
 
 

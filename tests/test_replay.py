@@ -9,6 +9,7 @@ bit for bit on the split and the wide kernel, and captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
@@ -135,6 +136,81 @@ def test_inputs_sharing_memory_are_not_replayed_and_replay_can_be_turned_off(mon
     assert len(counter) == 4
 
 
+@dataclasses.dataclass
+class _Descriptor:
+    """Stands in for a host TMA descriptor: Triton's launcher reads `base.data_ptr()` at launch."""
+    base: torch.Tensor
+    shape: list
+    strides: list
+    block_shape: list
+
+
+def _gluon_descriptor(t: torch.Tensor):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [2, 32], layout)
+
+
+def _descriptor_path(kernel, kv, counter, make):
+    """A call whose kernel reads one input through a descriptor built on a view of it (the
+    narrow fp8 kernel's cache tiles: a dtype view of the latent's columns)."""
+    def call():
+        counter.append(1)
+        out = torch.empty(kv.shape[0], 3)
+        words = kv[:, 16:].view(torch.int32)  # 16 bytes into each row, reinterpreted
+        launch(kernel, (2,), (make(words), out, kv.shape[0], 0.5), {}, 4)
+        return (out,), True
+    return call
+
+
+def _stand_in(t: torch.Tensor):
+    return _Descriptor(t, list(t.shape), list(t.stride()), [2, 32])
+
+
+@pytest.mark.parametrize("make", [_stand_in, _gluon_descriptor], ids=["stand-in", "gluon"])
+def test_replay_moves_each_descriptor_to_the_new_call_s_tensor(make):
+    """Two layers' caches share a signature (it holds no addresses): the second layer's replay
+    must read its own cache, not the recorded first layer's (Triton's launcher takes a
+    descriptor's address from its base object at every launch)."""
+    if make is _gluon_descriptor:
+        pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    kernel, counter = _Jit(), []
+    layers = [torch.randn(4, 64).view(torch.uint8) for _ in range(3)]  # [4, 256] bytes, rows 16-byte aligned
+    key = replay.signature("descriptor", make.__name__, tensors=(layers[0],))
+    assert all(replay.signature("descriptor", make.__name__, tensors=(kv,)) == key for kv in layers)
+    for step in range(2):
+        for kv in layers:
+            replay.run(key, (kv,), _descriptor_path(kernel, kv, counter, make))
+    assert len(counter) == 1  # the first call recorded, the other five replayed
+    replayed = kernel.compiled.calls[1:]
+    assert len(replayed) == 5
+    for (grid, args), kv in zip(replayed, layers[1:] + layers):
+        d = args[0]
+        assert grid == (2, 1, 1) and args[2:] == (4, 0.5, 16, False)
+        assert d.base.data_ptr() == kv.data_ptr() + 16  # this layer's cache, at the view's offset
+        assert list(d.shape) == [4, 60] and list(d.strides) == [64, 1] and list(d.block_shape) == [2, 32]
+    # one descriptor object per cache for the whole run; none holds a tensor (no cache kept alive)
+    assert replayed[3][1][0] is replayed[0][1][0] and not isinstance(replayed[0][1][0].base, torch.Tensor)
+
+
+def test_an_argument_that_may_name_memory_is_never_replayed():
+    kernel, counter = _Jit(), []
+    kv = torch.randn(2, 6)
+
+    def call():
+        counter.append(1)
+        out = torch.empty(2, 3)
+        launch(kernel, (1,), ([kv], out, 2, 0.5), {}, 4)  # a list holding a tensor: its address is not seen
+        return (out,), True
+
+    key = replay.signature("opaque argument", tensors=(kv,))
+    for _ in range(2):
+        replay.run(key, (kv,), call)
+    assert len(counter) == 2 and kernel.python_launches == 2
+
+
 def test_signature_tells_apart_what_the_python_path_depends_on():
     a = torch.randn(4, 8)
     base = replay.signature("x", 1, tensors=(a, None))
@@ -215,3 +291,55 @@ def test_gpu_replay_captures_in_a_cuda_graph():
         torch.cuda.synchronize()
         want = call()
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("H, kernel", [(16, "gluon_fp8_narrow"), (128, "gluon_fp8")])
+def test_gpu_fp8_replay_reads_each_layer_s_own_cache(monkeypatch, H, kernel):
+    """Three layers' fp8 caches of one signature: every replayed call, eager and captured in a
+    CUDA graph, equals that layer's Python path bit for bit (the narrow kernel reads the cache
+    through TMA descriptors, which a replay must move to each layer's cache)."""
+    import dcp_pass.runtime.decode.ops  # noqa: F401
+    from dcp_pass.runtime.decode.kernels.common import recording_launches
+    from dcp_pass.runtime.decode.kernels.registry import KERNELS
+    from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack
+
+    B, T, c, rank = 4, 2048, 2, 1
+    layout = Fp8Layout(512, 64, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    caches = [pack(torch.randn(B, T, 576, device="cuda", generator=g), layout) for _ in range(3)]
+    q = torch.randn(B, 1, H, 576, dtype=torch.bfloat16, device="cuda", generator=g)
+    lens = torch.tensor([2 * T - 3, 5, 0, T + 1], device="cuda")
+
+    def call(kv):
+        return torch.ops.dcp.mla_local_attention(q, None, kv, None, 2 * T, c, rank, 512, 1 / math.sqrt(576), None,
+                                                 "e", kernel, lens, kv_format=layout.spec())
+
+    monkeypatch.setenv("DCP_REPLAY", "0")
+    with recording_launches() as launches:
+        want = [call(kv) for kv in caches]
+    if KERNELS[kernel].module not in {launch[0].fn.__module__.split(".")[-1] for launch in launches}:
+        pytest.skip(f"{kernel} does not run here (it is offered on the Triton it was timed with)")
+    assert not torch.equal(want[0][0], want[1][0])  # the layers differ, so reading the wrong one shows
+    monkeypatch.setenv("DCP_REPLAY", "1")
+    replay._REPLAYS.clear()
+    for _ in range(2):  # the first call records, every later one replays
+        for kv, (o, lse) in zip(caches, want):
+            got = call(kv)
+            assert torch.equal(got[0], o) and torch.equal(got[1], lse)
+    assert [type(v) for v in replay._REPLAYS.values()] == [replay.Replay]
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph):
+        captured = [call(kv) for kv in caches]
+    torch.cuda.current_stream().wait_stream(s)
+    q.normal_()
+    lens.copy_(torch.tensor([T, 2 * T, 7, 3], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setenv("DCP_REPLAY", "0")
+    for kv, (o, lse) in zip(caches, captured):
+        want_o, want_lse = call(kv)
+        assert torch.equal(o, want_o) and torch.equal(lse, want_lse)

@@ -18,10 +18,19 @@ Any other torch op in the watched call (a copy, arithmetic, a read of a device v
 means the call depends on data, and the signature is marked not replayable: it runs the
 Python path every time, exactly as before. So does any call while Triton launch hooks
 are set (a profiler), and every call with DCP_REPLAY=0.
+
+A host TMA descriptor argument (Triton's ``TensorDescriptor``: the narrow fp8 kernel's cache
+tiles) names its tensor by object, and Triton's launcher reads that tensor's address at each
+launch. The signature holds no addresses, so every layer of a model shares one recording:
+replaying the recorded descriptor would make each layer read the first layer's cache. A
+replay therefore rebases each descriptor on the new call's tensor (the same byte offset, as
+for a pointer argument); any other argument that is neither a tensor, a descriptor nor a
+plain number, string or dtype makes the signature not replayable.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -53,14 +62,63 @@ class _Watch(TorchDispatchMode):
         return out
 
 
+class _Address:
+    """A descriptor's base at replay: Triton's launcher reads only the address (``data_ptr``)
+    of a host descriptor's base (its dtype only when binding, which a replay skips). Holding an
+    int rather than a tensor keeps a replay from holding any call's cache alive."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+_REBASED_PER_LAUNCH = 1024  # descriptors kept per launch: one per cache a model has (its layers)
+
+
+def _descriptor_base(value) -> Optional[torch.Tensor]:
+    """The tensor a host TMA descriptor reads (Triton's and Gluon's ``TensorDescriptor`` name it
+    ``base``), or None when `value` is not a descriptor."""
+    base = getattr(value, "base", None)
+    return base if isinstance(base, torch.Tensor) and hasattr(value, "block_shape") else None
+
+
+def _rebased(descriptor, address: int):
+    """`descriptor` over the same shape, strides and box, at `address` (no validation: the
+    recorded call's descriptor passed it, and the signature fixes alignment and strides)."""
+    moved = copy.copy(descriptor)
+    object.__setattr__(moved, "base", _Address(address, descriptor.base.dtype))
+    return moved
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)  # parameters a replay may pass as recorded
+
+
 @dataclass(frozen=True)
 class _Launch:
     run: Callable  # the compiled kernel's launcher
     function: Any
     packed_metadata: Any
     grid: tuple
-    template: tuple  # every kernel parameter in order, pointers as 0
+    template: tuple  # every kernel parameter in order, pointers and descriptors as 0
     pointers: tuple  # (position, from an input?, index, byte offset)
+    # (position, from an input?, index, byte offset of its base, descriptor on an `_Address`)
+    descriptors: tuple = ()
+    rebased: dict = field(default_factory=dict, compare=False)  # (position, address) -> descriptor
+
+    def descriptor_at(self, position: int, descriptor, address: int):
+        """The recorded `descriptor` moved to `address`, made once per address (a model's caches
+        keep theirs for the whole run)."""
+        key = (position, address)
+        moved = self.rebased.get(key)
+        if moved is None:
+            if len(self.rebased) >= _REBASED_PER_LAUNCH:
+                self.rebased.clear()
+            moved = self.rebased[key] = _rebased(descriptor, address)
+        return moved
 
 
 _ARENA_ALIGN = 256  # bytes; Triton specialises pointers on 16-byte alignment
@@ -87,6 +145,8 @@ class Replay:
             args = list(k.template)
             for pos, from_input, index, offset in k.pointers:
                 args[pos] = (in_ptrs if from_input else buf_ptrs)[index] + offset
+            for pos, from_input, index, offset, descriptor in k.descriptors:
+                args[pos] = k.descriptor_at(pos, descriptor, (in_ptrs if from_input else buf_ptrs)[index] + offset)
             k.run(k.grid[0], k.grid[1], k.grid[2], stream, k.function, k.packed_metadata, None, None, None, *args)
         return tuple(outs)
 
@@ -141,19 +201,28 @@ def build_replay(inputs: Sequence[Optional[torch.Tensor]], buffers: list, launch
         if compiled is None or not hasattr(compiled, "run"):
             return None  # interpreter, or an unexpected Triton: run the Python path
         params = _all_parameters(jit_fn, args, options)
-        template, pointers = [], []
+        template, pointers, descriptors = [], [], []
         for pos, value in enumerate(params):
+            base = _descriptor_base(value)
             if isinstance(value, torch.Tensor):
                 src = _source(value, inputs, buffers)
                 if src is None:
                     return None
                 pointers.append((pos, *src))
                 template.append(0)
-            else:
+            elif base is not None:
+                src = _source(base, inputs, buffers)
+                if src is None:
+                    return None
+                descriptors.append((pos, *src, _rebased(value, base.data_ptr())))
+                template.append(0)
+            elif isinstance(value, _PLAIN):
                 template.append(value)
+            else:  # an object that may name memory of this call (a list of tensors, ...): run the Python path
+                return None
         grid = tuple(grid) + (1,) * (3 - len(grid))
         made.append(_Launch(compiled.run, compiled.function, compiled.packed_metadata, grid, tuple(template),
-                            tuple(pointers)))
+                            tuple(pointers), tuple(descriptors)))
     outputs = []
     for out in result:  # each result must be one whole buffer (the mode hands back other Python objects)
         index = next((i for i, b in enumerate(buffers) if b.data_ptr() == out.data_ptr() and b.shape == out.shape
