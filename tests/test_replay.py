@@ -343,3 +343,37 @@ def test_gpu_fp8_replay_reads_each_layer_s_own_cache(monkeypatch, H, kernel):
     for kv, (o, lse) in zip(caches, captured):
         want_o, want_lse = call(kv)
         assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_replay_is_made_per_fp8_read(monkeypatch):
+    """DCP_FP8_READ picks how the split kernel reads an fp8 tile (fold or dequant, which round
+    differently): a call under one read never replays the other's recording."""
+    import dcp_pass.runtime.decode.ops  # noqa: F401
+    from dcp_pass.runtime.decode.kv_format import Fp8Layout, pack
+
+    B, H, T = 2, 16, 1024
+    layout = Fp8Layout(512, 64, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    kv = pack(torch.randn(B, T, 576, device="cuda", generator=g), layout)
+    q = torch.randn(B, 1, H, 576, dtype=torch.bfloat16, device="cuda", generator=g)
+    lens = torch.tensor([2 * T - 1, 9], device="cuda")
+
+    def call():
+        return torch.ops.dcp.mla_local_attention(q, None, kv, None, 2 * T, 2, 0, 512, 1 / math.sqrt(576), None, "e",
+                                                 "split", lens, kv_format=layout.spec())
+
+    want = {}
+    monkeypatch.setenv("DCP_REPLAY", "0")
+    for read in ("fold", "dequant"):
+        monkeypatch.setenv("DCP_FP8_READ", read)
+        want[read] = call()
+    assert not torch.equal(want["fold"][0], want["dequant"][0])  # the reads differ, so a stale one shows
+    monkeypatch.setenv("DCP_REPLAY", "1")
+    replay._REPLAYS.clear()
+    for read in ("fold", "dequant", "fold", "dequant"):  # each read records once, then replays
+        monkeypatch.setenv("DCP_FP8_READ", read)
+        got = call()
+        assert torch.equal(got[0], want[read][0]) and torch.equal(got[1], want[read][1])
+    assert [type(v) for v in replay._REPLAYS.values()] == [replay.Replay] * 2

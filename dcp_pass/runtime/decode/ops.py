@@ -92,10 +92,10 @@ def mla_local_attention(
         # The decode path: one signature per layer shape for the whole run, so after its
         # first call the launches replay without this Python (runtime/decode/replay.py).
         inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
-        # the kernel switches are part of the key: a recording is only replayed under the
-        # routing it was made with
-        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(), kv_format,
-                               host_lens is not None, tensors=inputs)
+        # the kernel switches (and the split kernel's tiles file, the fp8 read) are part of the
+        # key: a recording is only replayed under the routing it was made with
+        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(),
+                               env.mla_tuned(), env.fp8_read(), kv_format, host_lens is not None, tensors=inputs)
         return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
                                                                 lse_base, backend, 0, kv_format, host_lens))
     return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
