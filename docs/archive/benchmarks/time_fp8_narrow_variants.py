@@ -92,6 +92,11 @@ scales that grow and shrink along the keys (growth_check):
 and `_pq.py` (fp8_narrow_queries_in_scorer.patch; results/fp8_narrow_queries_in_scorer_h200.json):
 
     REPS=4 SHAPES=16x8x32768,16x8x131072,16x32x32768,16x32x131072 python time_fp8_narrow_variants.py _base,_pq ""
+
+and at the third stop of 2026-12-04, `_early.py` (fp8_narrow_tiles_before_queries.patch on the kernel at
+8af8e57, the same as 2f3a314; results/fp8_narrow_tiles_before_queries_h200.json):
+
+    REPS=4 SHAPES=16x8x32768,16x8x131072,16x32x32768,16x32x131072 python time_fp8_narrow_variants.py _base,_early ""
 """
 import importlib.util, json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
