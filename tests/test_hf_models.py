@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import os
 
-import expecttest
 import pytest
 import torch
 
@@ -27,6 +26,7 @@ pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402  (tests/hf_tiny.py, after the importorskip)
 from kit import hf  # noqa: E402
+from kit.graphs import PinCase  # noqa: E402
 
 from dcp_pass.testing import run_ranks  # noqa: E402
 
@@ -364,7 +364,7 @@ def test_matcher_near_miss_leaves_graph_unchanged():
     assert len(found.near_misses) == 1 and "not position-wise" in found.near_misses[0][1], found.near_misses
 
 
-class TestPin(expecttest.TestCase):
+class TestPin(PinCase):
     def test_deepseek_v3_decode_attention(self):
         """The rewritten attention of the HF DeepseekV3 decode graph (one layer, c=2, rank 0):
         the striped writes, kv_b_proj on the rank's latent rows only, the local attention over

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 
-import expecttest
 import pytest
 import torch
 
@@ -26,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from kit.graphs import TinyMLA, tiny_inputs  # noqa: E402
+from kit.graphs import PinCase, TinyMLA, tiny_inputs  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the format
@@ -210,7 +209,10 @@ def test_gpu_example_model_fast_path_fp8(fused, monkeypatch):
     defaults on CUDA): the bf16 model with the fp8 cache against the fp32 model, beside the same
     compile with the bf16 cache; the fp8 stripe is the caches' only storage. The fp8 run again
     with the op's launch replay off gives the same logits bit for bit: the two layers share one
-    replay signature, and each must read its own cache."""
+    replay signature, and each must read its own cache. And with the torch reference as the
+    attention (the same fp8 cache dequantised in fp32) the logits stay within 3x the bf16
+    model's own error of the kernels' (H200: 1.0x; 76x when replayed layers read the recording
+    layer's cache, which the fp32 model's distance alone had not caught)."""
     from dcp_pass.backend import DcpBackend
     from dcp_pass.models.deepseek_mla import ModelArgs, build_model
     from dcp_pass.models.generate import greedy_generate, teacher_forced
@@ -223,25 +225,29 @@ def test_gpu_example_model_fast_path_fp8(fused, monkeypatch):
     tokens, ref_logits = greedy_generate(ref, PROMPTS, STEPS + spread)
     ref_logits = torch.stack(ref_logits[:STEPS + spread])
     errs, runs = {}, {}
-    for kv_dtype, replay in ((None, "1"), ("fp8_e4m3", "1"), ("fp8_e4m3", "0")):
+    for kv_dtype, replay, attn in ((None, "1", "auto"), ("fp8_e4m3", "1", "auto"), ("fp8_e4m3", "0", "auto"),
+                                   ("fp8_e4m3", "1", "torch")):
         monkeypatch.setenv("DCP_REPLAY", replay)
         torch._dynamo.reset()
         with dcp_pass.deferred_caches(min_bytes=0):
             model = build_model(ModelArgs(dtype=torch.bfloat16, **shape), seed=1, device="cuda")
-        backend = DcpBackend(dcp_size=1, tp_size=1, fast_path=True, kv_cache_dtype=kv_dtype)
+        backend = DcpBackend(dcp_size=1, tp_size=1, fast_path=True, kv_cache_dtype=kv_dtype, attn_backend=attn)
         logits = torch.stack(teacher_forced(torch.compile(model, backend=backend), PROMPTS, tokens, STEPS))
-        errs[kv_dtype] = (logits - ref_logits).abs().mean().item()
-        runs[kv_dtype, replay] = logits
+        if attn == "auto" and replay == "1":
+            errs[kv_dtype] = (logits - ref_logits).abs().mean().item()
+        runs[kv_dtype, replay, attn] = logits
         held = sum(cache.held_nbytes(b) for n, b in model.named_buffers() if n.endswith("_cache"))
         assert held == 0 or kv_dtype is None, held
     assert errs["fp8_e4m3"] <= 6 * errs[None] + 1e-3, errs
-    assert torch.equal(runs["fp8_e4m3", "1"], runs["fp8_e4m3", "0"])
+    to_reference = (runs["fp8_e4m3", "1", "auto"] - runs["fp8_e4m3", "1", "torch"]).abs().mean().item()
+    assert to_reference <= 3 * errs[None], (to_reference, errs)
+    assert torch.equal(runs["fp8_e4m3", "1", "auto"], runs["fp8_e4m3", "0", "auto"])
     torch._dynamo.reset()
 
 
 # ----------------------------------------------------------------------------- graph pins
 
-class Fp8GraphTest(expecttest.TestCase):
+class Fp8GraphTest(PinCase):
     """What the pass emits for an fp8 cache (TinyMLA, c = 2 on a fake group): the written token
     packed in the graph, the packed shard read whole, the op told the layout."""
 
