@@ -3,8 +3,7 @@
 `TinyMLA`: absorbed MLA reduced to its attention, short enough to pin a whole rewritten
 graph. `StaticPosMLA`: the same with tensor positions and whole-cache reads (the
 static-shape form). `render`: a graph's code, normalized for pinning. `init_fake_world`:
-an in-process fake process group of any size. `PinCase`: expecttest's TestCase, or where
-expecttest is missing a skipped TestCase, so that a file's other tests still run.
+an in-process fake process group of any size. `PinCase`: the pins' TestCase (at the end).
 """
 from __future__ import annotations
 
@@ -18,17 +17,6 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dcp_pass.testing.graphs import readable_code
-
-try:
-    import expecttest
-
-    PinCase = expecttest.TestCase
-except ImportError:  # a machine without the test extras (the GPU machine): its GPU tests still collect
-    import unittest
-
-    @unittest.skip("the graph pins need expecttest (pip install -e '.[test]')")
-    class PinCase(unittest.TestCase):
-        """Stands in for expecttest.TestCase where it is not installed: the pins skip."""
 
 
 # ----------------------------------------------------------------------------- a tiny MLA
@@ -217,3 +205,17 @@ def matches_of(model: nn.Module, calls) -> list:
 
     run_compiled(model, record, calls)
     return graphs
+
+
+# ----------------------------------------------------------------------------- the pins' TestCase
+# (last in this file: the pins quote line numbers of the models above)
+try:
+    import expecttest
+
+    PinCase = expecttest.TestCase
+except ImportError:  # a machine without the test extras (the GPU machine): a file's other tests still run
+    import unittest
+
+    @unittest.skip("the graph pins need expecttest (pip install -e '.[test]')")
+    class PinCase(unittest.TestCase):
+        """Stands in for expecttest.TestCase where it is not installed: the pins skip."""
