@@ -195,6 +195,65 @@ def test_replay_moves_each_descriptor_to_the_new_call_s_tensor(make):
     assert replayed[3][1][0] is replayed[0][1][0] and not isinstance(replayed[0][1][0].base, torch.Tensor)
 
 
+class _SignatureJit(_Jit):
+    """A stand-in JITFunction with a real kernel's parameters."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.signature = inspect.signature(fn)
+
+    def __getitem__(self, grid):
+        def call(*args, **options):
+            self.python_launches += 1
+            bound = self.signature.bind(*args, **{k: v for k, v in options.items() if k in self.signature.parameters})
+            self.compiled.calls.append((tuple(grid), tuple(bound.arguments.values())))
+            return self.compiled
+        return call
+
+
+def test_the_narrow_fp8_kernel_s_arguments_replay_onto_each_layer_s_cache():
+    """The narrow fp8 kernel's own argument list (its launch_args on CPU tensors, launched through a
+    stand-in with its parameters): replayed for other layers' packed rows, every descriptor reads
+    that layer's rows and no argument names the recorded layer's memory."""
+    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8_narrow as narrow
+    from dcp_pass.runtime.decode.call import AttentionCall
+    from dcp_pass.runtime.decode.kv_format import Fp8Layout, views
+
+    if not narrow.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    layout = Fp8Layout(512, 64, torch.bfloat16)
+    B, T, H = 2, 256, 16
+    q = torch.randn(B, 1, H, 576).to(torch.bfloat16)
+    lens = torch.tensor([2 * T - 1, 7])
+    layers = [torch.zeros(B, T, layout.row_bytes, dtype=torch.uint8) for _ in range(3)]
+    kernel, counter = _SignatureJit(narrow._narrow_kernel_src), []
+
+    def path(kv):
+        def call():
+            counter.append(1)
+            latent, scales, rope = views(kv, layout)
+            c = AttentionCall(q[..., :512], q[..., 512:], latent, rope, 512, 0.1, kv_lens=lens, stripe=(2, 1),
+                              kv_scale=scales)
+            out, lse, (grid, args, consts, _) = narrow.launch_args(c.shard(), num_splits=4)
+            launch(kernel, grid, args, consts, 4)
+            return (out, lse), True
+        return call
+
+    key = replay.signature("narrow fp8", tensors=(q, layers[0], lens))
+    for kv in layers + layers:
+        replay.run(key, (q, kv, lens), path(kv))
+    assert len(counter) == 1 and len(kernel.compiled.calls) == 6
+    for (_, args), kv in zip(kernel.compiled.calls[1:], layers[1:] + layers):
+        descriptors = [a for a in args if hasattr(a, "block_shape")]
+        assert len(descriptors) == 3
+        for d in descriptors:
+            assert kv.data_ptr() <= d.base.data_ptr() < kv.data_ptr() + kv.nbytes
+        for other in layers:
+            if other is not kv:
+                assert not any(isinstance(a, int) and other.data_ptr() <= a < other.data_ptr() + other.nbytes
+                               for a in args)
+
+
 def test_an_argument_that_may_name_memory_is_never_replayed():
     kernel, counter = _Jit(), []
     kv = torch.randn(2, 6)
