@@ -83,10 +83,15 @@ def main():
         ]:
             rows.append(dict(H=H, entry=name, us_per_call=per_call_us(fn, dev=dev)))
             print(rows[-1], flush=True)
-    md = fmt_table(rows, [("H", "H"), ("entry", "entry"), ("host us/call", "us_per_call")])
+    report(rows, [("H", "H"), ("entry", "entry"), ("host us/call", "us_per_call")], a.out)
+
+
+def report(rows, columns, out):
+    """The rows as a table on stdout and, with `out`, as JSON beside the machine's description."""
+    md = fmt_table(rows, columns)
     print(md)
-    if a.out:
-        write_json(a.out, dict(env=env_info(), rows=rows, table_md=md))
+    if out:
+        write_json(out, dict(env=env_info(), rows=rows, table_md=md))
 
 
 def fp8_rows(a):
@@ -110,10 +115,7 @@ def fp8_rows(a):
         for name, fn in [("op_lens", op), ("op_lens_python", lambda: without_replay(op))]:
             rows.append(dict(H=H, entry=name, cache=a.cache, layers=a.layers, us_per_call=per_call_us(fn)))
             print(rows[-1], flush=True)
-    md = fmt_table(rows, [("H", "H"), ("entry", "entry"), ("layers", "layers"), ("host us/call", "us_per_call")])
-    print(md)
-    if a.out:
-        write_json(a.out, dict(env=env_info(), rows=rows, table_md=md))
+    report(rows, [("H", "H"), ("entry", "entry"), ("layers", "layers"), ("host us/call", "us_per_call")], a.out)
 
 
 if __name__ == "__main__":

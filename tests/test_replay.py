@@ -36,11 +36,11 @@ class _Compiled:
 
 
 class _Jit:
-    """Stands in for a JITFunction: `fn[grid](...)` launches (records) and returns the compiled kernel."""
+    """Stands in for a JITFunction with `fn`'s parameters: `jit[grid](...)` launches (records)
+    and returns the compiled kernel."""
 
-    signature = inspect.signature(_kernel_params)
-
-    def __init__(self):
+    def __init__(self, fn=_kernel_params):
+        self.signature = inspect.signature(fn)
         self.compiled = _Compiled()
         self.python_launches = 0
 
@@ -49,15 +49,14 @@ class _Jit:
             self.python_launches += 1
             self.compiled.calls.append((tuple(grid) + (1,) * (3 - len(grid)),
                                         tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in
-                                              _bind(args, options))))
+                                              self._bind(args, options))))
             return self.compiled
         return call
 
-
-def _bind(args, options):
-    bound = _Jit.signature.bind(*args, **{k: v for k, v in options.items() if k in _Jit.signature.parameters})
-    bound.apply_defaults()
-    return list(bound.arguments.values())
+    def _bind(self, args, options):
+        bound = self.signature.bind(*args, **{k: v for k, v in options.items() if k in self.signature.parameters})
+        bound.apply_defaults()
+        return list(bound.arguments.values())
 
 
 def _python_path(kernel, q, kv, counter, extra_op=False, replayable=True):
@@ -195,22 +194,6 @@ def test_replay_moves_each_descriptor_to_the_new_call_s_tensor(make):
     assert replayed[3][1][0] is replayed[0][1][0] and not isinstance(replayed[0][1][0].base, torch.Tensor)
 
 
-class _SignatureJit(_Jit):
-    """A stand-in JITFunction with a real kernel's parameters."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.signature = inspect.signature(fn)
-
-    def __getitem__(self, grid):
-        def call(*args, **options):
-            self.python_launches += 1
-            bound = self.signature.bind(*args, **{k: v for k, v in options.items() if k in self.signature.parameters})
-            self.compiled.calls.append((tuple(grid), tuple(bound.arguments.values())))
-            return self.compiled
-        return call
-
-
 def test_the_narrow_fp8_kernel_s_arguments_replay_onto_each_layer_s_cache():
     """The narrow fp8 kernel's own argument list (its launch_args on CPU tensors, launched through a
     stand-in with its parameters): replayed for other layers' packed rows, every descriptor reads
@@ -226,7 +209,7 @@ def test_the_narrow_fp8_kernel_s_arguments_replay_onto_each_layer_s_cache():
     q = torch.randn(B, 1, H, 576).to(torch.bfloat16)
     lens = torch.tensor([2 * T - 1, 7])
     layers = [torch.zeros(B, T, layout.row_bytes, dtype=torch.uint8) for _ in range(3)]
-    kernel, counter = _SignatureJit(narrow._narrow_kernel_src), []
+    kernel, counter = _Jit(narrow._narrow_kernel_src), []
 
     def path(kv):
         def call():

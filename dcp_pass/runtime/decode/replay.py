@@ -203,14 +203,13 @@ def build_replay(inputs: Sequence[Optional[torch.Tensor]], buffers: list, launch
         params = _all_parameters(jit_fn, args, options)
         template, pointers, descriptors = [], [], []
         for pos, value in enumerate(params):
-            base = _descriptor_base(value)
             if isinstance(value, torch.Tensor):
                 src = _source(value, inputs, buffers)
                 if src is None:
                     return None
                 pointers.append((pos, *src))
                 template.append(0)
-            elif base is not None:
+            elif (base := _descriptor_base(value)) is not None:
                 src = _source(base, inputs, buffers)
                 if src is None:
                     return None
