@@ -9,7 +9,8 @@ calls issued back to back (one sync at the end), for each layer of the call stac
 * ``op_lens``    the same with device key counts (global, c=2), as static-position decode
                  graphs call it: replayed after its first call (runtime/decode/replay.py)
 * ``op_lens_python`` the same with DCP_REPLAY=0: its Python path every call
-* ``dispatcher`` kernels.mla_attention (shape checks, config, both Triton launches)
+* ``dispatcher`` backends.attend with the device's kernel backend (on CUDA "triton": shape
+                 checks, config, both Triton launches; on CPU "torch", the reference)
 * ``empty_x2``   two torch.empty calls (the allocation floor)
 
 With ``--cache fp8_e4m3`` the cache is packed fp8 rows (kv_format), and ``op_lens`` /
@@ -59,8 +60,11 @@ def main():
     ap.add_argument("--layers", type=int, default=1, help="caches of one shape the fp8 op calls cycle over")
     a = ap.parse_args()
     if a.cache:
+        if not torch.cuda.is_available():
+            sys.exit("--cache fp8_e4m3 times the fp8 kernels' launches: it needs a CUDA device")
         return fp8_rows(a)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels = "triton" if dev == "cuda" else "torch"  # the Triton backend needs CUDA tensors
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     rows = []
     for H in [int(h) for h in a.heads.split(",")]:
@@ -78,7 +82,7 @@ def main():
                                                                   "e", "auto", glens)),
             ("op_lens_python", lambda: without_replay(lambda: torch.ops.dcp.mla_local_attention(
                 q, None, kv, None, 2 * T, 2, 0, KV_LORA, SCALE, None, "e", "auto", glens))),
-            ("dispatcher", lambda: attend(AttentionCall(q, None, kv[:, :T], None, KV_LORA, SCALE), "triton")),
+            ("dispatcher", lambda: attend(AttentionCall(q, None, kv[:, :T], None, KV_LORA, SCALE), kernels)),
             ("empty_x2", lambda: (torch.empty(B, 1, H, KV_LORA, device=dev), torch.empty(B, 1, H, device=dev))),
         ]:
             rows.append(dict(H=H, entry=name, us_per_call=per_call_us(fn, dev=dev)))
