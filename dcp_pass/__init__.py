@@ -6,7 +6,8 @@ from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.topology import DcpTopology, DcpTopologyError, plan_topology
 
 __all__ = ["DcpOptions", "DcpOptionError", "DcpTopology", "DcpTopologyError", "plan_topology",
-           "DcpBackend", "last_report", "deferred_caches", "materialize", "DcpCacheError"]
+           "DcpBackend", "last_report", "deferred_caches", "materialize", "DcpCacheError",
+           "refresh_weights", "DcpWeightsError"]
 
 
 def __getattr__(name):
@@ -23,4 +24,8 @@ def __getattr__(name):
         from dcp_pass.rewrites.cache import DcpCacheError
 
         return DcpCacheError
+    if name in ("refresh_weights", "DcpWeightsError"):  # weights updated after compile
+        from dcp_pass.rewrites import q_replicate
+
+        return getattr(q_replicate, name)
     raise AttributeError(name)

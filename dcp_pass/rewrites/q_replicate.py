@@ -38,15 +38,36 @@ class ExtraInput:
     example: torch.Tensor
 
 
-# weight -> every rank's shard of it; weak, so a dead model's gathered weights go with it
+class DcpWeightsError(RuntimeError):
+    """A weight whose other ranks' shards this rank holds changed after they were gathered."""
+
+
+@dataclass
+class _Held:
+    """Every DCP rank's shard of one weight, and what the weight was when they were gathered."""
+
+    shards: list[torch.Tensor]
+    version: Optional[int]  # the weight's version counter then (None: an inference tensor has none)
+    data_ptr: int
+
+
+# weight -> {(group name, c): _Held}; weak, so a dead model's gathered weights go with it
 _GATHERED = WeakIdKeyDictionary()
 
 
-def gathered_shards(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]:
-    """Every DCP rank's shard of `weight` (an eager all-gather on first use, then cached)."""
-    held = _GATHERED.get(weight)
-    if held is not None:
-        return held
+def _version(weight: torch.Tensor) -> Optional[int]:
+    try:
+        return weight._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+def _changed(held: _Held, weight: torch.Tensor) -> bool:
+    return held.data_ptr != weight.data_ptr() or held.version != _version(weight)
+
+
+def _gather(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]:
+    """Every DCP rank's shard of `weight` (an eager all-gather; collective over the group)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -63,8 +84,44 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int) -> list[torch
         dist.all_gather(parts, local, group=group)
     # this rank's own shard is the weight itself: no second copy of it is kept
     parts[dist.get_rank(group)] = weight.detach()
-    _GATHERED[weight] = parts
+    _GATHERED.setdefault(weight, {})[(group_name, c)] = _Held(parts, _version(weight), weight.data_ptr())
     return parts
+
+
+def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "a q weight") -> list[torch.Tensor]:
+    """Every DCP rank's shard of `weight`: gathered on first use (collective), then cached.
+
+    The cached shards of the other ranks are copies: a weight written in place afterwards
+    (``load_state_dict``, ``p.copy_``) or given new storage (``p.data = ...``) would leave
+    them stale, and the graph would mix this rank's new heads with the others' old ones.
+    Such a change raises :class:`DcpWeightsError` (`name` says which weight) instead;
+    :func:`refresh_weights` gathers them again. Writes torch does not count (through
+    ``p.data``, or a collective such as ``dist.broadcast`` into the weight) cannot be seen
+    here: after them, :func:`refresh_weights` is required."""
+    held = _GATHERED.get(weight, {}).get((group_name, c))
+    if held is None:
+        return _gather(weight, group_name, c)
+    if _changed(held, weight):
+        raise DcpWeightsError(
+            f"{name} changed after the first compiled call (written in place or given new storage), and "
+            f"this rank holds the other DCP ranks' shards of it as they were then: call "
+            f"dcp_pass.refresh_weights(model) on every rank after updating the weights (or compile with "
+            f"replicate_q_proj=False and project_before_merge=False, which gather nothing)")
+    return held.shards
+
+
+def refresh_weights(model: torch.nn.Module) -> int:
+    """Gather again the other DCP ranks' shards of `model`'s weights that the pass holds
+    copies of (``replicate_q_proj``, ``project_before_merge``): call it on every rank of the
+    DCP group, after every update of the weights (the gathers are collectives, made in the
+    order of the model's parameter names, the same on every rank). Returns how many weights
+    were gathered again; 0 when the pass holds no copies."""
+    count = 0
+    for _, param in sorted(model.named_parameters(remove_duplicate=True), key=lambda item: item[0]):
+        for group_name, c in sorted(_GATHERED.get(param, {})):
+            _gather(param, group_name, c)
+            count += 1
+    return count
 
 
 def weights_differ(weight: torch.Tensor, group_name: str, c: int, no_verdict: bool = False) -> bool:
@@ -224,8 +281,9 @@ class QueryReplicator:
             example = gathered_shards(weight, plan.group_name, plan.c)[rank]
             node = fx_util.static_placeholder(graph, f"{prefix}_{len(self._weight_inputs)}", axes.example_value(param))
             index = fx_util.placeholders(graph).index(param)
+            name = f"the weight {buffer_source(param) or param.name}"
             self.extra.append(ExtraInput(
-                index, lambda w, r=rank: gathered_shards(w, plan.group_name, plan.c)[r], example))
+                index, lambda w, r=rank, n=name: gathered_shards(w, plan.group_name, plan.c, n)[r], example))
             self._weight_inputs[key] = node
         return self._weight_inputs[key]
 
