@@ -351,7 +351,7 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     before each call, so the graph's inputs are the same objects at every step.
     `layers`: for each cache, the layer it identifies in the report (report.cache_layers).
     """
-    from dcp_pass.rewrites.cache import local_for
+    from dcp_pass.rewrites.cache import INSTALLED_AT_FIRST_CALL, local_for
 
     # static-shape fakes: Dynamo never saw the shards, inner fakification would give them
     # symbolic sizes that Dynamo cannot turn into guards
@@ -371,8 +371,9 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
         for index, c, rank, name, kind, kv_format, layer in specs:
             buffer = args[index]
             entry = local_for(buffer, c, rank, name, kind, kv_format)
-            if id(buffer) not in report.caches:  # a layer first seen at run time (one graph, several layers)
-                report.add_cache(id(buffer), name, entry.full_nbytes, entry.local_nbytes, layer)
+            if not report.knows(buffer):  # a layer first seen at run time (one graph, several layers)
+                report.add_cache(buffer, name, entry.full_nbytes, entry.local_nbytes, layer,
+                                 renewed=kind in INSTALLED_AT_FIRST_CALL)
             shards.append(entry.local)
         replicas = [w.resolve(args[w.index]) for w in weights]
         # Dynamo calls backends' results with positional args; so do we.
@@ -423,9 +424,10 @@ class DcpBackend:
             layers = cache_layers(graph_report, [entry.name for _, entry in caches])
             self.report.add_uncached_layers(graph_report, layers)
             for (index, entry), layer in zip(caches, layers):
-                if self.report.add_cache(id(example_inputs[index]), entry.name, entry.full_nbytes,
-                                         entry.local_nbytes, layer):
-                    new_caches.append(id(example_inputs[index]))
+                key = self.report.add_cache(example_inputs[index], entry.name, entry.full_nbytes, entry.local_nbytes,
+                                            layer, renewed=entry.kind in cache.INSTALLED_AT_FIRST_CALL)
+                if key is not None:
+                    new_caches.append(key)
             if caches:
                 self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
         self.graphs.append(out)

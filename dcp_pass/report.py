@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Optional, Sequence
@@ -166,21 +167,58 @@ class DcpReport:
     dcp_size: int = 1
     rank: int = 0
     graphs: list[GraphReport] = field(default_factory=list)
-    caches: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # id -> (name, full, local) bytes
-    # one entry per distinct rewritten MLA layer: the id of the cache buffer it is known by
+    # one entry per cache: its key (below) -> (name, full, local) bytes
+    caches: dict[Hashable, tuple[str, int, int]] = field(default_factory=dict)
+    # one entry per distinct rewritten MLA layer: the key of the cache buffer it is known by
     # (see cache_layers), or (graph index, name) for a layer whose caches are not under its
     # path, -> the layer's name
     layers_seen: dict[Hashable, str] = field(default_factory=dict)
+    _keys: dict[int, Hashable] = field(default_factory=dict)  # a live buffer's id -> its cache's key
 
-    def add_cache(self, key: int, name: str, full: int, local: int, layer: Optional[str] = None) -> bool:
-        """Record a cache buffer (`layer`: the layer it identifies); True when it is new."""
-        new = key not in self.caches
-        self.caches.setdefault(key, (name, full, local))
+    def knows(self, buffer: Any) -> bool:
+        """Whether `buffer` (alive) is recorded."""
+        return id(buffer) in self._keys
+
+    def add_cache(self, buffer: Any, name: str, full: int, local: int, layer: Optional[str] = None,
+                  renewed: bool = False) -> Optional[Hashable]:
+        """Record a cache buffer (`layer`: the layer it identifies); its cache's key when the
+        cache is new to the report, else None.
+
+        A module's buffer is a cache of its own, keyed by the buffer. A `renewed` one, a
+        tensor of a cache object made anew for every generate (a Hugging Face cache), is
+        keyed by its name and layer: a later generate's tensor takes the earlier one's place
+        instead of adding to the bytes. An entry outlives its buffer (the report still
+        describes the caches once a generate has dropped them); a new buffer that reuses a
+        dead one's id is new."""
+        ident = id(buffer)
+        if ident in self._keys:
+            return None
+        key = ("renewed", name, layer) if renewed else ("buffer", ident)
+        known = key in self.caches
+        self.caches.pop(key, None)  # a dead buffer's id reused: the old entry moves aside below
+        self.caches[key] = (name, full, local)
+        self._keys[ident] = key
+        try:
+            weakref.finalize(buffer, self._forget, ident, key)
+        except TypeError:  # not weak-referenceable: its id stays taken
+            pass
         if layer is not None and key not in self.layers_seen:
             self.layers_seen[key] = layer
             log.debug("rank %d: MLA layer %s seen with new caches (%s so far)", self.rank, layer,
                       _plural(len(self.layers_seen), "layer"))
-        return new
+        return None if known else key
+
+    def _forget(self, ident: int, key: Hashable) -> None:
+        """A buffer died: its id may be reused; a module buffer's entry moves to a key no
+        later buffer can have (a renewed cache's stays, for its successor to take)."""
+        if self._keys.get(ident) == key:
+            del self._keys[ident]
+        if key[0] == "buffer":
+            token = ("dead", object())
+            if key in self.caches:
+                self.caches[token] = self.caches.pop(key)
+            if key in self.layers_seen:
+                self.layers_seen[token] = self.layers_seen.pop(key)
 
     def add_uncached_layers(self, graph: GraphReport, cache_layer_names: Iterable[Optional[str]]) -> None:
         """Count the rewritten layers of `graph` that no cache identifies, by graph and name."""
@@ -233,7 +271,7 @@ class DcpReport:
         lines += ["  " + line for line in self._cache_lines()]
         return "\n".join(lines)
 
-    def graph_log(self, graph: GraphReport, new_caches: Sequence[int] = ()) -> str:
+    def graph_log(self, graph: GraphReport, new_caches: Sequence[Hashable] = ()) -> str:
         """What one graph's compile adds to the report (logged once, when it compiles)."""
         own = graph.lines()
         lines = [f"rank {self.rank} {own[0]}"] + own[1:]

@@ -143,12 +143,21 @@ def _reuse_and_reset(world: int):
     model = hf_tiny.tiny_model("llama_gqa", "eager")
     backend = DcpBackend(dcp_size=world, tp_size=1, inner="eager")
     model.compile(backend=backend)
+    counted = []  # the report's caches, bytes and layers after each generate
+
+    def count():
+        r = backend.report
+        counted.append((len(r.caches), r.kv_bytes_full, r.kv_bytes_local, len(r.layers_seen)))
+
     ref, first = hf.generate(ref_model), hf.generate(model)
+    count()
     flipped = hf.PROMPTS.flip(0)
     ref_second, second = hf.generate(ref_model, flipped), hf.generate(model, flipped)
+    count()
     cache = first.cache
     cache.reset()  # zeroes the shards of the striped tensors
     third = hf.generate(model, cache=cache)
+    count()
     from dcp_pass.rewrites.cache import DcpCacheError
 
     try:  # any other eager read of a striped cache tensor is refused, naming it
@@ -159,7 +168,8 @@ def _reuse_and_reset(world: int):
     return dict(equal=[torch.equal(first.sequences, ref.sequences), torch.equal(second.sequences, ref_second.sequences),
                        torch.equal(third.sequences, ref.sequences)],
                 err=max(hf.logits_error(first, ref), hf.logits_error(second, ref_second), hf.logits_error(third, ref)),
-                graphs=len(backend.graphs), rewritten=[g.rewritten for g in backend.report.graphs], refused=refused)
+                graphs=len(backend.graphs), rewritten=[g.rewritten for g in backend.report.graphs], refused=refused,
+                counted=counted)
 
 
 def _ci_run(rank: int, world: int, configs: list, inner: str):
@@ -185,6 +195,10 @@ def test_generate_static_c2():
         assert reuse["graphs"] == 4 and reuse["rewritten"][:2] == [0, hf_tiny.LAYERS], reuse
         assert reuse["rewritten"][2:] == [hf_tiny.LAYERS, hf_tiny.LAYERS], reuse
         assert reuse["refused"] is not None and "cache.layers.0.keys" in reuse["refused"], reuse
+        # each generate's new cache takes the place of the last in the report (it counted them
+        # all, 2 then 4 layers, before the report keyed a renewed cache by its name)
+        assert reuse["counted"][0][0] == 2 * hf_tiny.LAYERS and reuse["counted"][0][3] == hf_tiny.LAYERS, reuse
+        assert len(set(reuse["counted"])) == 1, reuse
         message = result["default_tp"]
         assert message is not None and "tp_size': 1" in message and "not sharded" in message, message
 
