@@ -125,21 +125,28 @@ def all_dcp_groups(topo: DcpTopology) -> list[tuple[int, ...]]:
     return [tuple(range(first, first + c)) for first in range(0, topo.world_size, c)]
 
 
-_GROUP_CACHE: dict[tuple, object] = {}
+# (world size, c, backend, rank) -> (the default group it was made under, this rank's DCP group)
+_GROUP_CACHE: dict[tuple, tuple] = {}
 
 
 def dcp_process_group(topo: DcpTopology):
-    """The ProcessGroup of this rank's DCP group (created once, collectively, then cached)."""
+    """The ProcessGroup of this rank's DCP group (created once, collectively, then cached).
+
+    Cached per default process group: after ``destroy_process_group`` and a new
+    ``init_process_group`` (a restart in the same process) the old groups are gone and
+    their names may point at groups made since, so the groups are made again."""
     import torch.distributed as dist
 
     if topo.dcp_size == topo.world_size:
         return dist.group.WORLD
-    key = (topo.world_size, topo.dcp_size, dist.get_backend())
-    if key not in _GROUP_CACHE:
+    key = (topo.world_size, topo.dcp_size, dist.get_backend(), topo.rank)
+    world = dist.group.WORLD
+    held = _GROUP_CACHE.get(key)
+    if held is None or held[0] is not world:
         # new_group must be called by every rank for every group, in the same order.
         groups = [dist.new_group(list(ranks)) for ranks in all_dcp_groups(topo)]
-        _GROUP_CACHE[key] = groups[topo.rank // topo.dcp_size]
-    return _GROUP_CACHE[key]
+        _GROUP_CACHE[key] = held = (world, groups[topo.rank // topo.dcp_size])
+    return held[1]
 
 
 def check_explicit_group(topo: DcpTopology, group) -> None:

@@ -100,3 +100,29 @@ def test_unsharded_model_is_head_replicated_and_dcp1_is_noop():
     assert not topo.head_sharded and topo.dcp_group_ranks == (2, 3) and topo.dcp_rank == 1
     one = plan_topology(4, 2, dcp_size=1, tp_size=4)
     assert not one.enabled and one.dcp_group_ranks == (2,)
+
+
+def test_dcp_group_is_made_again_under_a_new_default_group():
+    """A process that destroys its default group and starts another (a restart, here as
+    another rank) gets the DCP group of the new one: the cached group of the old one is gone,
+    and its name may point at a group made since (it did, before the cache held the default
+    group it was made under)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dcp_pass.topology import dcp_process_group, topology_from_world
+
+    seen = []
+    try:
+        for rank in (0, 2):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+            dist.new_group([0, 1, 2, 3])  # a group of the user's, made first
+            topo = topology_from_world(2, 4, 1)
+            group = dcp_process_group(topo)
+            assert dcp_process_group(topo) is group  # cached within one default group
+            seen.append((tuple(dist.get_process_group_ranks(group)), topo.dcp_group_ranks))
+            dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert seen == [((0, 1), (0, 1)), ((2, 3), (2, 3))], seen
