@@ -373,3 +373,48 @@ def test_exchanges_on_nccl():
         f = r["facts"]
         assert f["device_type"] == "cuda" and f["group_backend"] == "nccl" and f["has_all_to_all"], f
         assert r["selected"] == ("fi_a2a" if f["mnnvl_single_domain"] and f["flashinfer_available"] else "a2a")
+
+
+def test_fi_a2a_workspace_is_made_again_for_a_new_group_of_the_same_name(monkeypatch):
+    """The MNNVL workspace is cached by group name; a name is reused once the default group is
+    destroyed and made again, so the workspace is kept with the group object it was made for
+    and made anew for another (FlashInfer itself stubbed: no Blackwell machine here; the stub
+    records each workspace's rank and group)."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dcp_pass.runtime.decode import comm
+
+    made = []
+    fic = types.ModuleType("flashinfer.comm")
+    fic.Mapping = lambda **kw: kw
+    fic.decode_cp_a2a_allocate_mnnvl_workspace = lambda mapping, mnnvl_config: made.append(
+        (mapping["rank"], mnnvl_config)) or len(made)
+    fic.decode_cp_a2a_init_workspace = lambda ws, rank, c: None
+    mnnvl = types.ModuleType("flashinfer.comm.mnnvl")
+    mnnvl.MnnvlConfig = lambda comm_backend: comm_backend
+    mnnvl.TorchDistBackend = lambda group: group
+    fic.mnnvl = mnnvl
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.comm", fic)
+    monkeypatch.setitem(sys.modules, "flashinfer.comm.mnnvl", mnnvl)
+    monkeypatch.setattr(comm, "_FI_WORKSPACES", {})
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    got = []
+    try:
+        for rank in (0, 1):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+            name = dist.group.WORLD.group_name
+            first = comm._fi_workspace(name, 2, torch.device("cpu"))
+            assert comm._fi_workspace(name, 2, torch.device("cpu")) == first  # cached
+            got.append((name, first))
+            dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert got[0][0] == got[1][0], "the test needs the name reused"
+    assert [ws for _, ws in got] == [(1, 0), (2, 1)], got  # one workspace each, with the new rank
+    assert made[0][1] is not made[1][1]

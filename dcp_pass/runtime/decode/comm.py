@@ -242,12 +242,16 @@ def _fi_a2a_unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def _fi_workspace(group_name: str, c: int, device: torch.device):
-    key = (group_name, c, str(device))
-    if key not in _FI_WORKSPACES:
-        import flashinfer.comm as fic
-        from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-        group = _resolve_process_group(group_name)
+    key = (group_name, c, str(device))
+    group = _resolve_process_group(group_name)
+    held = _FI_WORKSPACES.get(key)
+    # kept with the group it was made for: a group name is reused once the default group is
+    # destroyed and made again, and the old workspace's peers and rank are not the new ones'
+    if held is None or held[0] is not group:
+        import flashinfer.comm as fic
+
         rank = dist.get_rank(group)
         try:
             from flashinfer.comm.mnnvl import MnnvlConfig, TorchDistBackend
@@ -266,8 +270,8 @@ def _fi_workspace(group_name: str, c: int, device: torch.device):
             ) from e
         # Peers write into each other's FIFOs: nobody may start before all are reset.
         dist.barrier(group)
-        _FI_WORKSPACES[key] = (ws, rank)
-    return _FI_WORKSPACES[key]
+        _FI_WORKSPACES[key] = held = (group, ws, rank)
+    return held[1:]
 
 
 def exchange_fi_a2a(
