@@ -7,6 +7,11 @@ the same grid (one program per split and request, one per SM) with no GEMMs and 
 the time the kernel could not go below with this pipeline. 3 stages (no q beside them) shows
 what one more tile in flight would give. Timed next to the real kernel in one run.
 
+At 128 heads a request's tiles are read by two programs, one per 64-row block, as the
+kernels do (``row blocks 2``); ``row blocks 1`` streams them once (what this probe did before
+2026-12-04, fourth stop, when its 128-head row understated the kernels' reads by half).
+``--kernel`` names the kernel timed beside the streams (the lock-step "gluon" by default).
+
     python benchmarks/probe_gluon_stream.py --out benchmarks/results/gluon_stream_probe_h200.json
 """
 from __future__ import annotations
@@ -40,6 +45,7 @@ if G.HAS_GLUON:
         rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
         pid_sp = gl.program_id(0)
         b = gl.program_id(1).to(gl.int64)
+        rb = gl.program_id(2)
         k_lat_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DL], lat_sl)
         k_rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR], rope_sl)
         split_len = gl.cdiv(gl.cdiv(T, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -65,17 +71,18 @@ if G.HAS_GLUON:
         G._barrier()
         # one value read back so the copies have a consumer
         v = k_lat_s.index(0).load(ld_lat)
-        gl.store(SINK + pid_sp + b * NUM_SPLITS, gl.sum(gl.sum(v.to(gl.float32), axis=1), axis=0))
+        gl.store(SINK + pid_sp + (b + rb * gl.num_programs(1)) * NUM_SPLITS,
+                 gl.sum(gl.sum(v.to(gl.float32), axis=1), axis=0))
 
     _stream_jit = gluon.jit(_stream_kernel_src)
 
 
-def stream_ms(kv, stages, ns):
+def stream_ms(kv, stages, ns, row_blocks=1):
     B, T, _ = kv.shape
-    sink = torch.empty(B * ns, device=kv.device)
+    sink = torch.empty(B * ns * row_blocks, device=kv.device)
 
     def run(q, kv_):
-        _stream_jit[(ns, B)](kv_, sink, T, kv_.stride(0), kv_.stride(1), BLOCK_N=64, STAGES=stages, NUM_SPLITS=ns,
+        _stream_jit[(ns, B, row_blocks)](kv_, sink, T, kv_.stride(0), kv_.stride(1), BLOCK_N=64, STAGES=stages, NUM_SPLITS=ns,
                              num_warps=8)
 
     return time_fn(run, [(None, kv)])
@@ -83,6 +90,7 @@ def stream_ms(kv, stages, ns):
 
 def main():
     ap = probe_parser("benchmarks/results/gluon_stream_probe.json", "64x8x32768,64x8x131072,64x32x32768,128x8x32768", 2)
+    ap.add_argument("--kernel", default="gluon", help="the kernel timed beside the streams")
     a = ap.parse_args()
 
     def one_shape(H, B, T, ceil):
@@ -92,11 +100,16 @@ def main():
         ns = split_count(B, math.ceil(H / 64), T, torch.device("cuda"))
         kv = sets[0][1]
         kv_bytes = kv.numel() * kv.element_size()
-        t = {"kernel": [], "stream 2 stages": [], "stream 3 stages": []}
+        rbs = math.ceil(H / 64)
+        t = {f"kernel {a.kernel}": []}
+        for r in sorted({1, rbs}):
+            t[f"stream 2 stages, row blocks {r}"] = []
+            t[f"stream 3 stages, row blocks {r}"] = []
         for _ in range(a.passes):
-            t["kernel"].append(time_triton(sets, path="gluon"))
-            t["stream 2 stages"].append(stream_ms(kv, 2, ns))
-            t["stream 3 stages"].append(stream_ms(kv, 3, ns))
+            t[f"kernel {a.kernel}"].append(time_triton(sets, path=a.kernel))
+            for r in sorted({1, rbs}):
+                t[f"stream 2 stages, row blocks {r}"].append(stream_ms(kv, 2, ns, r))
+                t[f"stream 3 stages, row blocks {r}"].append(stream_ms(kv, 3, ns, r))
         for name, ts in t.items():
             ms = min(ts)
             yield dict(H=H, B=B, T=T, splits=ns, what=name, ms=ms, passes=ts, floor_ms=floor, of_floor=floor / ms,
