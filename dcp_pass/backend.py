@@ -342,7 +342,7 @@ def _has_striped(args: Sequence[Any]) -> bool:
 
 
 def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
-                      position=None, layers: Optional[Sequence[Optional[str]]] = None) -> Callable:
+                      position=None, layers: Optional[Sequence[Optional[str]]] = None, checks=()) -> Callable:
     """Compile `gm` (which takes the local shards and replicated weights as trailing
     inputs) and feed them per call, resolved from the buffers/weights actually passed.
 
@@ -350,6 +350,7 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     position: it is written into a static device buffer, the graph's last input,
     before each call, so the graph's inputs are the same objects at every step.
     `layers`: for each cache, the layer it identifies in the report (report.cache_layers).
+    `checks`: parameters the graph uses for every rank's heads, checked unchanged per call.
     """
     from dcp_pass.rewrites.cache import INSTALLED_AT_FIRST_CALL, local_for
 
@@ -375,6 +376,8 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
                 report.add_cache(buffer, name, entry.full_nbytes, entry.local_nbytes, layer,
                                  renewed=kind in INSTALLED_AT_FIRST_CALL)
             shards.append(entry.local)
+        for check in checks:
+            check.check(args[check.index])
         replicas = [w.resolve(args[w.index]) for w in weights]
         # Dynamo calls backends' results with positional args; so do we.
         if position is None:
@@ -410,7 +413,7 @@ class DcpBackend:
             self.report.rank = self.topology.rank
         graph_report = GraphReport(len(self.report.graphs))
         self.report.graphs.append(graph_report)
-        position, layers, new_caches = None, None, []
+        position, layers, new_caches, checks = None, None, [], []
         if not self.topology.enabled and not opts.fast_path:
             graph_report.unchanged_reason = "dcp_size=1"
             out, caches, weights = gm, [], []
@@ -420,6 +423,7 @@ class DcpBackend:
             result = apply_dcp(gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report,
                                observer=self.observer)
             out, caches, weights, position = result.graph_module, result.caches, result.weights, result.position
+            checks = result.checks
             check_inference_only(out, example_inputs, graph_report)
             layers = cache_layers(graph_report, [entry.name for _, entry in caches])
             self.report.add_uncached_layers(graph_report, layers)
@@ -433,7 +437,8 @@ class DcpBackend:
         self.graphs.append(out)
         log.info("%s", self.report.graph_log(graph_report, new_caches))
         if caches or position is not None:
-            return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position, layers)
+            return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position, layers,
+                                     checks)
         if _has_striped(example_inputs):  # a graph that takes a striped buffer without reading it
             compiled = compile_inner(out, plain_inputs(example_inputs), opts, mode)
             return lambda *args: compiled(*plain_inputs(args))

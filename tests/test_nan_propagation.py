@@ -49,8 +49,11 @@ def _drive(model, nan_position):
 
 def _rank_fn(rank, world, cases):
     """One compiled model serves every case (the poison is data: weights are graph inputs,
-    no case recompiles what another compiled): clean weights restored, then poisoned. Each
-    case's prefill rewrites every cache row the case reads, as a new request does."""
+    no case recompiles what another compiled): clean weights restored, then poisoned, then
+    the pass's copies of other ranks' weight shards gathered again (refresh_weights, as after
+    any update in place). Each case's prefill rewrites every cache row the case reads, as a
+    new request does."""
+    import dcp_pass
     from dcp_pass.backend import DcpBackend
 
     torch.set_grad_enabled(False)
@@ -62,6 +65,7 @@ def _rank_fn(rank, world, cases):
         for p, c in zip(model.parameters(), clean):
             p.copy_(c)
         _poison(model, poison)
+        dcp_pass.refresh_weights(model)
         results.append(_drive(compiled, nan_position))
     return results
 

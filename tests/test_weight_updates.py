@@ -12,6 +12,12 @@ can see.
 Between the untracked write and the refresh the copies are stale, and the test checks
 that its comparison sees it (that is what it would see of a missing error).
 
+A weight the same on every rank when compiled (placeholder weights before a load) is not
+gathered: the graph uses this rank's copy for the other ranks' heads. A change to it raises
+too; refresh_weights checks it is still the same on every rank, and when it is not (the real,
+head-sharded weights loaded) says to compile again, which then gathers it (before: no error
+at all and logits ~5 off, refresh or not).
+
 Real gloo ranks (tp = dcp = 2, bf16): the model with copies is compared, after each update,
 with the same model compiled with both options off (it gathers nothing and reads its live
 weights every call) and given the same updates.
@@ -75,9 +81,72 @@ def _rank(rank, world, _):
     return out
 
 
+def _same_everywhere(model, seed: int):
+    """wkv_b given values equal on every rank (a placeholder loader's)."""
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if ".wkv_b" in name:
+                g = torch.Generator().manual_seed(seed + len(name))
+                p.copy_((torch.randn(p.shape, generator=g) * 0.05).to(p.dtype))
+
+
+def _placeholder_rank(rank, world, _):
+    import torch._dynamo
+
+    import dcp_pass
+    from dcp_pass.models.deepseek_mla import ModelArgs, build_model
+    from dcp_pass.models.generate import greedy_generate
+
+    torch.set_grad_enabled(False)
+    torch._dynamo.reset()
+    args = ModelArgs(max_seq_len=32, tp_size=world, dtype=torch.bfloat16, n_layers=2, n_dense_layers=2)
+    real = {k: v for k, v in build_model(args, rank=rank).state_dict().items() if ".wkv_b" in k}
+    base = {"dcp_size": world, "tp_size": world, "inner": "aot_eager"}
+    models = [build_model(args, rank=rank) for _ in range(2)]
+    for model in models:
+        _same_everywhere(model, 1)
+    options = [base, dict(base, replicate_q_proj=False, project_before_merge=False)]
+    compiled = [torch.compile(m, backend=dcp_pass.DcpBackend(o)) for m, o in zip(models, options)]
+
+    def distance():
+        a, b = (greedy_generate(c, PROMPTS, STEPS)[1] for c in compiled)
+        return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+    def error():
+        try:
+            greedy_generate(compiled[0], PROMPTS, STEPS)
+        except dcp_pass.DcpWeightsError as e:
+            return str(e)
+        return None
+
+    out = {"fresh": distance()}
+    for model in models:  # new values, still the same on every rank
+        _same_everywhere(model, 2)
+    out["same_error"] = error()
+    out["same_refreshed"] = dcp_pass.refresh_weights(models[0])
+    out["same_after_refresh"] = distance()
+    for model in models:  # the real weights: each rank's heads
+        model.load_state_dict(real, strict=False)
+    out["real_error"] = error()
+    try:
+        dcp_pass.refresh_weights(models[0])
+        out["refresh_error"] = None
+    except dcp_pass.DcpWeightsError as e:
+        out["refresh_error"] = str(e)
+    torch._dynamo.reset()  # what the error says: compile again
+    compiled = [torch.compile(m, backend=dcp_pass.DcpBackend(o)) for m, o in zip(models, options)]
+    out["recompiled"] = distance()
+    return out
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(_rank, 2, None, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def placeholder_results():
+    return run_ranks(_placeholder_rank, 2, None, timeout=600)
 
 
 def test_an_update_in_place_after_compile_is_an_error_naming_the_weight(results):
@@ -97,3 +166,14 @@ def test_refresh_weights_gathers_the_copies_again(results):
         assert r["after_refresh"] < 0.1
         assert r["unseen"] > 1.0
         assert r["after_untracked_refresh"] < 0.1
+
+
+def test_a_weight_the_same_everywhere_at_compile_is_checked_too(placeholder_results):
+    for r in placeholder_results:
+        assert r["fresh"] < 0.1
+        assert r["same_error"] is not None and "was the same on every DCP rank" in r["same_error"], r
+        assert r["same_refreshed"] > 0 and r["same_after_refresh"] < 0.1, r
+        assert r["real_error"] is not None and "wkv_b" in r["real_error"], r
+        assert r["refresh_error"] is not None and "differs across them now" in r["refresh_error"], r
+        assert "compile again" in r["refresh_error"]
+        assert r["recompiled"] < 0.1, r

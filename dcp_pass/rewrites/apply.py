@@ -59,7 +59,8 @@ class DcpPassResult:
     `graph_module`: the graph module to compile (the input one when nothing changed).
     `caches`: for each cache shard input it gained, the index of the full-size buffer
     input it shards and that shard now. `weights`: the other inputs it gained (replicated
-    q weights), each resolved per call from an existing input. `position`: how the
+    q weights), each resolved per call from an existing input. `checks`: parameter inputs
+    the graph uses for every rank's heads, checked per call. `position`: how the
     backend feeds a step position moved to the device (None: kept as an int).
     """
 
@@ -67,6 +68,7 @@ class DcpPassResult:
     caches: list[tuple[int, cache_rw.LocalCache]] = field(default_factory=list)
     weights: list[q_replicate.ExtraInput] = field(default_factory=list)
     position: Any = None
+    checks: list[q_replicate.WeightCheck] = field(default_factory=list)
 
 
 @dataclass
@@ -305,6 +307,9 @@ class ProjectBeforeMerge(GraphPass):
             sharded = [p for p in found.params
                        if q_replicate.weights_differ(state.values[p.name], plan.group_name, plan.c, no_verdict=True)]
             project_merge.check_gatherable(sharded, lambda p: state.values[p.name].dtype)
+            for param in found.params:  # projected for the other ranks' chunks as this rank holds it
+                if param not in sharded:
+                    state.replicator.rely_on_same(param)
             weights = [
                 found.weight if r == plan.rank or not sharded else project_merge.weight_for_rank(
                     graph, found, sharded,
@@ -430,7 +435,9 @@ def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassCon
     run_passes(state, observer=observer)
     if state.stopped is not None:
         return DcpPassResult(state.gm, position=state.position)
-    return DcpPassResult(state.gm, state.caches, state.replicator.extra if state.replicator else [], state.position)
+    replicator = state.replicator
+    return DcpPassResult(state.gm, state.caches, replicator.extra if replicator else [], state.position,
+                         replicator.checks if replicator else [])
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -66,6 +66,37 @@ def _changed(held: _Held, weight: torch.Tensor) -> bool:
     return held.data_ptr != weight.data_ptr() or held.version != _version(weight)
 
 
+@dataclass
+class WeightCheck:
+    """A parameter input the rewritten graph uses for every rank's heads (it was the same on
+    every rank when compiled): `check`, given the parameter passed, raises if it changed."""
+
+    index: int
+    check: Callable[[torch.Tensor], None]
+
+
+# weight -> {(group name, c): (version, data_ptr)} of the weights found the same on every rank
+# that a graph uses for the other ranks' heads
+_SAME = WeakIdKeyDictionary()
+
+
+def _remember_same(weight: torch.Tensor, group_name: str, c: int) -> None:
+    _SAME.setdefault(weight, {})[(group_name, c)] = (_version(weight), weight.data_ptr())
+    _GATHERED.get(weight, {}).pop((group_name, c), None)  # a graph compiled before the weight changed
+
+
+def check_same_unchanged(weight: torch.Tensor, group_name: str, c: int, name: str) -> None:
+    """DcpWeightsError when `weight`, which the graph takes as the same on every rank, was
+    written in place or given new storage since that was checked."""
+    base = _SAME.get(weight, {}).get((group_name, c))
+    if base is not None and base != (_version(weight), weight.data_ptr()):
+        raise DcpWeightsError(
+            f"{name} was the same on every DCP rank when the graph was compiled, and the graph computes the "
+            f"other ranks' heads with this rank's copy of it; it changed since (written in place or given new "
+            f"storage): call dcp_pass.refresh_weights(model) on every rank after updating the weights, which "
+            f"checks that it is still the same on every rank")
+
+
 def _gather(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]:
     """Every DCP rank's shard of `weight` (an eager all-gather; collective over the group)."""
     import torch.distributed as dist
@@ -85,11 +116,15 @@ def _gather(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]
     # this rank's own shard is the weight itself: no second copy of it is kept
     parts[dist.get_rank(group)] = weight.detach()
     _GATHERED.setdefault(weight, {})[(group_name, c)] = _Held(parts, _version(weight), weight.data_ptr())
+    _SAME.get(weight, {}).pop((group_name, c), None)  # a graph compiled before the weight changed
     return parts
 
 
-def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "a q weight") -> list[torch.Tensor]:
+def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "a q weight",
+                    compiling: bool = False) -> list[torch.Tensor]:
     """Every DCP rank's shard of `weight`: gathered on first use (collective), then cached.
+    `compiling`: a compile, where every rank gathers together: a changed weight is gathered
+    again there.
 
     The cached shards of the other ranks are copies: a weight written in place afterwards
     (``load_state_dict``, ``p.copy_``) or given new storage (``p.data = ...``) would leave
@@ -99,7 +134,7 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "
     ``p.data``, or a collective such as ``dist.broadcast`` into the weight) cannot be seen
     here: after them, :func:`refresh_weights` is required."""
     held = _GATHERED.get(weight, {}).get((group_name, c))
-    if held is None:
+    if held is None or (compiling and _changed(held, weight)):
         return _gather(weight, group_name, c)
     if _changed(held, weight):
         raise DcpWeightsError(
@@ -111,15 +146,30 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "
 
 
 def refresh_weights(model: torch.nn.Module) -> int:
-    """Gather again the other DCP ranks' shards of `model`'s weights that the pass holds
-    copies of (``replicate_q_proj``, ``project_before_merge``): call it on every rank of the
-    DCP group, after every update of the weights (the gathers are collectives, made in the
-    order of the model's parameter names, the same on every rank). Returns how many weights
-    were gathered again; 0 when the pass holds no copies."""
+    """Bring the pass's view of `model`'s weights up to date after they changed: gather
+    again the other DCP ranks' shards it holds copies of (``replicate_q_proj``,
+    ``project_before_merge``), and check that the weights it found the same on every rank
+    (which its graphs use for the other ranks' heads) still are. Call it on every rank of
+    the DCP group after every update of the weights: the gathers and checks are
+    collectives, made in the order of the model's parameter names, the same on every rank.
+    Returns how many weights it gathered or checked; 0 when the pass relies on none.
+
+    A weight that was the same on every rank when a graph was compiled and differs now (a
+    model compiled with placeholder weights, then loaded) raises DcpWeightsError: the
+    compiled graph has no input for the other ranks' copies; compile again after loading
+    (``torch._dynamo.reset()``, then ``torch.compile``)."""
     count = 0
-    for _, param in sorted(model.named_parameters(remove_duplicate=True), key=lambda item: item[0]):
+    for name, param in sorted(model.named_parameters(remove_duplicate=True), key=lambda item: item[0]):
         for group_name, c in sorted(_GATHERED.get(param, {})):
             _gather(param, group_name, c)
+            count += 1
+        for group_name, c in sorted(_SAME.get(param, {})):
+            if weights_differ(param, group_name, c):
+                raise DcpWeightsError(
+                    f"the weight {name} was the same on every DCP rank when the graph was compiled, and differs "
+                    f"across them now: the compiled graph computes the other ranks' heads with this rank's copy; "
+                    f"compile again after loading the weights (torch._dynamo.reset(), then torch.compile)")
+            _remember_same(param, group_name, c)
             count += 1
     return count
 
@@ -218,7 +268,9 @@ class QueryReplicator:
         self.plan = plan
         self.requested = requested
         self.extra: list[ExtraInput] = []
+        self.checks: list[WeightCheck] = []
         self._weight_inputs: dict[tuple[fx.Node, int], fx.Node] = {}
+        self._relied: set[fx.Node] = set()
 
     def queries_for(self, match: MlaMatch) -> tuple[Optional[tuple[fx.Node, Optional[fx.Node]]], str]:
         """(override queries or None, description for the report)."""
@@ -278,7 +330,7 @@ class QueryReplicator:
             graph = self.gm.graph
             plan = self.plan
             weight = self.values[param.name]
-            example = gathered_shards(weight, plan.group_name, plan.c)[rank]
+            example = gathered_shards(weight, plan.group_name, plan.c, compiling=True)[rank]
             node = fx_util.static_placeholder(graph, f"{prefix}_{len(self._weight_inputs)}", axes.example_value(param))
             index = fx_util.placeholders(graph).index(param)
             name = f"the weight {buffer_source(param) or param.name}"
@@ -287,6 +339,19 @@ class QueryReplicator:
             self._weight_inputs[key] = node
         return self._weight_inputs[key]
 
+    def rely_on_same(self, param: fx.Node) -> None:
+        """The graph uses parameter `param` (found the same on every rank) for the other ranks'
+        heads too: remember what it was, and check it per call (refresh_weights checks it is
+        still the same on every rank)."""
+        if param in self._relied:
+            return
+        self._relied.add(param)
+        plan = self.plan
+        _remember_same(self.values[param.name], plan.group_name, plan.c)
+        name = f"the weight {buffer_source(param) or param.name}"
+        index = fx_util.placeholders(self.gm.graph).index(param)
+        self.checks.append(WeightCheck(index, lambda w, n=name: check_same_unchanged(w, plan.group_name, plan.c, n)))
+
     def _emit(self, match: MlaMatch, region: set[fx.Node], sharded: list[fx.Node]) -> tuple[fx.Node, Optional[fx.Node]]:
         from dcp_pass.rewrites.attention import canonical_query, ordered_terms
 
@@ -294,6 +359,9 @@ class QueryReplicator:
         latent, rope = ordered_terms(match)
         terms = [latent] + ([rope] if rope else [])
         outputs = [term.query for term in terms]
+        for param in _parameters(region):  # the clones compute from these as this rank holds them
+            if param not in sharded:
+                self.rely_on_same(param)
         tainted: set[fx.Node] = set(sharded)
         cloned: list[fx.Node] = []  # the tainted region nodes, in graph order
         for node in graph.nodes:  # topological: a region node is tainted if an input is
