@@ -233,11 +233,18 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
     if owns_storage(buffer):
         # Shape, stride and dtype stay, so Dynamo's guards on the buffer still pass.
         buffer.untyped_storage().resize_(0)
+    elif _striped_cover_storage(buffer):
+        # Striped cache buffers (latent and rotary caches carved out of one allocation) hold
+        # every byte of it: release it, so that any other view of it (a pool's) fails at its
+        # next use instead of writing rows no graph reads any more.
+        buffer.untyped_storage().resize_(0)
+        log.info("dcp_pass: %s and the caches sharing its allocation are striped: the allocation is released",
+                 entry.name)
     else:
-        # The storage also backs other tensors (e.g. latent and rotary caches carved out of
-        # one allocation): releasing it would destroy them. Keep it; only this buffer's
-        # rows move to the shard.
-        log.warning("dcp_pass: %s shares its storage with other tensors; its full-size memory is kept",
+        # The storage also backs tensors the pass has not striped (yet): releasing it would
+        # destroy them. Keep it; only this buffer's rows move to the shard.
+        log.warning("dcp_pass: %s shares its storage with other tensors, so its full-size memory is kept; "
+                    "a write through another view of that storage does not reach this rank's shard",
                     entry.name)
         entry.full_nbytes = entry.local_nbytes  # report no saving that did not happen
     _LOCAL_CACHES[buffer] = entry
@@ -245,6 +252,28 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
     # buffer: there is no owner to find, and the gc scan would cost each generation's first step.
     guard(buffer, [] if entry.kind in INSTALLED_AT_FIRST_CALL else _owners_of(buffer))
     _mark_striped(buffer)
+
+
+# a shared storage's address -> weak references to the striped cache buffers that live in it
+_SHARING: dict[int, list] = {}
+
+
+def _striped_cover_storage(buffer: torch.Tensor) -> bool:
+    """Record `buffer` (about to be striped) in its shared storage; whether the striped buffers
+    in it, `buffer` included, now account for all of its bytes (they do not overlap: a
+    model's caches are distinct tensors). Dead buffers, and buffers whose storage moved, are
+    not counted: an address can be reused."""
+    storage = buffer.untyped_storage()
+    key = storage.data_ptr()
+    held = [ref for ref in _SHARING.get(key, ()) if (t := ref()) is not None and t is not buffer
+            and t.untyped_storage().data_ptr() == key]
+    held.append(weakref.ref(buffer))
+    nbytes = sum(t.numel() * t.element_size() for t in (ref() for ref in held))
+    if nbytes >= storage.nbytes():
+        _SHARING.pop(key, None)
+        return True
+    _SHARING[key] = held
+    return False
 
 
 def owns_storage(buffer: torch.Tensor) -> bool:
