@@ -43,6 +43,17 @@ def _update(model, rank: int, seed: int, untracked: bool):
                 (p.data if untracked else p).copy_(new)
 
 
+def _copy_addresses():
+    """The addresses of the other ranks' shards the pass holds copies of."""
+    import torch.distributed as dist
+
+    from dcp_pass.rewrites import q_replicate
+
+    own = dist.get_rank()
+    return sorted(t.data_ptr() for held in q_replicate._GATHERED.values() for h in held.values()
+                  for r, t in enumerate(h.shards) if r != own)
+
+
 def _rank(rank, world, _):
     import dcp_pass
     from dcp_pass.models.deepseek_mla import ModelArgs, build_model
@@ -71,7 +82,10 @@ def _rank(rank, world, _):
         out["error"] = None
     except dcp_pass.DcpWeightsError as e:
         out["error"] = str(e)
+    addresses = _copy_addresses()
     out["refreshed"] = dcp_pass.refresh_weights(copies)
+    # into the same tensors: CUDA graphs captured their addresses (static graph inputs)
+    out["same_addresses"] = _copy_addresses() == addresses and bool(addresses)
     out["after_refresh"] = distance()
     for model in (copies, live):
         _update(model, rank, 2, untracked=True)
@@ -160,6 +174,7 @@ def test_refresh_weights_gathers_the_copies_again(results):
     for r in results:
         assert r["nothing_held_without"] == 0
         assert r["refreshed"] > 0 and r["refreshed_untracked"] == r["refreshed"]
+        assert r["same_addresses"]
         # the two compiles differ only in where the other ranks' queries come from (bf16:
         # 0.03-0.04 apart); stale copies put the logits ~4 apart, as `unseen` shows
         assert r["fresh"] < 0.1

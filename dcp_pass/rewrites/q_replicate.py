@@ -114,7 +114,18 @@ def _gather(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]
         parts = [torch.empty_like(local) for _ in range(c)]
         dist.all_gather(parts, local, group=group)
     # this rank's own shard is the weight itself: no second copy of it is kept
-    parts[dist.get_rank(group)] = weight.detach()
+    own = dist.get_rank(group)
+    parts[own] = weight.detach()
+    held = _GATHERED.get(weight, {}).get((group_name, c))
+    if held is not None and all(h.shape == p.shape and h.dtype == p.dtype for h, p in zip(held.shards, parts)):
+        # gathered again: into the copies the graphs already take, whose addresses CUDA graphs
+        # captured (the graphs' inputs are static)
+        with torch.inference_mode():  # the copies may be inference tensors (made under it)
+            for r, (h, p) in enumerate(zip(held.shards, parts)):
+                if r != own:
+                    h.copy_(p)
+        parts[:own] = held.shards[:own]
+        parts[own + 1:] = held.shards[own + 1:]
     _GATHERED.setdefault(weight, {})[(group_name, c)] = _Held(parts, _version(weight), weight.data_ptr())
     _SAME.get(weight, {}).pop((group_name, c), None)  # a graph compiled before the weight changed
     return parts
