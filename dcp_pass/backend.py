@@ -353,6 +353,7 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     `checks`: parameters the graph uses for every rank's heads, checked unchanged per call.
     """
     from dcp_pass.rewrites.cache import INSTALLED_AT_FIRST_CALL, local_for
+    from dcp_pass.rewrites.q_replicate import resolve_inputs
 
     # static-shape fakes: Dynamo never saw the shards, inner fakification would give them
     # symbolic sizes that Dynamo cannot turn into guards
@@ -378,7 +379,7 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
             shards.append(entry.local)
         for check in checks:
             check.check(args[check.index])
-        replicas = [w.resolve(args[w.index]) for w in weights]
+        replicas = resolve_inputs(weights, args)
         # Dynamo calls backends' results with positional args; so do we.
         if position is None:
             return compiled(*plain_inputs(args), *shards, *replicas)

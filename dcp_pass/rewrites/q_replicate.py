@@ -31,11 +31,29 @@ REPLICABLE_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass
 class ExtraInput:
-    """A trailing graph input whose value is derived, per call, from an existing input."""
+    """A trailing graph input whose value is derived, per call, from an existing input: entry
+    `rank` of what `shards` gives for it (the inputs derived from one weight share one call)."""
 
     index: int  # the existing input it is derived from
-    resolve: Callable[[torch.Tensor], torch.Tensor]
+    shards: Callable[[torch.Tensor], list[torch.Tensor]]
+    rank: int
     example: torch.Tensor
+
+    def resolve(self, value: torch.Tensor) -> torch.Tensor:
+        return self.shards(value)[self.rank]
+
+
+def resolve_inputs(extra: list[ExtraInput], args) -> list[torch.Tensor]:
+    """The values of `extra` for one call with inputs `args`: each weight's shards looked up
+    (and checked) once, whatever the number of ranks."""
+    found: dict[int, list[torch.Tensor]] = {}
+    values = []
+    for item in extra:
+        shards = found.get(item.index)
+        if shards is None:
+            shards = found[item.index] = item.shards(args[item.index])
+        values.append(shards[item.rank])
+    return values
 
 
 class DcpWeightsError(RuntimeError):
@@ -346,7 +364,7 @@ class QueryReplicator:
             index = fx_util.placeholders(graph).index(param)
             name = f"the weight {buffer_source(param) or param.name}"
             self.extra.append(ExtraInput(
-                index, lambda w, r=rank, n=name: gathered_shards(w, plan.group_name, plan.c, n)[r], example))
+                index, lambda w, n=name: gathered_shards(w, plan.group_name, plan.c, n), rank, example))
             self._weight_inputs[key] = node
         return self._weight_inputs[key]
 
