@@ -192,3 +192,25 @@ def test_a_weight_the_same_everywhere_at_compile_is_checked_too(placeholder_resu
         assert r["refresh_error"] is not None and "differs across them now" in r["refresh_error"], r
         assert "compile again" in r["refresh_error"]
         assert r["recompiled"] < 0.1, r
+
+
+def _fingerprints(rank, world, _):
+    import torch.distributed as dist
+
+    from dcp_pass.rewrites.q_replicate import weights_differ
+
+    torch.manual_seed(0)
+    w = torch.randint(-4, 5, (8, 6)).to(torch.bfloat16)  # small integers: every sum exact, in any order
+    swapped = w.clone()
+    if rank == 1:  # the same values, two heads' rows in the other order
+        swapped[[2, 5]] = swapped[[5, 2]]
+    name = dist.group.WORLD.group_name
+    return weights_differ(w, name, world), weights_differ(swapped, name, world)
+
+
+def test_a_shard_with_its_rows_in_another_order_is_told_apart():
+    """Which weights are gathered is decided from a fingerprint: the same values in another
+    row order (heads swapped) are another shard (before: size, sums, max and the first entries
+    could not tell them apart, and the weight would have been taken as the same everywhere)."""
+    for same, swapped in run_ranks(_fingerprints, 2, None, timeout=120):
+        assert not same and swapped

@@ -301,6 +301,8 @@ class ProjectBeforeMerge(GraphPass):
                 f"{str(out_dtype).replace('torch.', '')} columns are not")
         if not plan.head_sharded:  # every rank holds every head: the local weight covers them
             weights = [found.weight]
+            for param in found.params:  # as the query weights: the same on every rank, checked
+                state.replicator.rely_on_same(param)
         else:
             # a fingerprint decides which parameters differ across the group (a fake test group
             # cannot tell: gather); the others are the same on every rank and shared

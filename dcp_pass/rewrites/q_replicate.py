@@ -205,7 +205,8 @@ def refresh_weights(model: torch.nn.Module) -> int:
 
 def weights_differ(weight: torch.Tensor, group_name: str, c: int, no_verdict: bool = False) -> bool:
     """Whether `weight` differs across the ranks of the group, from a small fingerprint
-    (shape, sums, a few entries), so nothing of weight size is gathered or kept.
+    (size, sums, position-weighted row and column sums, a few entries), so nothing of weight
+    size is gathered or kept.
     `no_verdict`: the answer on a fake (test) process group, which cannot tell."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -215,7 +216,13 @@ def weights_differ(weight: torch.Tensor, group_name: str, c: int, no_verdict: bo
         return no_verdict
     flat = weight.detach().reshape(-1).float()
     head = flat[:8] if flat.numel() >= 8 else torch.nn.functional.pad(flat, (0, 8 - flat.numel()))
-    stats = torch.stack([flat.sum(), (flat * flat).sum(), flat.abs().max() if flat.numel() else flat.new_zeros(())])
+    # row and column sums weighted by position: shards that hold the same values in another
+    # order (two heads swapped) differ there
+    table = flat.reshape(weight.shape[0], -1) if weight.dim() and flat.numel() else flat.reshape(1, -1)
+    rows = (table.sum(1) * torch.arange(1, table.shape[0] + 1, device=flat.device)).sum()
+    cols = (table.sum(0) * torch.arange(1, table.shape[1] + 1, device=flat.device)).sum()
+    stats = torch.stack([flat.sum(), (flat * flat).sum(), flat.abs().max() if flat.numel() else flat.new_zeros(()),
+                         rows, cols])
     fingerprint = torch.cat([torch.tensor([float(flat.numel())], device=flat.device), stats, head])
     parts = [torch.empty_like(fingerprint) for _ in range(c)]
     dist.all_gather(parts, fingerprint, group=group)
@@ -323,13 +330,16 @@ class QueryReplicator:
             region = query_region(self.gm.graph, [t.query for t in match.terms])
         except ReplicationRefused:
             return
-        for param in _parameters(region):
+        params = _parameters(region)
+        for param in params:
             if weights_differ(self.values[param.name], self.plan.group_name, self.plan.c):
                 raise NearMiss(
                     f"tp_size=1 says every rank holds all attention heads, but the query weight "
                     f"{buffer_source(param)} differs across the DCP ranks: the model looks head-sharded; "
                     f"pass its tensor-parallel size as tp_size"
                 )
+        for param in params:  # checked at compile only: a later change must not pass unseen
+            self.rely_on_same(param)
 
     # -- eligibility ---------------------------------------------------------------
 
