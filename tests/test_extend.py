@@ -143,3 +143,30 @@ def test_extend_single_rank_equals_both_paths():
     assert torch.equal(old, out) and torch.equal(old2, out2)
     with pytest.raises(ValueError, match="come from prefix_lens"):
         extend_attention_dcp(_call(q, qr, kv.clone(), pe.clone(), 1, 0).replace(kv_lens=3), new, new_pe, lens)
+
+
+@pytest.mark.parametrize("fill", [POISON, float("nan"), float("inf")])
+def test_extend_dcp_never_reads_rows_past_the_count(fill):
+    """Rows past a row's count hold no key: a reused slot's stale NaN or inf there must not
+    reach the output through 0 * NaN (before: the DCP path on the torch kernel gave NaN rows
+    where the gather path and the model without DCP were finite). Every rank's partial,
+    merged in one process, against the float64 reference."""
+    from dcp_pass.runtime.decode.merge import merge_partials
+
+    torch.manual_seed(3)
+    B, S, c = 3, 2, 2
+    lens = torch.tensor([5, 3, 0])
+    prefix, prefix_pe = torch.randn(B, 5, DL), torch.randn(B, 5, DR)
+    new, new_pe = torch.randn(B, S, DL), torch.randn(B, S, DR)
+    q, qr = torch.randn(B, S, H, DL), torch.randn(B, S, H, DR)
+    cap = local_capacity(5 + S, c) + 2
+    outs, lses = [], []
+    for r in range(c):
+        kv, pe = _striped(prefix, lens, cap, c, r), _striped(prefix_pe, lens, cap, c, r)
+        kv[kv == POISON], pe[pe == POISON] = fill, fill
+        o, lse = extend_attention_dcp(_call(q, qr, kv, pe, c, r), new, new_pe, lens)
+        outs.append(o)
+        lses.append(lse)
+    out, _ = merge_partials(torch.stack(outs), torch.stack(lses), "e", torch.float64, True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _naive(q, qr, prefix, new, new_pe, prefix_pe, lens), rtol=1e-5, atol=1e-5)

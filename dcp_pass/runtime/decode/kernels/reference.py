@@ -6,7 +6,8 @@ and what the chooser falls back to.
 
 A row with no visible key (an empty shard, a window that misses the rank, every key
 masked) gives output 0 and LSE -inf: emptiness is a count. A NaN in a query, key or value
-is data and propagates as it would without DCP.
+is data and propagates as it would without DCP; rows past a row's count hold no key, and
+whatever they hold (a reused slot's NaN) is never read, as in the kernels.
 """
 from __future__ import annotations
 
@@ -47,17 +48,38 @@ def gather_pages(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     return pool[idx].reshape(B, max_pages * P, pool.shape[-1])
 
 
+def _present(view: ShardView, B: int, T: int, device) -> Optional[torch.Tensor]:
+    """[B, T]: which local rows hold keys (the rank's share of the counts, past the rows the
+    view starts after); None without counts."""
+    if view.kv_lens is None:
+        return None
+    from dcp_pass.runtime.decode.layout import local_length
+
+    lens = local_length(view.kv_lens.to(device=device, dtype=torch.long).clamp(min=0), *view.lens_stripe)
+    lens = (lens - view.first_row).clamp(min=0).expand(B)
+    return torch.arange(T, device=device).view(1, T) < lens.view(B, 1)
+
+
+def _zero_absent(x: Optional[torch.Tensor], present: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`x` [B, T, ...] with its rows past the count zeroed: rows no key lives in (a reused
+    slot, bytes never written) may hold anything, NaN included, and must not reach the output
+    through 0 * NaN, as in the kernels, which never load them. Rows inside the count are data."""
+    if x is None or present is None:
+        return x
+    if x.element_size() == 1 and x.dtype.is_floating_point:  # float8: zero bytes are +0.0
+        return _zero_absent(x.view(torch.uint8), present).view(x.dtype)
+    keep = present.view(*present.shape, *([1] * (x.dim() - 2)))
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _visible(view: ShardView, B: int, S: int, T: int, device) -> torch.Tensor:
     """[B, S, 1, T]: which local rows each query sees (the rank's share of the counts, past
     the rows the view starts after, and the causal cap in global positions)."""
     visible = torch.ones(B, S, 1, T, dtype=torch.bool, device=device)
     t_idx = torch.arange(T, device=device)
-    if view.kv_lens is not None:
-        from dcp_pass.runtime.decode.layout import local_length
-
-        lens = local_length(view.kv_lens.to(device=device, dtype=torch.long).clamp(min=0), *view.lens_stripe)
-        lens = (lens - view.first_row).clamp(min=0).expand(B)
-        visible = visible & (t_idx.view(1, 1, 1, T) < lens.view(B, 1, 1, 1))
+    present = _present(view, B, T, device)
+    if present is not None:
+        visible = visible & present.view(B, 1, 1, T)
     if view.causal is not None:
         q_pos, c, r = view.causal
         gpos = t_idx * int(c) + int(r)
@@ -86,12 +108,13 @@ def _mla(view: ShardView, acc: torch.dtype):
         ks = gather_pages(ks, view.page_table) if ks is not None else None
     if ks is not None:  # an fp8 latent: its rows as values, in the accumulation dtype
         kv = dequantize(kv, ks, acc)
-    if view.paged or ks is not None:
-        view = ShardView(view.q_lat, view.q_rope, kv, pe, None, view.v_dim, view.scale, view.mask, view.kv_lens,
-                         view.causal, view.lens_stripe, view.first_row, view.lse_base, None, 1)
-    parts = view.parts()
     B, S, H, _ = view.q_lat.shape
     T = kv.shape[1]
+    present = _present(view, B, T, view.q_lat.device)
+    kv, pe = _zero_absent(kv, present), _zero_absent(pe, present)
+    view = ShardView(view.q_lat, view.q_rope, kv, pe, None, view.v_dim, view.scale, view.mask, view.kv_lens,
+                     view.causal, view.lens_stripe, view.first_row, view.lse_base, None, 1)
+    parts = view.parts()
     scores = torch.einsum("bshd,btd->bsht", parts.q_main.to(acc), parts.k_main.to(acc))
     if parts.q_tail is not None:
         scores = scores + torch.einsum("bshd,btd->bsht", parts.q_tail.to(acc), parts.k_tail.to(acc))
@@ -116,6 +139,8 @@ def _heads(view: ShardView, acc: torch.dtype):
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v must be [B, T, Hk, Dv] with k's [B, T, Hk] = {tuple(k.shape[:3])}, got {tuple(v.shape)}")
     G = H // Hk
+    present = _present(view, B, T, q.device)
+    k, v = _zero_absent(k, present), _zero_absent(v, present)
     scores = torch.einsum("bskgd,btkd->bskgt", q.to(acc).reshape(B, S, Hk, G, D), k.to(acc)).reshape(B, S, H, T)
     scores = scores * view.scale
     if view.mask is not None:
