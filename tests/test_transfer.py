@@ -337,3 +337,32 @@ def test_pd_transfer_end_to_end_gloo():
     assert all(any(e[0] == "state" for e in logs[r]) for r in range(1, 5))
     # some decode rank got zero tokens (n = 1) and the merge still matched
     assert any(e[0] == "relayout" and e[3] == 0 for e in logs[2])
+
+
+def _mismatched_rows_worker(rank, world, widths):
+    """Rank 0 sends rows of widths[0] columns, rank 1's pool holds widths[1] (a fused prefill
+    pool into a latent-only decode pool, or the other way): what each side raised."""
+    f32 = torch.float32
+    n = 11
+    alloc = PagedVirtualAllocator(16 * P, P, 1)
+    alloc.allocate("req", n)
+    prefill_pt = torch.arange(-(-n // P))
+    plan = build_transfer_plan_from_allocator(PageLayout(1, 0, P, f32), PageLayout(1, 0, P, f32), prefill_pt, alloc,
+                                              "req")
+    src = torch.randn(prefill_pt.numel() * P, widths[0]) if rank == 0 else None
+    dst = torch.zeros(16 * P, widths[1]) if rank == 1 else None
+    try:
+        execute_transfer(plan, src, dst, 0, 1)
+    except TransferPlanError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("widths", [(24, 16), (16, 24)])
+def test_rows_of_another_width_are_refused_on_both_sides(widths):
+    """gloo takes a message into a receive buffer of another size without a word: a wider
+    source lost columns, a narrower one left the rest of each row as it was (before: no error,
+    or a crash of the receiving process). Both sides now swap the rows' shape first."""
+    for message in run_ranks(_mismatched_rows_worker, 2, widths, timeout=120):
+        assert message is not None and "do not move the same rows" in message, message
+        assert f"shape ({widths[0]},)" in message and f"shape ({widths[1]},)" in message, message

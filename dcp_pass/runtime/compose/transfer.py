@@ -574,11 +574,53 @@ def execute_transfer(
     if me == src_rank:
         if src_pool is None:
             raise TransferPlanError(f"rank {me} is the transfer source but src_pool is None")
-        dist.send(pack_rows(src_pool, plan), dst=dst_rank, group=group)
+        packed = pack_rows(src_pool, plan)
+        _agree_on_rows(packed.shape, packed.dtype, packed.device, dst_rank, group, sending=True)
+        dist.send(packed, dst=dst_rank, group=group)
         return n
     if dst_pool is None:
         raise TransferPlanError(f"rank {me} is the transfer destination but dst_pool is None")
-    buf = torch.empty(_packed_shape(plan, dst_pool), dtype=dst_pool.dtype, device=dst_pool.device)
+    shape = _packed_shape(plan, dst_pool)
+    _agree_on_rows(shape, dst_pool.dtype, dst_pool.device, src_rank, group, sending=False)
+    buf = torch.empty(shape, dtype=dst_pool.dtype, device=dst_pool.device)
     dist.recv(buf, src=src_rank, group=group)
     unpack_rows_(dst_pool, plan, buf)
     return n
+
+
+_HEADER_DIMS = 6  # rows and up to 5 dimensions of a row, then the element size and dtype
+
+
+def _rows_header(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    if len(shape) > _HEADER_DIMS:
+        raise TransferPlanError(f"rows of {len(shape) - 1} dimensions are more than a transfer carries")
+    dims = list(shape) + [-1] * (_HEADER_DIMS - len(shape))
+    code = sum(ord(ch) * 31 ** i for i, ch in enumerate(str(dtype))) % (1 << 40)  # the same on both sides
+    return torch.tensor(dims + [torch.empty((), dtype=dtype).element_size(), code], dtype=torch.int64, device=device)
+
+
+def _agree_on_rows(shape, dtype: torch.dtype, device, peer: int, group, sending: bool) -> None:
+    """Both sides of a transfer swap what they move (row count, row shape, dtype) before the
+    rows: a receive buffer shorter or longer than the message would take it without a word
+    (gloo fills a longer one from what arrives and leaves the rest as it was). A mismatch
+    raises on both sides, before any row moves."""
+    mine = _rows_header(shape, dtype, device)
+    theirs = torch.empty_like(mine)
+    if sending:
+        dist.send(mine, dst=peer, group=group)
+        dist.recv(theirs, src=peer, group=group)
+    else:
+        dist.recv(theirs, src=peer, group=group)
+        dist.send(mine, dst=peer, group=group)
+    if not torch.equal(mine, theirs):
+        src, dst = (mine, theirs) if sending else (theirs, mine)
+
+        def describe(h):
+            dims = [int(d) for d in h[:_HEADER_DIMS] if int(d) >= 0]
+            return f"{dims[0]} rows of shape {tuple(dims[1:])}, {int(h[_HEADER_DIMS])}-byte elements"
+
+        raise TransferPlanError(
+            f"the transfer's two sides do not move the same rows: the source packs {describe(src)}, "
+            f"the destination's pool takes {describe(dst)} (dtype codes {int(src[-1])} / {int(dst[-1])}); "
+            f"prefill and decode pools must hold the same row format (latent and rope columns, dtype, "
+            f"fp8 packing)")
