@@ -137,3 +137,14 @@ def test_transfer_into_fp8_rows_says_how():
     decode = PageLayout(page_size=4, dcp_size=2, dcp_rank=0, kv_dtype=torch.uint8)
     with pytest.raises(TransferPlanError, match="kv_format.pack"):
         _check_pair(prefill, decode, "mla")
+
+
+def test_packed_rows_without_their_scales_are_refused():
+    """A compiled fp8 model's shard handed to verification or extend as it is (packed uint8
+    rows, no kv_scale) was read as numbers: finite garbage, outputs up to the byte values."""
+    layout = Fp8Layout(128, 8, torch.float32)
+    rows = pack(torch.randn(1, 8, 136), layout)
+    q = torch.randn(1, 2, 4, 136)
+    with pytest.raises(ValueError, match="kv_format.views"):
+        verify_attention(AttentionCall(q, None, rows[:, 0::2], None, 128, 0.1, kv_lens=torch.tensor([8]),
+                                       stripe=(2, 0)), 2)

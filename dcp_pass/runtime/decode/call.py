@@ -273,6 +273,12 @@ class AttentionCall:
         check_base(self.lse_base)
         if self.kv_scale is not None:
             check_fp8_operands(self)
+        elif not self.kv.dtype.is_floating_point:
+            # packed fp8 rows (uint8) read as numbers would give finite garbage
+            raise ValueError(
+                f"the cache is {str(self.kv.dtype).replace('torch.', '')}, not a float: a packed fp8 shard "
+                f"(kv_cache_dtype='fp8_e4m3') is read through kv_format.views(rows, layout) as kv (its e4m3 "
+                f"latent), kv_scale (its scales) and pe (its rope columns)")
         from dcp_pass.runtime.decode.layout import _check_rank
 
         if len(self.stripe) != 2:
