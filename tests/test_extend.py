@@ -170,3 +170,16 @@ def test_extend_dcp_never_reads_rows_past_the_count(fill):
     out, _ = merge_partials(torch.stack(outs), torch.stack(lses), "e", torch.float64, True)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, _naive(q, qr, prefix, new, new_pe, prefix_pe, lens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_too_small_for_rank_0_is_refused_on_every_rank():
+    """Rank 0 holds the most rows of a striped sequence: a cache that fits rank 1's rows but not
+    rank 0's is refused on both, so no rank writes and goes on to the exchange alone (before:
+    rank 0 raised and rank 1 waited there)."""
+    from dcp_pass.runtime.compose.extend import write_new_tokens_
+
+    c, lens, S = 2, torch.tensor([4]), 1  # 5 tokens: rank 0 holds 3 rows, rank 1 holds 2
+    for rank in range(c):
+        cache = torch.zeros(1, local_length(5, c, 1), DL)
+        with pytest.raises(ValueError, match="needs 3 local rows on rank 0"):
+            write_new_tokens_(cache, torch.randn(1, S, DL), lens, c, rank)

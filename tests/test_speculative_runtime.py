@@ -127,3 +127,8 @@ def test_verify_single_rank_and_query_positions():
         verify_attention(call.replace(q_pos=torch.zeros(3, K)), K)
     with pytest.raises(ValueError, match="page-contiguous"):
         rank_local_page_table([torch.arange(8).flip(0) * 2], [8], 2, 0, 2)
+    # a map whose positions are right for c=2 but whose pages are whole for rank 0 only: every
+    # rank raises, naming rank 1 (before: rank 0 built its table and waited in the exchange)
+    for rank in range(2):
+        with pytest.raises(ValueError, match="rank 1's local slots are not page-contiguous"):
+            rank_local_page_table(torch.tensor([[0, 1, 2, 5]]), [4], 2, rank, 2)

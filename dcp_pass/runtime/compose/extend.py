@@ -109,11 +109,13 @@ def write_new_tokens_(local_cache: torch.Tensor, new: torch.Tensor, prefix_lens:
     _check_rank(c, rank)
     B, S = new.shape[:2]
     lens = _lens(prefix_lens, B)
-    need = int(local_length(lens + S, c, rank).max()) if B else 0
+    # rank 0 holds the most rows: checked against its count on every rank, so that all ranks
+    # raise together (a rank that went on would wait alone in the next exchange)
+    need = int(local_length(lens + S, c, 0).max()) if B else 0
     if need > local_cache.shape[1]:
         raise ValueError(
-            f"extending to {int((lens + S).max())} tokens needs {need} local rows on rank {rank}, "
-            f"the cache has {local_cache.shape[1]}"
+            f"extending to {int((lens + S).max())} tokens needs {need} local rows on rank 0 of the "
+            f"{c} (each rank's cache must hold as many), the cache has {local_cache.shape[1]}"
         )
     for b in range(B):
         striped_write_(local_cache, new[b : b + 1], int(lens[b]), c, rank, batch_start=b)

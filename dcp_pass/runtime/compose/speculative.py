@@ -87,17 +87,28 @@ def rank_local_page_table(
         r2t = torch.as_tensor(r2t).long().to("cpu")
         if r2t.numel() < int(lens[b]):
             raise ValueError(f"row {b}: token map has {r2t.numel()} entries, kv_len is {int(lens[b])}")
-        pos = owned_positions(0, int(lens[b]), c, rank)
-        if pos.numel() and int(r2t[pos].min()) < 0:
-            # v // c of a negative v is a negative page: it would index the pool's last pages
-            raise ValueError(f"row {b}: the token map holds a negative virtual index {int(r2t[pos].min())}")
-        if bool((r2t[pos] % c != rank).any()):
-            raise ValueError(f"row {b}: the token map does not give rank {rank} the positions p % {c} == {rank}")
-        pages = whole_page_ids(r2t[pos] // c, page_size)
-        if pages is None:
-            raise ValueError(f"row {b}: local slots are not page-contiguous; allocate whole widened pages")
-        table[b, : pages.numel()] = pages
+        # every rank's share is checked on every rank: a map wrong for one rank only raises on
+        # all of them, so none goes on to the exchange alone
+        for r in range(c):
+            pages = _local_pages(r2t, int(lens[b]), c, r, page_size, b)
+            if r == rank:
+                table[b, : pages.numel()] = pages
     return table
+
+
+def _local_pages(r2t: torch.Tensor, n: int, c: int, rank: int, page_size: int, b: int) -> torch.Tensor:
+    """Rank `rank`'s physical pages of row `b` (token map `r2t`, `n` tokens); ValueError when
+    the map cannot give them."""
+    pos = owned_positions(0, n, c, rank)
+    if pos.numel() and int(r2t[pos].min()) < 0:
+        # v // c of a negative v is a negative page: it would index the pool's last pages
+        raise ValueError(f"row {b}: the token map holds a negative virtual index {int(r2t[pos].min())}")
+    if bool((r2t[pos] % c != rank).any()):
+        raise ValueError(f"row {b}: the token map does not give rank {rank} the positions p % {c} == {rank}")
+    pages = whole_page_ids(r2t[pos] // c, page_size)
+    if pages is None:
+        raise ValueError(f"row {b}: rank {rank}'s local slots are not page-contiguous; allocate whole widened pages")
+    return pages
 
 
 def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
