@@ -145,12 +145,9 @@ def test_extend_single_rank_equals_both_paths():
         extend_attention_dcp(_call(q, qr, kv.clone(), pe.clone(), 1, 0).replace(kv_lens=3), new, new_pe, lens)
 
 
-@pytest.mark.parametrize("fill", [POISON, float("nan"), float("inf")])
-def test_extend_dcp_never_reads_rows_past_the_count(fill):
-    """Rows past a row's count hold no key: a reused slot's stale NaN or inf there must not
-    reach the output through 0 * NaN (before: the DCP path on the torch kernel gave NaN rows
-    where the gather path and the model without DCP were finite). Every rank's partial,
-    merged in one process, against the float64 reference."""
+def _extend_past_the_count(fill, device, dtype):
+    """Every rank's partial of extend's DCP path over caches whose rows past the counts hold
+    `fill`, merged in one process; (merged output, the float64 reference)."""
     from dcp_pass.runtime.decode.merge import merge_partials
 
     torch.manual_seed(3)
@@ -161,15 +158,37 @@ def test_extend_dcp_never_reads_rows_past_the_count(fill):
     q, qr = torch.randn(B, S, H, DL), torch.randn(B, S, H, DR)
     cap = local_capacity(5 + S, c) + 2
     outs, lses = [], []
+    on = {"device": device, "dtype": dtype}
     for r in range(c):
         kv, pe = _striped(prefix, lens, cap, c, r), _striped(prefix_pe, lens, cap, c, r)
         kv[kv == POISON], pe[pe == POISON] = fill, fill
-        o, lse = extend_attention_dcp(_call(q, qr, kv, pe, c, r), new, new_pe, lens)
-        outs.append(o)
-        lses.append(lse)
+        o, lse = extend_attention_dcp(_call(q.to(**on), qr.to(**on), kv.to(**on), pe.to(**on), c, r), new.to(**on),
+                                      new_pe.to(**on), lens)
+        outs.append(o.cpu())
+        lses.append(lse.cpu())
     out, _ = merge_partials(torch.stack(outs), torch.stack(lses), "e", torch.float64, True)
+    return out, _naive(q, qr, prefix, new, new_pe, prefix_pe, lens)
+
+
+@pytest.mark.parametrize("fill", [POISON, float("nan"), float("inf")])
+def test_extend_dcp_never_reads_rows_past_the_count(fill):
+    """Rows past a row's count hold no key: a reused slot's stale NaN or inf there must not
+    reach the output through 0 * NaN (before: the DCP path on the torch kernel gave NaN rows
+    where the gather path and the model without DCP were finite). Every rank's partial,
+    merged in one process, against the float64 reference."""
+    out, want = _extend_past_the_count(fill, "cpu", torch.float32)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, _naive(q, qr, prefix, new, new_pe, prefix_pe, lens), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_gpu_extend_dcp_never_reads_rows_past_the_count(fill):
+    """The same on the GPU kernels (bf16)."""
+    out, want = _extend_past_the_count(fill, "cuda", torch.bfloat16)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=3e-2, atol=3e-2)
 
 
 def test_a_cache_too_small_for_rank_0_is_refused_on_every_rank():
