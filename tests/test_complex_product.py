@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-import expecttest
+from kit.graphs import PinCase
 import pytest
 import torch
 import torch.fx as fx
@@ -79,7 +79,7 @@ def complex_ops(gm: fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.view_as_complex]
 
 
-class ComplexProductTest(expecttest.TestCase):
+class ComplexProductTest(PinCase):
     def setUp(self):
         torch._dynamo.reset()
 

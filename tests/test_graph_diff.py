@@ -25,7 +25,7 @@ import operator
 import re
 import unittest
 
-import expecttest
+from kit.graphs import PinCase
 
 from dcp_pass.runtime.decode.layout import write_owned_tokens_, write_tokens_at_
 import torch
@@ -106,7 +106,7 @@ def _replicated_region_on_gloo(rank: int, world: int) -> str:
     return region(be.graphs[0]) + "\n---\n" + be.report.summary()
 
 
-class GraphDiffTest(expecttest.TestCase):
+class GraphDiffTest(PinCase):
     def setUp(self):
         torch._dynamo.reset()
 

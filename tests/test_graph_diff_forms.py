@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import unittest
 
-import expecttest
+from kit.graphs import PinCase
 import torch
 
 from dcp_pass.models.mla_forms import FormArgs, build_forms_model
@@ -37,7 +37,7 @@ def decode_stages(form: str, start: int = 5, **kw) -> dict[str, str]:
     return stages[-1]
 
 
-class FormsGraphDiffTest(expecttest.TestCase):
+class FormsGraphDiffTest(PinCase):
     def test_stages_are_every_pass_in_order(self):
         stages = decode_stages("einsum")
         self.assertEqual(list(stages), ["captured", "match", "striped_writes", "query_replication", "attention",

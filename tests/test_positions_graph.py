@@ -5,7 +5,7 @@ a one-element device buffer instead (`dcp_start_pos`, last input) and no int at 
 """
 from __future__ import annotations
 
-import expecttest
+from kit.graphs import PinCase
 import torch
 import torch.distributed as dist
 
@@ -13,7 +13,7 @@ from dcp_pass.backend import DcpBackend
 from kit.graphs import TinyMLA, init_fake_world, render, tiny_inputs
 
 
-class PositionsGraphTest(expecttest.TestCase):
+class PositionsGraphTest(PinCase):
     def setUp(self):
         torch._dynamo.reset()
         init_fake_world(2)
