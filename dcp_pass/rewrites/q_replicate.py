@@ -16,6 +16,7 @@ tensor actually passed: one compiled graph can serve several layers.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -60,19 +61,6 @@ class DcpWeightsError(RuntimeError):
     """A weight whose other ranks' shards this rank holds changed after they were gathered."""
 
 
-@dataclass
-class _Held:
-    """Every DCP rank's shard of one weight, and what the weight was when they were gathered."""
-
-    shards: list[torch.Tensor]
-    version: Optional[int]  # the weight's version counter then (None: an inference tensor has none)
-    data_ptr: int
-
-
-# weight -> {(group name, c): _Held}; weak, so a dead model's gathered weights go with it
-_GATHERED = WeakIdKeyDictionary()
-
-
 def _version(weight: torch.Tensor) -> Optional[int]:
     try:
         return weight._version
@@ -80,8 +68,57 @@ def _version(weight: torch.Tensor) -> Optional[int]:
         return None
 
 
-def _changed(held: _Held, weight: torch.Tensor) -> bool:
-    return held.data_ptr != weight.data_ptr() or held.version != _version(weight)
+@dataclass
+class _Stamp:
+    """What a weight was when the pass last read its values: its version counter (None: an
+    inference tensor has none) and its storage's address. Renewed in place."""
+
+    version: Optional[int]
+    data_ptr: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "_Stamp":
+        return cls(_version(weight), weight.data_ptr())
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        return self.data_ptr == weight.data_ptr() and self.version == _version(weight)
+
+    def renew(self, weight: torch.Tensor) -> None:
+        self.version, self.data_ptr = _version(weight), weight.data_ptr()
+
+
+@dataclass
+class _Held:
+    """Every DCP rank's shard of one weight, and the weight's stamp when they were gathered."""
+
+    shards: list[torch.Tensor]
+    stamp: _Stamp
+
+
+# weight -> {(group name, c): _Held}; weak, so a dead model's gathered weights go with it
+_GATHERED = WeakIdKeyDictionary()
+# weight -> {(group name, c): _Stamp} of the weights found the same on every rank that a graph
+# uses for the other ranks' heads
+_SAME = WeakIdKeyDictionary()
+
+
+class _Recent:
+    """`table`'s entry under `key` for a weight, remembered per weight (by id, confirmed by a
+    weak reference): the per-call lookups cost a plain dictionary's, not a weak-key one's. The
+    entries are renewed in place, so a remembered one stays current."""
+
+    def __init__(self, table: WeakIdKeyDictionary, key: tuple):
+        self.table, self.key = table, key
+        self.seen: dict[int, tuple] = {}
+
+    def __call__(self, weight: torch.Tensor):
+        hit = self.seen.get(id(weight))
+        if hit is not None and hit[0]() is weight:
+            return hit[1]
+        entry = self.table.get(weight, {}).get(self.key)
+        if entry is not None:
+            self.seen[id(weight)] = (weakref.ref(weight), entry)
+        return entry
 
 
 @dataclass
@@ -93,21 +130,24 @@ class WeightCheck:
     check: Callable[[torch.Tensor], None]
 
 
-# weight -> {(group name, c): (version, data_ptr)} of the weights found the same on every rank
-# that a graph uses for the other ranks' heads
-_SAME = WeakIdKeyDictionary()
-
-
 def _remember_same(weight: torch.Tensor, group_name: str, c: int) -> None:
-    _SAME.setdefault(weight, {})[(group_name, c)] = (_version(weight), weight.data_ptr())
+    table = _SAME.setdefault(weight, {})
+    stamp = table.get((group_name, c))
+    if stamp is None:
+        table[(group_name, c)] = _Stamp.of(weight)
+    else:
+        stamp.renew(weight)
     _GATHERED.get(weight, {}).pop((group_name, c), None)  # a graph compiled before the weight changed
 
 
-def check_same_unchanged(weight: torch.Tensor, group_name: str, c: int, name: str) -> None:
+def check_same_unchanged(weight: torch.Tensor, group_name: str, c: int, name: str,
+                         stamp: Optional[_Stamp] = None) -> None:
     """DcpWeightsError when `weight`, which the graph takes as the same on every rank, was
-    written in place or given new storage since that was checked."""
-    base = _SAME.get(weight, {}).get((group_name, c))
-    if base is not None and base != (_version(weight), weight.data_ptr()):
+    written in place or given new storage since that was checked (`stamp`: its entry, when
+    the caller has it)."""
+    if stamp is None:
+        stamp = _SAME.get(weight, {}).get((group_name, c))
+    if stamp is not None and not stamp.matches(weight):
         raise DcpWeightsError(
             f"{name} was the same on every DCP rank when the graph was compiled, and the graph computes the "
             f"other ranks' heads with this rank's copy of it; it changed since (written in place or given new "
@@ -142,15 +182,16 @@ def _gather(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]
             for r, (h, p) in enumerate(zip(held.shards, parts)):
                 if r != own:
                     h.copy_(p)
-        parts[:own] = held.shards[:own]
-        parts[own + 1:] = held.shards[own + 1:]
-    _GATHERED.setdefault(weight, {})[(group_name, c)] = _Held(parts, _version(weight), weight.data_ptr())
+        held.shards[own] = parts[own]
+        held.stamp.renew(weight)
+    else:
+        _GATHERED.setdefault(weight, {})[(group_name, c)] = held = _Held(parts, _Stamp.of(weight))
     _SAME.get(weight, {}).pop((group_name, c), None)  # a graph compiled before the weight changed
-    return parts
+    return held.shards
 
 
 def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "a q weight",
-                    compiling: bool = False) -> list[torch.Tensor]:
+                    compiling: bool = False, held: Optional[_Held] = None) -> list[torch.Tensor]:
     """Every DCP rank's shard of `weight`: gathered on first use (collective), then cached.
     `compiling`: a compile, where every rank gathers together: a changed weight is gathered
     again there.
@@ -161,11 +202,13 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "
     Such a change raises :class:`DcpWeightsError` (`name` says which weight) instead;
     :func:`refresh_weights` gathers them again. Writes torch does not count (through
     ``p.data``, or a collective such as ``dist.broadcast`` into the weight) cannot be seen
-    here: after them, :func:`refresh_weights` is required."""
-    held = _GATHERED.get(weight, {}).get((group_name, c))
-    if held is None or (compiling and _changed(held, weight)):
+    here: after them, :func:`refresh_weights` is required. `held`: the weight's entry, when
+    the caller has it."""
+    if held is None:
+        held = _GATHERED.get(weight, {}).get((group_name, c))
+    if held is None or (compiling and not held.stamp.matches(weight)):
         return _gather(weight, group_name, c)
-    if _changed(held, weight):
+    if not held.stamp.matches(weight):
         raise DcpWeightsError(
             f"{name} changed after the first compiled call (written in place or given new storage), and "
             f"this rank holds the other DCP ranks' shards of it as they were then: call "
@@ -373,8 +416,10 @@ class QueryReplicator:
             node = fx_util.static_placeholder(graph, f"{prefix}_{len(self._weight_inputs)}", axes.example_value(param))
             index = fx_util.placeholders(graph).index(param)
             name = f"the weight {buffer_source(param) or param.name}"
+            recent = _Recent(_GATHERED, (plan.group_name, plan.c))
             self.extra.append(ExtraInput(
-                index, lambda w, n=name: gathered_shards(w, plan.group_name, plan.c, n), rank, example))
+                index, lambda w, n=name, h=recent: gathered_shards(w, plan.group_name, plan.c, n, held=h(w)), rank,
+                example))
             self._weight_inputs[key] = node
         return self._weight_inputs[key]
 
@@ -389,7 +434,9 @@ class QueryReplicator:
         _remember_same(self.values[param.name], plan.group_name, plan.c)
         name = f"the weight {buffer_source(param) or param.name}"
         index = fx_util.placeholders(self.gm.graph).index(param)
-        self.checks.append(WeightCheck(index, lambda w, n=name: check_same_unchanged(w, plan.group_name, plan.c, n)))
+        recent = _Recent(_SAME, (plan.group_name, plan.c))
+        self.checks.append(WeightCheck(
+            index, lambda w, n=name, h=recent: check_same_unchanged(w, plan.group_name, plan.c, n, h(w))))
 
     def _emit(self, match: MlaMatch, region: set[fx.Node], sharded: list[fx.Node]) -> tuple[fx.Node, Optional[fx.Node]]:
         from dcp_pass.rewrites.attention import canonical_query, ordered_terms
