@@ -202,3 +202,12 @@ def test_a_cache_too_small_for_rank_0_is_refused_on_every_rank():
         cache = torch.zeros(1, local_length(5, c, 1), DL)
         with pytest.raises(ValueError, match="needs 3 local rows on rank 0"):
             write_new_tokens_(cache, torch.randn(1, S, DL), lens, c, rank)
+
+
+@pytest.mark.parametrize("lens", [torch.tensor([4.7]), [4.0], 3.0])
+def test_float_prefix_lengths_are_refused(lens):
+    """A float length was cut to an int without a word (4.7 -> 4)."""
+    from dcp_pass.runtime.compose.extend import write_new_tokens_
+
+    with pytest.raises(ValueError, match="must be ints, got floats"):
+        write_new_tokens_(torch.zeros(1, 8, DL), torch.randn(1, 1, DL), lens, 2, 0)

@@ -132,3 +132,5 @@ def test_verify_single_rank_and_query_positions():
     for rank in range(2):
         with pytest.raises(ValueError, match="rank 1's local slots are not page-contiguous"):
             rank_local_page_table(torch.tensor([[0, 1, 2, 5]]), [4], 2, rank, 2)
+    with pytest.raises(ValueError, match="global_kv_len must be ints"):  # was cut to 4 without a word
+        rank_local_page_table([torch.arange(8)], torch.tensor([4.5]), 2, 0, 2)

@@ -46,11 +46,15 @@ Group = Union[None, str, dist.ProcessGroup]
 def _lens(prefix_lens: Lens, batch: int) -> torch.Tensor:
     if isinstance(prefix_lens, torch.Tensor):
         has_bool = prefix_lens.dtype == torch.bool
+        not_int = prefix_lens.dtype.is_floating_point or prefix_lens.dtype.is_complex
     else:
-        has_bool = isinstance(prefix_lens, bool) or (
-            not isinstance(prefix_lens, int) and any(isinstance(x, bool) for x in prefix_lens))
+        items = [prefix_lens] if isinstance(prefix_lens, (int, float)) else list(prefix_lens)
+        has_bool = any(isinstance(x, bool) for x in items)
+        not_int = any(isinstance(x, float) for x in items)
     if has_bool:
         raise ValueError(f"prefix_lens must be ints, got bools: prefix_lens={prefix_lens!r}")
+    if not_int:  # a length of 4.7 would be cut to 4 without a word
+        raise ValueError(f"prefix_lens must be ints, got floats: prefix_lens={prefix_lens!r}")
     t = torch.as_tensor(prefix_lens, dtype=torch.long).to("cpu")
     if t.dim() == 0:
         t = t.expand(batch).clone()

@@ -74,7 +74,10 @@ def rank_local_page_table(
     """
     _check_rank(c, rank)
     _check_positive_int("page_size", page_size)
-    lens = torch.as_tensor(global_kv_len, dtype=torch.long).to("cpu")
+    given = torch.as_tensor(global_kv_len)
+    if given.dtype.is_floating_point or given.dtype == torch.bool:  # 4.7 would be cut to 4 without a word
+        raise ValueError(f"global_kv_len must be ints, got {given.dtype}: {global_kv_len!r}")
+    lens = given.to("cpu", torch.long)
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"global_kv_len must be >= 0, got {lens.tolist()}")
     rows = list(req_to_token) if not isinstance(req_to_token, torch.Tensor) else list(req_to_token.unbind(0))
