@@ -498,6 +498,11 @@ def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
             raise ReadRefused(f"the cache read drops its {_ROLE_WORDS[role]} axis")
     if any(r not in (B, T, F, None) for r in roles):
         raise ReadRefused("a paged read whose pages are not merged into positions")
+    for axis, (lo, hi) in piece.bounds.items():
+        # a paged read's pages and in-page slots become positions only whole: the striped read
+        # gathers every page of the table and every slot of a page
+        if layout[axis] not in (B, T, F) and not (lo == 0 and hi in (None, shape[axis])):
+            raise ReadRefused(f"a paged read of part of its {layout[axis]} ({lo}:{hi} of {shape[axis]})")
     b_axis, t_axis, f_axis = layout.index(B), layout.index(T), layout.index(F)
     b0, b1 = piece.bounds.get(b_axis, (0, None))
     if not (isinstance(b0, int) and b0 == 0):

@@ -65,9 +65,11 @@ def _score_is_biased(score_mod: fx.GraphModule) -> Optional[str]:
         if "score" not in inputs:
             continue
         target = node.target
-        if node.op == "call_function" and target in _ADDS and sorted(inputs[:2]) == ["free", "score"]:
+        # `alpha` scales the second operand (add(b, s, alpha=2) is b + 2 s): only the plain sum is a bias
+        plain = len(node.args) == 2 and not node.kwargs
+        if node.op == "call_function" and target in _ADDS and plain and sorted(inputs[:2]) == ["free", "score"]:
             kind[node] = "score"
-        elif node.op == "call_function" and target in _SUBS and inputs[:2] == ["score", "free"]:
+        elif node.op == "call_function" and target in _SUBS and plain and inputs[:2] == ["score", "free"]:
             kind[node] = "score"
         elif (node.op == "call_function" and target in _WHERES and len(node.args) == 3 and inputs[0] == "free"
               and set(inputs[1:3]) <= {"score", "-inf"}):

@@ -359,6 +359,9 @@ class SoftmaxRecogniser(Recogniser):
         score_roles = layouts[0]
         if any(layout != score_roles for layout in layouts) or sorted(map(str, score_roles)) != sorted([B, S, H, T]):
             raise NearMiss("the score terms are not laid out as one [batch, query position, head, key] tensor")
+        if score_roles[-1] != T:  # the softmax normalises the last axis: it must be the keys'
+            raise NearMiss(f"the softmax runs over the last axis of scores laid out as "
+                           f"[{', '.join(map(str, score_roles))}], which is not the key axis")
         probs, value_node, value = _value_contraction(softmax)
         value_read, out_roles = _value_read(probs, value, score_roles)
         v_width = check_value_read(terms, value_read)
