@@ -9,7 +9,9 @@ then 4 decode steps, max difference to the model without DCP in brackets):
 * `paged_skip_page` / `paged_half_page`: a paged read of part of its pages or of its in-page
   slots, which the striped read gathered whole (1.4-2.9);
 * `flex_alpha`: a flex `score_mod` returning `torch.add(bias, score, alpha=2)`, taken as
-  score + bias (0.8-1.0).
+  score + bias (0.8-1.0);
+* `fill_then_scale`: `masked_fill(future, -1e4) * 1e-4`, whose masked keys reach the softmax
+  at -1, taken as -inf (0.16-1.6).
 """
 from __future__ import annotations
 
@@ -48,6 +50,11 @@ class Forms(nn.Module):
         if self.form == "softmax_over_heads":
             scores = (torch.einsum("bshc,btc->bsth", q, kv) + torch.einsum("bshr,btr->bsth", q_pe, pe)) * 0.3
             return torch.einsum("bsth,btc->bshc", scores.softmax(-1), kv)
+        if self.form == "fill_then_scale":
+            scores = torch.einsum("bshc,btc->bsht", q, kv) + torch.einsum("bshr,btr->bsht", q_pe, pe)
+            future = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+            scores = scores.masked_fill(future[None, :, None, :], -1e4) * 1e-4
+            return torch.einsum("bsht,btc->bshc", scores.softmax(-1), kv)
         from torch.nn.attention.flex_attention import flex_attention
 
         def twice_the_score(score, b, h, q_idx, kv_idx):
@@ -99,6 +106,7 @@ def _rank(rank, world, form):
     ("paged_skip_page", ""),
     ("paged_half_page", ""),
     ("flex_alpha", "score_mod applies `add` to the score"),
+    ("fill_then_scale", "scaled by 0.0001 before the softmax"),
 ])
 def test_forms_a_rewrite_would_change_are_left_unchanged(form, reason):
     for distance, rewritten, summary in run_ranks(_rank, 2, form, timeout=300):

@@ -104,9 +104,11 @@ class ScoreParser:
             return
         if axes.is_method(node, "masked_fill", "masked_fill_") or axes.is_function(node, torch.masked_fill):
             fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
-            if not _is_number(fill) or fill > MASK_FILL_FLOOR:
-                raise NearMiss(f"masked_fill with value {fill!r} on the attention scores (only -inf-like "
-                               f"fills are exact)", node)
+            # the fill as the softmax sees it, after the scales applied to it later
+            if not _is_number(fill) or fill > MASK_FILL_FLOOR or fill * mult > MASK_FILL_FLOOR:
+                raise NearMiss(f"masked_fill with value {fill!r} on the attention scores"
+                               + (f", scaled by {mult!r} before the softmax" if _is_number(fill) and mult != 1.0
+                                  else "") + " (only -inf-like fills are exact)", node)
             self.parse(node.args[0], mult)
             self.masks.append((node.args[1], "bool", 1.0))
             return
