@@ -282,12 +282,14 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
     near: list[tuple[str, str]] = []
     notes: list[str] = []
     claimed: set[fx.Node] = set()
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for recogniser in sorted(recognisers.values(), key=lambda r: r.priority):
         for node in list(recogniser.anchors(graph)):
             if node in claimed:
                 continue
             try:
                 match = recogniser.match(node, ctx)
+                _check_no_write_between_reads(match, ctx, order)
             except NotAttention as why:
                 if str(why):
                     notes.append(f"{where_of(node)}: {why}")
@@ -298,6 +300,19 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
             claimed.update((match.anchor, match.output))
             match.writes = [w for buf in match.buffers for w in ctx.writes.get(buf, [])]
             matches.append(match)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     matches.sort(key=lambda m: order[m.anchor])
     return GraphMatches(matches, near, ctx.writes, notes)
+
+
+def _check_no_write_between_reads(match: MlaMatch, ctx: MatchContext, order: dict[fx.Node, int]) -> None:
+    """NearMiss when a cache the match reads is written between its first read and its output
+    (after the scores, before the values read it again): the rewrite attends over the shard as
+    it is at one point, before the softmax."""
+    reads = [t.cache.node for t in match.terms] + [match.value_cache.node]
+    first = min(order[n] for n in reads if n in order)
+    last = max([order[n] for n in reads if n in order] + [order.get(match.output, -1)])
+    for buffer in match.buffers:
+        for write in ctx.writes.get(buffer, []):
+            if first < order.get(write.node, -1) < last:
+                raise NearMiss(f"{buffer_name(buffer)} is written between its reads by this attention (its scores "
+                               f"and its values would see different contents)", write.node)
