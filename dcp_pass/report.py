@@ -194,8 +194,7 @@ class DcpReport:
         if ident in self._keys:
             return None
         key = ("renewed", name, layer) if renewed else ("buffer", ident)
-        known = key in self.caches
-        self.caches.pop(key, None)  # a dead buffer's id reused: the old entry moves aside below
+        known = key in self.caches  # a renewed cache's earlier tensor: this one takes its place
         self.caches[key] = (name, full, local)
         self._keys[ident] = key
         try:

@@ -40,9 +40,6 @@ class ExtraInput:
     rank: int
     example: torch.Tensor
 
-    def resolve(self, value: torch.Tensor) -> torch.Tensor:
-        return self.shards(value)[self.rank]
-
 
 def resolve_inputs(extra: list[ExtraInput], args) -> list[torch.Tensor]:
     """The values of `extra` for one call with inputs `args`: each weight's shards looked up

@@ -26,7 +26,7 @@ import torch
 
 from dcp_pass.runtime.decode.backends import attend
 from dcp_pass.runtime.decode.call import AttentionCall
-from dcp_pass.runtime.decode.layout import _check_rank, local_length, owned_positions, whole_page_ids
+from dcp_pass.runtime.decode.layout import _check_rank, local_length, owned_positions, whole_page_ids, zero_rows
 
 __all__ = [
     "verify_query_positions",
@@ -123,10 +123,7 @@ def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Zero the rows at or past each sequence's local length of a [B, T, D] view."""
-    if x.element_size() == 1 and x.dtype.is_floating_point:  # float8: zero bytes are +0.0
-        return _zero_tail(x.view(torch.uint8), lens).view(x.dtype)
-    keep = torch.arange(x.shape[1], device=x.device).view(1, -1, 1) < lens.view(-1, 1, 1)
-    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return zero_rows(x, torch.arange(x.shape[1], device=x.device).view(1, -1) < lens.view(-1, 1))
 
 
 _VERIFY_ARGS = ("q_lat", "q_rope", "local_kv", "local_pe", "global_kv_len", "k_tokens", "c", "rank", "scale", "v_dim",

@@ -596,7 +596,7 @@ def _rows_header(shape, dtype: torch.dtype, device) -> torch.Tensor:
         raise TransferPlanError(f"rows of {len(shape) - 1} dimensions are more than a transfer carries")
     dims = list(shape) + [-1] * (_HEADER_DIMS - len(shape))
     code = sum(ord(ch) * 31 ** i for i, ch in enumerate(str(dtype))) % (1 << 40)  # the same on both sides
-    return torch.tensor(dims + [torch.empty((), dtype=dtype).element_size(), code], dtype=torch.int64, device=device)
+    return torch.tensor(dims + [dtype.itemsize, code], dtype=torch.int64, device=device)
 
 
 def _agree_on_rows(shape, dtype: torch.dtype, device, peer: int, group, sending: bool) -> None:

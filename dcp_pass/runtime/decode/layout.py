@@ -164,6 +164,15 @@ def whole_page_ids(slots: torch.Tensor, page_size: int) -> Optional[torch.Tensor
 # --------------------------------------------------------------- dense striped caches
 
 
+def zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`x` [B, T, ...] with the rows where `keep` [B, T] is False zeroed (float8 through its
+    bytes: zero bytes are +0.0)."""
+    if x.element_size() == 1 and x.dtype.is_floating_point:
+        return zero_rows(x.view(torch.uint8), keep).view(x.dtype)
+    keep = keep.view(*keep.shape, *([1] * (x.dim() - 2)))
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def shard_full_cache(full: torch.Tensor, c: int, r: int) -> torch.Tensor:
     """Rank ``r``'s shard of an unsharded ``[B, T, D]`` cache, shaped ``[B, ceil(T/c), D]``.
 

@@ -17,6 +17,7 @@ import torch
 
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape, ShardView, check_base
 from dcp_pass.runtime.decode.kv_format import dequantize
+from dcp_pass.runtime.decode.layout import local_length, zero_rows
 
 LOG2E = 1.4426950408889634
 
@@ -53,7 +54,6 @@ def _present(view: ShardView, B: int, T: int, device) -> Optional[torch.Tensor]:
     view starts after); None without counts."""
     if view.kv_lens is None:
         return None
-    from dcp_pass.runtime.decode.layout import local_length
 
     lens = local_length(view.kv_lens.to(device=device, dtype=torch.long).clamp(min=0), *view.lens_stripe)
     lens = (lens - view.first_row).clamp(min=0).expand(B)
@@ -64,12 +64,7 @@ def _zero_absent(x: Optional[torch.Tensor], present: Optional[torch.Tensor]) -> 
     """`x` [B, T, ...] with its rows past the count zeroed: rows no key lives in (a reused
     slot, bytes never written) may hold anything, NaN included, and must not reach the output
     through 0 * NaN, as in the kernels, which never load them. Rows inside the count are data."""
-    if x is None or present is None:
-        return x
-    if x.element_size() == 1 and x.dtype.is_floating_point:  # float8: zero bytes are +0.0
-        return _zero_absent(x.view(torch.uint8), present).view(x.dtype)
-    keep = present.view(*present.shape, *([1] * (x.dim() - 2)))
-    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x if x is None or present is None else zero_rows(x, present)
 
 
 def _visible(view: ShardView, B: int, S: int, T: int, device) -> torch.Tensor:
