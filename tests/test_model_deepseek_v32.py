@@ -242,6 +242,53 @@ def _dcp_rank(rank: int, world: int, inner: str, prompts: list[int]):
     }
 
 
+def _bf16_rank(rank: int, world: int, inner: str):
+    """The official code's dtype mix: bf16 weights and caches (the default dtype bf16, as its
+    generate.py sets it), fp32 queries and softmax in the decode scores, `scores.type_as(x)`
+    against the bf16 cache, fp32 indexer parts. Returns each model's largest error against
+    the same weights in fp32, and what the pass rewrote."""
+    import dcp_pass
+
+    torch.set_grad_enabled(False)
+    torch._dynamo.reset()
+    tokens = _tokens(2, PROMPT + STEPS)
+    layers = ModelArgs().n_layers
+    fp32 = _generate(build_model(ModelArgs(n_dense_layers=layers), world_size=world), tokens)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        args = ModelArgs(dtype="bf16", n_dense_layers=layers)
+        eager = _generate(build_model(args, world_size=world), tokens)
+        model = build_model(args, world_size=world)
+        compiled = torch.compile(model, backend="dcp", options={"dcp_size": world, "tp_size": world, "inner": inner})
+        got = _generate(compiled, tokens)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    report = dcp_pass.last_report()
+    torch._dynamo.reset()
+    return {
+        "eager_err": max(_rel(e.float(), f) for e, f in zip(eager, fp32)),
+        "dcp_err": max(_rel(g.float(), f) for g, f in zip(got, fp32)),
+        "dcp_vs_eager": max(_rel(g.float(), e.float()) for g, e in zip(got, eager)),
+        "layers": report.layers_rewritten, "summary": str(report),
+        "projected": sum("v-projection before merge" in layer.detail
+                         for graph in report.graphs for layer in graph.layers),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, inner", [(2, "aot_eager")] + (
+    [(4, "eager"), (2, "inductor"), (4, "inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else []))
+def test_bf16_model_with_fp32_scores_under_dcp(world, inner):
+    """bf16 weights and caches with fp32 queries and softmax: the value projection moved
+    before the merge takes the fp32 partials as the model's bf16 attention output (it
+    multiplied fp32 partials by the bf16 w_vc and failed to compile). DCP is as close to the
+    fp32 model as the bf16 model itself is (bf16 rounds the probabilities the model rounds,
+    and the indexer's top-k follows the activations)."""
+    for r in run_ranks(_bf16_rank, world, inner, timeout=1500):
+        assert r["layers"] == ModelArgs().n_layers and r["projected"] == r["layers"], r["summary"]
+        assert r["dcp_err"] <= 1.25 * r["eager_err"], (r["dcp_err"], r["eager_err"], r["dcp_vs_eager"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world, inner", [(2, "aot_eager")] + (
     [(4, "aot_eager"), (2, "inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else []))

@@ -132,7 +132,8 @@ def test_found_and_moved_projection_computes_the_same(use):
         found = _find(gm, example, exchange)
         want = gm(*example)
         # head chunk r projected by weights[r]: here every rank's weight is the module's
-        project_merge.emit_projection(gm.graph, exchange, found, [found.weight] * C, torch.float32)
+        project_merge.emit_projection(gm.graph, exchange, found, [found.weight] * C, torch.float32, torch.float32,
+                                      torch.float32)
         gm.graph.lint()
         gm.recompile()
         return found, want, gm(*example), [n for n in gm.graph.nodes if n.target is merge_chunks]

@@ -295,6 +295,10 @@ class ProjectBeforeMerge(GraphPass):
         exchange = layer.merged.exchange
         found = project_merge.find_projection(exchange, layer.shape, q_replicate.is_parameter)
         out_dtype = fx_util.node_value(found.node).dtype  # the projection's
+        in_dtype = layer.match.out_dtype  # the attention output the projection read
+        project_merge.check_operand_dtypes(in_dtype, fx_util.node_value(found.weight).dtype)
+        query = fx_util.node_value(layer.match.terms[0].query)  # the local attention's output has its dtype
+        partial_dtype = query.dtype if isinstance(query, torch.Tensor) else None
         if plan.comm_backend == "fi_a2a" and plan.head_sharded and (found.v_dim * out_dtype.itemsize) % 16:
             raise project_merge.NotProjected(
                 f"FlashInfer's all-to-all moves rows of 16-byte multiples, and {found.v_dim} "
@@ -318,7 +322,7 @@ class ProjectBeforeMerge(GraphPass):
                     lambda p, r=r: state.replicator.weight_input(p, r, prefix="dcp_vc_weight"))
                 for r in range(plan.c)
             ]
-        project_merge.emit_projection(graph, exchange, found, weights, out_dtype)
+        project_merge.emit_projection(graph, exchange, found, weights, in_dtype, partial_dtype, out_dtype)
         return f"v-projection before merge (exchanges {found.v_dim} instead of {layer.shape[3]} columns per head)"
 
 

@@ -375,15 +375,29 @@ def _laid_out(graph: fx.Graph, node: fx.Node, out_roles: list[Axis]) -> fx.Node:
     return node
 
 
+def check_operand_dtypes(in_dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    """The moved contraction joins the attention output and the weight as the model's did:
+    torch's contractions take operands of one dtype, so they must agree."""
+    if in_dtype != weight_dtype:
+        raise NotProjected(f"the projection multiplies a {str(in_dtype).replace('torch.', '')} attention output "
+                           f"by a {str(weight_dtype).replace('torch.', '')} weight")
+
+
 def emit_projection(graph: fx.Graph, exchange: fx.Node, projection: ValueProjection, weights: Sequence[fx.Node],
-                    out_dtype: torch.dtype) -> fx.Node:
+                    in_dtype: torch.dtype, partial_dtype: Optional[torch.dtype], out_dtype: torch.dtype) -> fx.Node:
     """Project the partial output before `exchange` and merge the projected partials.
 
     `weights`: one per DCP rank in rank order (head-sharded: head chunk r is projected by
-    weights[r]), or one for all heads. Returns the node the projection's users now read.
+    weights[r]), or one for all heads. `in_dtype`: the dtype of the attention output the
+    model's projection read (the weight's); `partial_dtype`: the local attention's output
+    dtype (the query's, None when unknown). A partial of another dtype (fp32 queries and
+    softmax, bf16 weights: DeepSeek-V3.2's decode) is cast to `in_dtype` first, as the
+    model's merged output was. Returns the node the projection's users now read.
     """
     partial, lse = exchange.args[0], exchange.args[1]
     with graph.inserting_before(projection.node):
+        if partial_dtype != in_dtype:
+            partial = method(graph, "to", partial, in_dtype, name="partial_cast")
         if len(weights) > 1:
             heads = method(graph, "chunk", partial, len(weights), 2, name="partial_heads")
             parts = []
