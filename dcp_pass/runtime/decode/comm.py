@@ -69,8 +69,23 @@ def _all_gather0(x: Tensor, group_name: str, c: int) -> Tensor:
     """[*s] -> [c, *s], slot j holding DCP rank j's tensor."""
     if c == 1:
         return x.unsqueeze(0)
+    if _gathers_by_all_to_all(x, group_name):
+        return _all_to_all0(x.unsqueeze(0).expand(c, *x.shape), group_name, c)
     out = _fc.all_gather_into_tensor(x.contiguous().unsqueeze(0), c, group_name)
     return _fc.wait_tensor(out)
+
+
+def _gathers_by_all_to_all(x: Tensor, group_name: str) -> bool:
+    """Whether the all-gather goes through all_to_all_single (each rank sends its tensor to
+    every rank): a gloo group given CUDA tensors (ranks sharing one GPU, a functional test
+    set-up) crashes in torch's functional all_gather_into_tensor (torch 2.11: a segfault in
+    wait_tensor) and runs its all_to_all_single. Decided while tracing, from the group and
+    the tensor's device: the same on every rank."""
+    if x.device.type != "cuda":
+        return False
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_backend(_resolve_process_group(group_name)) == "gloo"
 
 
 def _all_to_all0(x: Tensor, group_name: str, c: int) -> Tensor:
