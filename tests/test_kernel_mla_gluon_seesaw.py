@@ -42,7 +42,7 @@ def test_which_calls_it_takes():
         assert S.supports(dataclasses.replace(H200, **kw)) is None, kw
     reasons = {"one row per request": dict(mask="full"), "Hopper": dict(capability=8),
                "bfloat16": dict(dtype=torch.float16), "multiples of 16": dict(rows16=False),
-               "page pools": dict(paged=True), "torch reference only": dict(per_head=True)}
+               "page pools": dict(paged=True), "the per-head kernel": dict(per_head=True)}
     for words, kw in reasons.items():
         reason = S.supports(dataclasses.replace(H200, **kw))
         assert reason is not None and words in reason, (kw, reason)

@@ -19,8 +19,8 @@ import dataclasses
 import pytest
 import torch
 
-from dcp_pass.runtime.decode.backends import (ATTENTION_BACKENDS, AttentionBackendUnavailable, choose_kernel,
-                                              resolve_attention_backend)
+from dcp_pass.runtime.decode.backends import (ATTENTION_BACKENDS, AttentionBackendUnavailable, auto_kernels,
+                                              choose_kernel, resolve_attention_backend)
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape
 from dcp_pass.runtime.decode.kernels import registry
 from dcp_pass.runtime.decode.kernels.gluon_common import HAS_GLUON, GluonConfig, Schedule
@@ -35,6 +35,7 @@ LAYOUTS = {  # d_main, d_tail, v_dim, fused
     "sep128": dict(d_main=128, d_tail=32, v_dim=128, fused=False),
     "fused200": dict(d_main=200, d_tail=24, v_dim=200, fused=True),
     "fused2048": dict(d_main=2048, d_tail=64, v_dim=2048, fused=True),
+    "heads128": dict(d_main=128, d_tail=0, v_dim=128, fused=False),  # with per_head=True: GQA / MHA
 }
 ALIGN = {"a16": dict(gluon_aligned=True, rows16=True), "a8": dict(gluon_aligned=True, rows16=False),
          "a4": dict(gluon_aligned=False, rows16=False)}
@@ -112,11 +113,12 @@ def test_the_chosen_kernel_is_pinned(monkeypatch, what, kw, expected):
 
 def test_registry_order_and_entries():
     assert list(registry.KERNELS) == ["gluon_seesaw", "gluon_roles", "gluon_lock_step", "gluon_fp8", "gluon_fp8_narrow",
-                                      "wide", "split", "flashinfer", "torch"]
+                                      "wide", "split", "per_head", "flashinfer", "torch"]
     assert registry.TRITON_KERNELS == ATTENTION_BACKENDS["triton"].kernels
     assert {k: v.cost_key for k, v in registry.KERNELS.items()} == {
         "gluon_seesaw": "seesaw", "gluon_roles": "gluon", "gluon_lock_step": "gluon", "gluon_fp8": None,
-        "gluon_fp8_narrow": None, "wide": "wide", "split": "split", "flashinfer": "flashinfer", "torch": None}
+        "gluon_fp8_narrow": None, "wide": "wide", "split": "split", "per_head": "per_head", "flashinfer": "flashinfer",
+        "torch": None}
     # fp8 calls are chosen by timings on fp8 rows, under keys of their own
     assert {k: v.fp8_cost_key for k, v in registry.KERNELS.items() if v.fp8_cost_key} == {
         "gluon_fp8": "gluon_fp8", "gluon_fp8_narrow": "gluon_fp8_narrow", "wide": "wide_fp8", "split": "split_fp8"}
@@ -138,9 +140,39 @@ def test_reasons_say_why():
     assert "Triton 3.6" in registry.KERNELS["gluon_roles"].offered(dataclasses.replace(s, triton="3.9.0"))
     assert "1024 + 256" in registry.KERNELS["split"].supports(shape(layout="fused2048"))
     assert registry.KERNELS["torch"].supports(s) is None
-    for name in ("gluon_roles", "gluon_lock_step", "wide", "split", "flashinfer"):  # the reference's calls only
-        assert "torch reference only" in registry.KERNELS[name].supports(dataclasses.replace(s, per_head=True))
+    for name in ("gluon_roles", "gluon_lock_step", "wide", "split", "flashinfer"):  # not MLA kernels' calls
+        assert "the per-head kernel" in registry.KERNELS[name].supports(dataclasses.replace(s, per_head=True))
         assert "torch reference only" in registry.KERNELS[name].supports(dataclasses.replace(s, offset_lens=True))
+    assert "not an MLA latent cache" in registry.KERNELS["per_head"].supports(s)
+    heads = dataclasses.replace(s, per_head=True, d_main=128, d_tail=0, v_dim=128, fused=False)
+    assert "up to 256" in registry.KERNELS["per_head"].supports(dataclasses.replace(heads, d_main=320))
+    assert "float16, bfloat16 or float32" in registry.KERNELS["per_head"].supports(
+        dataclasses.replace(heads, dtype=torch.float64))
+    assert "one dtype" in registry.KERNELS["per_head"].supports(dataclasses.replace(heads, same_dtypes=False))
+
+
+@pytest.mark.parametrize("dtype, backend, expected", [
+    ("bf16", "auto", "per_head"), ("fp16", "auto", "per_head"), ("bf16", "triton", "per_head"),
+    ("bf16", None, "per_head"), ("fp32", "auto", "torch"), ("fp32", "triton", "per_head"), ("bf16", "torch", "torch"),
+    ("bf16", "flashinfer", "torch"),
+])
+def test_per_head_calls_choose_the_per_head_kernel_on_cuda(monkeypatch, dtype, backend, expected):
+    """GQA / MHA calls on CUDA: the per-head kernel for every head count, kind of call and
+    size under "auto" and "triton" (fp32 "auto" is the reference's checking mode); the
+    reference for "torch", and where nothing else takes the call."""
+    for name in ("DCP_MLA_WIDE", "DCP_MLA_GLUON"):
+        monkeypatch.delenv(name, raising=False)
+    for heads in (8, 32, 128):
+        for kind in KINDS.values():
+            for tokens, batch, keys in ((1, 1, 4096), (4, 8, 32768), (1, 32, 131072)):
+                s = shape("heads128", dtype=dtype, heads=heads, tokens=tokens, batch=batch, keys=keys, per_head=True,
+                          **kind)
+                assert pick(s, backend) == expected, (s.describe(), backend)
+                if backend == "auto" and expected != "torch":  # the op's "auto" adds FlashInfer, which refuses them
+                    entry = resolve_attention_backend("auto", torch.device("cuda"), s.dtype, strict=False)
+                    assert registry.choose(s, auto_kernels(entry)).name == expected
+    big = dataclasses.replace(shape("heads128", per_head=True), d_main=512, v_dim=512)
+    assert pick(big) == "torch"  # head dims past 256: the reference
 
 
 @needs_gluon

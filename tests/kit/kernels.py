@@ -203,5 +203,5 @@ FP8_GLUON_REFUSALS = {
     "bfloat16 queries": dict(query_dtype=torch.float16),
     "512 latent": dict(d_main=256),
     "row strides of 8k": dict(gluon_aligned=False),
-    "torch reference only": dict(per_head=True),
+    "the per-head kernel": dict(per_head=True),
 }

@@ -99,7 +99,8 @@ def _flashinfer_available(device: torch.device, dtype: Optional[torch.dtype] = N
 ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
     "triton": AttentionBackend(
         "triton", _triton_available, TRITON_KERNELS, "e",
-        "the fastest Triton-family kernel for the call (Gluon, two-GEMM or split-KV; kernels/registry.py)",
+        "the fastest Triton-family kernel for the call (MLA: Gluon, two-GEMM or split-KV; per-head keys and values: "
+        "the per-head split-KV kernel; kernels/registry.py)",
     ),
     "flashinfer": AttentionBackend(
         "flashinfer", _flashinfer_available, ("flashinfer",), "2",

@@ -172,8 +172,9 @@ def local_attention(
     :func:`mla_local_attention` (mask: additive fp32, broadcastable to
     ``[B,S,H,kv_len - kv_start]``; the op keeps its stripe). Returns ``out [B,S,H,Dv]`` (q's
     dtype) and ``lse [B,S,H]`` (fp32, fp64 for fp64 inputs) in ``lse_base``; a rank with no
-    visible key gives 0 and -inf. Only the torch reference takes per-head caches so far: every
-    backend name runs it (kernels/registry.py: the kernels' supports()).
+    visible key gives 0 and -inf. On CUDA, "auto" and "triton" run the per-head split-KV Triton
+    kernel (kernels/per_head_attention.py) for 16-bit caches; "auto" keeps the torch reference
+    for fp32 caches (the checking mode) and off CUDA, and "torch" always runs it.
     """
     from dcp_pass.runtime.decode.backends import attend
     from dcp_pass.runtime.decode.call import AttentionCall

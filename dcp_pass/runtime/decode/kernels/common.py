@@ -50,7 +50,7 @@ __all__ = [
     "outputs",
     "check_launchable",
     "lse_scale",
-    "only_reference",
+    "mla_refusal",
     "fp8_reason",
     "triton_reason",
     "lens_operand",
@@ -298,10 +298,10 @@ def lse_scale(base):
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def only_reference(shape) -> Optional[str]:
-    """The calls only the torch reference takes, and why (None for the others)."""
+def mla_refusal(shape) -> Optional[str]:
+    """The calls no MLA kernel takes, and why (None for the others)."""
     if shape.per_head:
-        return "per-head keys and values (GQA / MHA): the torch reference only"
+        return "per-head keys and values (GQA / MHA): the per-head kernel and the torch reference take them"
     if shape.offset_lens:
         return "a window start (kv_start) with device key counts: the torch reference only"
     return None
@@ -324,7 +324,7 @@ def triton_reason(shape, fp8: bool = False) -> Optional[str]:
     if not HAS_TRITON:
         return "triton is not importable"
     if shape.per_head or shape.offset_lens:
-        return only_reference(shape)
+        return mla_refusal(shape)
     if shape.kv_quant:
         if not fp8:
             return fp8_reason(shape)

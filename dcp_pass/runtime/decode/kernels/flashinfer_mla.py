@@ -124,9 +124,9 @@ def supports(shape) -> Optional[str]:
     call's shape). A mask is refused by the run itself, with its own message (the pass refuses
     masked layers at compile time, backend table ``takes_mask``)."""
     if shape.per_head or shape.offset_lens:
-        from .common import only_reference
+        from .common import mla_refusal
 
-        return only_reference(shape)
+        return mla_refusal(shape)
     if not _installed():
         return "cannot run: flashinfer is not installed"
     if shape.device != "cuda":

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .common import fp8_reason, launch, lens_operand, only_reference, outputs
+from .common import fp8_reason, launch, lens_operand, mla_refusal, outputs
 
 try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
     import triton
@@ -158,7 +158,7 @@ def _gluon_call_reason(shape) -> Optional[str]:
     if not HAS_GLUON:
         return "this Triton has no Gluon"
     if shape.per_head or shape.offset_lens:
-        return only_reference(shape)
+        return mla_refusal(shape)
     return None
 
 

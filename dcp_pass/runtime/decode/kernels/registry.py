@@ -13,7 +13,8 @@ if so, whether the chooser should consider it:
   ``config`` where the kernel has them).
 
 :func:`choose` picks among the kernels of a backend (``backends.py`` names the families:
-"triton" is the Gluon forms, the two-GEMM and the split kernel): those that support the
+"triton" is the Gluon forms, the two-GEMM and the split kernel for MLA calls, the per-head kernel for
+GQA / MHA calls): those that support the
 call and are offered, the fastest measured nearest its shape (``path_table.py``, each
 entry's ``cost_key``), else the first, in registry order, that takes unmeasured calls.
 The ``DCP_MLA_WIDE`` / ``DCP_MLA_GLUON`` switches (``dcp_pass/env.py``) turn kernels off or
@@ -108,13 +109,17 @@ KERNELS: Dict[str, Kernel] = {k.name: k for k in (
            replayable=True, fp8_cost_key="wide_fp8"),
     Kernel("split", "mla_attention", "split", "split-KV flash-decoding Triton kernel (any Triton layout, paged too)",
            replayable=True, fp8_cost_key="split_fp8"),
+    Kernel("per_head", "per_head_attention", "per_head",
+           "split-KV flash-decoding Triton kernel for per-head keys and values (GQA / MHA): each K / V tile read "
+           "once for every query head of its group", replayable=True),
     Kernel("flashinfer", "flashinfer_mla", "flashinfer",
            "FlashInfer's BatchMLAPagedAttentionWrapper: host-side plan, no additive masks"),
     Kernel("torch", "reference", None, "torch reference (runs everywhere; the fp32 checking mode)"),
 )}
 
 # what the "triton" backend chooses from
-TRITON_KERNELS = ("gluon_seesaw", "gluon_roles", "gluon_lock_step", "gluon_fp8", "gluon_fp8_narrow", "wide", "split")
+TRITON_KERNELS = ("gluon_seesaw", "gluon_roles", "gluon_lock_step", "gluon_fp8", "gluon_fp8_narrow", "wide", "split",
+                  "per_head")
 
 # group -> why its kernels are no longer offered in this process (they failed to build here);
 # the same Triton on every rank makes the same decision
