@@ -32,9 +32,9 @@ from typing import Optional
 
 import torch
 
-from .common import (HAS_TRITON, LOG2E, TRITON_DTYPES, AttentionCall, ShardView, causal_operand, check_base,
-                     check_launchable, cuda_properties, keys_up_to, launch, lens_operand, mask_operand, outputs,
-                     positions_i32, pow2, shard_keys, INTERPRETED)
+from .common import (HAS_TRITON, INTERPRETED, LOG2E, TRITON_DTYPES, AttentionCall, ShardView, causal_operand,
+                     check_base, check_launchable, cuda_properties, keys_up_to, launch, lens_operand, mask_operand,
+                     outputs, positions_i32, pow2, shard_keys)
 from .splits import partial_outputs, reduce_launch, split_count
 
 if HAS_TRITON:
@@ -44,7 +44,7 @@ else:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-__all__ = ["PerHeadConfig", "pick_config", "supports", "run", "MAX_HEAD_DIM"]
+__all__ = ["MAX_HEAD_DIM", "PerHeadConfig", "pick_config", "run", "supports"]
 
 MAX_HEAD_DIM = 256  # key and value columns a program holds (D and Dv up to this)
 
@@ -254,7 +254,7 @@ def _check_operands(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k and v must be 4-D ([B,S,H,D], [B,T,Hk,D], [B,T,Hk,Dv]), got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, S, H, D = q.shape
+    B, _, H, D = q.shape
     Hk = k.shape[2]
     if Hk == 0 or H % Hk:
         raise ValueError(f"the query's {H} heads must be a multiple of the {Hk} key/value heads")
