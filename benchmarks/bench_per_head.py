@@ -22,6 +22,7 @@ written by a 2 GiB device-to-device copy). Correctness: the kernel's output and 
 the fp32 torch reference of the same call, and every peer against it.
 
     python benchmarks/bench_per_head.py --out benchmarks/results/per_head_h100.json [--sweep]
+    python benchmarks/bench_per_head.py --layers 32/8/64/64,32/8/192/128,32/8/128/256,16/16/192/128 --keys 16384
 """
 from __future__ import annotations
 
@@ -42,11 +43,11 @@ from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E4
 LOG2E = 1.4426950408889634
 
 
-def make(B, H, Hk, D, T, dtype=torch.bfloat16):
+def make(B, H, Hk, D, Dv, T, dtype=torch.bfloat16):
     g = torch.Generator(device="cuda").manual_seed(1234 + T)
     q = torch.randn(B, 1, H, D, device="cuda", dtype=dtype, generator=g)
     k_store = torch.randn(B, Hk, T, D, device="cuda", dtype=dtype, generator=g)
-    v_store = torch.randn(B, Hk, T, D, device="cuda", dtype=dtype, generator=g)
+    v_store = torch.randn(B, Hk, T, Dv, device="cuda", dtype=dtype, generator=g)
     lens = torch.full((B,), T, device="cuda", dtype=torch.int64)
     return q, k_store, v_store, lens
 
@@ -57,15 +58,16 @@ def rel(a, b):
 
 
 def peers(q, k_store, v_store, scale):
-    """name -> fn() returning (out [B, 1, H, D], lse_e [B, 1, H]) of each peer on the same storage."""
+    """name -> fn() returning (out [B, 1, H, Dv], lse_e [B, 1, H]) of each peer on the same storage."""
     B, _, H, D = q.shape
+    Dv = v_store.shape[-1]
     Hk, T = k_store.shape[1], k_store.shape[2]
     G = H // Hk
     k_bthd, v_bthd = k_store.transpose(1, 2), v_store.transpose(1, 2)
     q_packed = q.view(B, H, D).view(B, Hk, G, D)  # the group's heads as query tokens
 
-    def unpack(o, lse):  # [B, Hk, G, D], [B, Hk, G] -> [B, 1, H, D], [B, 1, H]
-        return o.reshape(B, 1, H, D), lse.reshape(B, 1, H)
+    def unpack(o, lse):  # [B, Hk, G, Dv], [B, Hk, G] -> [B, 1, H, Dv], [B, 1, H]
+        return o.reshape(B, 1, H, Dv), lse.reshape(B, 1, H)
 
     def flash_fwd():
         o, lse = torch.ops.aten._flash_attention_forward(q, k_bthd, v_bthd, None, None, 1, T, 0.0, False, False,
@@ -102,15 +104,15 @@ def median(xs):
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
-def one_shape(B, H, Hk, D, T, copy_bw, sweep, passes):
-    q, k_store, v_store, lens = make(B, H, Hk, D, T)
+def one_shape(B, H, Hk, D, Dv, T, copy_bw, sweep, passes):
+    q, k_store, v_store, lens = make(B, H, Hk, D, Dv, T)
     scale = D ** -0.5
-    call = AttentionCall(q, None, k_store.transpose(1, 2), None, D, scale, v=v_store.transpose(1, 2), kv_lens=lens)
-    kv_bytes = 2 * B * Hk * T * D * k_store.element_size()
+    call = AttentionCall(q, None, k_store.transpose(1, 2), None, Dv, scale, v=v_store.transpose(1, 2), kv_lens=lens)
+    kv_bytes = B * Hk * T * (D + Dv) * k_store.element_size()
     rows = []
 
     def record(path, t, **extra):
-        r = dict(B=B, H=H, Hk=Hk, D=D, T=T, path=path, ms=round(t, 4), kv_bytes=kv_bytes,
+        r = dict(B=B, H=H, Hk=Hk, D=D, Dv=Dv, T=T, path=path, ms=round(t, 4), kv_bytes=kv_bytes,
                  tb_s=round(kv_bytes / (t * 1e-3) / 1e12, 3), of_copy=round(kv_bytes / (t * 1e-3) / copy_bw, 3),
                  **extra)
         rows.append(r)
@@ -128,14 +130,14 @@ def one_shape(B, H, Hk, D, T, copy_bw, sweep, passes):
             errs[name] = (rel(po, ro), (pl.double() - rl.double()).abs().max().item())
             paths[name] = fn
         except Exception as e:  # noqa: BLE001 - a peer this torch or card lacks: said in the results
-            rows.append(dict(B=B, H=H, Hk=Hk, D=D, T=T, path=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            rows.append(dict(B=B, H=H, Hk=Hk, D=D, Dv=Dv, T=T, path=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
             print("peer", name, "failed:", rows[-1]["error"], flush=True)
     replays = {name: graph_of([fn]) for name, fn in paths.items()}
     times = {name: [] for name in paths}
     for _ in range(passes):  # alternating passes: the spread of one path's times is the noise
         for name, replay in replays.items():
             times[name].append(bench(replay))
-    cfg = ph.pick_config(H // Hk, D, D, B, Hk, T, q.device)
+    cfg = ph.pick_config(H // Hk, D, Dv, B, Hk, T, q.device)
     for name, ts in times.items():
         record(name, median(ts), ms_passes=[round(t, 4) for t in ts], err_out=errs[name][0], err_lse=errs[name][1],
                **({"config": str(cfg)} if name == "per_head" else {}))
@@ -163,6 +165,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/per_head.json")
     ap.add_argument("--keys", default="16384,65536")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--layers", default="32/8/128/128", help="H/Hk/D/Dv,... (default: Llama-8B's)")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tiles and split counts too")
     ap.add_argument("--passes", type=int, default=3, help="alternating timing passes over the paths")
     args = ap.parse_args()
@@ -173,17 +176,20 @@ def main():
     results["copy_bw"] = copy_bw
     print(f"copy ceiling {copy_bw / 1e12:.3f} TB/s (read + write)", flush=True)
     rows = []
-    for T in (int(x) for x in args.keys.split(",")):
-        rows += one_shape(args.batch, 32, 8, 128, T, copy_bw, args.sweep, args.passes)
-        results["rows"] = rows
-        write_json(args.out, results)
+    for layer in args.layers.split(","):
+        H, Hk, D, Dv = (int(x) for x in layer.split("/"))
+        for T in (int(x) for x in args.keys.split(",")):
+            rows += one_shape(args.batch, H, Hk, D, Dv, T, copy_bw, args.sweep, args.passes)
+            results["rows"] = rows
+            write_json(args.out, results)
     summary = []
-    for T in sorted({r["T"] for r in rows}):
-        at = [r for r in rows if r["T"] == T and "ms" in r]
+    for key in sorted({(r["H"], r["Hk"], r["D"], r["Dv"], r["T"]) for r in rows}):
+        at = [r for r in rows if (r["H"], r["Hk"], r["D"], r["Dv"], r["T"]) == key and "ms" in r]
+        H, Hk, D, Dv, T = key
         ours = next(r for r in at if r["path"] == "per_head")
         peer = [r for r in at if r["path"] not in ("per_head", "per_head eager", "sweep")]
         best = min(peer, key=lambda r: r["ms"]) if peer else None
-        summary.append(dict(T=T, per_head_ms=ours["ms"], of_copy=ours["of_copy"],
+        summary.append(dict(H=H, Hk=Hk, D=D, Dv=Dv, T=T, per_head_ms=ours["ms"], of_copy=ours["of_copy"],
                             best_peer=best["path"] if best else "", best_peer_ms=best["ms"] if best else None,
                             vs_best_peer=round(best["ms"] / ours["ms"], 3) if best else None))
         sw = [r for r in at if r["path"] == "sweep"]
@@ -192,7 +198,8 @@ def main():
             summary[-1]["best_sweep_ms"] = min(r["ms"] for r in sw)
     results["summary"] = summary
     results["table_md"] = fmt_table([r for r in rows if r["path"] != "sweep" and "ms" in r],
-                                    [("T", "T"), ("path", "path"), ("ms", "ms"), ("TB/s", "tb_s"),
+                                    [("H/Hk", lambda r: f"{r['H']}/{r['Hk']}"), ("D/Dv", lambda r: f"{r['D']}/{r['Dv']}"),
+                                     ("T", "T"), ("path", "path"), ("ms", "ms"), ("TB/s", "tb_s"),
                                      ("of copy", "of_copy"), ("passes ms", lambda r: " / ".join(
                                          f"{t:.3f}" for t in r.get("ms_passes", []))), ("rel err out", "err_out")])
     write_json(args.out, results)
