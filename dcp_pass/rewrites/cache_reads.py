@@ -469,6 +469,37 @@ def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
     return replay.pieces
 
 
+# A cache that is a graph input concatenated with new rows along its token axis: the cache
+# has no fixed size, so its stripes would differ in length across ranks and calls.
+GROWING_CACHE = ("the cache grows by torch.cat along its token axis at every step (Hugging Face's default "
+                 "DynamicCache, and the offloaded and quantized caches built on it): DCP stripes caches of a "
+                 "fixed size; pass cache_implementation=\"static\" to generate(), or a StaticCache")
+
+
+def growing_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
+    """The concatenation, among `node`'s inputs up to `hops` ops back, that appends rows to a
+    graph input along its token axis (the axis before the features), or None."""
+    seen: set[fx.Node] = set()
+    frontier = [node]
+    for _ in range(hops):
+        nxt: list[fx.Node] = []
+        for n in frontier:
+            for i in n.all_input_nodes:
+                if i in seen:
+                    continue
+                seen.add(i)
+                cat = _cat_inputs(i)
+                shape = axes.shape_of(i)
+                if cat is not None and shape is not None:
+                    tensors, dim = cat
+                    if axes.normalize_dim(dim, len(shape)) == len(shape) - 2 and any(
+                            isinstance(t, fx.Node) and fx_util.view_base(t).op == "placeholder" for t in tensors):
+                        return i
+                nxt.append(i)
+        frontier = nxt
+    return None
+
+
 def _cat_pieces(node: fx.Node, tensors: list, dim: int, depth: int) -> list[_Piece]:
     if depth > 4:
         raise ReadRefused("nested concatenations of cache reads")

@@ -89,7 +89,7 @@ _VIEW_METHODS = {"view", "reshape", "transpose", "permute", "narrow", "select", 
                  "expand", "as_strided", "__getitem__", "t", "flatten", "unflatten"}
 
 
-def _view_base(node: Any) -> Any:
+def view_base(node: Any) -> Any:
     """The tensor `node` is a view of, through getitem and the view methods (itself if none)."""
     while isinstance(node, fx.Node) and node.args and (
             node.target is operator.getitem or (node.op == "call_method" and node.target in _VIEW_METHODS)):
@@ -105,7 +105,7 @@ def state_built_in_graph(graph: fx.Graph) -> list[str]:
     caller's and not listed."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = {n for n in output.all_input_nodes if n.op != "placeholder"}
-    written = {_view_base(n.args[0]) for n in graph.nodes if n.args and mutates_input(n)}
+    written = {view_base(n.args[0]) for n in graph.nodes if n.args and mutates_input(n)}
     return [n.name for n in graph.nodes if n in returned and n in written]
 
 

@@ -28,8 +28,8 @@ import torch.fx as fx
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the record's vocabulary)
-    BUFFER_SOURCE, CacheAccess, CacheRead, SizeArg, as_cache_write, buffer_name, buffer_source,
-    cache_layout, cache_writes, is_cache_tensor, module_path, parse_cache_index,
+    BUFFER_SOURCE, GROWING_CACHE, CacheAccess, CacheRead, SizeArg, as_cache_write, buffer_name, buffer_source,
+    cache_layout, cache_writes, growing_cache, is_cache_tensor, module_path, parse_cache_index,
 )
 
 is_cache_buffer = is_cache_tensor  # the name older code uses
@@ -295,7 +295,8 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                     notes.append(f"{where_of(node)}: {why}")
                 continue
             except NearMiss as miss:
-                near.append((where_of(node), near_miss_text(miss)))
+                grown = growing_cache(node)  # said in the user's terms, whatever op the recogniser stopped at
+                near.append((where_of(node), near_miss_text(NearMiss(GROWING_CACHE, grown) if grown else miss)))
                 continue
             claimed.update((match.anchor, match.output))
             match.writes = [w for buf in match.buffers for w in ctx.writes.get(buf, [])]
