@@ -102,20 +102,37 @@ _SAME = WeakIdKeyDictionary()
 class _Recent:
     """`table`'s entry under `key` for a weight, remembered per weight (by id, confirmed by a
     weak reference): the per-call lookups cost a plain dictionary's, not a weak-key one's. The
-    entries are renewed in place, so a remembered one stays current."""
+    entries are renewed in place, so a remembered one stays current.
+
+    Both the weight and its entry are held weakly: Dynamo keeps every compiled function (and
+    so this lookup) after ``torch._dynamo.reset()``, and a strong hold here would keep a dead
+    model's gathered shards alive with it. A remembered entry that the table replaced is
+    looked up again."""
 
     def __init__(self, table: WeakIdKeyDictionary, key: tuple):
         self.table, self.key = table, key
-        self.seen: dict[int, tuple] = {}
+        self.seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
     def __call__(self, weight: torch.Tensor):
         hit = self.seen.get(id(weight))
         if hit is not None and hit[0]() is weight:
-            return hit[1]
+            entry = hit[1]()
+            if entry is not None:
+                return entry
         entry = self.table.get(weight, {}).get(self.key)
         if entry is not None:
-            self.seen[id(weight)] = (weakref.ref(weight), entry)
+            self.seen[id(weight)] = (weakref.ref(weight, self._forget(id(weight))), weakref.ref(entry))
         return entry
+
+    def _forget(self, ident: int) -> Callable[[weakref.ref], None]:
+        lookup = weakref.ref(self)  # the callback must not keep this lookup alive either
+
+        def forget(ref: weakref.ref) -> None:
+            recent = lookup()
+            if recent is not None and ident in recent.seen and recent.seen[ident][0] is ref:
+                del recent.seen[ident]
+
+        return forget
 
 
 @dataclass
@@ -409,7 +426,9 @@ class QueryReplicator:
             graph = self.gm.graph
             plan = self.plan
             weight = self.values[param.name]
-            example = gathered_shards(weight, plan.group_name, plan.c, compiling=True)[rank]
+            # held as a fake: the per-call feeder that carries this outlives the model (Dynamo keeps
+            # compiled functions after a reset), and a real shard here would outlive it too
+            example = fx_util.static_fake(gathered_shards(weight, plan.group_name, plan.c, compiling=True)[rank])
             node = fx_util.static_placeholder(graph, f"{prefix}_{len(self._weight_inputs)}", axes.example_value(param))
             index = fx_util.placeholders(graph).index(param)
             name = f"the weight {buffer_source(param) or param.name}"
