@@ -19,12 +19,11 @@ from dcp_pass import tracing
 from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.report import DcpReport, GraphReport, cache_layers, log
-from dcp_pass.rewrites.apply import PassConfig, apply_dcp
 from dcp_pass.rewrites import cache, fx_util
+from dcp_pass.rewrites.apply import PassConfig, apply_dcp
 from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.runtime.decode import step_count
 from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
-
 
 tracing.install()  # before the first trace of a model compiled with this backend
 

@@ -143,7 +143,8 @@ def deferred_caches(min_bytes: int = 1 << 20) -> Iterator[None]:
         mode.back_all()
 
 
-def materialize(model: torch.nn.Module, dcp_size: int, rank: Optional[int] = None, device: Any = None) -> torch.nn.Module:
+def materialize(model: torch.nn.Module, dcp_size: int, rank: Optional[int] = None,
+                device: Any = None) -> torch.nn.Module:
     """Give every deferred cache of `model` its storage now, instead of at the first DCP compile.
 
     dcp_size > 1: only this rank's stripe (the shard the DCP backend will use; `rank` is

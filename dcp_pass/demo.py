@@ -53,9 +53,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from dcp_pass.testing import run_ranks
     from dcp_pass.models.deepseek_mla import build_model
     from dcp_pass.models.generate import greedy_generate
+    from dcp_pass.testing import run_ranks
 
     prompts = [[11, 5, 42, 7, 3], [9], [2, 71]]
     if max(map(len, prompts)) + args.steps > args.context:

@@ -130,7 +130,8 @@ class DcpOptions:
             raise DcpOptionError(f"option 'cudagraphs' must be 'auto', True or False, got {self.cudagraphs!r}")
         if self.cudagraphs is True and self.inner != "inductor":
             raise DcpOptionError(
-                f"option 'cudagraphs'=True needs inner='inductor' (CUDA graphs are inductor's), got inner={self.inner!r}")
+                f"option 'cudagraphs'=True needs inner='inductor' (CUDA graphs are inductor's), "
+                f"got inner={self.inner!r}")
         given = self.inner_options.get("triton.cudagraphs")
         if isinstance(self.cudagraphs, bool) and given is not None and bool(given) != self.cudagraphs:
             raise DcpOptionError(

@@ -73,7 +73,8 @@ class GraphReport:
     def detail_lines(self, other_fields: bool = True) -> list[str]:
         """What happened in this graph, one line each (without the graph's head line);
         `other_fields`: also the fields added to GraphReport that this renderer does not name."""
-        lines = [f"{'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}" for layer in self.layers]
+        lines = [f"{'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}"
+                 for layer in self.layers]
         lines += [f"near miss at {where}: {reason}" for where, reason in self.near_misses]
         lines += list(self.notes)
         if other_fields:

@@ -62,7 +62,7 @@ def install_traced_broadcast() -> bool:
     if dist.broadcast not in remaps:
         # Dynamo finds the wrapper by its name in this module (the guard source it builds)
         _traced_broadcast.__name__ = "_dcp_traced_broadcast"
-        funcol._dcp_traced_broadcast = _traced_broadcast
+        funcol._dcp_traced_broadcast = _traced_broadcast  # type: ignore[attr-defined]
         remaps[dist.broadcast] = _traced_broadcast
     return True
 
@@ -94,7 +94,7 @@ def install_traced_asserts() -> bool:
                 return False
         return False
 
-    detect_any_message._dcp_any_message = True
+    detect_any_message._dcp_any_message = True  # type: ignore[attr-defined]  # marks the patch as ours
     sc._detect_and_normalize_assert_statement = detect_any_message
     return True
 

@@ -101,7 +101,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # --------------------------------------------------------------------------- kernels (pure torch)
 
 
-def act_quant(x: torch.Tensor, block_size: int = 128, scale_fmt: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, block_size: int = 128,
+              scale_fmt: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Block-wise fp8 quantisation of the last dimension.
 
     Each run of ``block_size`` values gets one fp32 scale ``s = max(amax, 1e-4) / 448``
@@ -254,7 +255,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return F.linear(x, weight)
     else:
         x, scale = act_quant(x, block_size, scale_fmt)
-        return fp8_gemm(x, scale, weight, weight.scale)
+        return fp8_gemm(x, scale, weight, weight.scale)  # type: ignore[attr-defined]  # set by Linear
 
 
 class Linear(nn.Module):
@@ -271,7 +272,9 @@ class Linear(nn.Module):
         if self.weight.element_size() == 1:
             scale_rows = (out_features + block_size - 1) // block_size
             scale_cols = (in_features + block_size - 1) // block_size
-            self.weight.scale = self.scale = nn.Parameter(torch.empty(scale_rows, scale_cols, dtype=torch.float32))
+            # the fp8 GEMM finds the weight's block scales on the weight itself
+            self.weight.scale = self.scale = nn.Parameter(  # type: ignore[attr-defined]
+                torch.empty(scale_rows, scale_cols, dtype=torch.float32))
         else:
             self.register_parameter("scale", None)
         if bias:
@@ -533,7 +536,8 @@ class MLA(nn.Module):
             wkv_b = wkv_b.view(self.n_local_heads, -1, self.kv_lora_rank)
             q_nope = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, :self.qk_nope_head_dim])
             scores = (torch.einsum("bshc,btc->bsht", q_nope.float(), self.kv_cache[:bsz, :end_pos].float()) +
-                      torch.einsum("bshr,btr->bsht", q_pe.float(), self.pe_cache[:bsz, :end_pos].float())) * self.softmax_scale
+                      torch.einsum("bshr,btr->bsht", q_pe.float(), self.pe_cache[:bsz, :end_pos].float())
+                      ) * self.softmax_scale
 
             # indexer
             topk_indices = self.indexer(x, qr, start_pos, freqs_cis, mask)
@@ -783,7 +787,8 @@ def build_model(args: ModelArgs, rank: Optional[int] = None, seed: int = 0,
             size = param.shape[dim]
             full = full.narrow(dim, rank * size, size)
         if tuple(full.shape) != tuple(param.shape):
-            raise RuntimeError(f"shape mismatch for {name}: shard {tuple(full.shape)} vs parameter {tuple(param.shape)}")
+            raise RuntimeError(
+                f"shape mismatch for {name}: shard {tuple(full.shape)} vs parameter {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(full.to(param.dtype))
     model.eval()

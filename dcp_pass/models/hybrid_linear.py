@@ -119,7 +119,8 @@ class LinearAttention(nn.Module):
 class HybridTransformer(Transformer):
     """Transformer whose blocks follow `args.layer_pattern` ("linear" or "mla")."""
 
-    def _make_block(self, layer_id: int, args: HybridArgs, tp_size: int, tp_rank: int) -> nn.Module:
+    def _make_block(self, layer_id: int, args: HybridArgs,  # type: ignore[override]  # built from HybridArgs only
+                    tp_size: int, tp_rank: int) -> nn.Module:
         kind = args.layer_pattern[layer_id]
         attn = LinearAttention(args, tp_size, args.tp_group) if kind == "linear" else None
         return Block(layer_id, args, tp_size, tp_rank, attn=attn)

@@ -88,7 +88,8 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         self.form = args.form
-        h, r, nope, rope, v = args.n_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        h, r, v = args.n_heads, args.kv_lora_rank, args.v_head_dim
+        nope, rope = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.n_heads, self.rank, self.rope = h, r, rope
         self.softmax_scale = (nope + rope) ** -0.5
         self.wq = nn.Linear(args.dim, h * (nope + rope), bias=False)

@@ -26,12 +26,8 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
-from dcp_pass.rewrites import axes
+from dcp_pass.rewrites import axes, complex_product, fx_util, project_merge, q_replicate
 from dcp_pass.rewrites import cache as cache_rw
-from dcp_pass.rewrites import complex_product
-from dcp_pass.rewrites import fx_util
-from dcp_pass.rewrites import project_merge
-from dcp_pass.rewrites import q_replicate
 from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput, rewrite_attention
 from dcp_pass.rewrites.axes import B, H, S
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla
@@ -166,7 +162,8 @@ class StripedWrites(GraphPass):
             why = match.check_plan(plan)
             if why is not None:
                 raise DcpRewriteError(why)
-        kinds = {read.buffer: read for m in state.found.matches for read in [t.cache for t in m.terms] + [m.value_cache]}
+        kinds = {read.buffer: read for m in state.found.matches
+                 for read in [t.cache for t in m.terms] + [m.value_cache]}
         for read in kinds.values():
             check = STRIPE_CHECKS.get(read.kind)
             why = check(read, plan.c) if check is not None else None

@@ -26,12 +26,12 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, H, S, T
-from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.cache_reads import CacheRead, cache_layout
+from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.match import MlaMatch, NearMiss, ScoreTerm
 from dcp_pass.runtime.decode import comm
-from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, AUTO, COMM_BACKENDS
 from dcp_pass.runtime.decode import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, AUTO, COMM_BACKENDS
 
 CANON_Q = [B, S, H, F]
 CANON_SCORES = [B, S, H, T]
@@ -62,7 +62,8 @@ class MergedOutput:
 def ordered_terms(match: MlaMatch):
     """(latent term, rotary term or None): the latent term reads the value columns."""
     value = match.value_cache
-    latent = [t for t in match.terms if t.cache.buffer is value.buffer and (t.cache.feat or (0,))[0] == (value.feat or (0,))[0]]
+    latent = [t for t in match.terms
+              if t.cache.buffer is value.buffer and (t.cache.feat or (0,))[0] == (value.feat or (0,))[0]]
     if len(latent) != 1:
         raise NearMiss("cannot tell the latent score term from the rotary one")
     rope = [t for t in match.terms if t is not latent[0]]
@@ -78,7 +79,8 @@ def check_mask_heads(match: MlaMatch, plan: AttentionPlan) -> None:
     for mask in match.masks:
         shape = axes.shape_of(mask.node)
         if H in mask.roles and not axes.known_equal(shape[mask.roles.index(H)], 1):
-            raise NearMiss("the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
+            raise NearMiss(
+                "the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
 
 
 def layer_backend(match: MlaMatch, plan: AttentionPlan) -> str:
@@ -239,7 +241,8 @@ def rewrite_attention(
         if kv_format:
             window["kv_format"] = kv_format
         attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
-                     kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim, scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
+                     kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim,
+                     scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
                      backend=backend, name="local_attention", **window)
         out = call(graph, operator.getitem, attn, 0, name="partial_out")
         lse = call(graph, operator.getitem, attn, 1, name="partial_lse")

@@ -76,9 +76,9 @@ def axis_moving_step(node: fx.Node) -> Optional[tuple[fx.Node, list[Optional[int
         node.op == "call_function" and target in (torch.transpose, torch.swapaxes)
     ):
         d0, d1 = (normalize_dim(d, src_rank) for d in node.args[1:3])
-        order = list(range(src_rank))
-        order[d0], order[d1] = order[d1], order[d0]
-        return src, order
+        swapped = list(range(src_rank))
+        swapped[d0], swapped[d1] = swapped[d1], swapped[d0]
+        return src, swapped
     if node.op == "call_method" and target == "permute" or is_function(node, torch.permute):
         dims = node.args[1:] if node.op == "call_method" else node.args[1]
         if len(dims) == 1 and isinstance(dims[0], (list, tuple)):

@@ -33,8 +33,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.report import log
 from dcp_pass.rewrites import fx_util
-from dcp_pass.rewrites.cache_reads import CacheAccess
-from dcp_pass.rewrites.cache_reads import rewrite_write  # noqa: F401 - the striped write, kept importable from here
+from dcp_pass.rewrites.cache_reads import (
+    CacheAccess,
+    rewrite_write,  # noqa: F401 - the striped write, kept importable from here
+)
 from dcp_pass.runtime.decode import kv_format as fp8
 from dcp_pass.runtime.decode import layout
 
@@ -420,7 +422,7 @@ def new_backing(shell: torch.UntypedStorage, fill: Optional[float]) -> torch.Unt
     storage = torch.UntypedStorage(shell.nbytes(), device=shell.device)
     if fill is not None:
         assert fill == 0.0, fill  # torch.zeros; torch.empty has no fill
-        storage.fill_(0)
+        storage.fill_(0)  # type: ignore[attr-defined]  # torch's stubs omit UntypedStorage.fill_
     return storage
 
 
@@ -724,7 +726,8 @@ def _tracing_backend() -> tuple[Optional[str], Any]:
         fn = fx_util.tracing_compiler_fn()
     except Exception:  # noqa: BLE001 - internals moved: do not guess
         return None, None
-    name, options, seen = None, None, []
+    name, options = None, None
+    seen: list[Any] = []
     while fn is not None and not any(fn is s for s in seen):
         seen.append(fn)
         if isinstance(fn, backend_class):
@@ -765,7 +768,8 @@ def _check_tracing_backend(owner: str) -> bool:
                 materialize_full(buffer)
     elif kind == "other" and (len(_LOCAL_CACHES) or len(_DEFERRED)):
         described = [_describe(b) for b in (*_LOCAL_CACHES.keys(), *_DEFERRED.keys())]
-        names = ", ".join(n for n, _ in described[:4]) + (f" and {len(described) - 4} more" if len(described) > 4 else "")
+        names = ", ".join(n for n, _ in described[:4])
+        names += f" and {len(described) - 4} more" if len(described) > 4 else ""
         raise DcpCacheError(
             f"dcp_pass: {owner} is being compiled with backend {detail!r}, but cache buffer(s) {names} hold no "
             f"full-size data ({described[0][1]}); only backend='dcp' can run them. Compile the model with "

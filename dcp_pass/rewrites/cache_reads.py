@@ -286,7 +286,7 @@ class _Replay:
         src_shape = axes.shape_of(src)
         shape = axes.shape_of(node)
         if src_shape is None or shape is None:
-            raise ReadRefused(f"a view without a traced shape")
+            raise ReadRefused("a view without a traced shape")
         if node.op == "call_function" and node.target is operator.getitem:
             self._getitem(node.args[1], src_shape)
             return
@@ -625,7 +625,8 @@ def _batch_rows(index: Any) -> Optional[SizeArg]:
     return bounds[1] if bounds is not None and bounds[0] == 0 else None
 
 
-def parse_cache_index(buffer: fx.Node, index: Any) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]]]]:
+def parse_cache_index(buffer: fx.Node, index: Any
+                      ) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]]]]:
     """(bsz, start, end, feat) for `buffer[:bsz, start:end(, f0:f1)]`, else None.
 
     One index entry per cache axis in the cache's layout (missing trailing entries are

@@ -26,7 +26,6 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes
-from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the record's vocabulary)
     BUFFER_SOURCE, GROWING_CACHE, CacheAccess, CacheRead, SizeArg, as_cache_write, buffer_name, buffer_source,
     cache_layout, cache_writes, growing_cache, is_cache_tensor, module_path, parse_cache_index,

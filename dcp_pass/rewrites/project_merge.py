@@ -183,7 +183,6 @@ def _flatten_dims(node: fx.Node, rank: int) -> Optional[tuple[int, int]]:
 def _axis_order(node: fx.Node, rank: int) -> Optional[list[int]]:
     """For permute / transpose / .t() / .mT: the input axis of each output axis. From the
     arguments alone: the pass's own permute of the merged output has no traced shape."""
-    target = node.target
     if axes.is_method(node, "permute") or axes.is_function(node, torch.permute):
         dims = node.args[1:] if node.op == "call_method" else node.args[1:2]
         if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
@@ -223,7 +222,7 @@ def weight_region(weight: fx.Node, is_parameter: Callable[[fx.Node], bool]) -> t
         region.add(node)
         if node.op == "placeholder":
             if not is_parameter(node):
-                from dcp_pass.rewrites.match import module_path, buffer_source
+                from dcp_pass.rewrites.match import buffer_source, module_path
 
                 raise NotProjected(f"the projection weight is computed from {module_path(buffer_source(node))}, "
                                    f"not only from module parameters")
@@ -248,7 +247,7 @@ def check_gatherable(params: Sequence[fx.Node], dtype_of: Callable[[fx.Node], to
     for param in params:
         dtype = dtype_of(param)
         if dtype not in GATHERABLE_DTYPES:
-            from dcp_pass.rewrites.match import module_path, buffer_source
+            from dcp_pass.rewrites.match import buffer_source, module_path
 
             names = "/".join(str(d).replace("torch.", "") for d in GATHERABLE_DTYPES)
             raise NotProjected(f"the projection weight {module_path(buffer_source(param))} is "
@@ -348,7 +347,8 @@ def weight_for_rank(graph: fx.Graph, projection: ValueProjection, sharded: Seque
     tainted = set(sharded)
     with graph.inserting_before(projection.node):
         for node in list(graph.nodes):  # topological: tainted when an input is
-            if node in projection.region and node.op != "placeholder" and any(i in tainted for i in node.all_input_nodes):
+            if (node in projection.region and node.op != "placeholder"
+                    and any(i in tainted for i in node.all_input_nodes)):
                 tainted.add(node)
                 env[node] = graph.node_copy(node, lambda n: env.get(n, n))
     return env.get(projection.weight, projection.weight)

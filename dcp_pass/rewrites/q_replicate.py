@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.rewrites import axes, fx_util
 from dcp_pass.rewrites.match import MlaMatch, NearMiss, buffer_source
@@ -306,7 +306,8 @@ def _mutators(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """For each node, the in-place ops that later overwrite it (`x.copy_(...)`, `x.add_(...)`)."""
     found: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
-        if node.op in ("call_function", "call_method") and fx_util.mutates_input(node) and isinstance(node.args[0], fx.Node):
+        if (node.op in ("call_function", "call_method") and fx_util.mutates_input(node)
+                and isinstance(node.args[0], fx.Node)):
             found.setdefault(node.args[0], []).append(node)
     return found
 

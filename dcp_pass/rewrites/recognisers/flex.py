@@ -24,11 +24,19 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes
-from dcp_pass.rewrites.axes import B, F, H, S, T
+from dcp_pass.rewrites.axes import B, F, H, S
 from dcp_pass.rewrites.cache_reads import ReadRefused, trace_cache_read
 from dcp_pass.rewrites.fx_util import call, method
 from dcp_pass.rewrites.match import (
-    MatchContext, MlaMatch, NearMiss, NotAttention, Recogniser, ScoreTerm, buffer_name, register, source_of,
+    MatchContext,
+    MlaMatch,
+    NearMiss,
+    NotAttention,
+    Recogniser,
+    ScoreTerm,
+    buffer_name,
+    register,
+    source_of,
 )
 from dcp_pass.rewrites.recognisers.sdpa import KV_ROLES, SCORE_ROLES, _query_parts
 from dcp_pass.rewrites.recognisers.softmax import check_terms, check_value_read

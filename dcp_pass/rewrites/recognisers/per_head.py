@@ -48,10 +48,17 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes, cache_reads
 from dcp_pass.rewrites.axes import B, F, H, S, T
-from dcp_pass.rewrites.cache_reads import CacheAccess, CacheRead, buffer_name, buffer_source, cache_layout
+from dcp_pass.rewrites.cache_reads import CacheAccess, CacheRead, buffer_name, buffer_source
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method, replace_node, set_example_value
 from dcp_pass.rewrites.match import (
-    MaskTerm, MatchContext, MlaMatch, NearMiss, NotAttention, Recogniser, ScoreTerm, register,
+    MaskTerm,
+    MatchContext,
+    MlaMatch,
+    NearMiss,
+    NotAttention,
+    Recogniser,
+    ScoreTerm,
+    register,
 )
 from dcp_pass.rewrites.recognisers.sdpa import SDPA_TARGETS, sdpa_arguments
 from dcp_pass.rewrites.recognisers.softmax import softmax_dim

@@ -29,7 +29,15 @@ from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.cache_reads import CacheRead, ReadRefused, trace_cache_read
 from dcp_pass.rewrites.match import (
-    MaskTerm, MatchContext, MlaMatch, NearMiss, NotAttention, Recogniser, ScoreTerm, buffer_name, register,
+    MaskTerm,
+    MatchContext,
+    MlaMatch,
+    NearMiss,
+    NotAttention,
+    Recogniser,
+    ScoreTerm,
+    buffer_name,
+    register,
 )
 from dcp_pass.rewrites.recognisers.softmax import check_terms, check_value_read
 

@@ -25,7 +25,15 @@ from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.cache_reads import CacheRead, ReadRefused, trace_cache_read
 from dcp_pass.rewrites.match import (
-    MaskTerm, MatchContext, MlaMatch, NearMiss, NotAttention, Recogniser, ScoreTerm, buffer_name, register,
+    MaskTerm,
+    MatchContext,
+    MlaMatch,
+    NearMiss,
+    NotAttention,
+    Recogniser,
+    ScoreTerm,
+    buffer_name,
+    register,
 )
 
 
@@ -52,7 +60,8 @@ def _is_number(x: Any) -> bool:
 
 def _binary(node: fx.Node) -> Optional[tuple[str, Any, Any]]:
     if node.op == "call_function":
-        kind = "add" if node.target in ADDS else "mul" if node.target in MULS else "div" if node.target in DIVS else None
+        kind = ("add" if node.target in ADDS else "mul" if node.target in MULS
+                else "div" if node.target in DIVS else None)
     elif node.op == "call_method":
         kind = {"add": "add", "add_": "add", "__add__": "add", "__iadd__": "add", "mul": "mul", "mul_": "mul",
                 "__mul__": "mul", "div": "div", "div_": "div", "__truediv__": "div"}.get(node.target)
@@ -141,7 +150,8 @@ def _op(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def assign_query_roles(query: fx.Node, labels: list[str], label_role: dict[str, str], query_len: Optional[Any]) -> list[str]:
+def assign_query_roles(query: fx.Node, labels: list[str], label_role: dict[str, str],
+                       query_len: Optional[Any]) -> list[str]:
     """Roles of the query axes: B and F come from the cache labels, S vs H from sizes or layout."""
     roles: list[Optional[str]] = [label_role.get(label) for label in labels]
     unknown = [i for i, r in enumerate(roles) if r is None]
@@ -195,7 +205,7 @@ def _score_terms_of(contraction: axes.Contraction, ctx: MatchContext) -> tuple[l
     label_role = {label: role for label, role in zip(labels, reads[0].roles) if role is not None}
     if set(label_role.values()) != {B, T, F}:
         raise NearMiss("a cache read in the scores lost its batch, position or feature axis", node)
-    role_label = {r: l for l, r in label_role.items()}
+    role_label = {role: label for label, role in label_role.items()}
     if role_label[F] in contraction.out_labels or role_label[T] not in contraction.out_labels:
         raise NearMiss("a score contraction does not contract the cache's features into key positions", node)
     query = contraction.other(cache_operand)
@@ -256,7 +266,7 @@ def _value_read(probs: fx.Node, value: axes.Contraction, score_roles: list[str])
     if len(reads) != 1:
         raise NearMiss("the values are concatenated from several caches", operand)
     read = reads[0]
-    known = {l: r for l, r in zip(value.operand_labels(probs), score_roles)}
+    known = {label: role for label, role in zip(value.operand_labels(probs), score_roles)}
     for label, role in zip(value.operand_labels(operand), read.roles):
         if role is not None:
             if role in (B, T) and known.get(label) != role:
@@ -288,7 +298,8 @@ def check_value_read(terms: list[ScoreTerm], value: CacheRead) -> int:
 def check_terms(terms: list[ScoreTerm], where: fx.Node) -> None:
     if len(terms) > 2:
         raise NearMiss(f"{len(terms)} score terms; expected latent (+ rotary)", where)
-    if len(terms) == 2 and terms[0].cache.buffer is terms[1].cache.buffer and terms[0].cache.feat == terms[1].cache.feat:
+    if (len(terms) == 2 and terms[0].cache.buffer is terms[1].cache.buffer
+            and terms[0].cache.feat == terms[1].cache.feat):
         raise NearMiss("both score terms read the same cache columns", where)
 
 

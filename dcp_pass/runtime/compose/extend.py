@@ -205,7 +205,8 @@ def _extend_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, group
         pe = _with_new(gather_prefix(call.pe, lens, group, c), new_pe, lens)
     device = call.q_lat.device
     # the gathered prefix is one unstriped sequence: global positions are its rows
-    out, lse = attend(call.replace(kv=kv, pe=pe, kv_lens=(lens + S).to(device), q_pos=query_positions(lens, B, S, device),
+    out, lse = attend(call.replace(kv=kv, pe=pe, kv_lens=(lens + S).to(device),
+                                   q_pos=query_positions(lens, B, S, device),
                                stripe=(1, 0)), attn_backend)
     if write:
         write_new_tokens_(call.kv, new_kv, lens, c, rank)
@@ -254,7 +255,8 @@ def _extend_dcp(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, exchange
         write_new_tokens_(call.pe, new_pe, lens, c, rank)
     device = call.q_lat.device
     # global counts and positions; the kernels take this rank's share (call.stripe)
-    o, lse = attend(call.replace(kv_lens=(lens + S).to(device), q_pos=query_positions(lens, B, S, device)), attn_backend)
+    o, lse = attend(call.replace(kv_lens=(lens + S).to(device), q_pos=query_positions(lens, B, S, device)),
+                    attn_backend)
     from dcp_pass.runtime.decode import comm
 
     return comm.exchange_partials(o, lse, exchange, group, c, call.lse_base, out_dtype)

@@ -26,9 +26,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from dcp_pass.runtime.decode.call import AttentionCall
+from dcp_pass.runtime.decode.comm import COMM_BACKENDS, DEFAULT_COMM_PREFERENCE, CommBackend, comm_backend_blockers  # noqa: F401
 from dcp_pass.runtime.decode.kernels.registry import KERNELS, TRITON_KERNELS, Kernel, choose, mark_unusable
-from dcp_pass.runtime.decode.comm import (COMM_BACKENDS, DEFAULT_COMM_PREFERENCE, CommBackend,  # noqa: F401
-                                          comm_backend_blockers)
 
 __all__ = [
     "CommBackend",

@@ -286,7 +286,8 @@ class AttentionCall:
         _check_rank(*self.stripe)
         if not isinstance(self.kv_start, int) or self.kv_start < 0:
             raise ValueError(f"kv_start must be an int >= 0, got {self.kv_start!r}")
-        if isinstance(self.kv_lens, bool) or not (self.kv_lens is None or isinstance(self.kv_lens, (int, torch.Tensor))):
+        if isinstance(self.kv_lens, bool) or not (self.kv_lens is None
+                                                  or isinstance(self.kv_lens, (int, torch.Tensor))):
             raise ValueError(f"kv_lens must be None, an int or an int tensor, got {self.kv_lens!r}")
         if isinstance(self.kv_lens, int) and not self.kv_start <= self.kv_lens:
             raise ValueError(f"the window must satisfy 0 <= kv_start <= kv_lens, got kv_start={self.kv_start}, "

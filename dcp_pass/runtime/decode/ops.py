@@ -16,7 +16,6 @@ import torch
 from dcp_pass import env
 from dcp_pass.runtime.decode import replay, step_count
 
-
 LIB = "dcp"
 
 # Defined with torch.library.Library rather than the torch.library.custom_op decorator: the

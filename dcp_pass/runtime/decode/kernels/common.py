@@ -19,8 +19,16 @@ from typing import Optional, Tuple
 import torch
 
 from dcp_pass import env
-from dcp_pass.runtime.decode.call import (AttentionCall, Causal, Parts, ShardView, check_base,  # noqa: F401
-                                          mask_rows_shared, pow2, split_parts)
+from dcp_pass.runtime.decode.call import (  # noqa: F401
+    AttentionCall,
+    Causal,
+    Parts,
+    ShardView,
+    check_base,
+    mask_rows_shared,
+    pow2,
+    split_parts,
+)
 
 try:  # triton is optional at import time (CPU-only installs still get the reference)
     import triton
@@ -107,7 +115,7 @@ def _squeeze_scalar_index() -> None:
         patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
-    patch_lang_tensor._dcp_squeezes = True
+    patch_lang_tensor._dcp_squeezes = True  # type: ignore[attr-defined]  # marks the patch as ours
     interp._patch_lang_tensor = patch_lang_tensor
 
 

@@ -52,7 +52,7 @@ import functools
 import importlib.util
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -280,7 +280,7 @@ def _rows_within_span(tensors: Sequence[torch.Tensor]) -> Optional[int]:
 # --------------------------------------------------------------------------------------
 @dataclass
 class _Runner:
-    wrapper: object
+    wrapper: Any  # FlashInfer's wrapper (an optional, untyped dependency)
     key: Optional[tuple] = None
     event: Optional[torch.cuda.Event] = None
     step_plan: Optional[Callable[[int], None]] = None  # a fixed-buffer wrapper's planner (_dense_planner)

@@ -24,10 +24,10 @@ from .common import fp8_reason, launch, lens_operand, mla_refusal, outputs
 try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing here runs without it
     import triton
     from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.runtime.errors import OutOfResources
 
     # names that moved between Triton releases (3.6: async_copy_global_to_shared for cp.async
     # and TMA, thread_barrier; later: async_load, barrier); the kernels call these aliases
@@ -45,7 +45,8 @@ except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
 __all__ = ["HAS_GLUON", "BUILD_ERRORS", "D_LAT", "D_ROPE", "GLUON_DEFAULT", "GluonConfig", "ROLES_TILES", "Schedule",
-           "default_q_reg", "fp8_gluon_reason", "gluon_reason", "launch_plan", "lock_step_default", "roles_preferred", "split_frame"]
+           "default_q_reg", "fp8_gluon_reason", "gluon_reason", "launch_plan", "lock_step_default", "roles_preferred",
+           "split_frame"]
 
 D_LAT = 512  # latent columns (= values) the kernels are written for
 D_ROPE = 64  # rope columns

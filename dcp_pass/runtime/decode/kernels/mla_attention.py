@@ -53,11 +53,32 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-from .common import (FOLD_F16_READS, INTERPRETED, LOG2E, AttentionCall, ShardView, causal_operand, check_base,
-                     check_launchable, cuda_properties, fold_operand, fp8_dots_dtype, fp8_read, keys_up_to, launch, lens_operand,
-                     mask_operand, outputs, positions_i32, pow2, row_alignment, shard_keys, triton_reason)
-from .splits import partial_outputs, reduce_launch, split_count
 from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
+from .common import (
+    FOLD_F16_READS,
+    INTERPRETED,
+    LOG2E,
+    AttentionCall,
+    ShardView,
+    causal_operand,
+    check_base,
+    check_launchable,
+    cuda_properties,
+    fold_operand,
+    fp8_dots_dtype,
+    fp8_read,
+    keys_up_to,
+    launch,
+    lens_operand,
+    mask_operand,
+    outputs,
+    positions_i32,
+    pow2,
+    row_alignment,
+    shard_keys,
+    triton_reason,
+)
+from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
     "mla_attention_reference",
@@ -112,7 +133,8 @@ def _fold_q_src(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, DOT_DTYP
 
 
 def _fold_scores_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
-                     DOT_DTYPE: tl.constexpr, D_MAIN: tl.constexpr, N_SCALES: tl.constexpr, N_BLOCKS: tl.constexpr, N_OWN: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, D_MAIN: tl.constexpr, N_SCALES: tl.constexpr, N_BLOCKS: tl.constexpr,
+                     N_OWN: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                      SCALE_W: tl.constexpr, SCALE_BLOCK: tl.constexpr, IEEE: tl.constexpr):
     """Scores of an fp8 latent tile with the scales folded in: the sum over the column blocks
@@ -297,9 +319,9 @@ def _stage1_kernel_src(
         if IEEE:
             FOLD_DTYPE: tl.constexpr = tl.float32
         elif FP8_FOLD_F16:
-            FOLD_DTYPE: tl.constexpr = tl.float16
+            FOLD_DTYPE: tl.constexpr = tl.float16  # type: ignore[no-redef]  # one branch survives compilation
         else:
-            FOLD_DTYPE: tl.constexpr = Q.dtype.element_ty
+            FOLD_DTYPE: tl.constexpr = Q.dtype.element_ty  # type: ignore[no-redef]
         q_blocks, q_factors = _fold_q(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, FOLD_DTYPE, D_MAIN,
                                       N_OWN * V_SPLIT, N_OWN, BLOCK_DV, SCALE_W)
         # fp16 weights p * s need a unit: the accumulators count in units of c_run, the largest

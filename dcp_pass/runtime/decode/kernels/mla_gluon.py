@@ -37,12 +37,23 @@ from __future__ import annotations
 from typing import Optional
 
 from .common import LOG2E, AttentionCall, causal_operand, mask_operand
-from .gluon_common import (D_LAT, D_ROPE, GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, Schedule,  # noqa: F401
-                           default_q_reg, gluon_offered, gluon_reason, launch_plan, split_frame)
+from .gluon_common import (  # noqa: F401
+    D_LAT,
+    D_ROPE,
+    GLUON_DEFAULT,
+    HAS_GLUON,
+    ROLES_TILES,
+    GluonConfig,
+    Schedule,
+    default_q_reg,
+    gluon_offered,
+    gluon_reason,
+    launch_plan,
+    split_frame,
+)
 from .splits import reduce_launch
 
 if HAS_GLUON:
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -160,7 +171,8 @@ def _probs_masked_src(s, m_i, t0, end, cols_s, sm_scale_log2, red_s, mk, qpos, c
 
 
 def _pair_tile_src(it, cur_lat, cur_rope, cur_mk, nxt_lat, nxt_rope, nxt_mk, q_lat_s, q_rope_s, q_reg, p_s, red_s, acc,
-                   m_i, l_2d, start, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat, c_lat, n_rope, c_rope, n_mk,
+                   m_i, l_2d, start, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat, c_lat, n_rope, c_rope,
+                   n_mk,
                    cols_s, sm_scale_log2, qpos, cp_world, cp_rank, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                    Q_REG: gl.constexpr, DL: gl.constexpr, s_mma: gl.constexpr, o_mma: gl.constexpr,
                    HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
@@ -239,14 +251,16 @@ def _mla_gluon_kernel_src(
     q_rope = gl.load(QT + b * sqt_b + (rows_r // H)[:, None] * sqt_s + (rows_r % H)[:, None] * sqt_h
                      + gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))[None, :],
                      mask=(rows_r < SH)[:, None], other=0.0)
-    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16), q_lat)
+    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16), q_lat)
     if Q_REG > 0:
         # the first Q_REG latent columns of q held in registers as the score GEMM's left
         # operand: each warpgroup would otherwise re-read them from shared memory per tile
         q_reg = q_lat_s.slice(0, Q_REG, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2))
     else:
         q_reg = 0  # unused
-    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16), q_rope)
+    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16), q_rope)
     if SCHEDULE == 6:
         k_lat_a = gl.allocate_shared_memory(dt, [BLOCK_N, DL], lat_sl)
         k_rope_a = gl.allocate_shared_memory(dt, [BLOCK_N, DR], rope_sl)
@@ -374,7 +388,8 @@ def _mla_gluon_kernel_src(
     o = acc / gl.where(empty, 1.0, l_o)[:, None]
     rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_mma))
     cols_o = gl.arange(0, DL, layout=gl.SliceLayout(0, o_mma))
-    gl.store(O + b * so_b + pid_sp * so_sp + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
+    gl.store(O + b * so_b + pid_sp * so_sp + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h
+             + cols_o[None, :],
              o.to(O.dtype.element_ty), mask=(rows_o < SH)[:, None])
     lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * lse_scale
     gl.store(L + b * sl_b + pid_sp * sl_sp + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
@@ -419,25 +434,25 @@ def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int
         config: Optional[GluonConfig] = None):
     """Run the lock-step kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
     cfg = config or GLUON_DEFAULT
-    call = call.shard()
-    out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
+    view = call.shard()
+    out, lse_out, done, frame = split_frame(view, out, lse_out, num_splits, cfg)
     if done:
         return out, lse_out
     parts, n_hb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
-    q, kv = call.q_lat, call.kv
+    q, kv = view.q_lat, view.kv
     B, S, H, _ = q.shape
     T = kv.shape[1]
-    mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, kv.device)  # one row per request (gluon_reason)
-    q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, kv)
-    masked = mask_b is not None or call.causal is not None
+    mask_b, ms, _ = mask_operand(view.mask, B, S, H, T, kv.device)  # one row per request (gluon_reason)
+    q_pos, qps, cp_world, cp_rank = causal_operand(view.causal, B, S, kv)
+    masked = mask_b is not None or view.causal is not None
     args = (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, mask_b if mask_b is not None else kv, q_pos,
             o_part, l_part,
-            T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
+            T, H, S * H, float(view.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r, cp_world, cp_rank,
             *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], *parts.k_main.stride()[:2],
             *parts.k_tail.stride()[:2], ms[0], ms[3], *qps,
             ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=ns,
-                  HAS_LENS=call.kv_lens is not None, SCHEDULE=cfg.lock_step_schedule(), Q_REG=cfg.q_reg_for(masked),
-                  HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None)
-    stage2 = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None
+                  HAS_LENS=view.kv_lens is not None, SCHEDULE=cfg.lock_step_schedule(), Q_REG=cfg.q_reg_for(masked),
+                  HAS_MASK=mask_b is not None, CAUSAL=view.causal is not None)
+    stage2 = reduce_launch(o_part, l_part, out, lse_out, H, view.lse_base, view.v_dim, ns) if ns > 1 else None
     return launch_plan(_mla_gluon_jit, out, lse_out, ((n_hb, ns, B), args, consts, stage2), num_warps=8)

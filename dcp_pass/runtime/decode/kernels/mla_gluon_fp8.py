@@ -41,8 +41,16 @@ from __future__ import annotations
 from typing import Optional
 
 from .common import LOG2E, AttentionCall
-from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, fp8_gluon_reason,
-                           launch_plan, roles_preferred, split_frame)
+from .gluon_common import (
+    GLUON_DEFAULT,
+    HAS_GLUON,
+    ROLES_TILES,
+    GluonConfig,
+    fp8_gluon_reason,
+    launch_plan,
+    roles_preferred,
+    split_frame,
+)
 from .mla_gluon_roles import mask_args
 from .splits import reduce_launch
 
@@ -50,8 +58,12 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
-        warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
     from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _role_buffers, _scorer, _store_half

@@ -32,16 +32,29 @@ from __future__ import annotations
 from typing import Optional
 
 from .common import LOG2E, AttentionCall, causal_operand, mask_operand
-from .gluon_common import (GLUON_DEFAULT, HAS_GLUON, ROLES_TILES, GluonConfig, gluon_offered, gluon_reason,
-                           launch_plan, roles_preferred, split_frame)
+from .gluon_common import (
+    GLUON_DEFAULT,
+    HAS_GLUON,
+    ROLES_TILES,
+    GluonConfig,
+    gluon_offered,
+    gluon_reason,
+    launch_plan,
+    roles_preferred,
+    split_frame,
+)
 from .splits import reduce_launch
 
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
 
@@ -245,8 +258,10 @@ def _role_buffers_src(dt: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.const
     rope), each buffer's row rescale, the final row sums, the barriers (`full` counting
     FULL_COUNT arrivals a fill; the others one: Gluon's arrive is a partition barrier, then one
     arrival) and, with HAS_MASK, each buffer's mask entries (else `a_s` stands in, unused)."""
-    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
-    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
+    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL],
+                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
+    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec_sl)  # each buffer's tile: the rows' rescale
     l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # the final row sums, for the loader
@@ -285,8 +300,10 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
     b = gl.program_id(2).to(gl.int64)
     row0 = pid_h * BLOCK_H
     salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
-    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
-    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
+    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
+    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
     ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
     cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
@@ -378,22 +395,22 @@ def launch_role_args(jit, name: str, call: AttentionCall, out, lse_out, num_spli
     if cfg.tiles != ROLES_TILES:
         raise ValueError(f"the {name} Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
                          f"{ROLES_TILES[2]} stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
-    call = call.shard()
-    out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
+    view = call.shard()
+    out, lse_out, done, frame = split_frame(view, out, lse_out, num_splits, cfg)
     if done:
         return out, lse_out
     parts, n_hb, ns, (lens, lens_sb, lens_c, lens_r), (o_part, l_part, ops, lps, l_scale) = frame
-    B, S, H, _ = call.q_lat.shape
-    T = call.kv.shape[1]
-    m_args, m_consts = mask_args(call, T, call.kv)
+    B, S, H, _ = view.q_lat.shape
+    T = view.kv.shape[1]
+    m_args, m_consts = mask_args(view, T, view.kv)
     args = (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
-            T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
+            T, H, S * H, float(view.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
             *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
             ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
             *m_args)
     consts = dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-                  HAS_LENS=call.kv_lens is not None, **m_consts)
-    stage2 = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None
+                  HAS_LENS=view.kv_lens is not None, **m_consts)
+    stage2 = reduce_launch(o_part, l_part, out, lse_out, H, view.lse_base, view.v_dim, ns) if ns > 1 else None
     return launch_plan(jit, out, lse_out, ((n_hb, ns, B), args, consts, stage2))
 
 

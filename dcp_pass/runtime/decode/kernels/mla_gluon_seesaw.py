@@ -55,8 +55,12 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
     from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
     from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _row_positions, _scores_log2, _store_half
@@ -317,13 +321,17 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
     salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
     # q with a unit leading dimension: the partitions index it with an opaque zero in every
     # iteration, so its wgmma descriptors are formed there, not hoisted and spilled
-    q_lat_s = gl.allocate_shared_memory(dt, [1, BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
-    q_rope_s = gl.allocate_shared_memory(dt, [1, BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
+    q_lat_s = gl.allocate_shared_memory(dt, [1, BLOCK_H, DL],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
+    q_rope_s = gl.allocate_shared_memory(dt, [1, BLOCK_H, DR],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
     _copy_q(q_lat_s.index(0), q_rope_s.index(0), Q + b * sq_b, QT + b * sqt_b, sq_s, sq_h, sqt_s, sqt_h, row0, H, SH,
             BLOCK_H)
 
-    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
-    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
+    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL],
+                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
+    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m0_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # WG0's max after the even tile
     m1_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # WG1's after the odd tile

@@ -30,11 +30,31 @@ from typing import Optional
 
 import torch
 
-from .common import (HAS_TRITON, LOG2E, AttentionCall, ShardView, causal_operand, check_base, check_launchable,
-                     fold_dtype, fold_operand, fp8_dots_dtype, fp8_read, keys_up_to, launch, lens_operand,
-                     mask_operand, outputs, positions_i32, pow2, row_alignment, shard_keys, triton_reason)
-from .splits import partial_outputs, reduce_launch, split_count
 from ..call import KV_SCALE_BLOCK as SCALE_BLOCK
+from .common import (
+    HAS_TRITON,
+    LOG2E,
+    AttentionCall,
+    ShardView,
+    causal_operand,
+    check_base,
+    check_launchable,
+    fold_dtype,
+    fold_operand,
+    fp8_dots_dtype,
+    fp8_read,
+    keys_up_to,
+    launch,
+    lens_operand,
+    mask_operand,
+    outputs,
+    positions_i32,
+    pow2,
+    row_alignment,
+    shard_keys,
+    triton_reason,
+)
+from .splits import partial_outputs, reduce_launch, split_count
 
 if HAS_TRITON:
     import triton
