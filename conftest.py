@@ -1,1 +1,2 @@
-# Repository-root conftest: puts the root on sys.path so `examples` imports in tests.
+# Repository-root conftest: pytest puts its folder, the repository root, on sys.path, so the tests
+# import this checkout's dcp_pass whichever copy is installed.

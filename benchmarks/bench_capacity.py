@@ -2,7 +2,7 @@
 
 Every probe is a fresh 2-rank process group (an OOM cannot leave a peer stuck in a
 collective): each rank caps its GPU with torch.cuda.set_per_process_memory_fraction,
-builds the example model (examples/deepseek_mla.py, TP over both ranks, caches of
+builds the example model (dcp_pass/models/deepseek_mla.py, TP over both ranks, caches of
 `ctx` positions), compiles it with DcpBackend(dcp_size=c) and decodes `--steps` tokens.
 DCP=1 is built the ordinary way (full cache buffers); DCP>1 is built under
 dcp_pass.deferred_caches() and dcp_pass.materialize() gives each rank its stripe, so no
@@ -84,7 +84,7 @@ def probe(rank, world, cfg):
     from bench_model import random_model
     from dcp_pass.backend import DcpBackend
     from dcp_pass.topology import topology_from_world
-    from examples.deepseek_mla import ModelArgs
+    from dcp_pass.models.deepseek_mla import ModelArgs
 
     torch.set_grad_enabled(False)
     c, ctx, cuda = cfg["c"], cfg["ctx"], cfg["device"] == "cuda"

@@ -1,4 +1,4 @@
-"""Whole-model decode with the compile pass: examples/deepseek_mla.py, torch.compile(backend="dcp").
+"""Whole-model decode with the compile pass: dcp_pass/models/deepseek_mla.py, torch.compile(backend="dcp").
 
 Every rank builds the unmodified example model (TP over all ranks, dense layers only so
 the graph count stays small) at DeepSeek-V3 sizes with random weights, fills its caches
@@ -67,7 +67,7 @@ def random_model(args, rank, dev, seed):
     q down-projections) equal on every rank, each rank's shards fixed by (seed, rank),
     and build_model's scaling (1/sqrt(full fan-in)), so activations stay O(1).
     """
-    from examples.deepseek_mla import ParallelEmbedding, RMSNorm, Transformer, _shard_dim
+    from dcp_pass.models.deepseek_mla import ParallelEmbedding, RMSNorm, Transformer, _shard_dim
 
     with torch.device(dev):
         model = Transformer(args, rank)

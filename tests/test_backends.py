@@ -81,14 +81,3 @@ def test_torch_backend_runs_the_reference():
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert backends.ATTENTION_BACKENDS["torch"].kernels == ("torch",)
 
-
-def test_the_positional_reference_of_the_last_release_still_runs():
-    from dcp_pass.runtime.decode.kernels.mla_attention import mla_attention_reference
-
-    g = torch.Generator().manual_seed(1)
-    q, kv = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 9, 8, generator=g)
-    lens, q_pos = torch.tensor([5, 9]), torch.tensor([[2, 3, 4], [6, 7, 8]])
-    with pytest.warns(DeprecationWarning, match="AttentionCall"):
-        out, lse = mla_attention_reference(q, None, kv, None, 6, 0.3, kv_lens=lens, causal=(q_pos, 1, 0))
-    want = attention_reference(AttentionCall(q, None, kv, None, 6, 0.3, kv_lens=lens, q_pos=q_pos))
-    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])

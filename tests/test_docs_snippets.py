@@ -1,4 +1,5 @@
-"""Every ```python block of README.md and docs/*.md (not docs/archive/) runs as written.
+"""Every ```python block of README.md and docs/*.md (not docs/archive/), and every
+examples/*.py, runs as written.
 
 Each block runs on its own, as a script under `torchrun --nproc-per-node 2` would: two
 gloo CPU ranks (dcp_pass.testing.run_ranks), torch.distributed initialised, RANK /
@@ -8,7 +9,8 @@ to "__main__", nothing shared with the file's other blocks. A block right after 
 `<!-- plain process: <reason> -->` runs in one fresh Python process without
 torch.distributed (code that makes its own process group, such as graph_stages). A failing
 block is reported with its file, its first line and each failed rank's traceback (whose
-line numbers are the markdown file's).
+line numbers are the markdown file's). An example file is one block; one whose docstring
+says "torch.distributed is not set up" runs in a plain process.
 """
 from __future__ import annotations
 
@@ -79,6 +81,16 @@ def all_blocks() -> list[Block]:
     return out
 
 
+def example_blocks() -> list[Block]:
+    """examples/*.py, each as one block."""
+    out = []
+    for f in sorted(glob.glob(os.path.join(ROOT, "examples", "*.py"))):
+        with open(f) as fh:
+            source = fh.read()
+        out.append(Block(os.path.relpath(f, ROOT), 1, source, None, "torch.distributed is not set up" in source))
+    return out
+
+
 def _run_block(rank: int, world: int, source: str, path: str, line: int, root: str) -> None:
     os.chdir(root)
     # padded so that tracebacks give the markdown file's line numbers
@@ -106,7 +118,7 @@ def run_plain(block: Block, root: str = ROOT, timeout: float = TIMEOUT_S) -> Non
 
 # ----------------------------------------------------------------------------- the docs' blocks
 
-BLOCKS = all_blocks()
+BLOCKS = all_blocks() + example_blocks()
 
 
 @pytest.mark.slow
@@ -163,6 +175,9 @@ def test_blocks_are_found_with_lines_and_skips():
     run_plain(blocks[2], timeout=120)
     assert all_blocks() and {b.path for b in all_blocks()} <= {os.path.relpath(f, ROOT) for f in doc_files()}
     assert not any(b.path.startswith(os.path.join("docs", "archive")) for b in all_blocks())
+    examples = {b.path: b.plain for b in example_blocks()}
+    assert examples == {os.path.join("examples", name): plain for name, plain in
+                        [("hf_generate.py", False), ("pin_graphs.py", True), ("reference_model.py", False)]}
 
 
 def test_a_failing_block_names_file_line_and_traceback():

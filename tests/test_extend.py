@@ -134,13 +134,6 @@ def test_extend_single_rank_equals_both_paths():
     assert (out - ref).abs().max() < 1e-4
     out2 = extend_attention_dcp(_call(q, qr, kv.clone(), pe.clone(), 1, 0), new, new_pe, lens, exchange="a2a")
     assert (out2 - ref).abs().max() < 1e-4
-    # the positional form of the last release still works, with a DeprecationWarning
-    with pytest.warns(DeprecationWarning, match="AttentionCall"):
-        old = extend_attention_gather(q, qr, new, new_pe, kv.clone(), pe.clone(), lens, None, 1, 0, DL, SCALE)[0]
-    with pytest.warns(DeprecationWarning, match="AttentionCall"):
-        old2 = extend_attention_dcp(q, qr, new, new_pe, kv.clone(), pe.clone(), lens, 1, 0, DL, SCALE,
-                                    exchange="a2a")
-    assert torch.equal(old, out) and torch.equal(old2, out2)
     with pytest.raises(ValueError, match="come from prefix_lens"):
         extend_attention_dcp(_call(q, qr, kv.clone(), pe.clone(), 1, 0).replace(kv_lens=3), new, new_pe, lens)
 

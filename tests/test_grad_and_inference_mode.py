@@ -185,7 +185,7 @@ def _tp_rank_fn(rank, world, configs, device_type):
     from torch._dynamo.utils import counters
 
     from dcp_pass.backend import DcpBackend
-    from examples.deepseek_mla import ModelArgs, _build as build
+    from dcp_pass.models.deepseek_mla import ModelArgs, _build as build
 
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     args = ModelArgs(max_seq_len=16, n_layers=1, n_dense_layers=1, tp_size=2)

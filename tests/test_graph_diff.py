@@ -970,8 +970,4 @@ copy__1 = getitem_7.copy_(state_2)""")
 
 
 if __name__ == "__main__":
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for examples/
     unittest.main()

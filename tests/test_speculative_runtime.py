@@ -115,14 +115,8 @@ def test_verify_single_rank_and_query_positions():
     o, lse = verify_attention(call, K)
     assert (o - _naive_verify(q, full, kv_len).float()).abs().max() < 1e-4
     assert torch.isfinite(lse).all()
-    # the positional form of the last release still works, with a DeprecationWarning
-    with pytest.warns(DeprecationWarning, match="AttentionCall"):
-        o_old, lse_old = verify_attention(q, None, call.kv, None, kv_len, K, 1, 0, SCALE, v_dim=DL)
-    assert torch.equal(o_old, o) and torch.equal(lse_old, lse)
     with pytest.raises(ValueError, match="include the 3 verified tokens"):
         verify_query_positions(torch.tensor([2]), K)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="v_dim is required"):
-        verify_attention(q, None, full, None, kv_len, K, 1, 0, SCALE)
     with pytest.raises(ValueError, match="causal cap comes from kv_lens"):
         verify_attention(call.replace(q_pos=torch.zeros(3, K)), K)
     with pytest.raises(ValueError, match="page-contiguous"):

@@ -21,7 +21,6 @@ tensor (ragged rows), in global positions.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -144,54 +143,21 @@ def _extend_call(call: AttentionCall, who: str) -> AttentionCall:
     return call
 
 
-def _legacy(args, kwargs, names, who):
-    """The positional form of the last release: (q_lat, q_rope, new_kv, new_pe, local_kv,
-    local_pe, ...) -> (call, remaining keyword arguments), with a DeprecationWarning."""
-    warnings.warn(f"{who}(q_lat, q_rope, new_kv, new_pe, local_kv, local_pe, ...) is deprecated: pass an "
-                  f"AttentionCall(q_lat, q_rope, local_kv, local_pe, v_dim, scale, stripe=(c, rank), lse_base=...) "
-                  f"and the new tokens", DeprecationWarning, stacklevel=3)
-    bound = dict(zip(names, args), **kwargs)
-    _check_rank(bound["c"], bound["rank"])  # checked before any collective is issued
-    call = AttentionCall(bound.pop("q_lat"), bound.pop("q_rope"), bound.pop("local_kv"), bound.pop("local_pe"),
-                         bound.pop("v_dim"), bound.pop("scale"), stripe=(bound.pop("c"), bound.pop("rank")),
-                         lse_base=bound.pop("lse_base", "e"))
-    return call, bound
-
-
-_GATHER_ARGS = ("q_lat", "q_rope", "new_kv", "new_pe", "local_kv", "local_pe", "prefix_lens", "group", "c", "rank",
-                "v_dim", "scale", "lse_base", "write")
-_DCP_ARGS = ("q_lat", "q_rope", "new_kv", "new_pe", "local_kv", "local_pe", "prefix_lens", "c", "rank", "v_dim",
-             "scale", "lse_base", "exchange", "group", "out_dtype")
-
-
-def extend_attention_gather(
-    call,
-    *args,
-    **kwargs,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def extend_attention_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, group: Group, write: bool = True,
+                            *, attn_backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gather path: ordinary causal attention over (gathered prefix + new tokens).
 
-    ``extend_attention_gather(call, new_kv, new_pe, prefix_lens, group, *, write=True,
-    attn_backend=None)``. ``call``: an :class:`~dcp_pass.runtime.decode.call.AttentionCall`
-    of the new tokens' queries ``q_lat [B, S, H, Dl]`` / ``q_rope`` (any head set: the result
-    is final for those heads, no merge) over this rank's striped caches ``kv`` / ``pe`` with
-    ``stripe=(c, rank)``, ``v_dim``, ``scale`` and ``lse_base``; the key counts and the causal
-    cap come from ``prefix_lens``. Returns ``(out [B, S, H, v_dim], lse [B, S, H])``. With
-    ``write`` the new tokens ``new_kv [B, S, Dk]`` / ``new_pe`` are then written striped into
-    the caches. Collective over ``group`` when ``c > 1``. ``attn_backend``: a name of
+    ``call``: an :class:`~dcp_pass.runtime.decode.call.AttentionCall` of the new tokens'
+    queries ``q_lat [B, S, H, Dl]`` / ``q_rope`` (any head set: the result is final for those
+    heads, no merge) over this rank's striped caches ``kv`` / ``pe`` with ``stripe=(c, rank)``,
+    ``v_dim``, ``scale`` and ``lse_base``; the key counts and the causal cap come from
+    ``prefix_lens``. Returns ``(out [B, S, H, v_dim], lse [B, S, H])``. With ``write`` the new
+    tokens ``new_kv [B, S, Dk]`` / ``new_pe`` are then written striped into the caches.
+    Collective over ``group`` when ``c > 1``. ``attn_backend``: a name of
     :data:`~dcp_pass.runtime.decode.backends.ATTENTION_BACKENDS`; None runs the Triton
-    kernels on CUDA and the torch reference elsewhere. (The positional form of the last
-    release, ``(q_lat, q_rope, new_kv, new_pe, local_kv, local_pe, prefix_lens, group, c,
-    rank, v_dim, scale, lse_base="e", write=True)``, still works, with a DeprecationWarning.)
+    kernels on CUDA and the torch reference elsewhere.
     """
-    if isinstance(call, torch.Tensor):
-        call, bound = _legacy((call, *args), kwargs, _GATHER_ARGS, "extend_attention_gather")
-        args, kwargs = (), bound
-    return _extend_gather(_extend_call(call, "extend_attention_gather"), *args, **kwargs)
-
-
-def _extend_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, group: Group, write: bool = True, *,
-                   attn_backend: Optional[str] = None):
+    call = _extend_call(call, "extend_attention_gather")
     if call.kv_scale is not None:
         raise ValueError("extend_attention_gather: the gather path restores a 16-bit prefix; an fp8 latent cache "
                          "(call.kv_scale) extends through extend_attention_dcp, which writes the new tokens "
@@ -206,8 +172,7 @@ def _extend_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, group
     device = call.q_lat.device
     # the gathered prefix is one unstriped sequence: global positions are its rows
     out, lse = attend(call.replace(kv=kv, pe=pe, kv_lens=(lens + S).to(device),
-                                   q_pos=query_positions(lens, B, S, device),
-                               stripe=(1, 0)), attn_backend)
+                                   q_pos=query_positions(lens, B, S, device), stripe=(1, 0)), attn_backend)
     if write:
         write_new_tokens_(call.kv, new_kv, lens, c, rank)
         if call.pe is not None:
@@ -215,31 +180,18 @@ def _extend_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, group
     return out, lse
 
 
-def extend_attention_dcp(
-    call,
-    *args,
-    **kwargs,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def extend_attention_dcp(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, exchange: Optional[str] = None,
+                         group: Group = None, out_dtype: Optional[torch.dtype] = None, *,
+                         attn_backend: Optional[str] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """DCP path: write new tokens striped, shard-local attention with global causality.
 
-    ``extend_attention_dcp(call, new_kv, new_pe, prefix_lens, *, exchange=None, group=None,
-    out_dtype=None, attn_backend=None)``; ``call`` as in :func:`extend_attention_gather`,
-    its queries holding all query heads of the DCP group. ``exchange=None`` returns the
-    rank-local partial ``(out [B,S,H,v_dim], lse [B,S,H])``; ``"a2a"`` / ``"ag_rs"`` merge it
-    with the packed all-to-all / reduce-scatter exchange and return this rank's head shard
-    ``[B, S, H/c, v_dim]``; ``"replicated"`` returns all heads merged on every rank. (The
-    positional form of the last release, ``(q_lat, q_rope, new_kv, new_pe, local_kv,
-    local_pe, prefix_lens, c, rank, v_dim, scale, lse_base="e", exchange=None, group=None,
-    out_dtype=None)``, still works, with a DeprecationWarning.)
+    ``call`` as in :func:`extend_attention_gather`, its queries holding all query heads of the
+    DCP group. ``exchange=None`` returns the rank-local partial ``(out [B,S,H,v_dim],
+    lse [B,S,H])``; ``"a2a"`` / ``"ag_rs"`` merge it with the packed all-to-all /
+    reduce-scatter exchange and return this rank's head shard ``[B, S, H/c, v_dim]``;
+    ``"replicated"`` returns all heads merged on every rank.
     """
-    if isinstance(call, torch.Tensor):
-        call, bound = _legacy((call, *args), kwargs, _DCP_ARGS, "extend_attention_dcp")
-        args, kwargs = (), bound
-    return _extend_dcp(_extend_call(call, "extend_attention_dcp"), *args, **kwargs)
-
-
-def _extend_dcp(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, exchange: Optional[str] = None,
-                group: Group = None, out_dtype: Optional[torch.dtype] = None, *, attn_backend: Optional[str] = None):
+    call = _extend_call(call, "extend_attention_dcp")
     c, rank = call.stripe
     B, S = new_kv.shape[:2]
     lens = _lens(prefix_lens, B)

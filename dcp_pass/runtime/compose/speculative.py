@@ -19,7 +19,6 @@ usual DCP exchange (or, with ``exchange=...``, the merged result).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -126,40 +125,12 @@ def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return zero_rows(x, torch.arange(x.shape[1], device=x.device).view(1, -1) < lens.view(-1, 1))
 
 
-_VERIFY_ARGS = ("q_lat", "q_rope", "local_kv", "local_pe", "global_kv_len", "k_tokens", "c", "rank", "scale", "v_dim",
-                "lse_base", "page_table", "zero_tail", "exchange", "group", "out_dtype")
-
-
-def _legacy(args, kwargs):
-    """The positional form of the last release -> (call, k_tokens, remaining keyword arguments)."""
-    warnings.warn("verify_attention(q_lat, q_rope, local_kv, local_pe, global_kv_len, k_tokens, c, rank, scale, ...) "
-                  "is deprecated: pass AttentionCall(q_lat, q_rope, local_kv, local_pe, v_dim, scale, "
-                  "kv_lens=global_kv_len, stripe=(c, rank), page_table=...) and k_tokens", DeprecationWarning,
-                  stacklevel=3)
-    bound = dict(zip(_VERIFY_ARGS, args), **kwargs)
-    _check_rank(bound["c"], bound["rank"])
-    q_lat, local_pe, v_dim = bound.pop("q_lat"), bound.pop("local_pe"), bound.pop("v_dim", None)
-    if v_dim is None:
-        if local_pe is None:
-            raise ValueError("v_dim is required for a fused cache (local_pe is None)")
-        v_dim = q_lat.shape[-1]
-    kv_len = torch.as_tensor(bound.pop("global_kv_len")).long().to(q_lat.device)
-    call = AttentionCall(q_lat, bound.pop("q_rope"), bound.pop("local_kv"), local_pe, v_dim, bound.pop("scale"),
-                         kv_lens=kv_len, stripe=(bound.pop("c"), bound.pop("rank")),
-                         lse_base=bound.pop("lse_base", "e"), page_table=bound.pop("page_table", None))
-    return call, bound.pop("k_tokens"), bound
-
-
-def verify_attention(
-    call,
-    *args,
-    **kwargs,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def verify_attention(call: AttentionCall, k_tokens: int, zero_tail: bool = True, exchange=None, group=None,
+                     out_dtype: Optional[torch.dtype] = None, *,
+                     attn_backend: Optional[str] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Rank-local target verification over a striped MLA cache.
 
-    ``verify_attention(call, k_tokens, *, zero_tail=True, exchange=None, group=None,
-    out_dtype=None, attn_backend=None)``. ``call``: an
-    :class:`~dcp_pass.runtime.decode.call.AttentionCall` of the ``k`` verified tokens'
+    ``call``: an :class:`~dcp_pass.runtime.decode.call.AttentionCall` of the ``k`` verified tokens'
     queries ``q_lat [B, k, H, Dl]`` / ``q_rope [B, k, H, Dr]`` (all heads of the DCP group)
     over this rank's cache, either per-sequence striped (``kv [B, Tl, Dk]``, ``pe [B, Tl, Dr]``
     or None when fused) or paged (``kv [pages, P, Dk]`` + ``page_table [B, max_local_pages]``
@@ -177,19 +148,8 @@ def verify_attention(
     (``"a2a"``/``"ag_rs"``: this rank's head shard; ``"replicated"``: all heads).
 
     ``attn_backend``: a name of :data:`~dcp_pass.runtime.decode.backends.ATTENTION_BACKENDS`;
-    None runs the Triton kernels on CUDA and the torch reference elsewhere. (The positional
-    form of the last release, ``(q_lat, q_rope, local_kv, local_pe, global_kv_len, k_tokens,
-    c, rank, scale, v_dim=None, lse_base="e", page_table=None, zero_tail=True, exchange=None,
-    group=None, out_dtype=None)``, still works, with a DeprecationWarning.)
+    None runs the Triton kernels on CUDA and the torch reference elsewhere.
     """
-    if isinstance(call, torch.Tensor):
-        call, k_tokens, bound = _legacy((call, *args), kwargs)
-        return _verify(call, k_tokens, **bound)
-    return _verify(call, *args, **kwargs)
-
-
-def _verify(call: AttentionCall, k_tokens: int, zero_tail: bool = True, exchange=None, group=None,
-            out_dtype: Optional[torch.dtype] = None, *, attn_backend: Optional[str] = None):
     c, rank = call.stripe
     _check_positive_int("k_tokens", k_tokens)
     if call.q_pos is not None or call.mask is not None or call.kv_start:

@@ -81,7 +81,6 @@ from .common import (
 from .splits import partial_outputs, reduce_launch, split_count
 
 __all__ = [
-    "mla_attention_reference",
     "MLAKernelConfig",
     "pick_config",
     "supports",
@@ -744,25 +743,3 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
         launch(kernel, grid, args, consts, warps)
     return out, lse_out
-
-
-def mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, mask=None, kv_lens=None, lse_base="e", causal=None):
-    """The positional torch reference of the last release, kept for one release (its docs
-    example runs it): ``kv_lens`` the shard's own counts, ``causal`` ``(q_pos, c, r)``. Use
-    ``reference.attention_reference(AttentionCall(...))``."""
-    import warnings
-
-    from .reference import attention_reference
-
-    warnings.warn("mla_attention_reference(q_lat, q_rope, kv, pe, v_dim, scale, ...) is deprecated: use "
-                  "dcp_pass.runtime.decode.kernels.reference.attention_reference(AttentionCall(...))",
-                  DeprecationWarning, stacklevel=2)
-    q_pos, stripe = None, (1, 0)
-    if causal is not None:
-        q_pos, c, r = causal
-        stripe = (int(c), int(r))
-        if stripe != (1, 0) and (kv_lens is not None or mask is not None):
-            raise ValueError("mla_attention_reference: a striped causal cap with counts or a mask needs the "
-                             "AttentionCall form (its counts and mask are global)")
-    return attention_reference(AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask=mask, q_pos=q_pos,
-                                             kv_lens=kv_lens, stripe=stripe, lse_base=lse_base))
