@@ -6,7 +6,7 @@ group stripe the KV cache (rank r keeps positions p % c == r at row p // c), att
 with the query heads of the whole group over their own stripe, and exchange/merge the
 partials (dcp_pass.runtime.decode.comm) back to their TP-local heads:
 
-  a2a_gq   query all-gather + packed all-to-all (SPEC "a2a, gathered Q")
+  a2a_gq   query all-gather + packed all-to-all (the a2a exchange after a query all-gather)
   a2a_rq   q-proj / w_kc replicated: one packed all-to-all ("a2a, replicated Q")
   ag_rs    query all-gather + LSE all-gather + fp32 reduce-scatter
 
@@ -78,7 +78,7 @@ class Topo:
         self.rank, self.tp, self.c = rank, tp, c
         self.tp_rank = rank % tp
         self.tp_base = rank - self.tp_rank
-        self.dcp_rank = self.tp_rank % c  # SPEC: dcp_rank == attn_tp_rank % dcp_size
+        self.dcp_rank = self.tp_rank % c  # topology.py: dcp_rank == attn_tp_rank % dcp_size
         self.dcp_index = self.tp_rank // c
         self.tp_group = groups[("tp", tuple(range(self.tp_base, self.tp_base + tp)))]
         dcp_ranks = tuple(range(self.tp_base + self.dcp_index * c, self.tp_base + (self.dcp_index + 1) * c))

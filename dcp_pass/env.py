@@ -42,6 +42,9 @@ variable                        default     meaning
 ``DCP_TEST_START``              (unset)     ``spawn``: dcp_pass.testing.run_ranks spawns its
                                             ranks everywhere instead of forking them from a
                                             server process on CPU-only machines
+``DCP_TEST_FULL``               (unset)     ``1``: the test suite runs its whole matrix (every
+                                            form, more ranks, inductor beside aot_eager);
+                                            unset, the subset CI runs
 ==============================  ==========  ==================================================
 
 (The kernel switches are for measuring and for working around a kernel; the option
@@ -56,8 +59,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 __all__ = ["VARIABLES", "Variable", "agreement_timeout_s", "flashinfer_mla_backend", "flashinfer_workspace_mb",
-           "fp8_read", "logs_level", "mla_gluon", "mla_tuned", "mla_wide", "overridden", "ranks_start", "read",
-           "replay_enabled"]
+           "fp8_read", "full_tests", "logs_level", "mla_gluon", "mla_tuned", "mla_wide", "overridden", "ranks_start",
+           "read", "replay_enabled"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ VARIABLES = {v.name: v for v in (
     Variable("DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")),
     Variable("DCP_TRACE_ASSERTS", "1", "0: Dynamo breaks graphs at tensor asserts with run-time messages", ("0", "1")),
     Variable("DCP_TEST_START", "", "spawn: run_ranks spawns its ranks everywhere"),
+    Variable("DCP_TEST_FULL", "", "1: the tests run their whole matrix", ("", "0", "1")),
 )}
 
 
@@ -160,3 +164,8 @@ def flashinfer_workspace_mb() -> int:
 def ranks_start() -> str:
     """DCP_TEST_START: 'spawn', or ''."""
     return read("DCP_TEST_START")
+
+
+def full_tests() -> bool:
+    """DCP_TEST_FULL=1: the tests run their whole matrix, not CI's subset."""
+    return read("DCP_TEST_FULL") == "1"

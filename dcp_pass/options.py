@@ -48,7 +48,7 @@ class DcpOptions:
     attn_dp_size: int = 1
     # The automatic options below take "auto" or None (the default), which mean the same
     # and are stored as None.
-    comm_backend: Optional[str] = None  # auto: resolved from the platform (SPEC section 4)
+    comm_backend: Optional[str] = None  # auto: resolved from the platform (runtime/decode/comm.py)
     replicate_q_proj: Optional[bool] = None  # auto: replicate where the layer allows it
     lse_base: Optional[str] = None  # auto: the base of the attention kernel in use
     attn_backend: str = "auto"

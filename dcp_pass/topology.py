@@ -1,4 +1,4 @@
-"""Group sizes, containment rules and DCP sub-group construction (SPEC section 5).
+"""Group sizes, containment rules and DCP sub-group construction (docs/usage.md, options dcp_size to attn_dp_size).
 
 Rank layout assumed (the one of the reference serving engines):
   * TP groups are consecutive blocks of `tp_size` global ranks;

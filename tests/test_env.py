@@ -37,6 +37,29 @@ def test_the_usage_page_lists_every_variable():
     assert rows == set(env.VARIABLES), rows ^ set(env.VARIABLES)
 
 
+def _repository_sources():
+    """(path, text) of every Python and shell file of the package, tests, benchmarks and examples."""
+    for top in ("dcp_pass", "tests", "benchmarks", "examples"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith((".py", ".sh")):
+                    path = os.path.join(folder, name)
+                    with open(path) as f:
+                        yield os.path.relpath(path, ROOT), f.read()
+
+
+def test_every_variable_read_anywhere_is_in_the_table():
+    """A DCP_ name in a string or a shell assignment anywhere in the repository (a test's
+    switch, a benchmark's setting) is one of the table's: its reader and the docs know it."""
+    used = {}
+    for path, text in _repository_sources():
+        for name in re.findall(r"""(?:["']|^|\s)(DCP_[A-Z0-9_]+)\b(?=["'=])""", text, re.M):
+            used.setdefault(name, path)
+    assert "DCP_TEST_FULL" in used and "DCP_FP8_READ" in used  # the scan sees tests and benchmarks
+    unknown = {name: path for name, path in used.items() if name not in env.VARIABLES}
+    assert unknown == {"DCP_NOPE": os.path.join("tests", "test_env.py")}  # the unknown name read() refuses
+
+
 def test_no_other_module_reads_the_environment_for_them():
     readers = [path for path, text in _sources() if path != os.path.join("dcp_pass", "env.py")
                and re.search(r"(environ(\.get)?|getenv)\s*[\[(]\s*[\"']DCP_", text)]

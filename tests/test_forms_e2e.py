@@ -15,16 +15,15 @@ prompts' batch, so their decode steps reuse the decode graph greedy decoding com
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from dcp_pass import env
 from dcp_pass.testing import run_ranks
 
 PROMPTS = [[5, 7, 9, 11, 2, 3], [1], [3, 4], [8, 8, 1, 4]]  # ragged; the first call has one token
 STEPS = 10
-FULL = os.environ.get("DCP_TEST_FULL") == "1"
+FULL = env.full_tests()
 
 
 def _calls(model, tokens: torch.Tensor):

@@ -12,11 +12,10 @@ softmax in fp64; the unmodified eager model is checked at fp32-rounding toleranc
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from dcp_pass import env
 from dcp_pass.runtime.decode.merge import merge_packed, merge_partials, pack_output_lse, unpack_output_lse
 from dcp_pass.testing import run_ranks
 
@@ -76,7 +75,7 @@ CONFIGS = [
     dict(tp=2, comm=None, inner="aot_eager"),  # default comm: packed all-to-all
     dict(tp=1, comm=None, inner="aot_eager"),  # unsharded: head-replicated all-gather + merge
     dict(tp=2, comm="ag_rs", inner="aot_eager"),
-] + ([dict(tp=2, comm=None, inner="inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else [])
+] + ([dict(tp=2, comm=None, inner="inductor")] if env.full_tests() else [])
 
 
 def _rank_fn(rank, world, tokens, configs):

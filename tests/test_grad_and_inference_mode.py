@@ -19,11 +19,10 @@
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from dcp_pass import env
 from dcp_pass.testing import run_ranks
 
 CALLS = [(0, 3), (3, 1), (4, 1), (5, 1)]  # prefill, then decode steps (a symbolic start)
@@ -133,7 +132,7 @@ DECORATED_CONFIGS = [
     dict(decorated=True, requires_grad=True, ctx="grad", dcp=2, inner="aot_eager"),
     dict(decorated=True, requires_grad=False, ctx="grad", dcp=2, inner="eager"),
 ] + ([dict(decorated=True, requires_grad=False, ctx="grad", dcp=1, inner="inductor")]
-     if os.environ.get("DCP_TEST_FULL") == "1" else [])
+     if env.full_tests() else [])
 
 
 @pytest.mark.slow
@@ -158,7 +157,7 @@ TP_CONFIGS = [
 ] + ([  # the rest of the matrix (DCP_TEST_FULL=1): minutes of inductor compiles on two cores
     dict(dcp=1, inner="inductor", static_positions=None, device_position=False),
     dict(dcp=2, inner="aot_eager", static_positions=None, device_position=False),
-] if os.environ.get("DCP_TEST_FULL") == "1" else [])
+] if env.full_tests() else [])
 # CUDA defaults: CUDA graphs on, and at DCP 2 the step position on the device
 TP_CONFIGS_CUDA = [
     dict(dcp=1, inner="inductor", static_positions=None, device_position=False),

@@ -849,7 +849,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   striped, not to be read outside compiled graphs: layers.0.attn.kv_cache, layers.0.attn.pe_cache""")
 
     def test_replicated_vs_gathered_q(self):
-        # bf16 weights are the ones q-proj replication may take (SPEC section 3)
+        # bf16 weights are the ones q-proj replication may take (replicate_q_proj takes bf16/fp16 only)
         regions = {}
         for replicate in (True, False):
             model = self._model(2, dtype=torch.bfloat16)

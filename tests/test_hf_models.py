@@ -17,7 +17,6 @@ implementation at c=2 and c=4 under aot_eager, and the matcher on all of them.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -28,9 +27,10 @@ import hf_tiny  # noqa: E402  (tests/hf_tiny.py, after the importorskip)
 from kit import hf  # noqa: E402
 from kit.graphs import PinCase  # noqa: E402
 
+from dcp_pass import env
 from dcp_pass.testing import run_ranks  # noqa: E402
 
-FULL = os.environ.get("DCP_TEST_FULL") == "1"
+FULL = env.full_tests()
 ALL_CONFIGS = [(m, a) for m in ("deepseek_v3", "kimi_linear", "llama_gqa") for a in ("eager", "sdpa")]
 # end-to-end: (model, attention implementation, option absorb_kv_b_proj)
 ALL_RUNS = [(m, a, False) for m, a in ALL_CONFIGS] + [(m, a, True) for m, a in ALL_CONFIGS if m != "llama_gqa"]

@@ -8,11 +8,10 @@ logits equal to the model without DCP.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from dcp_pass import env
 from dcp_pass.testing import run_ranks
 
 PROMPT, STEPS, BATCH = 5, 66, 2
@@ -62,7 +61,7 @@ def _rank_fn(rank, world, configs):
 # test_grad_and_inference_mode's (tensor-parallel, static_positions) in CI, and here under
 # DCP_TEST_FULL=1 (a minute of C++ builds on two cores).
 CONFIGS = [dict(inner="aot_eager", dense=True), dict(inner="aot_eager", dense=False)] + (
-    [dict(inner="inductor", dense=True)] if os.environ.get("DCP_TEST_FULL") == "1" else [])
+    [dict(inner="inductor", dense=True)] if env.full_tests() else [])
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dcp_pass
+from dcp_pass import env
 from dcp_pass.runtime.decode.kv_format import FP8_MAX, Fp8Layout, dequantize, pack, quantize, views
 from dcp_pass.testing import run_ranks
 
@@ -136,7 +137,7 @@ def _rank_e2e(rank, world, fused):
     return out
 
 
-FULL = os.environ.get("DCP_TEST_FULL") == "1"
+FULL = env.full_tests()
 
 
 @pytest.mark.slow

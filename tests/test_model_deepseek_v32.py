@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dcp_pass import env
 from dcp_pass.models import deepseek_v32 as v32
 from dcp_pass.models.deepseek_v32 import ModelArgs, build_model
 from dcp_pass.testing import run_ranks
@@ -291,7 +292,7 @@ def test_bf16_model_with_fp32_scores_under_dcp(world, inner):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, inner", [(2, "aot_eager")] + (
-    [(4, "aot_eager"), (2, "inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else []))
+    [(4, "aot_eager"), (2, "inductor")] if env.full_tests() else []))
 def test_sparse_mla_under_dcp_equals_eager(world, inner):
     """The MLA caches are striped, the indexer (and its key cache) stays replicated, so its
     top-k, ties included, is the model's own; the index mask is striped like the keys. Three

@@ -95,18 +95,18 @@ def test_results_come_back_in_rank_order():
 def _seen_from_rank(rank, world):
     import sys
 
-    return os.environ.get("DCP_TEST_PROBE"), os.environ.get("DCP_TEST_GONE"), os.path.dirname(__file__) in sys.path
+    return os.environ.get("RUN_RANKS_PROBE"), os.environ.get("RUN_RANKS_GONE"), os.path.dirname(__file__) in sys.path
 
 
 def test_ranks_see_the_parents_environment_and_path_as_of_each_call(monkeypatch):
     """Ranks may fork from a server started by an earlier group (multiproc._context): they
     must still see the parent's environment as it is at this call (a variable changed or
     removed since is changed or removed for them too) and its import path."""
-    monkeypatch.setenv("DCP_TEST_PROBE", "first")
-    monkeypatch.setenv("DCP_TEST_GONE", "here")
+    monkeypatch.setenv("RUN_RANKS_PROBE", "first")
+    monkeypatch.setenv("RUN_RANKS_GONE", "here")
     assert run_ranks(_seen_from_rank, 2, timeout=TIMEOUT) == [("first", "here", True)] * 2
-    monkeypatch.setenv("DCP_TEST_PROBE", "second")
-    monkeypatch.delenv("DCP_TEST_GONE")
+    monkeypatch.setenv("RUN_RANKS_PROBE", "second")
+    monkeypatch.delenv("RUN_RANKS_GONE")
     assert run_ranks(_seen_from_rank, 2, timeout=TIMEOUT) == [("second", None, True)] * 2
-    given = run_ranks(_seen_from_rank, 2, timeout=TIMEOUT, env={"DCP_TEST_PROBE": "given"})
+    given = run_ranks(_seen_from_rank, 2, timeout=TIMEOUT, env={"RUN_RANKS_PROBE": "given"})
     assert given == [("given", None, True)] * 2

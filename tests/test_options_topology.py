@@ -1,4 +1,4 @@
-"""Options validation and topology rules (SPEC section 5)."""
+"""Options validation and topology rules (docs/usage.md, the options)."""
 import pytest
 
 from dcp_pass.options import DcpOptionError, DcpOptions

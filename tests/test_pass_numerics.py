@@ -15,16 +15,16 @@ the all-dense model (one graph per call shape).
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 
+from dcp_pass import env
 from dcp_pass.testing import run_ranks
 
 PROMPTS = [[5, 7, 9, 11, 2], [1], [3, 4], [8, 8, 1]]  # ragged, shorter than c included
 STEPS = 32
-FULL = os.environ.get("DCP_TEST_FULL") == "1"
+FULL = env.full_tests()
 
 
 def _reference(model_kind: str, dtype: torch.dtype, variant: dict):

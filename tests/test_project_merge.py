@@ -15,12 +15,11 @@ the exchange of partial results.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
 
+from dcp_pass import env
 from dcp_pass.rewrites import project_merge
 from dcp_pass.rewrites.project_merge import NotProjected, find_projection
 from dcp_pass.rewrites.q_replicate import is_parameter
@@ -259,7 +258,7 @@ def _check(configs, results, world):
 
 
 DENSE = dict(n_dense_layers=2)  # two graphs (prefill, decode); the MoE blocks' graph breaks in the first config
-FULL = os.environ.get("DCP_TEST_FULL") == "1"
+FULL = env.full_tests()
 # CI runs what only this test checks: the reference-style int position moved to the device
 # (static shapes, as benchmarked) with ag_rs, the projection turned off, and the unsharded
 # model. Projection under "auto" of the MoE model (a2a), the matmul spelling over a fused

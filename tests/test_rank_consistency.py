@@ -10,11 +10,10 @@ inner compiler. Two failure modes are pinned here:
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from dcp_pass import env
 from dcp_pass.testing import run_ranks
 
 # (start, tokens) per call: 1-token prefill, 2-token chunks at varying starts, a
@@ -96,7 +95,7 @@ def test_c2_same_graphs_on_every_rank_and_exact():
 # inductor at c=3 under DCP_TEST_FULL=1 only (three ranks compiling C++ on CI's two cores
 # take minutes); CI runs inductor under DCP at c=2 (pass_numerics, forms_e2e)
 C3 = [dict(dtype=torch.float32, tp=3, inner="aot_eager", dense=True)] + (
-    [dict(dtype=torch.float32, tp=3, inner="inductor", dense=True)] if os.environ.get("DCP_TEST_FULL") == "1" else [])
+    [dict(dtype=torch.float32, tp=3, inner="inductor", dense=True)] if env.full_tests() else [])
 
 
 @pytest.mark.slow
@@ -114,6 +113,6 @@ C4 = [dict(dtype=torch.float32, tp=4, inner="aot_eager", dense=True)]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DCP_TEST_FULL") != "1", reason="DCP_TEST_FULL=1")
+@pytest.mark.skipif(not env.full_tests(), reason="DCP_TEST_FULL=1")
 def test_c4_chunked_calls_exact():
     _check(run_ranks(_rank_fn, 4, C4, timeout=900), C4)

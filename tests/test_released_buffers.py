@@ -11,12 +11,11 @@
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
 
+from dcp_pass import env
 from dcp_pass.rewrites.cache import DcpCacheError, StripedCache
 from dcp_pass.testing import run_ranks
 
@@ -89,7 +88,7 @@ def _requests(rank, world, inner):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inner", ["aot_eager"] + (["inductor"] if os.environ.get("DCP_TEST_FULL") == "1" else []))
+@pytest.mark.parametrize("inner", ["aot_eager"] + (["inductor"] if env.full_tests() else []))
 def test_prefill_graph_compiled_before_striping_is_compiled_again(inner):
     for worst, striped in run_ranks(_requests, 2, inner):
         assert striped

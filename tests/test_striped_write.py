@@ -4,11 +4,10 @@ Traced with a symbolic start it takes the fixed-window form; both forms must sto
 exactly the owned tokens at row p // c and leave every other row untouched.
 """
 
-import os
-
 import pytest
 import torch
 
+from dcp_pass import env
 from dcp_pass.runtime.decode.layout import write_owned_tokens_
 
 
@@ -73,7 +72,7 @@ def _traced_write(c, r, capacity, f0, shard, values):
 
 # CI: 1..4 (3 is not a power of two) and 8, the widest stripe; 5..7 under DCP_TEST_FULL=1
 # (each c traces c * 17 writes: 5..7 took 32 of this file's 80 s on two cores)
-WINDOW_CS = range(1, 9) if os.environ.get("DCP_TEST_FULL") == "1" else [1, 2, 3, 4, 8]
+WINDOW_CS = range(1, 9) if env.full_tests() else [1, 2, 3, 4, 8]
 
 
 @pytest.mark.parametrize("c", WINDOW_CS)

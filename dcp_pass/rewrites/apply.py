@@ -201,7 +201,7 @@ class StripedWrites(GraphPass):
 
 
 class QueryReplication(GraphPass):
-    """Per layer: replicated q-projection / w_kc (SPEC section 3), gathered or local queries."""
+    """Per layer: replicated q-projection / w_kc (option replicate_q_proj), gathered or local queries."""
 
     name = "query_replication"
 

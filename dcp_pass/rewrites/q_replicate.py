@@ -1,4 +1,4 @@
-"""Compile-time replication of the query projection (SPEC section 3).
+"""Compile-time replication of the query projection (option replicate_q_proj, docs/usage.md).
 
 Instead of all-gathering the queries of the DCP group in every layer, each rank
 holds the q-projection and `w_kc` shards of all DCP ranks (gathered once) and

@@ -4,7 +4,7 @@
     pool.view(-1, D)[slots] = kv                       # or pool[slots // P, slots % P] = kv
     keys = pool[block_table[:b, :n]].flatten(1, 2)[:, :end]     # [b, n * P, D] -> [b, end, D]
 
-The pool is striped by the same owner rule as a flat cache (SPEC section 2): a model
+The pool is striped by the same owner rule as a flat cache (position p on rank p % c): a model
 page of P slots is one virtual page of P / c slots on each of c ranks, so slot v of the
 pool lives on rank v % c at local slot v // c, and since P % c == 0 that is position
 p % c == rank of every request, whatever pages the block table hands out. Block tables

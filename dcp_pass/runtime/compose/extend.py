@@ -1,6 +1,6 @@
 """Extend (prefill with a cached prefix) on a striped DCP cache.
 
-Extend is outside the decode cost model (SPEC.md section 7). Two correct ways:
+Extend is outside the decode cost model: its work grows with the prefix length. Two correct ways:
 
 * **gather path** (:func:`extend_attention_gather`): all-gather the cached prefix
   shards of the DCP group, restore token order (:func:`gather_prefix`), append the

@@ -2,7 +2,7 @@
 
 One widened logical page space spans the device pool (L1) and the host pool (L2):
 the cache controller sees ``P * c`` virtual slots per page on both tiers, exactly
-like the virtual allocator (SPEC.md sections 2 and 8). Each rank's device and host
+like the virtual allocator (docs/compositions.md, section 2). Each rank's device and host
 buffers hold only its own ``P`` rows per page. Before a copy in either direction
 both index lists keep the positions this rank owns (``i % c == rank``) and map them
 to local rows ``i // c``. Transfers move whole widened pages, and every rank moves

@@ -1,4 +1,4 @@
-"""DCP-aware target verification for speculative decoding (SPEC.md section 8).
+"""DCP-aware target verification for speculative decoding (docs/compositions.md, section 4).
 
 The draft model's KV cache is replicated on every DCP rank and its steps use no DCP
 metadata; only the target model's MLA KV is striped. Verifying ``k`` draft tokens

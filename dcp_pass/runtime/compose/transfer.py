@@ -2,7 +2,7 @@
 
 A prefill server writes a request's KV into its own paged pool; the decode server
 must receive it in its own layout. With DCP on the decode side that layout is
-striped (SPEC.md sections 2 and 8): decode rank ``r`` of a DCP group of size ``c``
+striped (docs/compositions.md, section 1): decode rank ``r`` of a DCP group of size ``c``
 stores token ``p`` of the request only if ``p % c == r``, at physical slot
 ``v // c`` where ``v`` is the token's virtual index on the decode side. Dense
 prefill pages therefore cannot be copied page-for-page; a plan built from the
@@ -52,7 +52,7 @@ __all__ = [
     "execute_transfer",
 ]
 
-#: Pool kinds whose KV is striped by DCP and may be relaid out (SPEC 8).
+#: Pool kinds whose KV is striped by DCP and may be relaid out (attention KV; recurrent state is not striped).
 ATTENTION_POOL_KINDS = ("mla", "hybrid_mla")
 _STATE_POOL_KINDS = ("recurrent", "state", "linear_attention", "mamba", "kda")
 
@@ -429,7 +429,7 @@ def build_state_transfer(
     """Plans moving one request's recurrent state to one decode attention-TP rank.
 
     Recurrent state (KDA / Mamba) is sharded by heads over attention TP and is
-    untouched by DCP (SPEC 6): decode rank ``t`` receives the state of heads
+    untouched by DCP (DCP stripes attention KV only): decode rank ``t`` receives the state of heads
     ``[t*H/Td, (t+1)*H/Td)``, whatever its DCP rank, from the prefill rank(s) that
     hold those heads. ``decode_dcp_size`` is accepted (and validated) only to make
     explicit that it does not change the mapping. Returns one plan per source rank.

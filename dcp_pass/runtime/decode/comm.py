@@ -11,7 +11,7 @@ Shapes follow the compile pass's canonical layout: partial output ``o`` is
 (heads ``j*H/c .. (j+1)*H/c``) belongs to DCP rank ``j``; the c partials of a row are
 merged in DCP-rank order, which is also KV-shard order.
 
-Backends (SPEC section 4; the table every chooser reads is COMM_BACKENDS, defined here
+Backends (docs/usage.md, option comm_backend; the table every chooser reads is COMM_BACKENDS, defined here
 beside the exchanges and re-exported by runtime/decode/backends.py):
   * ``a2a``    one packed all-to-all of (output, LSE), then a local exact merge;
   * ``ag_rs``  LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs;
@@ -372,7 +372,7 @@ COMM_BACKENDS: Dict[str, CommBackend] = {
     ),
 }
 
-# The platform default tries these in order (SPEC section 4); ag_rs runs everywhere.
+# The platform default tries these in order; ag_rs runs everywhere.
 DEFAULT_COMM_PREFERENCE = ("fi_a2a", "a2a", "ag_rs")
 
 
@@ -394,7 +394,7 @@ def resolve_comm_backend(
     has_all_to_all: bool,
     flashinfer_available: bool,
 ) -> str:
-    """SPEC section 4's rule, as a pure function of the platform facts.
+    """The default comm backend and the check of a requested one, as a pure function of the platform facts.
 
     Default (requested None): "fi_a2a" on a CUDA Blackwell device whose DCP group is in
     one MNNVL domain with flashinfer available; otherwise "a2a" wherever the group has

@@ -2,7 +2,7 @@
 
 A DCP group of size ``c`` stripes the KV cache by token position: rank ``r`` owns
 every virtual position ``v`` with ``v % c == r`` and stores it at physical row
-``v // c`` of its own pool (SPEC.md section 2). Everything here is plain index
+``v // c`` of its own pool. Everything here is plain index
 arithmetic, so the same helpers serve the eager allocator, the compile pass and
 the tests.
 
