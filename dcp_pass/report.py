@@ -220,6 +220,19 @@ class DcpReport:
             if key in self.layers_seen:
                 self.layers_seen[token] = self.layers_seen.pop(key)
 
+    def layer_paths(self, model: Any) -> list[str]:
+        """The module paths in `model` (an nn.Module, the one compiled) of the layers whose
+        cache buffers this report recorded, in the model's order: where the report's own
+        names are relative to the compiled graph (a block compiled once and called per
+        layer names every layer `attn`), these tell the layers apart."""
+        paths: list[str] = []
+        for name, buffer in model.named_buffers(remove_duplicate=False):
+            if self.knows(buffer):
+                path = name.rpartition(".")[0]
+                if path not in paths:
+                    paths.append(path)
+        return paths
+
     def add_uncached_layers(self, graph: GraphReport, cache_layer_names: Iterable[Optional[str]]) -> None:
         """Count the rewritten layers of `graph` that no cache identifies, by graph and name."""
         known = set(cache_layer_names)

@@ -238,6 +238,7 @@ def test_inference_mode_decorated_tensor_parallel_forward():
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.gpu_full
 def test_inference_mode_decorated_tensor_parallel_forward_cuda():
     _check_tp(TP_CONFIGS_CUDA, run_ranks(_tp_rank_fn, 2, TP_CONFIGS_CUDA, "cuda", backend="nccl", timeout=900))
 

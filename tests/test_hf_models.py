@@ -512,7 +512,7 @@ def test_fast_path_absorbs_at_one_rank():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
+@pytest.mark.parametrize("absorb", [False, pytest.param(True, marks=pytest.mark.gpu_full)], ids=["expanded", "absorbed"])
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_fast_path_generates_over_new_caches(absorb):
     """One GPU, inductor with CUDA graphs ("auto"): the prefill that allocates the cache runs

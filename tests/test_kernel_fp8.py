@@ -305,6 +305,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("read", FP8_READS)
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.gpu_full
 def test_gpu_fp8_real_shapes(H, paged, read, monkeypatch):
     """DeepSeek-V3 shapes, bf16 queries and rope, each fp8 read: the split and two-GEMM kernels
     against the fp32 reference of the dequantised cache (a dequantising read rounds the
@@ -337,6 +338,7 @@ def test_gpu_fp8_real_shapes(H, paged, read, monkeypatch):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.gpu_full
 def test_gpu_fold_at_least_as_exact_as_dequant(H, monkeypatch):
     """bf16 queries on the GPU: the fold read (fp8 values and queries unrounded in fp16 dots,
     P rounded to fp16) against the dequantising read (every value times its scale rounded to

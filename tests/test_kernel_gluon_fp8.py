@@ -169,6 +169,7 @@ def _check(call, lens_local, num_splits=None, stripe=None):
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("keys", [4096, 32768])
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.gpu_full
 def test_gpu_fp8_against_the_dequantised_cache(heads, keys, num_splits):
     g = torch.Generator().manual_seed(heads + keys)
     B = 8
@@ -180,6 +181,7 @@ def test_gpu_fp8_against_the_dequantised_cache(heads, keys, num_splits):
 
 @gpu
 @needs_hopper
+@pytest.mark.gpu_full
 def test_gpu_fp8_striped_lengths_two_caches_and_wide_scales():
     """Global counts under a (2, 1) stripe, a 528-byte latent row beside a rope buffer, and
     blocks whose scales differ by 2^20 between keys and columns. The kernel attends over
@@ -258,6 +260,7 @@ def test_gpu_fp8_matches_the_two_gemm_kernel_and_a_nan_stays_in_its_request():
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.gpu_full
 def test_gpu_fp8_mask_rows_and_causal_caps(num_splits):
     """A decode step's mask row per request (finite and -inf entries, a request that sees
     nothing, a key-strided row); a causal cap on a striped 3-token call with 40 heads (rows of
@@ -290,6 +293,7 @@ def test_gpu_fp8_mask_rows_and_causal_caps(num_splits):
 
 @gpu
 @needs_hopper
+@pytest.mark.gpu_full
 def test_gpu_fp8_cuda_graph_capture():
     B, H, T = 8, 128, 4096
     lens = torch.full((B,), 100, device="cuda")

@@ -160,6 +160,7 @@ def _run(call, out=None, lse=None, num_splits=None):
 @needs_hopper
 @pytest.mark.parametrize("heads", [16, 12, 8])
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.gpu_full
 def test_gpu_against_the_dequantised_cache(heads, num_splits):
     g = torch.Generator().manual_seed(heads * 7 + (num_splits or 0))
     B, T = 8, 8192
@@ -175,6 +176,7 @@ def test_gpu_against_the_dequantised_cache(heads, num_splits):
 
 @gpu
 @needs_hopper
+@pytest.mark.gpu_full
 def test_gpu_stripes_two_caches_multi_token_rows_and_wide_scales():
     """Global counts under a (2, 1) stripe, a latent buffer beside a rope buffer, 2 tokens x 8
     heads (16 rows, token-major), and block scales spread by 2^20 between keys and columns: the
@@ -198,6 +200,7 @@ def test_gpu_stripes_two_caches_multi_token_rows_and_wide_scales():
 
 @gpu
 @needs_hopper
+@pytest.mark.gpu_full
 def test_gpu_running_max_scaled_queries_and_a_nan_key():
     """A max that rises tile after tile, one early key that dominates, queries scaled x 2^12 (the
     query blocks' power-of-two factors) and x 2^-12; then one NaN key: its request's rows
@@ -246,6 +249,7 @@ def test_gpu_matches_the_fp8_role_split_kernel():
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.gpu_full
 def test_gpu_mask_rows_and_causal_caps(num_splits):
     """A decode step's mask row per request at 16 heads (finite and -inf entries, a request that
     sees nothing, a key-strided row); causal caps on striped calls of 2 tokens x 8 heads and 4 x
@@ -275,6 +279,7 @@ def test_gpu_mask_rows_and_causal_caps(num_splits):
 
 @gpu
 @needs_hopper
+@pytest.mark.gpu_full
 def test_gpu_cuda_graph_capture():
     B, H, T = 8, 16, 4096
     lens = torch.full((B,), 100, device="cuda")

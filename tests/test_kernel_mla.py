@@ -410,6 +410,7 @@ def _gpu_case(dtype, B, S, H, T, fused, lens=None, q_pos=None, stripe=(1, 0), ma
 @needs_cuda
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.gpu_full
 def test_gpu_bf16_real_shapes(H, fused):
     lens = torch.tensor([4096, 1, 0, 2500], device="cuda")
     _gpu_case(torch.bfloat16, 4, 1, H, 4096, fused, lens=lens)
@@ -430,6 +431,7 @@ def test_gpu_fp16_base2_mask_causal_multitoken():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.gpu_full
 def test_gpu_mask_128_heads_fits_shared_memory(dtype, tol):
     """A pipelined mask (and fp32 tiles) must shrink the tuned tile to fit shared memory."""
     B, T, H = 2, 1500, 128

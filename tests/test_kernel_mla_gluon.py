@@ -184,6 +184,7 @@ def _case(B, T, lens, num_splits=None, stripe=(1, 0), config=None):
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.gpu_full
 def test_gpu_gluon_ragged_nan_beyond_lengths(num_splits):
     _case(4, 8192, [8192, 1, 0, 5001], num_splits)
 
@@ -204,6 +205,7 @@ def test_gpu_gluon_striped_lengths_and_tiles():
 @needs_hopper
 @pytest.mark.parametrize("tag", ["64,64,2,3,0", "64,64,2,3,128", "64,64,2,2,0", "64,64,2,6,0", "64,64,2,6,128",
                                  "64,64,2,6,256", "64,64,2,10,0"])
+@pytest.mark.gpu_full
 def test_gpu_gluon_drifting_and_wide_scores(tag):
     """Scores whose running max keeps rising along the cache (keys grow in norm), jumps once
     (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
@@ -258,6 +260,7 @@ def test_gpu_gluon_cuda_graph_capture():
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("tag", [None, "64,64,2,3,0", "64,64,2,6,128", "64,64,2,10,0"])
+@pytest.mark.gpu_full
 def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     """A decode mask row per request (-inf and finite entries, one request fully masked), and
     the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference;
@@ -312,6 +315,7 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
 
 @gpu
 @needs_hopper
+@pytest.mark.gpu_full
 def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     """kv [B, T, 512] and pe [B, T, 64] in two buffers, q_lat / q_rope separate: the layout
     DeepSeek's reference model (and so the int-position decode graph) hands the op."""
@@ -341,6 +345,7 @@ def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("num_splits", [None, 2, 7])
+@pytest.mark.gpu_full
 def test_gpu_role_split_kernel_multi_token_rows_and_partial_blocks(num_splits):
     """The role-split kernel on rows that are (token, head) pairs of a 3-token call with 40
     heads (120 rows: a full and a partial 64-row block), a separate rope cache, ragged

@@ -111,6 +111,7 @@ def _poisoned_case(B, S, H, T, lens, stripe=(1, 0), separate=False, seed=3):
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.gpu_full
 def test_gpu_ragged_lengths_odd_tile_counts_and_nan_beyond(num_splits):
     """Lengths of 1, 63, 64, 65 (one tile; two), 129 (three: the second pair's odd tile is past
     the end), 0 (an empty request) and a full cache."""
@@ -125,6 +126,7 @@ def test_gpu_ragged_lengths_odd_tile_counts_and_nan_beyond(num_splits):
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.gpu_full
 def test_gpu_striped_lengths_two_caches_multi_token_rows(separate):
     """Global counts under a (2, 1) stripe; 3 query tokens x 40 heads (a full and a partial
     64-row block); one fused cache or a latent and a rope buffer (the reference model's)."""
@@ -139,6 +141,7 @@ def test_gpu_striped_lengths_two_caches_multi_token_rows(separate):
 
 @gpu
 @needs_hopper
+@pytest.mark.gpu_full
 def test_gpu_running_max_handed_between_warpgroups():
     """A max that rises tile after tile (each warpgroup must rescale to the other's), one early
     key that dominates every later tile, scores spread over ~2^20 (q x 8); then one NaN key:
@@ -168,6 +171,7 @@ def test_gpu_running_max_handed_between_warpgroups():
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.gpu_full
 def test_gpu_mask_rows_and_causal_caps(num_splits):
     """A decode step's mask row per request (finite and -inf entries, a request that sees
     nothing, a key-strided row), a causal cap on a striped 3-token call with 40 heads (rows of
@@ -215,6 +219,7 @@ def test_gpu_equals_the_role_split_kernel_to_rounding():
 
 @gpu
 @needs_hopper
+@pytest.mark.gpu_full
 def test_gpu_cuda_graph_capture():
     B, T = 8, 4096
     q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16)

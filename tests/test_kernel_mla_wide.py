@@ -301,6 +301,7 @@ def _gpu_case(dtype, B, S, H, T, fused, lens=None, q_pos=None, stripe=(1, 0), ma
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.gpu_full
 def test_gpu_wide_bf16_real_shapes(fused):
     lens = torch.tensor([4096, 1, 0, 2500], device="cuda")
     _gpu_case(torch.bfloat16, 4, 1, 128, 4096, fused, lens=lens)
@@ -309,6 +310,7 @@ def test_gpu_wide_bf16_real_shapes(fused):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.gpu_full
 def test_gpu_wide_bf16_64k(num_splits):
     B, T = 2, 65536
     lens = torch.tensor([T, 40001], device="cuda")
@@ -334,6 +336,7 @@ def test_gpu_wide_bf16_b8_auto_route():
 
 @gpu
 @needs_cuda
+@pytest.mark.gpu_full
 def test_gpu_causal_call_at_64_heads_routes_to_wide():
     """64 heads, B=8, fp16 (no Gluon: it takes bf16 only): plain calls measured faster on the
     split kernel, causal calls on the two-GEMM kernel (the split kernel's 64-row tile costs
@@ -370,6 +373,7 @@ def test_gpu_wide_fp16_base2_mask_causal_multitoken():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.gpu_full
 def test_gpu_wide_mask_128_heads(dtype, tol):
     B, T, H = 2, 1500, 128
     mask = torch.randn(B, 1, H, T, device="cuda")
@@ -379,6 +383,7 @@ def test_gpu_wide_mask_128_heads(dtype, tol):
 
 @gpu
 @needs_cuda
+@pytest.mark.gpu_full
 def test_gpu_wide_cuda_graph_capture():
     B, S, H, T = 8, 1, 128, 8192
     q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16)

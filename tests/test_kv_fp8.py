@@ -205,6 +205,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("fused", [False, True], ids=["two_caches", "fused"])
 @torch.no_grad()
+@pytest.mark.gpu_full
 def test_gpu_example_model_fast_path_fp8(fused, monkeypatch):
     """One GPU, dcp_size=1 through fast_path, inductor with CUDA graphs and device positions (the
     defaults on CUDA): the bf16 model with the fp8 cache against the fp32 model, beside the same

@@ -372,7 +372,7 @@ def test_pack_round_trip_under_torch_compile(dtype, backend):
     assert torch.equal(_bits(o2), _bits(o)) and torch.equal(_bits(lse2), _bits(lse))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.gpu_full, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_packed_lse_survives_inductor_pack_and_merge(dtype, device):

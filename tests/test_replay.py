@@ -286,6 +286,7 @@ def _op_inputs(B, H, T, mask):
 @pytest.mark.parametrize("H", [16, 128])  # the split kernel and the wide kernel
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.gpu_full
 def test_gpu_replay_equals_the_python_path(monkeypatch, H, per_row, mask):
     import dcp_pass.runtime.decode.ops  # noqa: F401
 
@@ -338,6 +339,7 @@ def test_gpu_replay_captures_in_a_cuda_graph():
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("H, kernel", [(16, "gluon_fp8_narrow"), (128, "gluon_fp8")])
+@pytest.mark.gpu_full
 def test_gpu_fp8_replay_reads_each_layer_s_own_cache(monkeypatch, H, kernel):
     """Three layers' fp8 caches of one signature: every replayed call, eager and captured in a
     CUDA graph, equals that layer's Python path bit for bit (the narrow kernel reads the cache
@@ -389,6 +391,7 @@ def test_gpu_fp8_replay_reads_each_layer_s_own_cache(monkeypatch, H, kernel):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.gpu_full
 def test_gpu_replay_is_made_per_fp8_read(monkeypatch):
     """DCP_FP8_READ picks how the split kernel reads an fp8 tile (fold or dequant, which round
     differently): a call under one read never replays the other's recording."""

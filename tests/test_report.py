@@ -38,6 +38,8 @@ def test_layers_sharing_one_graph_count_once_each(fake_world, caplog):
     assert text.splitlines()[0] == (
         f"dcp_pass report (dcp_size=2, rank 0): 3 MLA layers rewritten, in 4 of {len(report.graphs)} graphs")
     assert "  layers: attn x3" in text.splitlines()
+    # the graphs name each layer `attn`; the model's module paths tell them apart
+    assert report.layer_paths(model) == ["layers.0.attn", "layers.1.attn", "layers.2.attn"]
     assert "graph(s)" not in text and "MLA layer(s)" not in text
     # identical graphs grouped: the unchanged ones, the two prefill and the two decode graphs
     assert [line.split(":")[0] for line in text.splitlines() if line.startswith("  graph")] == [
