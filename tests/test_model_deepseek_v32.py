@@ -278,7 +278,7 @@ def _bf16_rank(rank: int, world: int, inner: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, inner", [(2, "aot_eager")] + (
-    [(4, "eager"), (2, "inductor"), (4, "inductor")] if os.environ.get("DCP_TEST_FULL") == "1" else []))
+    [(4, "eager"), (2, "inductor"), (4, "inductor")] if env.full_tests() else []))
 def test_bf16_model_with_fp32_scores_under_dcp(world, inner):
     """bf16 weights and caches with fp32 queries and softmax: the value projection moved
     before the merge takes the fp32 partials as the model's bf16 attention output (it

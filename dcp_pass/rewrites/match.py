@@ -27,11 +27,21 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the record's vocabulary)
-    BUFFER_SOURCE, GROWING_CACHE, CacheAccess, CacheRead, SizeArg, as_cache_write, buffer_name, buffer_source,
-    cache_layout, cache_writes, growing_cache, is_cache_tensor, module_path, parse_cache_index,
+    BUFFER_SOURCE,
+    GROWING_CACHE,
+    CacheAccess,
+    CacheRead,
+    SizeArg,
+    as_cache_write,
+    buffer_name,
+    buffer_source,
+    cache_layout,
+    cache_writes,
+    growing_cache,
+    is_cache_tensor,
+    module_path,
+    parse_cache_index,
 )
-
-is_cache_buffer = is_cache_tensor  # the name older code uses
 
 
 class NotAttention(Exception):

@@ -32,9 +32,26 @@ from typing import Optional
 
 import torch
 
-from .common import (HAS_TRITON, INTERPRETED, LOG2E, TRITON_DTYPES, AttentionCall, ShardView, causal_operand,
-                     check_base, check_launchable, cuda_properties, keys_up_to, launch, lens_operand, mask_operand,
-                     outputs, positions_i32, pow2, shard_keys)
+from .common import (
+    HAS_TRITON,
+    INTERPRETED,
+    LOG2E,
+    TRITON_DTYPES,
+    AttentionCall,
+    ShardView,
+    causal_operand,
+    check_base,
+    check_launchable,
+    cuda_properties,
+    keys_up_to,
+    launch,
+    lens_operand,
+    mask_operand,
+    outputs,
+    positions_i32,
+    pow2,
+    shard_keys,
+)
 from .splits import partial_outputs, reduce_launch, split_count
 
 if HAS_TRITON:
