@@ -86,6 +86,7 @@ RUNS = [
 ]
 
 
+@pytest.mark.gpu_full
 def test_example_model_two_ranks_one_gpu():
     from dcp_pass.testing import run_ranks
 

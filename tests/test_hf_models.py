@@ -259,6 +259,7 @@ def test_gpu_generate_static():
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu_full
 def test_gpu_generate_static_two_ranks_one_gpu():
     """Two ranks on one GPU through gloo (CUDA graphs off: gloo collectives cannot be
     captured): the striped CUDA kernels, device counts and merges inside generate, at DCP=2;

@@ -270,6 +270,7 @@ def _gpu_check(call, tol=2e-2, lse_base="e"):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("D,Dv", [(128, 128), (64, 64), (192, 128), (128, 256)])
+@pytest.mark.gpu_full
 def test_gpu_bf16_llama_shapes(D, Dv):
     lens = torch.tensor([16384, 1, 0, 9000, 4097, 16000, 2, 333], device="cuda")
     _gpu_check(_gpu_call(8, 1, 32, 8, D, Dv, 16384, kv_lens=lens))
@@ -311,6 +312,7 @@ def test_gpu_cuda_graph_capture():
 
 @gpu
 @needs_cuda
+@pytest.mark.gpu_full
 def test_gpu_op_under_torch_compile():
     """dcp.local_attention inside a compiled function (inductor, CUDA graphs on) runs the kernel."""
     import dcp_pass.runtime.decode.ops  # noqa: F401 - registers torch.ops.dcp
@@ -331,6 +333,7 @@ def test_gpu_op_under_torch_compile():
 
 @gpu
 @needs_cuda
+@pytest.mark.gpu_full
 def test_gpu_hf_llama_generates_through_the_kernel(monkeypatch):
     """A Hugging Face Llama (GQA, 4 query heads over 2 kv heads) compiled with fast_path under
     inductor and CUDA graphs: the decode's attention runs on this kernel, bf16 generate within
