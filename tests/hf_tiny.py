@@ -104,10 +104,60 @@ def llama_gqa_config(**overrides):
     return LlamaConfig(**fields)
 
 
+def gpt_oss_config(**overrides):
+    """GptOssConfig: GQA (4 query heads over 2 KV heads) with a learned sink logit per head,
+    layer 0 sliding-window (4 positions), layer 1 full attention, 2 experts (top-1)."""
+    from transformers import GptOssConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return GptOssConfig(**fields)
+
+
+def gemma3_config(**overrides):
+    """Gemma3TextConfig: GQA (4 query heads over 2 KV heads), layer 0 sliding-window (4
+    positions), layer 1 full attention, as Gemma 3 interleaves them."""
+    from transformers import Gemma3TextConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        query_pre_attn_scalar=HIDDEN // HEADS,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return Gemma3TextConfig(**fields)
+
+
 CONFIGS = {
     "deepseek_v3": deepseek_v3_config,
     "kimi_linear": kimi_linear_config,
     "llama_gqa": llama_gqa_config,
+    "gpt_oss": gpt_oss_config,
+    "gemma3": gemma3_config,
 }
 
 
@@ -118,6 +168,8 @@ def model_class(name: str):
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "kimi_linear": transformers.KimiLinearForCausalLM,
         "llama_gqa": transformers.LlamaForCausalLM,
+        "gpt_oss": transformers.GptOssForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM,
     }[name]
 
 

@@ -161,6 +161,22 @@ def _rank_main(rank: int, world_size: int, do_compile: bool, dev: str = "cpu"):
         outs += [sharded["a2a"].cpu(), sharded["ag_rs"].cpu()]
     res["empty_row_zero"] = all(bool((t[2, 1, -1] == 0).all()) for t in outs)
 
+    # return_lse: the merged LSE of the heads each exchange leaves on this rank (a2a and ag_rs
+    # reach it differently: a local merge of the received chunks, the rank's chunk of all heads)
+    full_lse = merge_partials(O, L, return_lse=True)[1]
+    with_lse = {
+        "a2a": (exchange_a2a(o, lse, gn, c, return_lse=True), mine),
+        "ag_rs": (exchange_ag_rs(o, lse, gn, c, return_lse=True), mine),
+        "repl_a2a": (exchange_replicated(o, lse, gn, c, method="a2a", return_lse=True), slice(None)),
+        "repl_ag_rs": (exchange_replicated(o, lse, gn, c, method="ag_rs", return_lse=True), slice(None)),
+    }
+    for name, ((out, merged_lse), heads) in with_lse.items():
+        expect = full_lse[..., heads]
+        same_empty = torch.equal(merged_lse == NEG_INF, expect == NEG_INF)
+        finite = expect != NEG_INF
+        res[f"{name}_lse_err"] = _maxdiff(merged_lse[finite], expect[finite]) if same_empty else float("inf")
+        res[f"{name}_lse_out_err"] = _maxdiff(out, full[..., heads, :])
+
     # Base 2 partials (FlashInfer style) through both sharded paths.
     L2 = L * math.log2(math.e)
     l2 = L2[rank].to(dev)
@@ -217,6 +233,17 @@ WORLD_SIZES = [2, 4]
 def test_exchange_matches_single_process_merge(c, name):
     for rank, r in enumerate(_results(c)):
         assert r[f"{name}_err"] <= FP32_TOL, (rank, r[f"{name}_err"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c", WORLD_SIZES)
+@pytest.mark.parametrize("name", ["a2a", "ag_rs", "repl_a2a", "repl_ag_rs"])
+def test_exchange_returns_the_merged_lse_of_its_heads(c, name):
+    """return_lse (what a sink after the merge reads): the merged LSE of the heads the rank
+    holds, -inf exactly where a row is empty on every rank, and the same output as without."""
+    for rank, r in enumerate(_results(c)):
+        assert r[f"{name}_lse_err"] <= FP32_TOL, (rank, r[f"{name}_lse_err"])
+        assert r[f"{name}_lse_out_err"] <= FP32_TOL, (rank, r[f"{name}_lse_out_err"])
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_pass.runtime.decode.merge import (
+    fold_sink,
     global_lse,
     merge_packed,
     merge_partials,
@@ -34,6 +35,42 @@ def _t(x, dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------- hand-computed
+
+
+@pytest.mark.parametrize("base", ["e", "2"])
+@pytest.mark.parametrize("c", [1, 2, 3])
+def test_sink_after_the_merge_equals_the_concatenated_softmax(base, c):
+    """Striped partials merged, then the sink folded in once, against the model's spelling:
+    softmax over [scores, sink] with the max subtracted, the sink's column dropped (fp64)."""
+    g = torch.Generator().manual_seed(7 + c)
+    B, H, T, D = 2, 3, 7, 5
+    scores = torch.randn(B, H, T, generator=g, dtype=torch.float64) * 3
+    scores[0, 1, :] = -INF  # a row with no visible key: all its weight on the sink
+    v = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    sink = torch.randn(H, generator=g, dtype=torch.float64)
+    combined = torch.cat([scores, sink[None, :, None].expand(B, H, 1)], -1)
+    probs = (combined - combined.max(-1, keepdim=True).values).softmax(-1)[..., :-1]
+    expect = torch.einsum("bht,btd->bhd", probs, v)
+    outs, lses = [], []
+    for r in range(c):  # rank r's stripe: positions p % c == r
+        s = scores[..., r::c]
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+        outs.append(torch.einsum("bht,btd->bhd", p, v[:, r::c]))
+        lses.append(lse if base == "e" else lse * LOG2E)
+    o, lse = merge_partials(torch.stack(outs), torch.stack(lses), base=base, return_lse=True)
+    got = fold_sink(o, lse, sink, base=base)
+    assert (got - expect).abs().max().item() < 1e-12
+    assert bool((got[0, 1] == 0).all())
+    assert fold_sink(o.float(), lse.float(), sink.float(), base=base, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_sink_keeps_nan():
+    o, lse, sink = torch.ones(1, 2, 3), torch.tensor([[0.5, NAN]]), torch.tensor([0.0, 0.0])
+    got = fold_sink(o, lse, sink)
+    assert torch.isfinite(got[0, 0]).all() and torch.isnan(got[0, 1]).all()
+    assert torch.isnan(fold_sink(o, torch.zeros(1, 2), torch.tensor([NAN, 0.0]))[0, 0]).all()
+
 
 
 def test_two_shards_base_e_by_hand():

@@ -10,9 +10,13 @@ helper `dcp_pass.testing.graph_stages` uses it), the way inductor's post-grad pa
 and vLLM's pass manager run named passes.
 
 The rewrite works on a copy of the graph. A pass that finds the graph cannot take DCP
-(no MLA, cache buffers used outside the matched attention) stops the rewrite: the
-original graph is kept and the reason reported. Only when the copy is verified (no node
-reads a full-size cache buffer any more) are the cache storages released. The device
+(no MLA) stops the rewrite: the original graph is kept and the reason reported. Decisions
+about caches are per layer: when verification finds a layer's cache used outside its
+attention (a sliding-window layer's rolling cache: `roll`, `copy_`), the rewrite starts
+again from the original graph with that layer left as it is (its cache whole on every
+rank, reported per layer), and the other layers rewritten; the decision reads the graph
+only, so every rank takes the same. Only when the copy is verified (no node reads a
+full-size cache buffer any more) are the cache storages released. The device
 position pass runs on whichever graph is kept: every graph of a DCP model, with MLA or
 not, takes its step position as device data where possible (CUDA graphs replay only
 when no graph of the step is symbolic).
@@ -103,6 +107,8 @@ class PassState:
     stopped: Optional[str] = None  # why the DCP rewrite stopped (the original graph is kept)
     caches: list[tuple[int, cache_rw.LocalCache]] = field(default_factory=list)  # (input index, shard)
     position: Any = None
+    # layers left as they are (their caches used outside their attention) -> why, in the user's terms
+    kept_layers: dict[str, str] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:
@@ -133,6 +139,9 @@ class FindAttention(GraphPass):
 
     def run(self, state: PassState) -> PassOutcome:
         found = find_mla(state.graph)
+        kept = [m for m in found.matches if m.layer in state.kept_layers]
+        found.matches = [m for m in found.matches if m.layer not in state.kept_layers]
+        state.report.layers.extend(LayerReport(m.layer, False, state.kept_layers[m.layer]) for m in kept)
         state.found = found
         state.report.near_misses.extend(found.near_misses)
         state.report.notes.extend(found.notes)  # attention that is not MLA, one line each
@@ -336,7 +345,11 @@ class VerifyBuffers(GraphPass):
             reason = f"cache buffers are used outside the matched attention ({uses})"
             if any(cache_rw.is_released(values[n.name]) for n in leftovers) or state.config.strict:
                 raise DcpRewriteError(reason)
-            state.report.layers = [LayerReport(layer.layer, False, reason) for layer in state.report.layers]
+            kept = _layers_to_keep(state, leftovers)
+            if kept and len(kept) < len(state.found.matches):
+                raise _KeepLayers(kept)  # apply_dcp starts again without them
+            state.report.layers = [layer if not layer.rewritten else LayerReport(
+                layer.layer, False, kept.get(layer.layer, reason)) for layer in state.report.layers]
             state.report.unchanged_reason = reason
             log.warning("dcp_pass: graph left unchanged: %s", reason)
             state.stop(reason)
@@ -430,12 +443,51 @@ def run_passes(state: PassState, passes: Sequence[GraphPass] = DEFAULT_PASSES,
     return state
 
 
+class _KeepLayers(Exception):
+    """Verification found these layers' caches used outside their attention: the rewrite
+    starts again from the original graph with them left as they are."""
+
+    def __init__(self, layers: dict[str, str]):
+        super().__init__(", ".join(layers))
+        self.layers = layers
+
+
+def _layers_to_keep(state: PassState, leftovers: list[fx.Node]) -> dict[str, str]:
+    """Layer -> why it stays as it is: every match reading a cache that is used outside the
+    matched attention (and, through shared caches, every match reading the same cache)."""
+    blocked = set(leftovers)
+    kept: dict[str, str] = {}
+    grew = True
+    while grew:
+        grew = False
+        for match in state.found.matches:
+            if match.layer not in kept and blocked & set(match.buffers):
+                uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}"
+                                 for n in match.buffers if n in leftovers)
+                rolling = "roll" in uses
+                kept[match.layer] = (
+                    f"left as it is: {'a rolling (sliding-window) cache, ' if rolling else ''}"
+                    f"its cache is used outside the attention ({uses or 'shared with a layer left as it is'}); "
+                    f"every rank keeps it whole")
+                blocked |= set(match.buffers)
+                grew = True
+    return kept
+
+
 def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport,
               observer: Optional[Observer] = None) -> DcpPassResult:
     """Rewrite every MLA attention of `gm` (see `DcpPassResult`)."""
     values = fx_util.placeholder_values(gm, example_inputs)
-    state = PassState(gm, fx_util.copy_dynamo_graph_module(gm), values, config, report, example_inputs)
-    run_passes(state, observer=observer)
+    kept: dict[str, str] = {}
+    while True:
+        state = PassState(gm, fx_util.copy_dynamo_graph_module(gm), values, config, report, example_inputs,
+                          kept_layers=dict(kept))
+        try:
+            run_passes(state, observer=observer)
+            break
+        except _KeepLayers as found:
+            kept.update(found.layers)
+            report.__dict__.update(type(report)(report.graph_index).__dict__)  # this attempt's lines go
     if state.stopped is not None:
         return DcpPassResult(state.gm, position=state.position)
     replicator = state.replicator

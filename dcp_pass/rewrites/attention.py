@@ -10,6 +10,8 @@ Nothing emitted has a rank-dependent shape or symbolic expression: the op takes 
 global key count and the unstriped mask and keeps its stripe itself, so every rank's
 graph guards on the same things and recompiles at the same calls.
   exchange             exchange_a2a | exchange_ag_rs | exchange_replicated | exchange_fi_a2a
+  sink                 fold_sink(merged fp32, merged LSE, sink logits): a per-head sink logit counted
+                       once, after the merge (each rank's partial leaves it out)
   output layout        permute back to the model's layout
 The value contraction's users then read the merged output; the old nodes die. (The next
 pass, rewrites/project_merge.py, may move the value up-projection that follows before the
@@ -32,6 +34,7 @@ from dcp_pass.rewrites.match import MlaMatch, NearMiss, ScoreTerm
 from dcp_pass.runtime.decode import comm
 from dcp_pass.runtime.decode import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, AUTO, COMM_BACKENDS
+from dcp_pass.runtime.decode.merge import fold_sink
 
 CANON_Q = [B, S, H, F]
 CANON_SCORES = [B, S, H, T]
@@ -178,6 +181,14 @@ def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None
 
 
 def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
+    """The merged output [B, S, H, F] in the model's dtype; with a sink, the sink counted in
+    it after the merge (`fold_sink` over the merged fp32 output and merged LSE)."""
+    if match.sink is not None:
+        if "sink after the merge" not in match.rewrite_notes:
+            match.rewrite_notes.append("sink after the merge")
+        merged, merged_lse = emit_exchange_with_lse(graph, out, lse, match, plan, torch.float32)
+        return call(graph, fold_sink, merged, merged_lse, sink_logits(graph, match), plan.lse_base,
+                    match.out_dtype, name="merged_sink")
     if plan.c == 1:  # one rank holds every key (the single-GPU fast path): its partial is the output
         return method(graph, "to", out, match.out_dtype, name="merged")
     common = dict(base=plan.lse_base, out_dtype=match.out_dtype)
@@ -186,6 +197,34 @@ def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, 
         return call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c,
                      method=backend.replicated_method, name="merged", **common)
     return call(graph, backend.exchange, out, lse, plan.group_name, plan.c, name="merged", **common)
+
+
+def emit_exchange_with_lse(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan,
+                           out_dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
+    """(merged output [B, S, H, F] in `out_dtype`, merged LSE [B, S, H] in the plan's base)."""
+    if plan.c == 1:
+        return method(graph, "to", out, out_dtype, name="merged"), lse
+    common = dict(base=plan.lse_base, out_dtype=out_dtype, return_lse=True)
+    backend = COMM_BACKENDS[plan.comm_backend]
+    if not plan.head_sharded:
+        both = call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c,
+                    method=backend.replicated_method, name="merged_both", **common)
+    else:
+        both = call(graph, backend.exchange, out, lse, plan.group_name, plan.c, name="merged_both", **common)
+    return (call(graph, operator.getitem, both, 0, name="merged"),
+            call(graph, operator.getitem, both, 1, name="merged_lse"))
+
+
+def sink_logits(graph: fx.Graph, match: MlaMatch) -> fx.Node:
+    """The match's sink logits as [B, S, H] (size-1 axes where the model broadcasts), the
+    merged LSE's layout."""
+    node, roles = match.sink.node, list(match.sink.roles)
+    for role in CANON_SCORES:
+        if role not in roles:
+            node = method(graph, "unsqueeze", node, -1)
+            roles.append(role)
+    node = to_canonical(graph, node, roles, CANON_SCORES)
+    return call(graph, operator.getitem, node, (Ellipsis, 0), name="sink_bsh")
 
 
 def gather_queries(graph: fx.Graph, q_lat: fx.Node, q_rope: Optional[fx.Node], plan: AttentionPlan, d_lat: int):

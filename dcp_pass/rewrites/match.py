@@ -94,6 +94,21 @@ class MaskTerm:
 
 
 @dataclass
+class SinkTerm:
+    """A learned logit per head that joins the softmax's denominator and adds no value
+    (gpt-oss's attention sink): softmax over [scores, s_h] with the sink's column then
+    dropped, or an output rescaled by exp(lse - logaddexp(lse, s_h)). The rewrite counts it
+    once, after the merge, from the merged log-sum-exp.
+
+    `node`: the sink logits (natural-log units, like the scores); `roles`: the role of each of
+    its axes, right-aligned with the scores (a key axis, if any, has size 1).
+    """
+
+    node: fx.Node
+    roles: list[Optional[str]]
+
+
+@dataclass
 class MlaMatch:
     """One absorbed-MLA attention, whatever its spelling.
 
@@ -123,6 +138,7 @@ class MlaMatch:
     mask_builder: Optional[Any] = None
     mask_per_head: bool = False  # whether that mask differs per query head
     rewrite_notes: list[str] = field(default_factory=list)  # what the rewrite chose, for the layer's report
+    sink: Optional[SinkTerm] = None  # a per-head logit in the softmax's denominator only
 
     @property
     def buffers(self) -> list[fx.Node]:

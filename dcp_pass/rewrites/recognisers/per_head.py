@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from dcp_pass.rewrites import axes, cache_reads
+from dcp_pass.rewrites import axes, cache_reads, sinks
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.cache_reads import CacheAccess, CacheRead, buffer_name, buffer_source
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method, replace_node, set_example_value
@@ -58,6 +58,7 @@ from dcp_pass.rewrites.match import (
     NotAttention,
     Recogniser,
     ScoreTerm,
+    SinkTerm,
     register,
 )
 from dcp_pass.rewrites.recognisers.sdpa import SDPA_TARGETS, sdpa_arguments
@@ -677,9 +678,16 @@ def _keys_transposed(node: Any) -> Optional[fx.Node]:
     return None
 
 
-def _value_matmul(softmax: fx.Node) -> fx.Node:
-    """The `matmul(probs, v)` the probabilities feed (through casts and eval-mode dropout)."""
+def _value_matmul(softmax: fx.Node, sink_side: Optional[str] = None) -> fx.Node:
+    """The `matmul(probs, v)` the probabilities feed (through casts and eval-mode dropout;
+    with a sink, first the slice that drops the sink's column)."""
     node = softmax
+    if sink_side is not None:
+        users = list(node.users)
+        if len(users) != 1 or not sinks.drops_sink_column(users[0], node, sink_side):
+            raise NearMiss("the softmax over the scores and a sink column is not followed by dropping that "
+                           "column (`probs[..., :-1]`)", users[0] if len(users) == 1 else node)
+        node = users[0]
     for _ in range(4):
         users = list(node.users)
         if len(users) != 1:
@@ -714,15 +722,19 @@ class PerHeadEager(Recogniser):
         dim = softmax_dim(node)
         if not isinstance(dim, int) or axes.normalize_dim(dim, 4) != 3:
             raise NearMiss("softmax over an axis other than the key positions", node)
-        qk, scale, mask = _scores(node.args[0], ctx)
+        scores, sink, side = sinks.split_sink(sinks.peel_row_max(node.args[0]), ctx.depends_on_cache)
+        qk, scale, mask = _scores(scores, ctx)
         query, k_t = qk.args[0], _keys_transposed(qk.args[1])
         if k_t is None:
             raise NearMiss("the scores do not contract the query with keys.transpose(2, 3)", qk)
-        pv = _value_matmul(node)
+        pv = _value_matmul(node, side)
         keys, values = trace_kv(k_t, qk.args[1]), trace_kv(pv.args[1], pv)
         _check_query(query, keys, values, ctx)
         kv_len = _check_operands(query, keys, values, node)
-        return _record("per-head eager", node, pv, query, keys, values, scale, _mask_term(mask, kv_len), kv_len)
+        match = _record("per-head eager", node, pv, query, keys, values, scale, _mask_term(mask, kv_len), kv_len)
+        if sink is not None:
+            match.sink = SinkTerm(sink, sinks.sink_roles(sink, SCORE_ROLES))
+        return match
 
 
 cache_reads.CACHE_LAYOUTS.append(static_cache_layout)

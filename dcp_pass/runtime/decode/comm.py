@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,10 @@ __all__ = [
 
 
 _fc = torch.ops._c10d_functional
+
+
+# an exchange's result: the merged output, or (output, LSE) with `return_lse`
+ExchangeResult = Union[Tensor, Tuple[Tensor, Tensor]]
 
 
 class CommBackendUnavailable(RuntimeError):
@@ -111,6 +115,15 @@ def _all_reduce(x: Tensor, group_name: str, c: int) -> Tensor:
     return _fc.wait_tensor(_fc.all_reduce(x.contiguous(), "sum", group_name))
 
 
+def _group_rank(group_name: str, c: int) -> int:
+    """This process's rank in the DCP group named `group_name` (0 for a group of one)."""
+    if c == 1:
+        return 0
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_rank(_resolve_process_group(group_name))
+
+
 def _check_exchange_args(o: Tensor, lse: Tensor, c: int, split_heads: bool) -> None:
     if c < 1:
         raise ValueError(f"DCP group size c must be >= 1, got {c}")
@@ -158,10 +171,12 @@ def exchange_a2a(
     c: int,
     base: str = "e",
     out_dtype: Optional[torch.dtype] = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> ExchangeResult:
     """Packed all-to-all + exact merge: o [..., Hg, D], lse [..., Hg] -> [..., Hg/c, D].
 
     Output and LSE travel in ONE buffer (pack_output_lse), so this is one collective.
+    With ``return_lse`` also the merged LSE of this rank's heads, [..., Hg/c].
     """
     check_base(base)
     _check_exchange_args(o, lse, c, split_heads=True)
@@ -169,7 +184,7 @@ def exchange_a2a(
     packed = pack_output_lse(o, lse)  # [..., Hg, D + k]
     send = _chunks_first(packed, c)  # [c, ..., Hl, D + k]
     recv = _all_to_all0(send, group_name, c)
-    return merge_packed(recv, D, base, out_dtype)
+    return merge_packed(recv, D, base, out_dtype, return_lse)
 
 
 def exchange_ag_rs(
@@ -179,11 +194,14 @@ def exchange_ag_rs(
     c: int,
     base: str = "e",
     out_dtype: Optional[torch.dtype] = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> ExchangeResult:
     """LSE all-gather, fp32 rescale, fp32 reduce-scatter over heads -> [..., Hg/c, D].
 
     For platforms without an all-to-all. The reduce-scatter sums in fp32 so the result
     matches the a2a path to fp32 rounding rather than to the output dtype's rounding.
+    With ``return_lse`` also the merged LSE of this rank's heads (its chunk of the gathered
+    LSE, every rank having merged all of them).
     """
     check_base(base)
     _check_exchange_args(o, lse, c, split_heads=True)
@@ -191,7 +209,10 @@ def exchange_ag_rs(
     g = global_lse(_all_gather0(_lse_acc(lse), group_name, c), base)  # [..., Hg]
     contrib = rescale_partial(o, lse, g, base)  # fp32 [..., Hg, D]
     send = _chunks_first(contrib, c)  # [c, ..., Hl, D]
-    return _reduce_scatter0(send, group_name, c).to(out_dtype)
+    out = _reduce_scatter0(send, group_name, c).to(out_dtype)
+    if not return_lse:
+        return out
+    return out, _chunks_first(g.unsqueeze(-1), c)[_group_rank(group_name, c)].squeeze(-1)
 
 
 # --------------------------------------------------------------------------------------
@@ -206,22 +227,25 @@ def exchange_replicated(
     method: str = "a2a",
     base: str = "e",
     out_dtype: Optional[torch.dtype] = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> ExchangeResult:
     """Merge head-replicated partials: o [..., H, D], lse [..., H] -> merged [..., H, D] on every rank.
 
     method "a2a": one all-gather of the packed partials, then a local merge (every
     rank needs every head, so the "all-to-all" degenerates into an all-gather).
     method "ag_rs": LSE all-gather + fp32 rescale + fp32 all-reduce.
+    With ``return_lse`` also the merged LSE [..., H].
     """
     check_base(base)
     _check_exchange_args(o, lse, c, split_heads=False)
     out_dtype = o.dtype if out_dtype is None else out_dtype
     if method == "a2a":
         packed = pack_output_lse(o, lse)
-        return merge_packed(_all_gather0(packed, group_name, c), o.shape[-1], base, out_dtype)
+        return merge_packed(_all_gather0(packed, group_name, c), o.shape[-1], base, out_dtype, return_lse)
     if method == "ag_rs":
         g = global_lse(_all_gather0(_lse_acc(lse), group_name, c), base)
-        return _all_reduce(rescale_partial(o, lse, g, base), group_name, c).to(out_dtype)
+        out = _all_reduce(rescale_partial(o, lse, g, base), group_name, c).to(out_dtype)
+        return (out, g) if return_lse else out
     raise ValueError(f"exchange_replicated: method must be 'a2a' or 'ag_rs', got {method!r}")
 
 
@@ -296,7 +320,8 @@ def exchange_fi_a2a(
     c: int,
     base: str = "e",
     out_dtype: Optional[torch.dtype] = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> ExchangeResult:
     """exchange_a2a on FlashInfer's MNNVL all-to-all. Eager only (setup is stateful)."""
     check_base(base)
     _check_exchange_args(o, lse, c, split_heads=True)
@@ -317,7 +342,8 @@ def exchange_fi_a2a(
     stats = torch.stack([lse_c, torch.zeros_like(lse_c)], dim=-1).contiguous()
     recv_o, recv_stats = fic.decode_cp_a2a_alltoall(send_o, stats, ws, rank, c)
     out_dtype = o.dtype if out_dtype is None else out_dtype
-    return merge_partials_dispatch(recv_o.movedim(-2, 0), recv_stats[..., 0].movedim(-1, 0), base, out_dtype)
+    return merge_partials_dispatch(recv_o.movedim(-2, 0), recv_stats[..., 0].movedim(-1, 0), base, out_dtype,
+                                   return_lse)
 
 
 # --------------------------------------------------------------------------------------
@@ -327,7 +353,8 @@ def exchange_fi_a2a(
 @dataclass(frozen=True)
 class CommBackend:
     name: str
-    # head-sharded exchange: (o, lse, group_name, c, base, out_dtype) -> this rank's head shard
+    # head-sharded exchange: (o, lse, group_name, c, base, out_dtype, return_lse) -> this rank's head
+    # shard (and its merged LSE)
     exchange: Callable[..., torch.Tensor]
     # the `method` exchange_replicated uses for models whose heads are not sharded
     replicated_method: str

@@ -17,6 +17,7 @@ compile pass can emit it into a graph and aot_autograd / inductor can trace it.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "rescale_partial",
     "global_lse",
     "merge_packed",
+    "fold_sink",
 ]
 
 def _exp(x: Tensor, base: str) -> Tensor:
@@ -112,6 +114,32 @@ def merge_partials(
     if return_lse:
         return out, lse
     return out
+
+
+def fold_sink(o: Tensor, lse: Tensor, sink: Tensor, base: str = "e",
+              out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A merged attention output with a sink logit per head counted in its softmax.
+
+    o [..., H, D] and lse [..., H] (in base ``base``) are the merged result over the keys;
+    sink [..., H] holds the sink logits in natural-log units, broadcast against lse. The sink
+    joins the denominator and adds no value:
+
+        lse_t = logaddexp(lse, s),  o_t = o * exp(lse - lse_t)
+
+    computed in fp32 (fp64 for fp64 operands). A row with no visible key (lse -inf) gives
+    0, all its weight on the sink, as the model's softmax over [scores, s] does; a NaN in o,
+    lse or s gives NaN.
+    """
+    check_base(base)
+    acc = _acc_dtype(o, lse, sink)
+    lse = lse.to(acc)
+    s = sink.to(acc)
+    if base == "2":
+        s = s * math.log2(math.e)
+        keep = torch.exp2(lse - torch.logaddexp2(lse, s))
+    else:
+        keep = torch.exp(lse - torch.logaddexp(lse, s))
+    return (o.to(acc) * keep.unsqueeze(-1)).to(o.dtype if out_dtype is None else out_dtype)
 
 
 def global_lse(lses: Tensor, base: str = "e") -> Tensor:
