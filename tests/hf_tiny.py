@@ -152,12 +152,45 @@ def gemma3_config(**overrides):
     return Gemma3TextConfig(**fields)
 
 
+def hy_v4_config(**overrides):
+    """HYV4Config: MLA (latent re-expanded per head) with DSA top-k (layer 0 runs the indexer,
+    layer 1 shares its top-k), sinks, hyper-connections of width 2, both MLPs dense."""
+    from transformers import HYV4Config
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        q_lora_rank=48,
+        kv_lora_rank=KV_LORA_RANK,
+        qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        v_head_dim=V_HEAD_DIM,
+        mlp_layer_types=["dense"] * LAYERS,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        hc_mult=2,
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return HYV4Config(**fields)
+
+
 CONFIGS = {
     "deepseek_v3": deepseek_v3_config,
     "kimi_linear": kimi_linear_config,
     "llama_gqa": llama_gqa_config,
     "gpt_oss": gpt_oss_config,
     "gemma3": gemma3_config,
+    "hy_v4": hy_v4_config,
 }
 
 
@@ -170,6 +203,7 @@ def model_class(name: str):
         "llama_gqa": transformers.LlamaForCausalLM,
         "gpt_oss": transformers.GptOssForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "hy_v4": transformers.HYV4ForCausalLM,
     }[name]
 
 
@@ -179,4 +213,8 @@ def tiny_model(name: str, attn_implementation: str = "sdpa", seed: int = 0, dtyp
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = model_class(name)(config).to(dtype).eval()
+    with torch.no_grad():  # sink logits of a few units, different per head (their init is 0 or tiny)
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_()
     return model

@@ -38,7 +38,9 @@ gathered once at compile time (`QueryReplicator.weight_input`, the inputs query
 replication uses; parameters equal on every rank are not gathered). For models whose
 heads are not sharded (tp_size=1) the local weight covers every head: one einsum. The
 merged projected output [B, S, H, v] is then laid out as the projection's output was, and
-the projection's users read it.
+the projection's users read it. An attention sink folded in after the merge (`fold_sink`)
+scales each head's row by one number, so it commutes with the projection as well: it is
+folded into the merged projected output (the exchange then returns its LSE too).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ import torch.fx as fx
 from dcp_pass.rewrites import axes, fx_util
 from dcp_pass.rewrites.axes import B, F, H, S
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
+from dcp_pass.runtime.decode.merge import fold_sink
 
 V = "V"  # the projection's own feature axis (v_head_dim)
 CANON = (B, S, H, F)
@@ -394,6 +397,9 @@ def emit_projection(graph: fx.Graph, exchange: fx.Node, projection: ValueProject
     softmax, bf16 weights: DeepSeek-V3.2's decode) is cast to `in_dtype` first, as the
     model's merged output was. Returns the node the projection's users now read.
     """
+    sink = exchange if exchange.target is fold_sink else None
+    if sink is not None:  # fold_sink(getitem(exchange(..., return_lse=True), 0), merged LSE, sink logits, ...)
+        exchange = sink.args[0].args[0]
     partial, lse = exchange.args[0], exchange.args[1]
     with graph.inserting_before(projection.node):
         if partial_dtype != in_dtype:
@@ -407,9 +413,13 @@ def emit_projection(graph: fx.Graph, exchange: fx.Node, projection: ValueProject
             projected = call(graph, torch.cat, parts, 2, name="partial_proj")
         else:
             projected = call(graph, torch.einsum, projection.equation, partial, weights[0], name="partial_proj")
-        kwargs = dict(exchange.kwargs, out_dtype=out_dtype)
+        kwargs = dict(exchange.kwargs, out_dtype=out_dtype if sink is None else torch.float32)
         merged = graph.create_node("call_function", exchange.target, (projected, lse) + tuple(exchange.args[2:]),
                                    kwargs, name="merged_proj")
+        if sink is not None:  # the sink rescales each head's row: it commutes with the projection
+            merged = call(graph, fold_sink, call(graph, operator.getitem, merged, 0, name="merged_proj_out"),
+                          call(graph, operator.getitem, merged, 1, name="merged_proj_lse"), *sink.args[2:4],
+                          out_dtype, name="merged_proj_sink")
         result = _laid_out(graph, merged, projection.out_roles)
     projection.node.replace_all_uses_with(result)
     erase_dead_region(graph, [projection.node])

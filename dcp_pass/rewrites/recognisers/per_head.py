@@ -628,6 +628,7 @@ class PerHeadSdpa(Recogniser):
             raise NearMiss("dropout or is_causal over a static cache (decode passes a mask)")
         keys, values = trace_kv(key, node), trace_kv(value, node)
         _check_query(query, keys, values, ctx)
+        _check_mask(args["attn_mask"], keys, values, ctx)
         kv_len = _check_operands(query, keys, values, node)
         scale = args["scale"]
         scale = 1.0 / math.sqrt(axes.shape_of(query)[-1]) if scale is None else scale
@@ -652,9 +653,11 @@ def _scores(node: fx.Node, ctx: MatchContext) -> tuple[fx.Node, float, Optional[
     if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2:
         a, b = node.args
         if isinstance(a, fx.Node) and isinstance(b, fx.Node):
-            scores, mask = (a, b) if ctx.depends_on_cache(a) else (b, a)
-            if ctx.depends_on_cache(mask):
-                raise NearMiss("a cache-dependent term is added to the attention scores", mask)
+            # a mask may depend on other caches (a sparse-attention index mask from an indexer's
+            # cache, or from an earlier layer's); `_check_mask` refuses one that reads this
+            # attention's own caches
+            scores, mask = (a, b) if _is_score_product(a) or not _is_score_product(b) and ctx.depends_on_cache(a) \
+                else (b, a)
             node = scores
     scale = 1.0
     if node.op == "call_function" and node.target in _MULS | _DIVS and len(node.args) == 2:
@@ -668,6 +671,22 @@ def _scores(node: fx.Node, ctx: MatchContext) -> tuple[fx.Node, float, Optional[
     if not (node.op == "call_function" and node.target is torch.matmul):
         raise NearMiss("the attention scores are not matmul(query, keys^T) * scale + mask", node)
     return node, scale, mask
+
+
+def _is_score_product(node: Any) -> bool:
+    """`matmul(q, k^T)`, possibly scaled by a constant."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _MULS | _DIVS \
+            and len(node.args) == 2 and any(_number(x) for x in node.args):
+        node = next(x for x in node.args if isinstance(x, fx.Node)) if any(
+            isinstance(x, fx.Node) for x in node.args) else node
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.matmul
+
+
+def _check_mask(mask: Optional[fx.Node], keys: KvOperand, values: KvOperand, ctx: MatchContext) -> None:
+    """A mask computed from the caches this attention reads is not a mask: refuse it."""
+    own = {p.buffer for p in keys.pieces + values.pieces}
+    if isinstance(mask, fx.Node) and own & ctx.cache_tensors_under(mask):
+        raise NearMiss("a term computed from this attention's own cache is added to the attention scores", mask)
 
 
 def _keys_transposed(node: Any) -> Optional[fx.Node]:
@@ -730,6 +749,7 @@ class PerHeadEager(Recogniser):
         pv = _value_matmul(node, side)
         keys, values = trace_kv(k_t, qk.args[1]), trace_kv(pv.args[1], pv)
         _check_query(query, keys, values, ctx)
+        _check_mask(mask, keys, values, ctx)
         kv_len = _check_operands(query, keys, values, node)
         match = _record("per-head eager", node, pv, query, keys, values, scale, _mask_term(mask, kv_len), kv_len)
         if sink is not None:
