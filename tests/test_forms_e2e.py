@@ -90,11 +90,12 @@ def _forms():
 # rank): one form per recogniser family at c = 2 under aot_eager (softmax: the window, whose
 # start has its own striping; SDPA: the unexpanded latent head with enable_gqa; flex), the
 # paged pool (its pages have their own striping, its attention is the softmax recogniser's)
-# at c = 4 under aot_eager and at c = 2 under inductor. The other forms' matches and
+# at c = 4 under aot_eager and at c = 2 under inductor, and the sink (folded in after the
+# merge, the exchange returning its LSE) at c = 4 under aot_eager. The other forms' matches and
 # rewritten graphs are pinned without ranks (test_match_forms, test_graph_diff_forms).
 # DCP_TEST_FULL=1 runs every form at c = 2 and 4 under both inner compilers.
 C2_FORMS = ["window", "sdpa_gqa", "flex"]
-C4_FORMS = ["paged"]
+C4_FORMS = ["paged", "sink"]
 INDUCTOR_FORMS = ["paged"]
 
 

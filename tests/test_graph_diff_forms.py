@@ -93,7 +93,11 @@ flatten_5 = merged_proj.flatten(2)
 flex:
 partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_18)
 merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
-flatten_2 = merged_proj.flatten(2)""")
+flatten_2 = merged_proj.flatten(2)
+sink:
+partial_proj = torch.functional.einsum('bshf,hvf->bshv', partial_out, getitem_15)
+merged_proj = dcp_pass_runtime_decode_comm_exchange_replicated(partial_proj, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32, return_lse = True)
+merged_proj_out = merged_proj[0]""")
 
     def test_sdpa(self):
         self.assertExpectedInline(attention_region(decode_stages("sdpa")["attention"]), """\
@@ -190,6 +194,29 @@ local_attention = torch.ops.dcp.mla_local_attention.default(q_1, None, kv_local,
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)""")
+
+    def test_sink_after_the_merge(self):
+        # the scores without the sink column; the exchange returns the merged LSE too, and the
+        # sink logits [B, S, H] fold into the merged output once, after the merge
+        code = decode_stages("sink")["attention"]
+        lines = [line.strip() for line in code.splitlines()]
+        first = next(i for i, line in enumerate(lines) if line.startswith("striped_write"))
+        last = next(i for i, line in enumerate(lines) if line.startswith("merged_sink = "))
+        self.assertExpectedInline("\n".join(lines[first:last + 1]), """\
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_0, latent_1, start_pos, 2, 0, 48, 0)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_cache_1, k_pe_1, start_pos, 2, 0, 48, 0)
+view_6 = layers_0_attn_sinks.view(1, 1, -1, 1)
+sinks = view_6.expand(2, 1, -1, 1)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
+local_attention = torch.ops.dcp.mla_local_attention.default(q_abs, q_pe_1, kv_local, pe_local, kv_len = add, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged_both = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32, return_lse = True)
+merged = merged_both[0]
+merged_lse = merged_both[1]
+sink_bsh = sinks[(Ellipsis, 0)]
+merged_sink = dcp_pass_runtime_decode_merge_fold_sink(merged, merged_lse, sink_bsh, 'e', torch.float32)""")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
-"""Hugging Face models that interleave sliding-window and full-attention layers, and
-attention sinks, through generate(cache_implementation="static") under backend "dcp".
+"""Hugging Face models with attention sinks, and models that interleave sliding-window and
+full-attention layers, through generate(cache_implementation="static") under backend "dcp".
 
 Tiny random GptOss (sinks: a learned logit per head in the softmax's denominator) and
 Gemma3 (text), each with its real layer pattern: layer 0 slides over a 4-position window
 (transformers' rolling cache: `roll`, `copy_`, a bounded tensor), layer 1 attends over the
 whole context. The full layer is rewritten and its cache striped (ceil(T / c) + 1 positions a
 rank); the window layer is left as it is, whole on every rank, and the report says so per
-layer. Greedy fp32 tokens equal the uncompiled model's over 10 steps, logits within 1e-5
-relative, with 6-token prompts (longer than the window, so the window rolls). CI runs c=2;
-DCP_TEST_FULL=1 also runs c=4 under aot_eager.
+layer. HY-V4 (sinks, MLA re-expanded per head, DSA top-k 8 below the context) runs with
+absorb_kv_b_proj, so the sink is folded after the projected merge. Greedy fp32 tokens equal
+the uncompiled model's over 10 steps, logits within 1e-5 relative, with 6-token prompts
+(longer than the window, so the window rolls). CI runs GptOss and HY-V4 at c=2;
+DCP_TEST_FULL=1 adds Gemma3 and runs every model at c=4 under aot_eager too.
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ from kit import hf  # noqa: E402
 from dcp_pass.testing import run_ranks  # noqa: E402
 
 FULL = os.environ.get("DCP_TEST_FULL") == "1"
-MODELS = ["gpt_oss", "gemma3"]
+# model -> (option absorb_kv_b_proj, the window layers, whether it has sinks)
+MODELS = {"gpt_oss": (False, ["cache.layers.0"], True), "gemma3": (False, ["cache.layers.0"], False),
+          "hy_v4": (True, [], True)}
+CI_MODELS = list(MODELS) if FULL else ["gpt_oss", "hy_v4"]
 
 
 def _generate(rank: int, world: int, names: list, inner: str):
@@ -40,7 +45,7 @@ def _generate(rank: int, world: int, names: list, inner: str):
         torch._dynamo.reset()
         ref = hf.generate(hf_tiny.tiny_model(name, "eager"))
         model = hf_tiny.tiny_model(name, "eager")
-        backend = DcpBackend(dcp_size=world, tp_size=1, inner=inner)
+        backend = DcpBackend(dcp_size=world, tp_size=1, inner=inner, absorb_kv_b_proj=MODELS[name][0])
         model.compile(backend=backend)
         out = hf.generate(model)
         caches = {}
@@ -55,20 +60,23 @@ def _generate(rank: int, world: int, names: list, inner: str):
     return results
 
 
-def _check(results, c: int):
-    assert [r["name"] for r in results] == MODELS
+def _check(results, c: int, names: list):
+    assert [r["name"] for r in results] == names
     for r in results:
+        absorb, window, sinks = MODELS[r["name"]]
         assert r["tokens_equal"], r
         assert r["logits_err"] < 1e-5, r
-        assert r["graphs"] == 3 and r["rewritten"] == [0, 1, 1], r  # prefill, decode, decode striped
+        full = hf_tiny.LAYERS - len(window)
+        assert r["graphs"] == 3 and r["rewritten"] == [0, full, full], r  # prefill, decode, decode striped
         for layer, rewritten, detail in r["layers"]:
-            if layer == "cache.layers.0":  # the sliding-window layer
+            if layer in window:
                 assert not rewritten and "rolling (sliding-window) cache" in detail and "roll" in detail, detail
             else:
-                assert layer == "cache.layers.1" and rewritten, (layer, detail)
-                assert ("sink after the merge" in detail) == (r["name"] == "gpt_oss"), detail
+                assert rewritten, (layer, detail)
+                assert ("sink after the merge" in detail) == sinks, detail
+                assert ("v-projection before merge" in detail) == absorb, detail
         for label, entry in r["caches"].items():
-            if label.startswith("layers.0."):  # whole on every rank, its own storage
+            if label.rsplit(".", 1)[0] in {w.replace("cache.", "") for w in window}:  # whole, its own storage
                 assert not entry["striped"] and entry["shard"] == 0 and entry["own"] == entry["full"], entry
             else:
                 positions = entry["positions"]
@@ -78,12 +86,12 @@ def _check(results, c: int):
 
 @pytest.mark.slow
 def test_window_and_full_layers_c2():
-    for results in run_ranks(_generate, 2, MODELS, "eager"):
-        _check(results, 2)
+    for results in run_ranks(_generate, 2, CI_MODELS, "eager"):
+        _check(results, 2, CI_MODELS)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="DCP_TEST_FULL=1 runs c=4")
 def test_window_and_full_layers_c4():
-    for results in run_ranks(_generate, 4, MODELS, "aot_eager"):
-        _check(results, 4)
+    for results in run_ranks(_generate, 4, list(MODELS), "aot_eager"):
+        _check(results, 4, list(MODELS))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dcp_pass.models.mla_forms import FORMS, FormArgs, build_forms_model
+from dcp_pass.models.mla_forms import FORMS, SINK_FORMS, FormArgs, build_forms_model
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.match import GraphMatches
 from kit.graphs import matches_of as capture
@@ -34,6 +34,7 @@ EXPECTED = {  # form -> (recogniser, score terms, cache kind, windowed, causal i
     "window": ("softmax", 2, "flat", True, False),
     "paged": ("softmax", 1, "paged", False, False),
     "flex": ("flex", 2, "flex", False, False),
+    "sink": ("softmax", 2, "flat", False, False),
 }
 
 
@@ -55,6 +56,7 @@ def test_each_form_matches_prefill_and_decode(form):
         assert sorted(map(str, match.score_roles)) == sorted([B, S, H, T])
         assert match.layer == "layers.0.attn"
         assert len(match.writes) == (2 if n_terms == 2 else 1)
+        assert (match.sink is not None) == (form in SINK_FORMS)
 
 
 def test_sdpa_masks_are_keep_or_additive():
@@ -145,3 +147,54 @@ def test_flex_score_mod_that_is_not_a_bias_is_a_near_miss_naming_the_op():
     assert found.matches == []
     (where, reason), = found.near_misses
     assert "score_mod applies `truediv` to the score (at test_match_forms.py:" in reason, reason
+
+
+class SinkSpellings(nn.Module):
+    """Single-latent-head attention with a sink logit per head, in one of several spellings."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.register_buffer("kv_cache", torch.zeros(2, 16, 12))
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def forward(self, q, kv, start: int):
+        b, end = q.shape[0], start + q.shape[1]
+        self.kv_cache[:b, start:end] = kv
+        scores = torch.einsum("bshc,btc->bsht", q, self.kv_cache[:b, :end]) * 0.25
+        sink = self.sinks.view(1, 1, 4, 1).expand(b, q.shape[1], 4, 1)
+        if self.spelling == "first":  # the sink column first, dropped as probs[..., 1:]
+            combined = torch.cat([sink, scores], dim=-1)
+            probs = combined.softmax(-1)[..., 1:]
+        elif self.spelling == "max_values_detached":
+            combined = torch.cat([scores, sink], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values.detach()
+            probs = torch.softmax(combined, dim=-1)[:, :, :, :-1]
+        elif self.spelling == "kept_column":  # the sink's column is not dropped: not a sink
+            combined = torch.cat([scores, sink], dim=-1)
+            probs = combined.softmax(-1)
+            return torch.einsum("bsht,btc->bshc", probs[..., 1:], self.kv_cache[:b, :end, :8])
+        elif self.spelling == "from_the_cache":  # a "sink" computed from the cache: not a sink
+            sink = self.kv_cache[:b, :1, :4].unsqueeze(-1).expand(b, q.shape[1], 4, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("bsht,btc->bshc", probs, self.kv_cache[:b, :end, :8])
+
+
+@pytest.mark.parametrize("spelling", ["first", "max_values_detached"])
+def test_sink_spellings_match(spelling):
+    (found,) = capture(SinkSpellings(spelling), [(torch.randn(2, 1, 4, 12), torch.randn(2, 1, 12), 5)])
+    assert found.near_misses == [], found.near_misses
+    (match,) = found.matches
+    assert match.sink is not None and match.sink.roles == match.score_roles
+    assert match.sink.node.name.startswith("sink") or "expand" in match.sink.node.name
+
+
+@pytest.mark.parametrize("spelling, reason", [
+    ("kept_column", "not followed by dropping that column"),
+    ("from_the_cache", "computed from a cache"),
+])
+def test_sink_lookalikes_are_near_misses(spelling, reason):
+    (found,) = capture(SinkSpellings(spelling), [(torch.randn(2, 1, 4, 12), torch.randn(2, 1, 12), 5)])
+    assert found.matches == []
+    (where, why), = found.near_misses
+    assert reason in why and "test_match_forms.py:" in why, why

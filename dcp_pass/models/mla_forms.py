@@ -24,6 +24,9 @@ Forms:
                     `pool[table[:b]].flatten(1, 2)[:, :end]`
   "flex"            flex_attention with a score_mod masking keys after each query's global
                     position, enable_gqa over the one latent head
+  "sink"            the reference with a learned sink logit per head, as gpt-oss writes it:
+                    softmax over cat([scores, sinks], -1) minus its row max, the sink's
+                    column dropped from the probabilities
 
 `build_forms_model(args, seed)` draws the same weights for every form.
 """
@@ -39,7 +42,9 @@ from torch import nn
 
 __all__ = ["FormArgs", "FORMS", "FormsModel", "build_forms_model"]
 
-FORMS = ("einsum", "sdpa", "sdpa_gqa", "sdpa_causal", "mqa_matmul", "fused_unsqueeze", "window", "paged", "flex")
+FORMS = ("einsum", "sdpa", "sdpa_gqa", "sdpa_causal", "mqa_matmul", "fused_unsqueeze", "window", "paged", "flex",
+         "sink")
+SINK_FORMS = ("sink",)  # forms with a learned sink logit per head (`Attention.sinks`)
 
 
 @dataclass
@@ -110,6 +115,8 @@ class Attention(nn.Module):
         else:
             self.register_buffer("kv_cache", torch.zeros(b, t, r), persistent=False)
             self.register_buffer("pe_cache", torch.zeros(b, t, rope), persistent=False)
+        if self.form in SINK_FORMS:  # drawn by build_forms_model after every other weight
+            self.sinks = nn.Parameter(torch.zeros(h))
 
     def forward(self, x, start_pos: int, cos, sin, mask: Optional[torch.Tensor]):
         bsz, seqlen, _ = x.shape
@@ -144,6 +151,19 @@ class Attention(nn.Module):
         if mask is not None:
             scores = scores + mask.unsqueeze(1)
         probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_abs)
+        return torch.einsum("bsht,btc->bshc", probs, self.kv_cache[:bsz, :end])
+
+    def _sink(self, q_abs, q_pe, latent, k_pe, start_pos, end, mask):
+        bsz, seqlen = q_abs.shape[:2]
+        self._write_split(latent, k_pe, start_pos, end)
+        scores = (torch.einsum("bshc,btc->bsht", q_abs, self.kv_cache[:bsz, :end])
+                  + torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end])) * self.softmax_scale
+        if mask is not None:
+            scores = scores + mask.unsqueeze(1)
+        sinks = self.sinks.view(1, 1, -1, 1).expand(bsz, seqlen, -1, 1)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = combined.softmax(dim=-1, dtype=torch.float32)[..., :-1].type_as(q_abs)
         return torch.einsum("bsht,btc->bshc", probs, self.kv_cache[:bsz, :end])
 
     def _window(self, q_abs, q_pe, latent, k_pe, start_pos, end, mask):
@@ -299,4 +319,7 @@ def build_forms_model(args: FormArgs, seed: int = 0, device=None) -> FormsModel:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+        for name, p in model.named_parameters():  # after the rest: every other weight is the same
+            if name.endswith(".sinks"):
+                p.normal_()
     return model.to(device=device, dtype=args.dtype) if device is not None else model.to(dtype=args.dtype)

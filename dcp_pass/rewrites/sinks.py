@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes
+from dcp_pass.rewrites.match import NearMiss
 
 _SUBS = {operator.sub, torch.sub}
 _MAX_FUNCTIONS = (torch.max, torch.amax)
@@ -91,8 +92,11 @@ def split_sink(node: Any, depends_on_cache: Callable[[fx.Node], bool]) -> tuple[
     first, last = tensors
     for scores, sink, side in ((first, last, "last"), (last, first, "first")):
         sink_shape = axes.shape_of(sink)
-        if (depends_on_cache(scores) and not depends_on_cache(sink) and sink_shape is not None
-                and len(sink_shape) == len(shape) and axes.known_equal(sink_shape[-1], 1)):
+        if (depends_on_cache(scores) and sink_shape is not None and len(sink_shape) == len(shape)
+                and axes.known_equal(sink_shape[-1], 1)):
+            if depends_on_cache(sink):
+                raise NearMiss("a column concatenated to the attention scores is computed from a cache (a sink "
+                               "logit is rewritten only when it depends on no cache)", sink)
             return scores, sink, side
     return node, None, None
 

@@ -8,7 +8,9 @@ einsums or matmuls in any axis layout (`axes.py`), the keys any view chain of on
 several cache tensors (`cache_reads.py`: fused latent||rotary caches, a singleton kv-head
 axis broadcast over the query heads, keys concatenated from two caches), the scale a
 constant multiplied or divided in before or after an additive or `masked_fill` mask.
-The probabilities feed one contraction with the leading latent columns of the cache.
+The probabilities feed one contraction with the leading latent columns of the cache. A sink
+column concatenated to the scores (and dropped from the probabilities) becomes the match's
+`SinkTerm`, and a row-max subtraction before the softmax is read through (`rewrites/sinks.py`).
 
 A softmax whose input touches no cache is not attention over a cache (an MoE gate, or
 attention over per-head K/V computed in the graph); the latter is said once in the report.
@@ -21,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from dcp_pass.rewrites import axes
+from dcp_pass.rewrites import axes, sinks
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.cache_reads import CacheRead, ReadRefused, trace_cache_read
 from dcp_pass.rewrites.match import (
@@ -32,6 +34,7 @@ from dcp_pass.rewrites.match import (
     NotAttention,
     Recogniser,
     ScoreTerm,
+    SinkTerm,
     buffer_name,
     register,
 )
@@ -239,9 +242,16 @@ def _flattened_value_contraction(probs: fx.Node, flat: fx.Node) -> Optional[axes
     return found[0] if len(found) == 1 else None
 
 
-def _value_contraction(softmax: fx.Node) -> tuple[fx.Node, fx.Node, axes.Contraction]:
-    """softmax -> casts -> value contraction: (probabilities after casts, value node, its contraction)."""
+def _value_contraction(softmax: fx.Node, sink_side: Optional[str] = None) -> tuple[fx.Node, fx.Node, axes.Contraction]:
+    """softmax -> (the sink's column dropped) -> casts -> value contraction: (probabilities
+    after casts, value node, its contraction)."""
     probs = softmax
+    if sink_side is not None:
+        users = list(probs.users)
+        if len(users) != 1 or not sinks.drops_sink_column(users[0], probs, sink_side):
+            raise NearMiss("the softmax over the scores and a sink column is not followed by dropping that "
+                           "column (`probs[..., :-1]`)", users[0] if len(users) == 1 else probs)
+        probs = users[0]
     while len(probs.users) == 1 and axes.is_dtype_cast(next(iter(probs.users))):
         probs = next(iter(probs.users))
     if len(probs.users) != 1:
@@ -347,7 +357,8 @@ class SoftmaxRecogniser(Recogniser):
             raise NearMiss(f"the softmax runs over dim {dim} of rank-{rank} scores; only the last (key) axis is "
                            f"supported")
         parser = ScoreParser(ctx.depends_on_cache)
-        parser.parse(scores, 1.0)
+        inner, sink, sink_side = sinks.split_sink(sinks.peel_row_max(scores), ctx.depends_on_cache)
+        parser.parse(inner, 1.0)
         if not parser.terms or not any(_reads_a_cache(c) for c, _ in parser.terms):
             if _attention_shaped(softmax):
                 raise NotAttention("attention over keys and values computed in the graph, not read from a cache "
@@ -375,7 +386,7 @@ class SoftmaxRecogniser(Recogniser):
         if score_roles[-1] != T:  # the softmax normalises the last axis: it must be the keys'
             raise NearMiss(f"the softmax runs over the last axis of scores laid out as "
                            f"[{', '.join(map(str, score_roles))}], which is not the key axis")
-        probs, value_node, value = _value_contraction(softmax)
+        probs, value_node, value = _value_contraction(softmax, sink_side)
         value_read, out_roles = _value_read(probs, value, score_roles)
         v_width = check_value_read(terms, value_read)
         masks = []
@@ -385,8 +396,11 @@ class SoftmaxRecogniser(Recogniser):
             masks.append(MaskTerm(node, kind, mult, _mask_roles(node, score_roles)))
         out_dtype = axes.example_value(value_node).dtype
         layer = buffer_name(terms[0].cache.buffer).rsplit(".", 1)[0]
-        return MlaMatch(layer, self.name, softmax, value.node, terms, value_read, v_width, scale, masks,
-                        score_roles, out_roles, out_dtype)
+        match = MlaMatch(layer, self.name, softmax, value.node, terms, value_read, v_width, scale, masks,
+                         score_roles, out_roles, out_dtype)
+        if sink is not None:
+            match.sink = SinkTerm(sink, sinks.sink_roles(sink, score_roles))
+        return match
 
 
 register(SoftmaxRecogniser())
