@@ -53,6 +53,8 @@ class FormsGraphDiffTest(PinCase):
 
         regions = []
         for form in FORMS:
+            if form == "flex_sink":  # the model reads the LSE of the same exchange: the projection stays after it
+                continue
             lines = [line.strip() for line in decode_stages(form)["project_before_merge"].splitlines()]
             first = next(i for i, line in enumerate(lines) if line.startswith("partial_proj"))
             merged = next(i for i, line in enumerate(lines) if line.startswith("merged_proj = "))
@@ -217,6 +219,21 @@ merged = merged_both[0]
 merged_lse = merged_both[1]
 sink_bsh = sinks[(Ellipsis, 0)]
 merged_sink = dcp_pass_runtime_decode_merge_fold_sink(merged, merged_lse, sink_bsh, 'e', torch.float32)""")
+
+    def test_flex_lse_read_by_the_model(self):
+        # flex_attention's LSE (base 2, [B, H, S]) that the model reads is the merged LSE (base e,
+        # [B, S, H]) converted back; the model's own sink code then runs on it
+        code = decode_stages("flex_sink")["attention"]
+        lines = [line.strip() for line in code.splitlines()]
+        first = next(i for i, line in enumerate(lines) if line.startswith("merged_both"))
+        last = next(i for i, line in enumerate(lines) if line.startswith("merged_lse_model = "))
+        self.assertExpectedInline("\n".join(lines[first:last + 1]), """\
+merged_both = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32, return_lse = True)
+merged = merged_both[0]
+merged_lse = merged_both[1]
+merged_lse_base = merged_lse * 1.4426950408889634
+merged_lse_layout = merged_lse_base.permute(0, 2, 1)
+merged_lse_model = merged_lse_layout.to(torch.float32)""")
 
 
 if __name__ == "__main__":

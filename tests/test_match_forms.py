@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dcp_pass.models.mla_forms import FORMS, SINK_FORMS, FormArgs, build_forms_model
+from dcp_pass.models.mla_forms import FORMS, FormArgs, build_forms_model
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.match import GraphMatches
 from kit.graphs import matches_of as capture
@@ -35,6 +35,7 @@ EXPECTED = {  # form -> (recogniser, score terms, cache kind, windowed, causal i
     "paged": ("softmax", 1, "paged", False, False),
     "flex": ("flex", 2, "flex", False, False),
     "sink": ("softmax", 2, "flat", False, False),
+    "flex_sink": ("flex", 2, "flex", False, False),
 }
 
 
@@ -56,7 +57,9 @@ def test_each_form_matches_prefill_and_decode(form):
         assert sorted(map(str, match.score_roles)) == sorted([B, S, H, T])
         assert match.layer == "layers.0.attn"
         assert len(match.writes) == (2 if n_terms == 2 else 1)
-        assert (match.sink is not None) == (form in SINK_FORMS)
+        # the concatenated sink is the match's; flex_sink's model folds its sink in from the LSE
+        assert (match.sink is not None) == (form == "sink")
+        assert len(match.lse_outputs) == (form == "flex_sink")
 
 
 def test_sdpa_masks_are_keep_or_additive():

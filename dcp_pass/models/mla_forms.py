@@ -27,6 +27,8 @@ Forms:
   "sink"            the reference with a learned sink logit per head, as gpt-oss writes it:
                     softmax over cat([scores, sinks], -1) minus its row max, the sink's
                     column dropped from the probabilities
+  "flex_sink"       the "flex" form asking for the LSE (return_aux lse) and folding a sink
+                    logit per head in afterwards: o * sigmoid(lse - sink)
 
 `build_forms_model(args, seed)` draws the same weights for every form.
 """
@@ -43,8 +45,8 @@ from torch import nn
 __all__ = ["FormArgs", "FORMS", "FormsModel", "build_forms_model"]
 
 FORMS = ("einsum", "sdpa", "sdpa_gqa", "sdpa_causal", "mqa_matmul", "fused_unsqueeze", "window", "paged", "flex",
-         "sink")
-SINK_FORMS = ("sink",)  # forms with a learned sink logit per head (`Attention.sinks`)
+         "sink", "flex_sink")
+SINK_FORMS = ("sink", "flex_sink")  # forms with a learned sink logit per head (`Attention.sinks`)
 
 
 @dataclass
@@ -247,6 +249,21 @@ class Attention(nn.Module):
 
         o = flex_attention(q, k, v, score_mod=causal, scale=self.softmax_scale, enable_gqa=True)
         return o.transpose(1, 2)
+
+    def _flex_sink(self, q_abs, q_pe, latent, k_pe, start_pos, end, mask):
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+        self._write_split(latent, k_pe, start_pos, end)
+        q, k, v = self._sdpa_operands(q_abs, q_pe, start_pos, end, expand=False)
+
+        def causal(score, b, h, q_idx, kv_idx):
+            return torch.where(q_idx + start_pos >= kv_idx, score, -float("inf"))
+
+        o, aux = flex_attention(q, k, v, score_mod=causal, scale=self.softmax_scale, enable_gqa=True,
+                                return_aux=AuxRequest(lse=True))
+        # the sink joins the denominator: o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)
+        keep = torch.sigmoid(aux.lse - self.sinks.view(1, -1, 1))  # [b, h, s]
+        return (o * keep.unsqueeze(-1)).transpose(1, 2)
 
     def _fused_unsqueeze(self, q_abs, q_pe, latent, k_pe, start_pos, end, mask):
         bsz = q_abs.shape[0]

@@ -299,6 +299,8 @@ class ProjectBeforeMerge(GraphPass):
         plan = state.config.plan
         graph = state.graph
         exchange = layer.merged.exchange
+        if layer.match.lse_outputs:  # its exchange feeds the model's LSE too: it stays one exchange
+            raise project_merge.NotProjected("the model reads the attention's LSE from the same exchange")
         found = project_merge.find_projection(exchange, layer.shape, q_replicate.is_parameter)
         out_dtype = fx_util.node_value(found.node).dtype  # the projection's
         in_dtype = layer.match.out_dtype  # the attention output the projection read

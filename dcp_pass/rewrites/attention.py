@@ -12,6 +12,8 @@ graph guards on the same things and recompiles at the same calls.
   exchange             exchange_a2a | exchange_ag_rs | exchange_replicated | exchange_fi_a2a
   sink                 fold_sink(merged fp32, merged LSE, sink logits): a per-head sink logit counted
                        once, after the merge (each rank's partial leaves it out)
+  model's LSE          the merged LSE in the model's base and layout, where the model reads the
+                       attention's LSE (flex_attention's return_lse)
   output layout        permute back to the model's layout
 The value contraction's users then read the merged output; the old nodes die. (The next
 pass, rewrites/project_merge.py, may move the value up-projection that follows before the
@@ -19,6 +21,7 @@ exchange.)
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -182,11 +185,22 @@ def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None
 
 def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
     """The merged output [B, S, H, F] in the model's dtype; with a sink, the sink counted in
-    it after the merge (`fold_sink` over the merged fp32 output and merged LSE)."""
-    if match.sink is not None:
+    it after the merge (`fold_sink` over the merged fp32 output and merged LSE). Where the
+    model reads the attention's LSE (`match.lse_outputs`), those nodes' users read the
+    merged LSE instead."""
+    if match.sink is not None or match.lse_outputs:
+        out_dtype = torch.float32 if match.sink is not None else match.out_dtype
+        merged, merged_lse = emit_exchange_with_lse(graph, out, lse, match, plan, out_dtype)
+        if match.lse_outputs:
+            model_lse = lse_for_model(graph, merged_lse, match, plan)
+            for node in match.lse_outputs:
+                node.replace_all_uses_with(model_lse)
+            if "merged LSE to the model" not in match.rewrite_notes:
+                match.rewrite_notes.append("merged LSE to the model")
+        if match.sink is None:
+            return merged
         if "sink after the merge" not in match.rewrite_notes:
             match.rewrite_notes.append("sink after the merge")
-        merged, merged_lse = emit_exchange_with_lse(graph, out, lse, match, plan, torch.float32)
         return call(graph, fold_sink, merged, merged_lse, sink_logits(graph, match), plan.lse_base,
                     match.out_dtype, name="merged_sink")
     if plan.c == 1:  # one rank holds every key (the single-GPU fast path): its partial is the output
@@ -213,6 +227,20 @@ def emit_exchange_with_lse(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: M
         both = call(graph, backend.exchange, out, lse, plan.group_name, plan.c, name="merged_both", **common)
     return (call(graph, operator.getitem, both, 0, name="merged"),
             call(graph, operator.getitem, both, 1, name="merged_lse"))
+
+
+def lse_for_model(graph: fx.Graph, merged_lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
+    """The merged LSE [B, S, H] (the plan's base) as the model read the attention's: its
+    base, layout and dtype."""
+    node = merged_lse
+    if plan.lse_base != match.lse_out_base:  # log2(x) = ln(x) * log2(e)
+        node = call(graph, operator.mul, node, math.log2(math.e) if match.lse_out_base == "2" else math.log(2.0),
+                    name="merged_lse_base")
+    perm = [CANON_SCORES.index(r) for r in match.lse_roles]
+    if perm != sorted(perm):
+        node = method(graph, "permute", node, *perm, name="merged_lse_layout")
+    dtype = axes.example_value(match.lse_outputs[0]).dtype
+    return method(graph, "to", node, dtype, name="merged_lse_model")
 
 
 def sink_logits(graph: fx.Graph, match: MlaMatch) -> fx.Node:
@@ -289,5 +317,5 @@ def rewrite_attention(
         back = [CANON_Q.index(r) for r in match.out_roles]
         result = merged if back == list(range(4)) else method(graph, "permute", merged, *back, name="merged_layout")
     value_node.replace_all_uses_with(result)
-    erase_dead_region(graph, [value_node])
+    erase_dead_region(graph, [value_node] + match.lse_outputs)
     return MergedOutput(merged, result)

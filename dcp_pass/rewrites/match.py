@@ -139,6 +139,11 @@ class MlaMatch:
     mask_per_head: bool = False  # whether that mask differs per query head
     rewrite_notes: list[str] = field(default_factory=list)  # what the rewrite chose, for the layer's report
     sink: Optional[SinkTerm] = None  # a per-head logit in the softmax's denominator only
+    # nodes whose value is the attention's log-sum-exp as the model reads it (flex_attention's
+    # return_lse), laid out as `lse_roles`, in base `lse_out_base`: they read the merged LSE
+    lse_outputs: list[fx.Node] = field(default_factory=list)
+    lse_roles: list[str] = field(default_factory=list)
+    lse_out_base: str = "e"
 
     @property
     def buffers(self) -> list[fx.Node]:

@@ -12,7 +12,8 @@ call reads (global key positions, the same indices flex uses) and become one add
 which the shard-local attention stripes like the keys. The block mask's sparsity tensors
 only skip work the mask_mod already excludes. A score_mod that does anything else with
 the score (tanh soft-capping, a product with the score) cannot be expressed as a mask: a
-near miss names that op and its source line.
+near miss names that op and its source line. Where the model reads the call's LSE
+(`return_lse=True`, e.g. to fold an attention sink in afterwards), it reads the merged LSE.
 """
 from __future__ import annotations
 
@@ -168,11 +169,16 @@ class FlexRecogniser(Recogniser):
             if not any(u for u in score_mod.graph.nodes if u.op == "call_function"):
                 score_mod = None  # the identity
         mask_mod = _submodule(gm, block_mask[-1]) if isinstance(block_mask, tuple) and block_mask else None
-        if kernel_options and (kernel_options.get("OUTPUT_LOGSUMEXP") or kernel_options.get("OUTPUT_MAX")):
-            raise NearMiss("flex_attention's logsumexp is used by the model")
-        users = list(node.users)
-        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
-            raise NearMiss("flex_attention's outputs other than the attention are used")
+        outputs: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            if user.op != "call_function" or user.target is not operator.getitem or not isinstance(user.args[1], int):
+                raise NearMiss("flex_attention's outputs are used other than one by one", user)
+            outputs.setdefault(user.args[1], []).append(user)
+        if set(outputs) - {0, 1}:
+            raise NearMiss("flex_attention's row maxima (return_aux max_scores) are used by the model", node)
+        users = outputs.get(0, [])
+        if len(users) != 1:
+            raise NearMiss("flex_attention's attention output is not used once", node)
         try:
             keys = trace_cache_read(key)
             values = trace_cache_read(value)
@@ -189,6 +195,9 @@ class FlexRecogniser(Recogniser):
         device = axes.example_value(query).device
         match = MlaMatch(buffer_name(keys[0].buffer).rsplit(".", 1)[0], self.name, node, users[0], terms, values[0],
                          v_width, float(scale), [], SCORE_ROLES, [B, H, S, F], axes.example_value(users[0]).dtype)
+        # the LSE flex returns with return_lse: base 2 (the public function scales it by ln 2
+        # after the call), [B, H, S]; the model's uses of it read the merged LSE
+        match.lse_outputs, match.lse_roles, match.lse_out_base = outputs.get(1, []), [B, H, S], "2"
         if score_mod is not None or mask_mod is not None:
             match.mask_builder = _dense_mask(score_mod, mask_mod, list(score_buffers or ()), list(mask_buffers or ()),
                                              values[0], q_shape[1], device)
