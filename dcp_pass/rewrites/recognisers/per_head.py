@@ -674,11 +674,12 @@ def _scores(node: fx.Node, ctx: MatchContext) -> tuple[fx.Node, float, Optional[
 
 
 def _is_score_product(node: Any) -> bool:
-    """`matmul(q, k^T)`, possibly scaled by a constant."""
+    """`matmul(q, k^T)`, or it scaled by a constant."""
     if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _MULS | _DIVS \
-            and len(node.args) == 2 and any(_number(x) for x in node.args):
-        node = next(x for x in node.args if isinstance(x, fx.Node)) if any(
-            isinstance(x, fx.Node) for x in node.args) else node
+            and len(node.args) == 2:
+        tensors = [x for x in node.args if isinstance(x, fx.Node)]
+        if len(tensors) == 1 and any(_number(x) for x in node.args):
+            node = tensors[0]
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.matmul
 
 
