@@ -466,11 +466,9 @@ def _layers_to_keep(state: PassState, leftovers: list[fx.Node]) -> dict[str, str
             if match.layer not in kept and blocked & set(match.buffers):
                 uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}"
                                  for n in match.buffers if n in leftovers)
-                rolling = "roll" in uses
-                kept[match.layer] = (
-                    f"left as it is: {'a rolling (sliding-window) cache, ' if rolling else ''}"
-                    f"its cache is used outside the attention ({uses or 'shared with a layer left as it is'}); "
-                    f"every rank keeps it whole")
+                what = "a rolling (sliding-window) cache, used" if "roll" in uses else "its cache is used"
+                kept[match.layer] = (f"left as it is: {what} outside the attention "
+                                     f"({uses or 'shared with a layer left as it is'}); every rank keeps it whole")
                 blocked |= set(match.buffers)
                 grew = True
     return kept
