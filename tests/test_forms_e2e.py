@@ -82,7 +82,8 @@ def _check(results: dict, world: int):
             assert "merged LSE to the model" in r["summary"], r["summary"]
             assert "v-projection after merge (the model reads the attention's LSE" in r["summary"], r["summary"]
         else:
-            assert "v-projection before merge" in r["summary"] and "after merge" not in r["summary"], (form, r["summary"])
+            summary = r["summary"]
+            assert "v-projection before merge" in summary and "after merge" not in summary, (form, summary)
 
 
 def _forms():

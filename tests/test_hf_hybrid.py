@@ -15,19 +15,18 @@ DCP_TEST_FULL=1 adds Gemma3 and runs every model at c=4 under aot_eager too.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402  (tests/hf_tiny.py, after the importorskip)
 from kit import hf  # noqa: E402
 
+from dcp_pass import env  # noqa: E402
 from dcp_pass.testing import run_ranks  # noqa: E402
 
-FULL = os.environ.get("DCP_TEST_FULL") == "1"
+FULL = env.full_tests()
 # model -> (option absorb_kv_b_proj, the window layers, whether it has sinks)
 MODELS = {"gpt_oss": (False, ["cache.layers.0"], True), "gemma3": (False, ["cache.layers.0"], False),
           "hy_v4": (True, [], True)}
