@@ -1,14 +1,19 @@
-"""Hugging Face DeepseekV3 generate(cache_implementation="static") under backend "dcp".
+"""Hugging Face generate(cache_implementation="static") under backend "dcp", against HF's own.
 
-Every rank builds the same random DeepseekV3ForCausalLM (dense layers, MLA at DeepSeek-V3's
-attention sizes by default), compiles it in place with DcpBackend and times greedy decode:
-the time of a generate of `--steps` + 2 new tokens minus one of 2 new tokens, per step
-(prefill and compiles excluded: both lengths are warmed first). Variants, back to back in one
-process group: plain inductor (dcp_size=1: graphs unchanged), DCP over all ranks with the
-per-step kv_b_proj re-expansion, and DCP with option absorb_kv_b_proj. Rank 0's tokens are
-compared with the dcp_size=1 run's; each variant's cache bytes per rank are recorded.
+Every rank builds the same random model (dense layers), compiles it in place and times greedy
+decode: the time of a generate of `--steps` + 2 new tokens minus one of 2 new tokens, per step
+(prefill and compiles excluded: both lengths are warmed first). Families: `deepseek_v3`
+(DeepseekV3ForCausalLM, MLA at DeepSeek-V3's attention widths, `--heads` query heads) and
+`llama` (LlamaForCausalLM, GQA: `--heads` query heads over `--kv-heads`, head dim 128).
 
-    python benchmarks/bench_hf.py --world 2 --prompt 8192 --batch 4 --out $OUT/hf.json
+Variants, back to back in one process group: "hf" (no model.compile: generate compiles its own
+decode step, inductor with CUDA graphs on CUDA: what a Hugging Face user already has) and
+"dcp" (model.compile with the documented options and nothing else: `{"dcp_size": world}`, at
+one GPU `{"dcp_size": 1, "fast_path": True}`); `--variants` adds "inductor" (plain
+torch.compile) and "dcp absorbed off" (absorb_kv_b_proj=False). Each variant's tokens are
+compared with the first's, and its cache bytes per rank recorded.
+
+    python benchmarks/bench_hf.py --world 1 --family llama --prompt 16384 --batch 8 --out $OUT/hf.json
 
 On CPU (gloo, a tiny model) it runs as a smoke test: `--device cpu --tiny`.
 """
@@ -26,14 +31,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-def config(tiny: bool, layers: int):
+def config(args):
+    if args.family == "llama":
+        from transformers import LlamaConfig
+
+        sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, vocab_size=128) if args.tiny else dict(
+            hidden_size=4096, intermediate_size=4096, num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads, head_dim=128, vocab_size=4096)
+        return LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=1 << 20, bos_token_id=None,
+                           eos_token_id=None, pad_token_id=None, **sizes)
     from transformers import DeepseekV3Config
 
     sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, kv_lora_rank=32, q_lora_rank=48,
-                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, vocab_size=128) if tiny else dict(
-        hidden_size=2048, intermediate_size=4096, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=1536,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=4096)
-    return DeepseekV3Config(num_hidden_layers=layers, first_k_dense_replace=layers, n_routed_experts=4,
+                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, vocab_size=128) if args.tiny else dict(
+        hidden_size=2048, intermediate_size=4096, num_attention_heads=args.heads, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=4096)
+    return DeepseekV3Config(num_hidden_layers=args.layers, first_k_dense_replace=args.layers, n_routed_experts=4,
                             num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
                             num_key_value_heads=sizes["num_attention_heads"], max_position_embeddings=1 << 20,
                             bos_token_id=None, eos_token_id=None, pad_token_id=None, **sizes)
@@ -55,9 +69,17 @@ def _timed(model, prompts, new, device):
     return time.perf_counter() - start, out
 
 
+VARIANTS = {  # label -> DcpBackend options beyond dcp_size (None: HF's own compiled generate)
+    "hf": None,
+    "dcp": {},
+    "inductor": {"dcp_size": 1, "fast_path": False},
+    "dcp absorbed off": {"absorb_kv_b_proj": False},
+}
+
+
 def _rank(rank: int, world: int, args):
     import torch._dynamo
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     # the two timed lengths give two static cache sizes: two static graphs each, warmed first
     torch._dynamo.config.automatic_dynamic_shapes = False
@@ -69,29 +91,25 @@ def _rank(rank: int, world: int, args):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
-    cfg = config(args.tiny, args.layers)
+    cfg = config(args)
     cfg._attn_implementation = args.attn
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
     prompts = prompts.to(device)
-    # on one GPU (world 1) the pass runs through option fast_path: no exchange, the same rewrite
-    variants = [("hf", 1, False), ("inductor", 1, False), (f"dcp{world}", world, False),
-                (f"dcp{world} absorbed", world, True)]
-    if world == 1:
-        variants = [("hf", 1, False), ("inductor", 1, False), ("fast path", 1, False), ("fast path absorbed", 1, True)]
-    if args.variants:
-        variants = [variants[int(i)] for i in args.variants.split(",")]
     rows, reference = [], None
-    for label, c, absorb in variants:
+    for label in args.variants.split(","):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = DeepseekV3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
         backend = None
-        if label != "hf":  # "hf": no model.compile, generate's own (inductor, CUDA graphs on CUDA)
-            cudagraphs = {"auto": "auto", "on": True, "off": False}[args.cudagraphs]
-            backend = DcpBackend(dcp_size=c, tp_size=1, inner=args.inner, absorb_kv_b_proj=absorb,
-                                 fast_path=label.startswith("fast path"), cudagraphs=cudagraphs)
+        if VARIANTS[label] is not None:
+            # the documented call: dcp_size, and at one GPU fast_path; nothing else unless the variant says
+            options = {"dcp_size": world, "tp_size": 1, **({"fast_path": True} if world == 1 else {})}
+            options.update(VARIANTS[label])
+            if args.inner != "inductor":
+                options["inner"] = args.inner
+            backend = DcpBackend(options)
             model.compile(backend=backend)
-        for new in (2, args.steps + 2, 2, args.steps + 2):  # every compile of both cache lengths
+        for new in (2, args.steps + 2):  # every compile of both cache lengths
             _generate(model, prompts, new)
         warmed = len(backend.graphs) if backend else 0
         short, _ = _timed(model, prompts, 2, device)
@@ -105,28 +123,35 @@ def _rank(rank: int, world: int, args):
         if reference is None:
             reference = out.sequences
         rows.append(dict(variant=label, step_ms=1e3 * (long - short) / args.steps, cache_bytes_per_rank=cache_bytes,
-                         tokens_equal_inductor=bool(torch.equal(out.sequences, reference)),
+                         tokens_equal_first=bool(torch.equal(out.sequences, reference)),
                          graphs=len(backend.graphs) if backend else 0,
                          compiled_while_timed=len(backend.graphs) - warmed if backend else 0,
+                         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
                          layers=[layer.detail for g in backend.report.graphs for layer in g.layers
                                  if layer.rewritten][:1] if backend else []))
+        del model, out, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--inner", default="inductor")
+    parser.add_argument("--family", default="deepseek_v3", choices=("deepseek_v3", "llama"))
+    parser.add_argument("--heads", type=int, default=16, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="llama: key/value heads")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--variants", default="", help="comma-separated indices into the variant list")
-    parser.add_argument("--cudagraphs", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--variants", default="hf,dcp", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -136,7 +161,7 @@ def main():
     results = run_ranks(_rank, args.world, args, backend=backend, timeout=3000)
     for row in results[0]:
         print(f"{row['variant']:>16}: {row['step_ms']:8.2f} ms/step, cache {row['cache_bytes_per_rank'] / 2**20:8.2f} "
-              f"MiB/rank, tokens == inductor: {row['tokens_equal_inductor']}, graphs {row['graphs']} "
+              f"MiB/rank, tokens == first: {row['tokens_equal_first']}, graphs {row['graphs']} "
               f"({row['compiled_while_timed']} while timed)")
     if args.out:
         with open(args.out, "w") as f:
