@@ -61,7 +61,7 @@ def inference_mode_block(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.Node]
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str],
-                  host_counts: bool = False) -> Callable:
+                  host_counts: bool = False, allocates: bool = False) -> Callable:
     """Hand the (rewritten) graph to the compiler named by `opts.inner`.
 
     A graph that is one inference-mode block (pytorch#180823: AOT autograd fails on it
@@ -77,13 +77,13 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
     """
     block = inference_mode_block(gm) if opts.inner != "eager" else None
     if block is None:
-        return _compile_inner(gm, example_inputs, opts, mode, host_counts)
+        return _compile_inner(gm, example_inputs, opts, mode, host_counts, allocates)
     body = fx_util.copy_dynamo_graph_module(gm)  # keeps what marks params/buffers static
     for node in reversed([n for n in body.graph.nodes if n.target in (_ENTER_INFERENCE, _EXIT_INFERENCE)]):
         body.graph.erase_node(node)  # the exit first: it uses the enter
     body.recompile()
     with torch.no_grad():
-        compiled = _compile_inner(body, example_inputs, opts, mode, host_counts)
+        compiled = _compile_inner(body, example_inputs, opts, mode, host_counts, allocates)
 
     def run(*args):
         with torch.inference_mode():
@@ -95,9 +95,16 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
 
 
 def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str],
-                   host_counts: bool = False) -> Callable:
+                   host_counts: bool = False, allocates: bool = False) -> Callable:
+    """`allocates`: the backend makes cache shards for every call of the graph (the graph
+    allocated them: rewrites/allocation.py), new addresses each time."""
     patches = inner_config_patches(opts, _device_of(example_inputs), mode, host_counts)
     if patches.get("triton.cudagraphs") and opts.cudagraphs == "auto" and "triton.cudagraphs" not in opts.inner_options:
+        if allocates:
+            # as for the state below: the graph that creates a cache runs once per generation
+            log.info("dcp_pass: a graph allocates cache stripes: compiled without CUDA graphs")
+            patches["triton.cudagraphs"] = False
+            return _compile_with(gm, example_inputs, opts, patches)
         state = fx_util.state_built_in_graph(gm.graph)
         if state:
             # CUDA graphs allocate a graph's outputs in their private pool and reuse that
@@ -341,9 +348,16 @@ def _has_striped(args: Sequence[Any]) -> bool:
 
 
 def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
-                      position=None, layers: Optional[Sequence[Optional[str]]] = None, checks=()) -> Callable:
+                      position=None, layers: Optional[Sequence[Optional[str]]] = None, checks=(),
+                      allocations=(), allocation_layers: Optional[Sequence[Optional[str]]] = None) -> Callable:
     """Compile `gm` (which takes the local shards and replicated weights as trailing
     inputs) and feed them per call, resolved from the buffers/weights actually passed.
+
+    `allocations` (cache.AllocatedCache): cache tensors the graph allocated. Every call gets
+    new ones: a full-shape tensor without memory, passed after the graph's own inputs and
+    returned where the graph returned the allocation, and its zeroed shard, passed after the
+    other shards and installed as its stripe once the call has written it. No rank ever holds
+    the full-size tensor. `allocation_layers`: for each, the layer it identifies in the report.
 
     With `position` (rewrites/positions.py) the graph no longer takes the int step
     position: it is written into a static device buffer, the graph's last input,
@@ -356,18 +370,36 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
 
     # static-shape fakes: Dynamo never saw the shards, inner fakification would give them
     # symbolic sizes that Dynamo cannot turn into guards
-    held = [entry.local for _, entry in caches] + [w.example for w in weights]
+    allocations = list(allocations)
+    made = [a.make() for a in allocations]  # examples of each call's: their fakes are compiled for
+    held = ([shell for shell, _ in made] + [entry.local for _, entry in caches] + [entry.local for _, entry in made]
+            + [w.example for w in weights])
     trailing = [fx_util.static_fake(t) for t in held + ([position.buffer] if position is not None else [])]
+    del made
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
     host_counts = position is not None and position.holds_count
-    compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode, host_counts)
+    compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode, host_counts, bool(allocations))
     # the graph's host-planned kernels (FlashInfer), re-planned before each call
     plans = step_count.HostPlans() if host_counts else None
     layers = list(layers) if layers is not None else [None] * len(caches)
     specs = [(index, entry.c, entry.rank, entry.name, entry.kind, entry.kv_format, layer)
              for (index, entry), layer in zip(caches, layers)]
 
+    allocation_layers = list(allocation_layers) if allocation_layers is not None else [None] * len(allocations)
+
     def run(*args):
+        fresh = [a.make() for a in allocations]
+        shells = [shell for shell, _ in fresh]
+        if fresh and fresh[0][0].device.type == "cuda":
+            for shell in shells:  # as a cache allocated eagerly is: later graphs keep their CUDA graphs
+                torch._dynamo.mark_static_address(shell, guard=False)
+        out = call_graph(args, shells, [entry.local for _, entry in fresh])
+        for a, (shell, entry), layer in zip(allocations, fresh, allocation_layers):
+            cache.install_allocated(shell, entry)
+            report.add_cache(shell, a.name, entry.full_nbytes, entry.local_nbytes, layer, renewed=True)
+        return _returning(out, allocations, shells) if allocations else out
+
+    def call_graph(args, shells, made_shards):
         shards = []
         for index, c, rank, name, kind, kv_format, layer in specs:
             buffer = args[index]
@@ -380,15 +412,27 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
             check.check(args[check.index])
         replicas = resolve_inputs(weights, args)
         # Dynamo calls backends' results with positional args; so do we.
+        shards += made_shards
         if position is None:
-            return compiled(*plain_inputs(args), *shards, *replicas)
-        inputs = plain_inputs(position.call_args(args))
+            return compiled(*plain_inputs(args), *shells, *shards, *replicas)
+        inputs = plain_inputs(position.call_args(args)) + shells
         if plans is None:
             return compiled(*inputs, *shards, *replicas, position.buffer)
         with step_count.step(plans, position.key_count(args)):
             return compiled(*inputs, *shards, *replicas, position.buffer)
 
     return run
+
+
+def _returning(out, allocations, shells):
+    """The graph's outputs with each allocated cache's full-shape tensor where the graph returns it."""
+    flat = list(out) if isinstance(out, (list, tuple)) else [out]
+    for a, shell in zip(allocations, shells):
+        for i in a.outputs:
+            flat[i] = shell
+    if isinstance(out, (list, tuple)):
+        return type(out)(flat)
+    return flat[0]
 
 
 class DcpBackend:
@@ -413,7 +457,7 @@ class DcpBackend:
             self.report.rank = self.topology.rank
         graph_report = GraphReport(len(self.report.graphs))
         self.report.graphs.append(graph_report)
-        position, layers, new_caches, checks = None, None, [], []
+        position, layers, new_caches, checks, allocations, allocation_layers = None, None, [], [], [], []
         if not self.topology.enabled and not opts.fast_path:
             graph_report.unchanged_reason = "dcp_size=1"
             out, caches, weights = gm, [], []
@@ -423,22 +467,23 @@ class DcpBackend:
             result = apply_dcp(gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report,
                                observer=self.observer)
             out, caches, weights, position = result.graph_module, result.caches, result.weights, result.position
-            checks = result.checks
+            checks, allocations = result.checks, result.allocations
             check_inference_only(out, example_inputs, graph_report)
-            layers = cache_layers(graph_report, [entry.name for _, entry in caches])
-            self.report.add_uncached_layers(graph_report, layers)
+            named = cache_layers(graph_report, [entry.name for _, entry in caches] + [a.name for a in allocations])
+            layers, allocation_layers = named[:len(caches)], named[len(caches):]
+            self.report.add_uncached_layers(graph_report, named)
             for (index, entry), layer in zip(caches, layers):
                 key = self.report.add_cache(example_inputs[index], entry.name, entry.full_nbytes, entry.local_nbytes,
                                             layer, renewed=entry.kind in cache.INSTALLED_AT_FIRST_CALL)
                 if key is not None:
                     new_caches.append(key)
-            if caches:
+            if caches or allocations:
                 self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
         self.graphs.append(out)
         log.info("%s", self.report.graph_log(graph_report, new_caches))
-        if caches or position is not None:
+        if caches or allocations or position is not None:
             return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position, layers,
-                                     checks)
+                                     checks, allocations, allocation_layers)
         if _has_striped(example_inputs):  # a graph that takes a striped buffer without reading it
             compiled = compile_inner(out, plain_inputs(example_inputs), opts, mode)
             return lambda *args: compiled(*plain_inputs(args))

@@ -439,7 +439,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
     return (o_1,)""")
         self.assertExpectedInline("\n".join(be.report.graphs[0].detail_lines()), """\
 rewrote kv_cache: decode, softmax form, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto
-passes: match 1, striped_writes 2, query_replication 0, attention 1, project_before_merge 0, verify_buffers 2, complex_as_real 0, install_shards 2, device_positions 0""")
+passes: allocated_caches 0, match 1, striped_writes 2, query_replication 0, attention 1, project_before_merge 0, verify_buffers 2, complex_as_real 0, install_shards 2, device_positions 0""")
 
     def test_project_before_merge_head_replicated_prefill(self):
         # tp_size=1, 4 tokens: one einsum over every head, the all-gather of 6 columns per head

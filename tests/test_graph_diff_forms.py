@@ -40,8 +40,8 @@ def decode_stages(form: str, start: int = 5, **kw) -> dict[str, str]:
 class FormsGraphDiffTest(PinCase):
     def test_stages_are_every_pass_in_order(self):
         stages = decode_stages("einsum")
-        self.assertEqual(list(stages), ["captured", "match", "striped_writes", "query_replication", "attention",
-                                        "project_before_merge", "verify_buffers", "complex_as_real",
+        self.assertEqual(list(stages), ["captured", "allocated_caches", "match", "striped_writes", "query_replication",
+                                        "attention", "project_before_merge", "verify_buffers", "complex_as_real",
                                         "install_shards", "device_positions"])
         self.assertIn("torch.functional.einsum('bsht,btc->bshc'", stages["captured"])
         self.assertNotIn("torch.functional.einsum('bsht,btc->bshc'", stages["attention"])

@@ -3,9 +3,10 @@
 Tiny random DeepseekV3, KimiLinear (KDA + MLA layers) and Llama (GQA) models
 (tests/hf_tiny.py), unmodified, compiled in place with `model.compile(backend=DcpBackend(...))`
 on real gloo ranks: greedy fp32 tokens equal the uncompiled model's, step logits within
-1e-5 relative, every attention layer over the static cache rewritten in the decode graph
-(the prefill graph, which creates the cache, runs unchanged), and each rank holds
-ceil(T / c) + 1 of the T cache positions (the cache tensor's own storage released).
+1e-5 relative, every attention layer over the static cache rewritten in the prefill graph
+(which allocates each rank's stripe of the cache instead of the whole) and the decode
+graph, and each rank holds ceil(T / c) + 1 of the T cache positions (the cache tensor
+itself has no memory).
 Kimi's linear-attention states stay as they are and equal eager. Matcher-only tests read
 the captured graphs without a process group; one pin shows the rewritten DeepseekV3 attention.
 
@@ -97,19 +98,17 @@ def _check(results, c: int, configs: list):
         name, impl, absorb = r["config"]
         assert r["tokens_equal"], r
         assert r["logits_err"] < 1e-5, r
-        # prefill, decode (guarding on the plain tensors each generate brings), decode again once
-        # the tensors are striped (their class changed at the first call); no graph break
-        assert r["graphs"] == 3, r
+        # prefill (it returns the striped tensors it allocated) and decode; no graph break
+        assert r["graphs"] == 2, r
         attention_layers = 1 if name == "kimi_linear" else hf_tiny.LAYERS
-        # the prefill graph creates the cache: unchanged
-        assert r["rewritten"] == [0, attention_layers, attention_layers], r
+        assert r["rewritten"] == [attention_layers, attention_layers], r
         assert r["families"] == [f"per-head {impl} form"], r
         # absorbed: no re-expansion, and the value half of kv_b_proj moves before the exchange
         assert r["absorbed"] == [(absorb, absorb)] * (2 * attention_layers), r
         assert len(r["caches"]) == 2 * attention_layers, r
         for entry in r["caches"]:
             positions = entry["positions"]
-            assert entry["striped"] and entry["own"] == 0, entry  # full-size storage released
+            assert entry["striped"] and entry["own"] == 0, entry  # no full-size memory
             assert entry["shard"] * positions == entry["full"] * (math.ceil(positions / c) + 1), entry
         if name == "kimi_linear":  # the KDA layer's states: untouched by the pass, equal eager
             assert r["states"] == 2 and r["state_err"] < 1e-5, r
@@ -189,11 +188,10 @@ def test_generate_static_c2():
         _check(result["configs"], 2, configs)
         reuse = result["reuse"]
         assert all(reuse["equal"]) and reuse["err"] < 1e-5, reuse
-        # prefill and decode (plain, then striped tensors); the second generate compiles nothing
-        # new; the initialised cache passed in: a prefill that reads it (rewritten too:
-        # multi-token attention over the striped cache)
-        assert reuse["graphs"] == 4 and reuse["rewritten"][:2] == [0, hf_tiny.LAYERS], reuse
-        assert reuse["rewritten"][2:] == [hf_tiny.LAYERS, hf_tiny.LAYERS], reuse
+        # prefill (allocating the stripes) and decode; the second generate compiles nothing new;
+        # the initialised cache passed in: a prefill that reads it (multi-token attention over
+        # the striped cache)
+        assert reuse["graphs"] == 3 and reuse["rewritten"] == [hf_tiny.LAYERS] * 3, reuse
         assert reuse["refused"] is not None and "cache.layers.0.keys" in reuse["refused"], reuse
         # each generate's new cache takes the place of the last in the report (it counted them
         # all, 2 then 4 layers, before the report keyed a renewed cache by its name)
@@ -410,7 +408,19 @@ class TestPin(PinCase):
         cache = hf.static_cache(model.model, 1, 8)
         stages = graph_stages(model, [(ids[:, :5], cache), (ids[:, 5:6], cache)], {"dcp_size": 2, "tp_size": 1})
         self.assertEqual(len(stages), 2)
-        self.assertNotIn("install_shards", stages[0])  # the prefill graph (it creates the cache) is kept
+        # the prefill allocates no cache: it writes the rank's positions into the shards the
+        # backend makes for it, attends over them and returns the stand-ins (tensors without memory)
+        prefill = stages[0]["install_shards"]
+        self.assertNotIn("torch.zeros((1, 1, 8", prefill)
+        dcp_lines = "\n".join(line.strip() for line in prefill.splitlines()[1:] if "dcp" in line)
+        self.assertExpectedInline(dcp_lines, """\
+striped_write = dcp_pass_runtime_decode_layout_write_rows_at_(dcp_local_cache_0, kv_nope_2, cache_position, 2, 2, 0, 8)
+striped_write_1 = dcp_pass_runtime_decode_layout_write_rows_at_(dcp_local_cache_1, k_embed, cache_position, 2, 2, 0, 8)
+latent_rows = dcp_local_cache_0[(slice(None, None, None), 0)]
+expand = dcp_local_cache_1.expand(-1, 4, -1, -1)
+local_attention = torch.ops.dcp.local_attention.default(q_bshd, k_local, v_local, 8, 2, 0, 0.1767766952966369, mask_f32, 'e', 'auto')
+merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)
+return (logits, to_9, dcp_allocated_values, dcp_allocated_keys)""")
         code = hf.lines_between(stages[1]["install_shards"], "striped_write", "o_proj")
         self.assertExpectedInline(code, """\
 striped_write = dcp_pass_runtime_decode_layout_write_rows_at_(dcp_local_cache_0, kv_nope_2, cache_position, 2, 2, 0, 8)

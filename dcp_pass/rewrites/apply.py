@@ -1,7 +1,8 @@
 """The DCP pass over one captured graph: named passes run by one pipeline.
 
-    match -> striped_writes -> query_replication -> attention -> project_before_merge
-          -> verify_buffers -> complex_as_real -> install_shards -> device_positions
+    allocated_caches -> match -> striped_writes -> query_replication -> attention
+          -> project_before_merge -> verify_buffers -> complex_as_real -> install_shards
+          -> device_positions
 
 Each pass is a small class whose `run` does one step and returns what it matched
 (`PassOutcome`); the pipeline records every outcome in the graph's report (name, count,
@@ -30,10 +31,11 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
-from dcp_pass.rewrites import axes, complex_product, fx_util, project_merge, q_replicate
+from dcp_pass.rewrites import allocation, axes, complex_product, fx_util, project_merge, q_replicate
 from dcp_pass.rewrites import cache as cache_rw
 from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput, rewrite_attention
 from dcp_pass.rewrites.axes import B, H, S
+from dcp_pass.rewrites.cache_reads import module_path, position_axis
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla
 
 
@@ -58,7 +60,9 @@ class DcpPassResult:
 
     `graph_module`: the graph module to compile (the input one when nothing changed).
     `caches`: for each cache shard input it gained, the index of the full-size buffer
-    input it shards and that shard now. `weights`: the other inputs it gained (replicated
+    input it shards and that shard now. `allocations`: the cache tensors the graph
+    allocated, now inputs that follow the graph's own (before the shards): the backend
+    makes each call's (rewrites/allocation.py). `weights`: the other inputs it gained (replicated
     q weights), each resolved per call from an existing input. `checks`: parameter inputs
     the graph uses for every rank's heads, checked per call. `position`: how the
     backend feeds a step position moved to the device (None: kept as an int).
@@ -69,6 +73,7 @@ class DcpPassResult:
     weights: list[q_replicate.ExtraInput] = field(default_factory=list)
     position: Any = None
     checks: list[q_replicate.WeightCheck] = field(default_factory=list)
+    allocations: list[cache_rw.AllocatedCache] = field(default_factory=list)
 
 
 @dataclass
@@ -109,6 +114,10 @@ class PassState:
     position: Any = None
     # layers left as they are (their caches used outside their attention) -> why, in the user's terms
     kept_layers: dict[str, str] = field(default_factory=dict)
+    # inputs standing in for cache tensors the graph allocated (rewrites/allocation.py)
+    allocated: dict[fx.Node, allocation.StandIn] = field(default_factory=dict)
+    prefixes: list[allocation.MaskedPrefix] = field(default_factory=list)  # causal prefixes over them
+    allocations: list[cache_rw.AllocatedCache] = field(default_factory=list)
 
     @property
     def graph(self) -> fx.Graph:
@@ -132,6 +141,41 @@ class GraphPass:
 # ----------------------------------------------------------------------------- the passes
 
 
+class AllocatedCaches(GraphPass):
+    """Cache tensors the graph allocates become inputs, so that each rank allocates only its
+    stripe (rewrites/allocation.py); those no rewritten attention reads are put back by `match`."""
+
+    name = "allocated_caches"
+
+    def run(self, state: PassState) -> PassOutcome:
+        if state.config.plan.c == 1:
+            return PassOutcome(0, ["dcp_size=1: allocated caches stay as the graph makes them"])
+        if state.config.kv_cache_dtype:
+            return PassOutcome(0, ["kv_cache_dtype: allocated caches are striped at their first decode step"])
+        from dcp_pass.rewrites.match import load_recognisers
+
+        load_recognisers()  # they register the allocation forms
+        symbolic: list[str] = []
+        for stand_in in allocation.stand_in_allocations(state.graph, symbolic):
+            state.allocated[stand_in.placeholder] = stand_in
+            example = fx_util.node_value(stand_in.placeholder)
+            state.values[stand_in.placeholder.name] = cache_rw.unallocated(example.shape, example.stride(),
+                                                                           example.dtype, example.device)
+        state.prefixes = allocation.causal_prefix_as_mask(state.graph, list(state.allocated.values()))
+        notes = [f"{buffer_name(p)} allocated in the graph" for p in state.allocated]
+        notes += [f"{p.name}: causal attention over the first positions, as a mask over the cache"
+                  for p in state.prefixes]
+        if symbolic:
+            # Dynamo compiled this graph for any cache length (a generate with a longer cache than
+            # the one before): the stripe's size would be a run-time value
+            note = (f"{', '.join(module_path(s) for s in symbolic)}: allocated with a symbolic size, so at full "
+                    f"size here (each rank keeps its stripe from the first decode step); keep the cache length "
+                    f"fixed (generate's max_length, or a StaticCache made once) to allocate stripes only")
+            notes.append(note)
+            state.report.notes.append(note)
+        return PassOutcome(len(state.allocated), notes)
+
+
 class FindAttention(GraphPass):
     """Run every registered recogniser; near misses are reported (or raised when strict)."""
 
@@ -150,6 +194,13 @@ class FindAttention(GraphPass):
             raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
         state.buffers = {b for m in found.matches for b in m.buffers} | {
             b for b in found.writes if cache_rw.is_released(state.values[b.name])}
+        dropped = {p for p in state.allocated if p not in state.buffers}  # no rewritten attention reads them
+        for prefix in [p for p in state.prefixes if p.placeholders & dropped]:
+            allocation.undo_prefix(state.graph, prefix)
+            state.prefixes.remove(prefix)
+        for placeholder in dropped:
+            allocation.put_back(state.graph, state.allocated.pop(placeholder))
+            found.writes.pop(placeholder, None)
         if not state.buffers:
             _refuse_released(state.graph, state.values)
             reason = "no absorbed-MLA attention in this graph"
@@ -183,10 +234,15 @@ class StripedWrites(GraphPass):
                 state.report.unchanged_reason = why
                 return PassOutcome(0, [why])
         formats = _fp8_formats(state) if state.config.kv_cache_dtype else {}
-        for index, buf in enumerate(sorted(state.buffers, key=lambda n: n.name)):
+        # shards of allocated caches last, in the order of their inputs: the backend passes them so
+        allocated = {p: i for i, p in enumerate(state.allocated)}
+        for index, buf in enumerate(sorted(state.buffers, key=lambda n: (allocated.get(n, -1), n.name))):
             kind = kinds[buf].kind if buf in kinds else "flat"
-            entry = cache_rw.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf), kind,
-                                       formats.get(buf, ""))
+            if buf in state.allocated:  # an example shard: the backend makes each call's
+                entry = _allocated_cache(state, buf, kind).shard()
+            else:
+                entry = cache_rw.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf), kind,
+                                           formats.get(buf, ""))
             state.entries[buf] = entry
             state.local_nodes[buf] = cache_rw.local_cache_placeholder(state.graph, index, entry.local)
             # the attention rewrite reads the shard's row format from its input
@@ -341,7 +397,8 @@ class VerifyBuffers(GraphPass):
 
     def run(self, state: PassState) -> PassOutcome:
         graph, values = state.graph, state.values
-        leftovers = [n for n in graph.nodes if n in state.buffers and n.users]
+        leftovers = [n for n in graph.nodes if n in state.buffers and n.users
+                     and not (n in state.allocated and allocation.only_returned(n))]
         if leftovers:
             uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}" for n in leftovers)
             reason = f"cache buffers are used outside the matched attention ({uses})"
@@ -383,18 +440,26 @@ class InstallShards(GraphPass):
     def run(self, state: PassState) -> PassOutcome:
         plan = state.config.plan
         for buf, entry in state.entries.items():
+            if buf in state.allocated:  # made anew by every call
+                continue
             if entry.kind in cache_rw.INSTALLED_AT_FIRST_CALL:
                 cache_rw.install_at_first_call(state.values[buf.name], entry)
             else:
                 cache_rw.install(state.values[buf.name], entry)
         siblings = 0
         for buf, entry in state.entries.items():
+            if buf in state.allocated:
+                continue
             # the same cache of the other layers a shared graph will be called with
             for other, name in cache_rw.sibling_buffers(state.values[buf.name]):
                 cache_rw.local_for(other, plan.c, plan.rank, name, entry.kind, entry.kv_format)
                 siblings += 1
         placeholders = fx_util.placeholders(state.graph)
-        state.caches = [(placeholders.index(buf), state.entries[buf]) for buf in state.local_nodes]
+        state.caches = [(placeholders.index(buf), state.entries[buf]) for buf in state.local_nodes
+                        if buf not in state.allocated]
+        state.allocations = [_allocated_cache(state, buf, state.entries[buf].kind)
+                             for buf in placeholders if buf in state.allocated]
+        allocation.drop_factories(state.graph, list(state.allocated.values()))
         state.graph.lint()
         state.gm.recompile()
         notes = [f"{siblings} cache buffer(s) of other layers striped with them"] if siblings else []
@@ -424,7 +489,7 @@ class DevicePositions(GraphPass):
 
 
 DEFAULT_PASSES: tuple[GraphPass, ...] = (
-    FindAttention(), StripedWrites(), QueryReplication(), AttentionRewrite(), ProjectBeforeMerge(), VerifyBuffers(),
+    AllocatedCaches(), FindAttention(), StripedWrites(), QueryReplication(), AttentionRewrite(), ProjectBeforeMerge(), VerifyBuffers(),
     ComplexAsReal(), InstallShards(), DevicePositions(),
 )
 
@@ -493,10 +558,16 @@ def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassCon
         return DcpPassResult(state.gm, position=state.position)
     replicator = state.replicator
     return DcpPassResult(state.gm, state.caches, replicator.extra if replicator else [], state.position,
-                         replicator.checks if replicator else [])
+                         replicator.checks if replicator else [], state.allocations)
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _allocated_cache(state: PassState, buf: fx.Node, kind: str) -> cache_rw.AllocatedCache:
+    plan = state.config.plan
+    return cache_rw.AllocatedCache.of(state.values[buf.name], position_axis(buf), plan.c, plan.rank,
+                                      buffer_name(buf), kind, tuple(allocation.output_positions(state.graph, buf)))
 
 _FP8_REFUSED = "kv_cache_dtype='fp8_e4m3' cannot store this graph's cache as fp8"
 

@@ -375,6 +375,52 @@ def install_at_first_call(buffer: torch.Tensor, entry: LocalCache) -> None:
         _PENDING[buffer] = entry
 
 
+@dataclass(frozen=True)
+class AllocatedCache:
+    """A cache tensor that the graph allocated (rewrites/allocation.py), made by the backend
+    for every call instead: `make` gives the full-shape tensor the graph returns in its place,
+    without memory, and this rank's zeroed shard of it (`local_capacity + 1` positions: the
+    spare row, as for every shard)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    axis: int  # the position axis
+    c: int
+    rank: int
+    name: str
+    kind: str
+    outputs: tuple[int, ...]  # where the graph's output returns the tensor
+
+    @classmethod
+    def of(cls, example: torch.Tensor, axis: int, c: int, rank: int, name: str, kind: str,
+           outputs: tuple[int, ...] = ()) -> "AllocatedCache":
+        return cls(tuple(int(s) for s in example.shape), tuple(int(s) for s in example.stride()), example.dtype,
+                   example.device, axis, c, rank, name, kind, outputs)
+
+    def shell(self) -> torch.Tensor:
+        return unallocated(self.shape, self.stride, self.dtype, self.device)
+
+    def shard(self) -> LocalCache:
+        tokens = self.shape[self.axis]
+        shape = list(self.shape)
+        shape[self.axis] = layout.local_capacity(tokens, self.c) + 1
+        local = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        full = _storage_nbytes(self.shape, self.stride, self.dtype.itemsize)
+        return LocalCache(local, tokens, self.c, self.rank, full, self.name, kind=self.kind)
+
+    def make(self) -> tuple[torch.Tensor, LocalCache]:
+        return self.shell(), self.shard()
+
+
+def install_allocated(shell: torch.Tensor, entry: LocalCache) -> None:
+    """Make `entry` the stripe of `shell`, a full-shape tensor that never had memory (AllocatedCache)."""
+    _LOCAL_CACHES[shell] = entry
+    guard(shell, [])  # held by a cache object, not a module: no owner to guard
+    _mark_striped(shell)
+
+
 # --------------------------------------------------------------------------- no memory behind
 
 

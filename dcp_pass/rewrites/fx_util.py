@@ -136,10 +136,12 @@ def erase_dead_region(graph: fx.Graph, roots: list[fx.Node]) -> None:
 
 
 def dynamo_source_name(node: fx.Node) -> Optional[str]:
-    """Dynamo's source name of a placeholder (e.g. L['self']._modules['attn']._buffers['kv_cache'])."""
+    """Dynamo's source name of a placeholder (e.g. L['self']._modules['attn']._buffers['kv_cache']);
+    for an input that stands in for a tensor the graph allocated (rewrites/allocation.py),
+    the source of the tensor it becomes."""
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
-    return source.name if source is not None else None
+    return source.name if source is not None else node.meta.get("dcp_source")
 
 
 def current_fake_mode():

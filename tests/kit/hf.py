@@ -37,11 +37,11 @@ def cache_tensors(cache) -> list[tuple[str, torch.Tensor]]:
 
 
 def held_bytes(t: torch.Tensor) -> tuple[int, int]:
-    """(bytes of the tensor's own storage, bytes of its DCP shard's storage; 0 without one)."""
-    from dcp_pass.rewrites.cache import lookup_local_cache
+    """(bytes of memory behind the tensor's own storage, bytes of its DCP shard's storage; 0 without one)."""
+    from dcp_pass.rewrites.cache import held_nbytes, lookup_local_cache
 
     entry = lookup_local_cache(t)
-    own = t.untyped_storage().nbytes()
+    own = held_nbytes(t)
     return own, (entry.local.untyped_storage().nbytes() if entry is not None else 0)
 
 

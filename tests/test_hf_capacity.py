@@ -1,0 +1,129 @@
+"""Hugging Face static caches are never full-size on any rank, prefill included.
+
+`generate(cache_implementation="static")` allocates the StaticCache's tensors inside the
+compiled prefill; under backend "dcp" that graph allocates each rank's stripe instead
+(rewrites/allocation.py). On gloo ranks, tiny fp32 models (tests/hf_tiny.py):
+
+* right after a prefill-only generate (max_new_tokens=1) the memory behind the cache
+  tensors and their shards on each rank is ceil(T / c) + 1 of the T positions (at most
+  1/c of the full cache plus the spare row and the rounding row), at c = 2 and c = 4 (it
+  follows a longer generate, so that Hugging Face keeps the cache length and the prefill
+  graph stays static-shape: a prefill compiled for any cache length allocates at full size);
+* no CPU allocation of a full cache tensor's size happens on any rank during the whole run,
+  prefill included (the profiler records every allocation);
+* greedy tokens equal the model without DCP over 12 decode steps, with left-padded ragged
+  prompts, a prompt shorter than c, HF's SDPA prefill (causal over the first positions) and
+  chunked prefill (`prefill_chunk_size`: the chunks after the first read the striped prefix).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_tiny  # noqa: E402  (tests/hf_tiny.py, after the importorskip)
+
+from dcp_pass.testing import run_ranks  # noqa: E402
+
+PAD = 0
+# lengths 7, 3 and 1 (left-padded): at c = 4 the last two are shorter than c
+RAGGED = [[3, 5, 7, 9, 11, 2, 6], [1, 2, 3], [4]]
+# 12 decode steps after the prefill's token; T = 7 + 13 - 1 = 19 positions, prime: no shard holds a whole
+# fraction of the full cache's rows at c = 2 or 4, and no other tensor of these runs has a full cache tensor's size
+NEW_TOKENS = 13
+
+
+def _batch(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _generate(model, prompts, new_tokens, **kwargs):
+    ids, mask = _batch(prompts)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                              cache_implementation="static", return_dict_in_generate=True, pad_token_id=PAD,
+                              **kwargs)
+
+
+def _cache_bytes(cache) -> tuple[int, int, list[int]]:
+    """(memory behind the cache tensors and their shards on this rank, their full size, the
+    full size of each tensor)."""
+    from dcp_pass.rewrites.cache import held_nbytes, lookup_local_cache
+
+    held = full = 0
+    sizes = []
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            entry = lookup_local_cache(t)
+            held += held_nbytes(t) + (held_nbytes(entry.local) if entry is not None else 0)
+            full += t.numel() * t.element_size()
+            sizes.append(t.numel() * t.element_size())
+    return held, full, sizes
+
+
+def _allocations(prof) -> list[int]:
+    """Byte sizes of every CPU allocation the profiler saw."""
+    return [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
+
+
+def _run(rank: int, world: int, runs: list):
+    """Per run (model, attention, inner compiler, prefill chunk): the allocations of a generate
+    and its tokens against the model without DCP, then the cache bytes after a prefill-only
+    generate."""
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile
+
+    from dcp_pass.backend import DcpBackend
+
+    results = []
+    for name, impl, inner, chunk in runs:
+        extra = dict(prefill_chunk_size=chunk) if chunk else {}
+        torch._dynamo.reset()
+        want = _generate(hf_tiny.tiny_model(name, impl), RAGGED, NEW_TOKENS, **extra)
+        model = hf_tiny.tiny_model(name, impl)
+        backend = DcpBackend(dcp_size=world, tp_size=1, inner=inner)
+        model.compile(backend=backend)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            got = _generate(model, RAGGED, NEW_TOKENS, **extra)
+        _, _, sizes = _cache_bytes(got.cache)
+        seen = _allocations(prof)
+        del got.cache
+        # Hugging Face keeps the longer cache length of the generate before: the same prefill graph
+        prefill_only = _generate(model, RAGGED, 1, **extra)
+        held, full, _ = _cache_bytes(prefill_only.cache)
+        positions = prefill_only.cache.layers[0].keys.shape[2]
+        results.append(dict(run=(name, impl, inner, chunk), held=held, full=full, positions=positions,
+                            full_tensor_allocations=[n for n in seen if n in set(sizes)], largest=max(seen),
+                            tokens_equal=torch.equal(got.sequences, want.sequences),
+                            graphs=len(backend.graphs), rewritten=[g.rewritten for g in backend.report.graphs],
+                            reasons=[g.unchanged_reason for g in backend.report.graphs]))
+    return results
+
+
+def _check(results, c: int, runs: list):
+    assert [r["run"] for r in results] == runs
+    for r in results:
+        assert r["tokens_equal"], r
+        # every graph rewrites its attention layers, prefill (and each chunk) included
+        assert all(n > 0 for n in r["rewritten"]), r
+        positions = r["positions"]
+        assert r["held"] * positions == r["full"] * (math.ceil(positions / c) + 1), r
+        assert r["held"] <= r["full"] / c + 2 * r["full"] / positions, r
+        assert r["full_tensor_allocations"] == [], r
+
+
+RUNS_C2 = [("llama_gqa", "eager", "eager", None), ("deepseek_v3", "sdpa", "aot_eager", 4)]
+RUNS_C4 = [("llama_gqa", "sdpa", "eager", None)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c, runs", [(2, RUNS_C2), (4, RUNS_C4)], ids=["c2", "c4"])
+def test_prefill_allocates_only_the_stripe(c, runs):
+    for rank_results in run_ranks(_run, c, runs):
+        _check(rank_results, c, runs)
