@@ -22,7 +22,7 @@ KV_CACHE_DTYPES = ("fp8_e4m3",)
 AUTO = "auto"
 # options whose default (None) is decided at compile time; "auto" is accepted for it
 AUTOMATIC = ("comm_backend", "replicate_q_proj", "lse_base", "static_positions", "complex_as_real",
-             "project_before_merge", "kv_cache_dtype")
+             "project_before_merge", "kv_cache_dtype", "absorb_kv_b_proj")
 
 # Other spellings users reach for; each maps to one canonical key.
 ALIASES = {
@@ -83,8 +83,9 @@ class DcpOptions:
     kv_cache_dtype: Optional[str] = None
     # per-head attention over keys and values re-expanded from a latent cache by kv_b_proj
     # (Hugging Face DeepseekV3 / Kimi): fold the key half into the query and apply the
-    # value half after the merge, so no step re-expands the context (absorbed MLA); opt-in
-    absorb_kv_b_proj: bool = False
+    # value half after the merge, so no step re-expands the context (absorbed MLA).
+    # auto: per layer, as `absorb_kv_b_proj_auto` decides (decode on CUDA in 16-bit dtypes)
+    absorb_kv_b_proj: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in AUTOMATIC:  # "auto" is the default, None
@@ -117,8 +118,7 @@ class DcpOptions:
         _check_bool_or_auto("static_positions", self.static_positions)
         if not isinstance(self.fast_path, bool):
             raise DcpOptionError(f"option 'fast_path' must be True or False, got {self.fast_path!r}")
-        if not isinstance(self.absorb_kv_b_proj, bool):
-            raise DcpOptionError(f"option 'absorb_kv_b_proj' must be True or False, got {self.absorb_kv_b_proj!r}")
+        _check_bool_or_auto("absorb_kv_b_proj", self.absorb_kv_b_proj)
         if not isinstance(self.strict, bool):
             raise DcpOptionError(f"option 'strict' must be a bool, got {self.strict!r}")
         _check_bool_or_auto("complex_as_real", self.complex_as_real)
@@ -175,6 +175,29 @@ def _normalize(name: str, value: Any) -> Any:
             raise DcpOptionError(f"option 'lse_base' must be 'e', 2 or 'auto' (the attention kernel's), got {value!r}")
         return spelled[value]
     return value
+
+
+ABSORB_DTYPES = ("bfloat16", "float16")
+
+
+def absorb_kv_b_proj_auto(device_type: str, dtype: str, decode: bool) -> Optional[str]:
+    """What option absorb_kv_b_proj "auto" decides for one layer: None to absorb its kv_b_proj,
+    else why not (the report's words).
+
+    A pure function of what every rank of the group has alike (the device type, the cache
+    dtype's name, whether the call is a decode step), so every rank decides the same. The
+    absorbed form pays where the step is bound by re-expanding the cached latent: decode on
+    CUDA in a 16-bit dtype, where it is exact up to that dtype's rounding. On the CPU, in
+    fp32 or fp64, and for a prefill (several queries per request, where the expansion is
+    shared by the queries) the expanded form is kept.
+    """
+    if device_type != "cuda":
+        return f"auto: on for CUDA decode, the model runs on {device_type}"
+    if dtype not in ABSORB_DTYPES:
+        return f"auto: on for bfloat16 / float16 caches, this one is {dtype}"
+    if not decode:
+        return "auto: on for decode steps, this call has several queries per request"
+    return None
 
 
 def _check_kv_cache_dtype(opts: "DcpOptions") -> None:

@@ -344,12 +344,53 @@ def test_absorbable(decode_graphs, config):
                                                                hf_tiny.V_HEAD_DIM, hf_tiny.KV_LORA_RANK)
 
 
-def test_absorb_option_is_a_bool():
+def test_absorb_option_is_auto_or_a_bool():
     from dcp_pass.options import DcpOptionError, DcpOptions
 
+    assert DcpOptions.from_mapping({}).absorb_kv_b_proj is None  # "auto"
+    assert DcpOptions.from_mapping({"absorb_kv_b_proj": "auto"}).absorb_kv_b_proj is None
     assert DcpOptions.from_mapping({"absorb_kv_b_proj": True}).absorb_kv_b_proj is True
-    with pytest.raises(DcpOptionError, match="absorb_kv_b_proj"):
-        DcpOptions.from_mapping({"absorb_kv_b_proj": "yes"})
+    assert DcpOptions.from_mapping({"absorb_kv_b_proj": False}).absorb_kv_b_proj is False
+    for bad in ("yes", 1, "on"):
+        with pytest.raises(DcpOptionError, match="absorb_kv_b_proj.*True, False or 'auto'"):
+            DcpOptions.from_mapping({"absorb_kv_b_proj": bad})
+
+
+def test_absorb_auto_decision():
+    """On for decode on CUDA in 16-bit dtypes; off, with the reason, on the CPU, in fp32 / fp64
+    and for multi-token calls (a function of what every rank has alike)."""
+    from dcp_pass.options import absorb_kv_b_proj_auto
+
+    for dtype in ("bfloat16", "float16"):
+        assert absorb_kv_b_proj_auto("cuda", dtype, decode=True) is None
+    assert "runs on cpu" in absorb_kv_b_proj_auto("cpu", "bfloat16", decode=True)
+    for dtype in ("float32", "float64"):
+        assert f"this one is {dtype}" in absorb_kv_b_proj_auto("cuda", dtype, decode=True)
+    assert "several queries" in absorb_kv_b_proj_auto("cuda", "bfloat16", decode=False)
+
+
+@pytest.mark.parametrize("config", MATCHER_CONFIGS, ids=lambda c: "-".join(c))
+def test_absorb_auto_on_cpu_keeps_the_expansion_and_says_why(decode_graphs, config):
+    """The default ("auto") on these CPU fp32 decode graphs: every DeepseekV3 / Kimi layer keeps
+    the re-expansion with the reason in its report notes; Llama (nothing to absorb) gets none;
+    True absorbs the same layers."""
+    from dcp_pass.rewrites.attention import AttentionPlan
+    from dcp_pass.rewrites.match import find_mla
+    from dcp_pass.rewrites.recognisers.per_head import Absorbed
+
+    for requested in (None, True):
+        plan = AttentionPlan(2, 0, "0", "a2a", False, "e", "auto", requested)
+        for match in find_mla(decode_graphs[config][1].graph).matches:
+            assert match.check_plan(plan) is None
+            if config[0] == "llama_gqa":
+                assert match.absorbed is None
+                assert match.rewrite_notes == ([] if requested is None else [match.rewrite_notes[0]])
+            elif requested is None:
+                assert match.absorbed is None
+                assert match.rewrite_notes == ["kv_b_proj not absorbed (auto: on for CUDA decode, the model runs "
+                                               "on cpu)"], match.rewrite_notes
+            else:
+                assert isinstance(match.absorbed, Absorbed) and match.rewrite_notes == []
 
 
 def test_matcher_leaves_linear_attention_states_alone(decode_graphs):

@@ -54,7 +54,8 @@ class AttentionPlan:
     head_sharded: bool
     lse_base: str
     attn_backend: str
-    absorb_kv_b_proj: bool = False  # per-head attention over a re-expanded latent (recognisers/per_head.py)
+    # per-head attention over a re-expanded latent (recognisers/per_head.py); None: "auto"
+    absorb_kv_b_proj: Optional[bool] = False
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ with `dcp.local_attention` over them (global positions, the model's mask over gl
 positions: the op keeps the rank's columns), and the partials merge exactly through their
 log-sum-exp (`attention.emit_exchange`, as for absorbed MLA).
 
-With option `absorb_kv_b_proj` a layer whose K and V are the two halves of one kv_b_proj
+With option `absorb_kv_b_proj` (by default where options.absorb_kv_b_proj_auto says so:
+decode on CUDA in 16-bit dtypes) a layer whose K and V are the two halves of one kv_b_proj
 over the latent cache, beside a rotary cache broadcast over the heads (DeepseekV3, Kimi),
 runs as absorbed MLA instead (`PerHeadMatch._rewrite_absorbed`): the key half folds into
 the query, `dcp.mla_local_attention` attends over the cached latent and rotary rows as they
@@ -374,19 +375,21 @@ class PerHeadMatch(MlaMatch):
     values: Optional[KvOperand] = None
     kv_len: int = 0
 
-    absorbed: Optional["Absorbed"] = None  # set for a plan with absorb_kv_b_proj, where it applies
+    absorbed: Optional["Absorbed"] = None  # set where option absorb_kv_b_proj absorbs this layer
     absorb_decided: bool = False
 
     def check_plan(self, plan) -> Optional[str]:
         """Why `plan` cannot run this layer (before anything is striped), or None. With
         absorb_kv_b_proj it also settles whether this layer is absorbed: the merged output is
         then the latent width wide (what the passes after the attention read as `v_dim`)."""
-        if plan.absorb_kv_b_proj and not self.absorb_decided:
+        if plan.absorb_kv_b_proj is not False and not self.absorb_decided:
             self.absorb_decided = True
             found = absorbable(self)
+            if isinstance(found, Absorbed) and plan.absorb_kv_b_proj is None:
+                found = self._absorb_auto(found)
             if isinstance(found, Absorbed):
                 self.absorbed, self.v_dim = found, found.rank
-            else:
+            elif plan.absorb_kv_b_proj or self._has_projection():  # "auto" says nothing where nothing is projected
                 self.rewrite_notes.append(f"kv_b_proj not absorbed ({found})")
         if plan.head_sharded:
             return (f"layer {self.layer}: attention over per-head keys and values ({self.family} form) with "
@@ -394,6 +397,18 @@ class PerHeadMatch(MlaMatch):
                     f"heads are not sharded across ranks (a Hugging Face model holds every head on every rank). "
                     f"Pass options={{'tp_size': 1}} (tp_size defaults to the world size)")
         return None
+
+    def _absorb_auto(self, found: "Absorbed"):
+        """`found`, or why option absorb_kv_b_proj "auto" leaves it (options.absorb_kv_b_proj_auto)."""
+        from dcp_pass.options import absorb_kv_b_proj_auto
+
+        cache = axes.example_value(found.latent)
+        decode = axes.known_equal(axes.shape_of(self.query)[2], 1)
+        why = absorb_kv_b_proj_auto(cache.device.type, str(cache.dtype).replace("torch.", ""), decode)
+        return found if why is None else why
+
+    def _has_projection(self) -> bool:
+        return any(p.projection is not None for p in self.keys.pieces + self.values.pieces)
 
     def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
                 query_override=None):
