@@ -12,8 +12,9 @@ compiled prefill; under backend "dcp" that graph allocates each rank's stripe in
 * no CPU allocation of a full cache tensor's size happens on any rank during the whole run,
   prefill included (the profiler records every allocation);
 * greedy tokens equal the model without DCP over 12 decode steps, with left-padded ragged
-  prompts, a prompt shorter than c, HF's SDPA prefill (causal over the first positions) and
-  chunked prefill (`prefill_chunk_size`: the chunks after the first read the striped prefix).
+  prompts, prompts shorter than c and chunked prefill (`prefill_chunk_size`: the chunks after
+  the first read the striped prefix). HF's unpadded SDPA prefill (causal over the first
+  positions) is checked end to end in test_hf_models.py.
 """
 from __future__ import annotations
 
@@ -118,8 +119,11 @@ def _check(results, c: int, runs: list):
         assert r["full_tensor_allocations"] == [], r
 
 
-RUNS_C2 = [("llama_gqa", "eager", "eager", None), ("deepseek_v3", "sdpa", "aot_eager", 4)]
-RUNS_C4 = [("llama_gqa", "sdpa", "eager", None)]
+# (model, attention implementation, inner compiler, prefill chunk): per-head K/V (Llama, GQA) and
+# K/V re-expanded from the latent (DeepseekV3), the mask path of both implementations (the
+# prompts are padded), chunked prefill, and the inner compiler's path (aot_eager)
+RUNS_C2 = [("deepseek_v3", "sdpa", "aot_eager", 4)]
+RUNS_C4 = [("llama_gqa", "eager", "eager", None)]
 
 
 @pytest.mark.slow
