@@ -131,3 +131,43 @@ RUNS_C4 = [("llama_gqa", "eager", "eager", None)]
 def test_prefill_allocates_only_the_stripe(c, runs):
     for rank_results in run_ranks(_run, c, runs):
         _check(rank_results, c, runs)
+
+
+# ----------------------------------------------------------------------------- no process group
+
+
+@pytest.mark.parametrize("name, impl", [("deepseek_v3", "sdpa"), ("kimi_linear", "eager"), ("llama_gqa", "eager")])
+def test_prefill_allocations_stand_in_for_the_cache_tensors(name, impl):
+    """The recogniser names each StaticCache tensor the prefill allocates as the later graphs
+    take it (`cache.layers.<i>.keys` / `values`; Kimi's linear-attention layer allocates none),
+    every factory call gives way to an input, and HF's unpadded SDPA prefill (causal over
+    `key[:, :, :n]`) becomes the same attention under a `p <= i` mask over every position; put
+    back, the graph allocates and attends as captured."""
+    from kit import hf
+
+    from dcp_pass.rewrites import allocation
+    from dcp_pass.rewrites.cache_reads import buffer_name
+    from dcp_pass.rewrites.match import find_mla, load_recognisers
+
+    prefill = hf.capture_graphs(hf_tiny.tiny_model(name, impl))[0][0]
+    load_recognisers()
+    graph = prefill.graph
+    captured = graph.python_code("self").src
+    stand_ins = allocation.stand_in_allocations(graph)
+    layers = [1] if name == "kimi_linear" else list(range(hf_tiny.LAYERS))
+    assert [buffer_name(s.placeholder) for s in stand_ins] == [
+        f"cache.layers.{i}.{t}" for i in layers for t in ("keys", "values")]
+    assert all(not s.factory.users for s in stand_ins)
+    prefixes = allocation.causal_prefix_as_mask(graph, stand_ins)
+    assert len(prefixes) == (len(layers) if impl == "sdpa" else 0)
+    found = find_mla(graph)
+    assert [m.layer for m in found.matches] == [f"cache.layers.{i}" for i in layers] and not found.near_misses
+    assert {b for m in found.matches for b in m.buffers} == {s.placeholder for s in stand_ins}
+    for prefix in prefixes:
+        allocation.undo_prefix(graph, prefix)
+    for stand_in in stand_ins:
+        allocation.put_back(graph, stand_in)
+    graph.lint()
+    prefill.recompile()
+    assert graph.python_code("self").src.count("torch.zeros(") == captured.count("torch.zeros(")
+    assert find_mla(graph).matches == []  # attention over caches made in the graph: not a cache read
