@@ -171,3 +171,27 @@ def test_prefill_allocations_stand_in_for_the_cache_tensors(name, impl):
     prefill.recompile()
     assert graph.python_code("self").src.count("torch.zeros(") == captured.count("torch.zeros(")
     assert find_mla(graph).matches == []  # attention over caches made in the graph: not a cache read
+
+
+def test_prefill_of_any_cache_length_keeps_its_allocation():
+    """A prefill Dynamo compiled for any cache length (dynamic shapes) allocates a symbolic size:
+    no stand-in (the stripe's size would be a run-time value), its name returned for the report."""
+    from kit import hf
+
+    from dcp_pass.rewrites import allocation
+    from dcp_pass.rewrites.match import load_recognisers
+
+    keeper = hf.GraphKeeper()
+    torch._dynamo.reset()
+    model = hf_tiny.tiny_model("llama_gqa", "eager")
+    model.compile(backend=keeper, dynamic=True)
+    try:
+        hf.generate(model, hf.PROMPTS[:1], 2)
+    finally:
+        torch._dynamo.reset()
+    prefill = keeper.restore()[0][0]
+    load_recognisers()
+    symbolic: list = []
+    assert allocation.stand_in_allocations(prefill.graph, symbolic) == []
+    assert symbolic == [f"L['kwargs']['cache'].layers[{i}].{t}" for i in range(hf_tiny.LAYERS)
+                        for t in ("keys", "values")]
