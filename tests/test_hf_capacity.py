@@ -13,8 +13,8 @@ compiled prefill; under backend "dcp" that graph allocates each rank's stripe in
   prefill included (the profiler records every allocation);
 * greedy tokens equal the model without DCP over 12 decode steps, with left-padded ragged
   prompts, prompts shorter than c and chunked prefill (`prefill_chunk_size`: the chunks after
-  the first read the striped prefix). HF's unpadded SDPA prefill (causal over the first
-  positions) is checked end to end in test_hf_models.py.
+  the first read the striped prefix), and with unpadded prompts, whose HF SDPA prefill is
+  causal over the first positions of the raw cache (GQA through enable_gqa).
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ from dcp_pass.testing import run_ranks  # noqa: E402
 PAD = 0
 # lengths 7, 3 and 1 (left-padded): at c = 4 the last two are shorter than c
 RAGGED = [[3, 5, 7, 9, 11, 2, 6], [1, 2, 3], [4]]
+EVEN = [[3, 5, 7, 9, 11, 2, 6], [1, 2, 3, 8, 4, 4, 2]]  # no padding: HF's SDPA prefill is causal over the prompt
+PROMPTS = {"ragged": RAGGED, "even": EVEN}
 # 12 decode steps after the prefill's token; T = 7 + 13 - 1 = 19 positions, prime: no shard holds a whole
 # fraction of the full cache's rows at c = 2 or 4, and no other tensor of these runs has a full cache tensor's size
 NEW_TOKENS = 13
@@ -74,7 +76,7 @@ def _allocations(prof) -> list[int]:
 
 
 def _run(rank: int, world: int, runs: list):
-    """Per run (model, attention, inner compiler, prefill chunk): the allocations of a generate
+    """Per run (model, attention, inner compiler, prefill chunk, prompts): the allocations of a generate
     and its tokens against the model without DCP, then the cache bytes after a prefill-only
     generate."""
     import torch._dynamo
@@ -83,23 +85,24 @@ def _run(rank: int, world: int, runs: list):
     from dcp_pass.backend import DcpBackend
 
     results = []
-    for name, impl, inner, chunk in runs:
+    for name, impl, inner, chunk, which in runs:
         extra = dict(prefill_chunk_size=chunk) if chunk else {}
+        prompts = PROMPTS[which]
         torch._dynamo.reset()
-        want = _generate(hf_tiny.tiny_model(name, impl), RAGGED, NEW_TOKENS, **extra)
+        want = _generate(hf_tiny.tiny_model(name, impl), prompts, NEW_TOKENS, **extra)
         model = hf_tiny.tiny_model(name, impl)
         backend = DcpBackend(dcp_size=world, tp_size=1, inner=inner)
         model.compile(backend=backend)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            got = _generate(model, RAGGED, NEW_TOKENS, **extra)
+            got = _generate(model, prompts, NEW_TOKENS, **extra)
         _, _, sizes = _cache_bytes(got.cache)
         seen = _allocations(prof)
         del got.cache
         # Hugging Face keeps the longer cache length of the generate before: the same prefill graph
-        prefill_only = _generate(model, RAGGED, 1, **extra)
+        prefill_only = _generate(model, prompts, 1, **extra)
         held, full, _ = _cache_bytes(prefill_only.cache)
         positions = prefill_only.cache.layers[0].keys.shape[2]
-        results.append(dict(run=(name, impl, inner, chunk), held=held, full=full, positions=positions,
+        results.append(dict(run=(name, impl, inner, chunk, which), held=held, full=full, positions=positions,
                             full_tensor_allocations=[n for n in seen if n in set(sizes)], largest=max(seen),
                             tokens_equal=torch.equal(got.sequences, want.sequences),
                             graphs=len(backend.graphs), rewritten=[g.rewritten for g in backend.report.graphs],
@@ -119,11 +122,12 @@ def _check(results, c: int, runs: list):
         assert r["full_tensor_allocations"] == [], r
 
 
-# (model, attention implementation, inner compiler, prefill chunk): per-head K/V (Llama, GQA) and
-# K/V re-expanded from the latent (DeepseekV3), the mask path of both implementations (the
-# prompts are padded), chunked prefill, and the inner compiler's path (aot_eager)
-RUNS_C2 = [("deepseek_v3", "sdpa", "aot_eager", 4)]
-RUNS_C4 = [("llama_gqa", "eager", "eager", None)]
+# (model, attention implementation, inner compiler, prefill chunk, prompts): per-head K/V (Llama,
+# GQA) and K/V re-expanded from the latent (DeepseekV3), the mask path of both implementations
+# (padded prompts), SDPA's causal prefill over the raw cache (enable_gqa), chunked prefill, and
+# the inner compiler's path (aot_eager)
+RUNS_C2 = [("deepseek_v3", "sdpa", "aot_eager", 4, "ragged")]
+RUNS_C4 = [("llama_gqa", "eager", "eager", None, "ragged"), ("llama_gqa", "sdpa", "eager", None, "even")]
 
 
 @pytest.mark.slow
@@ -136,7 +140,8 @@ def test_prefill_allocates_only_the_stripe(c, runs):
 # ----------------------------------------------------------------------------- no process group
 
 
-@pytest.mark.parametrize("name, impl", [("deepseek_v3", "sdpa"), ("kimi_linear", "eager"), ("llama_gqa", "eager")])
+@pytest.mark.parametrize("name, impl", [("deepseek_v3", "sdpa"), ("kimi_linear", "eager"), ("llama_gqa", "eager"),
+                                        ("llama_gqa", "sdpa")])
 def test_prefill_allocations_stand_in_for_the_cache_tensors(name, impl):
     """The recogniser names each StaticCache tensor the prefill allocates as the later graphs
     take it (`cache.layers.<i>.keys` / `values`; Kimi's linear-attention layer allocates none),

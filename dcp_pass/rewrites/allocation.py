@@ -223,6 +223,9 @@ def causal_prefix_as_mask(graph: fx.Graph, stand_ins: list[StandIn]) -> list[Mas
         kwargs = {k: v for k, v in args.items() if k not in ("query", "key", "value")}
         kwargs.update(attn_mask=keep, is_causal=False)
         with graph.inserting_before(node):
+            # a stand-in read as it is (GQA through enable_gqa): read through a view at the
+            # attention, after the graph's write into it, as the slice read it
+            key, value = (_read_here(graph, x) if x in placeholders else x for x in (key, value))
             new = graph.create_node("call_function", node.target, (args["query"], key, value), kwargs,
                                     name=f"{node.name}_over_cache")
         new.meta = dict(node.meta)
@@ -236,6 +239,14 @@ def causal_prefix_as_mask(graph: fx.Graph, stand_ins: list[StandIn]) -> list[Mas
             if not cut.users:
                 graph.erase_node(cut)
     return done
+
+
+def _read_here(graph: fx.Graph, tensor: fx.Node) -> fx.Node:
+    """`tensor[..., 0:width]`: all of it, read where this node is."""
+    width = axes.shape_of(tensor)[-1]  # type: ignore[index]
+    view = fx_util.call(graph, operator.getitem, tensor, (Ellipsis, slice(0, width)))
+    fx_util.set_example_value(view)
+    return view
 
 
 def undo_prefix(graph: fx.Graph, prefix: MaskedPrefix) -> None:
@@ -254,6 +265,6 @@ def undo_prefix(graph: fx.Graph, prefix: MaskedPrefix) -> None:
     old.meta = prefix.meta
     prefix.new.replace_all_uses_with(old)
     mask = prefix.new.kwargs["attn_mask"]
+    reads = [a for a in prefix.new.args[1:3] if isinstance(a, fx.Node)]
     graph.erase_node(prefix.new)
-    if isinstance(mask, fx.Node):
-        fx_util.erase_dead_region(graph, [mask])
+    fx_util.erase_dead_region(graph, [n for n in [mask, *reads] if isinstance(n, fx.Node)])
