@@ -489,8 +489,8 @@ class DevicePositions(GraphPass):
 
 
 DEFAULT_PASSES: tuple[GraphPass, ...] = (
-    AllocatedCaches(), FindAttention(), StripedWrites(), QueryReplication(), AttentionRewrite(), ProjectBeforeMerge(), VerifyBuffers(),
-    ComplexAsReal(), InstallShards(), DevicePositions(),
+    AllocatedCaches(), FindAttention(), StripedWrites(), QueryReplication(), AttentionRewrite(), ProjectBeforeMerge(),
+    VerifyBuffers(), ComplexAsReal(), InstallShards(), DevicePositions(),
 )
 
 Observer = Callable[[str, fx.GraphModule], None]
