@@ -349,7 +349,8 @@ def _has_striped(args: Sequence[Any]) -> bool:
 
 def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
                       position=None, layers: Optional[Sequence[Optional[str]]] = None, checks=(),
-                      allocations=(), allocation_layers: Optional[Sequence[Optional[str]]] = None) -> Callable:
+                      allocations=(), allocation_layers: Optional[Sequence[Optional[str]]] = None,
+                      attention_layers: Sequence[str] = ()) -> Callable:
     """Compile `gm` (which takes the local shards and replicated weights as trailing
     inputs) and feed them per call, resolved from the buffers/weights actually passed.
 
@@ -364,9 +365,12 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     before each call, so the graph's inputs are the same objects at every step.
     `layers`: for each cache, the layer it identifies in the report (report.cache_layers).
     `checks`: parameters the graph uses for every rank's heads, checked unchanged per call.
+    `attention_layers`: the graph's rewritten layers, in the order their attention calls run:
+    the kernel choices of each call are kept under their sites for the report.
     """
     from dcp_pass.rewrites.cache import INSTALLED_AT_FIRST_CALL, local_for
     from dcp_pass.rewrites.q_replicate import resolve_inputs
+    from dcp_pass.runtime.decode.kernels.registry import collecting
 
     # static-shape fakes: Dynamo never saw the shards, inner fakification would give them
     # symbolic sizes that Dynamo cannot turn into guards
@@ -384,6 +388,7 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     layers = list(layers) if layers is not None else [None] * len(caches)
     specs = [(index, entry.c, entry.rank, entry.name, entry.kind, entry.kv_format, layer)
              for (index, entry), layer in zip(caches, layers)]
+    sites = [report.site(layer) for layer in attention_layers]
 
     allocation_layers = list(allocation_layers) if allocation_layers is not None else [None] * len(allocations)
 
@@ -413,13 +418,14 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
         replicas = resolve_inputs(weights, args)
         # Dynamo calls backends' results with positional args; so do we.
         shards += made_shards
-        if position is None:
-            return compiled(*plain_inputs(args), *shells, *shards, *replicas)
-        inputs = plain_inputs(position.call_args(args)) + shells
-        if plans is None:
-            return compiled(*inputs, *shards, *replicas, position.buffer)
-        with step_count.step(plans, position.key_count(args)):
-            return compiled(*inputs, *shards, *replicas, position.buffer)
+        with collecting(sites):
+            if position is None:
+                return compiled(*plain_inputs(args), *shells, *shards, *replicas)
+            inputs = plain_inputs(position.call_args(args)) + shells
+            if plans is None:
+                return compiled(*inputs, *shards, *replicas, position.buffer)
+            with step_count.step(plans, position.key_count(args)):
+                return compiled(*inputs, *shards, *replicas, position.buffer)
 
     return run
 
@@ -483,7 +489,8 @@ class DcpBackend:
         log.info("%s", self.report.graph_log(graph_report, new_caches))
         if caches or allocations or position is not None:
             return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position, layers,
-                                     checks, allocations, allocation_layers)
+                                     checks, allocations, allocation_layers,
+                                     [layer.layer for layer in graph_report.layers if layer.rewritten])
         if _has_striped(example_inputs):  # a graph that takes a striped buffer without reading it
             compiled = compile_inner(out, plain_inputs(example_inputs), opts, mode)
             return lambda *args: compiled(*plain_inputs(args))

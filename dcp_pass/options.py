@@ -211,9 +211,10 @@ def _check_kv_cache_dtype(opts: "DcpOptions") -> None:
     if opts.dcp_size == 1 and not opts.fast_path:
         raise DcpOptionError(f"option 'kv_cache_dtype'={value!r} needs the pass to stripe the cache: dcp_size=1 "
                              f"leaves every graph unchanged; pass dcp_size > 1, or fast_path=True for one rank")
-    if opts.attn_backend == "flashinfer":
-        raise DcpOptionError(f"option 'kv_cache_dtype'={value!r}: attn_backend='flashinfer' reads 16-bit caches "
-                             f"only; use attn_backend 'auto', 'triton' or 'torch'")
+    readers = _backends.fp8_backends()
+    if opts.attn_backend not in (None, AUTO) + readers:
+        raise DcpOptionError(f"option 'kv_cache_dtype'={value!r}: attn_backend={opts.attn_backend!r} reads 16-bit "
+                             f"caches only; use attn_backend {', '.join(map(repr, (AUTO,) + readers))}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -15,11 +15,13 @@ import logging
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Optional, Sequence
+from itertools import count
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 from dcp_pass import env
 
 log = logging.getLogger("dcp_pass")
+_REPORT_TOKENS = count()  # tells reports apart in the kernel choices kept per layer (run-time state)
 
 
 def _configure_from_env() -> None:
@@ -70,10 +72,13 @@ class GraphReport:
     def rewritten(self) -> int:
         return sum(layer.rewritten for layer in self.layers)
 
-    def detail_lines(self, other_fields: bool = True) -> list[str]:
+    def detail_lines(self, other_fields: bool = True,
+                     kernel_of: Optional[Callable[[LayerReport], str]] = None) -> list[str]:
         """What happened in this graph, one line each (without the graph's head line);
-        `other_fields`: also the fields added to GraphReport that this renderer does not name."""
+        `other_fields`: also the fields added to GraphReport that this renderer does not name;
+        `kernel_of`: what a rewritten layer's attention runs on, appended to its line."""
         lines = [f"{'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}"
+                 + (f"; {kernel_of(layer)}" if kernel_of is not None and layer.rewritten else "")
                  for layer in self.layers]
         lines += [f"near miss at {where}: {reason}" for where, reason in self.near_misses]
         lines += list(self.notes)
@@ -85,12 +90,12 @@ class GraphReport:
                     lines += _field_lines(f.name, getattr(self, f.name))
         return lines
 
-    def lines(self, other_fields: bool = True) -> list[str]:
+    def lines(self, other_fields: bool = True, kernel_of: Optional[Callable[[LayerReport], str]] = None) -> list[str]:
         """The graph's head line, then its details indented."""
         head = f"graph {self.graph_index}: {self.rewritten} MLA layer(s) rewritten"
         if self.unchanged_reason:
             head += f" (unchanged: {self.unchanged_reason})"
-        return [head] + ["  " + line for line in self.detail_lines(other_fields)]
+        return [head] + ["  " + line for line in self.detail_lines(other_fields, kernel_of)]
 
 
 _GRAPH_FIELDS_SHOWN = {"graph_index", "layers", "near_misses", "unchanged_reason", "notes", "passes"}
@@ -175,6 +180,19 @@ class DcpReport:
     # path, -> the layer's name
     layers_seen: dict[Hashable, str] = field(default_factory=dict)
     _keys: dict[int, Hashable] = field(default_factory=dict)  # a live buffer's id -> its cache's key
+    token: int = field(default_factory=lambda: next(_REPORT_TOKENS))
+
+    def site(self, layer: str) -> Hashable:
+        """The key under which the runtime keeps the kernel choice of `layer`'s attention."""
+        return ("report", self.token, layer)
+
+    def kernel_line(self, layer: LayerReport) -> str:
+        """Which kernel `layer`'s attention ran on at its most recent call and why (the chooser's
+        trace), or that it is chosen at the first call."""
+        from dcp_pass.runtime.decode.kernels.registry import trace_for
+
+        trace = trace_for(self.site(layer.layer))
+        return "kernel chosen at the first call" if trace is None else f"kernel {trace.line()}"
 
     def knows(self, buffer: Any) -> bool:
         """Whether `buffer` (alive) is recorded."""
@@ -277,10 +295,11 @@ class DcpReport:
         ]
 
     def summary(self) -> str:
-        """Every graph on its own lines, then the caches."""
+        """Every graph on its own lines (a rewritten layer's ends with the kernel its attention
+        ran on and why, once it has run), then the caches."""
         lines = [f"dcp_pass report: dcp_size={self.dcp_size} rank={self.rank}, {len(self.graphs)} graph(s)"]
         for g in self.graphs:
-            lines += ["  " + line for line in g.lines(other_fields=False)]
+            lines += ["  " + line for line in g.lines(other_fields=False, kernel_of=self.kernel_line)]
         lines += ["  " + line for line in self._cache_lines()]
         return "\n".join(lines)
 

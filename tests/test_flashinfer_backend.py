@@ -108,17 +108,16 @@ def test_auto_offers_flashinfer_where_it_plans_without_a_sync(monkeypatch):
     """"auto" chooses among the Triton kernels and FlashInfer: FlashInfer only for calls whose
     key counts the host knows, unmasked and without a causal cap, and where it measured
     faster (a fake table here: the real one is the H200's)."""
-    from dcp_pass.runtime.decode.backends import auto_kernels
     from dcp_pass.runtime.decode.call import CallShape
     from dcp_pass.runtime.decode.kernels import path_table, registry
 
-    assert auto_kernels(ATTENTION_BACKENDS["triton"])[-1] == "flashinfer"
-    assert auto_kernels(ATTENTION_BACKENDS["torch"]) == ("torch",)
+    assert registry.considered("auto")[-2:] == ("flashinfer", "torch")
+    assert registry.considered("torch") == ("torch",) and "flashinfer" not in registry.considered(None)
     monkeypatch.setattr(fim, "_installed", lambda: True)
     monkeypatch.setattr(path_table, "MEASURED", ((16, 8, 32768, {"split": 0.2, "flashinfer": 0.1}),))
     path_table.fastest.cache_clear()
     try:
-        names = auto_kernels(ATTENTION_BACKENDS["triton"])
+        names = registry.considered("auto")
         shape = dict(batch=8, heads=16, keys=32768, fused=False)
         if registry.KERNELS["split"].supports(CallShape(**shape)) is not None:
             pytest.skip("no Triton here")
@@ -135,12 +134,12 @@ def test_auto_offers_flashinfer_where_it_plans_without_a_sync(monkeypatch):
 def test_availability_reasons(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     if not HAS_FLASHINFER:
-        assert "not installed" in fim.flashinfer_unavailable(cuda, torch.bfloat16)
+        assert "not installed" in fim.unavailable(cuda, torch.bfloat16)
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, *a: object() if name == "flashinfer" else real(name, *a))
-    assert "needs CUDA tensors, the model is on cpu" in fim.flashinfer_unavailable(cpu, torch.bfloat16)
-    assert "float16/bfloat16" in fim.flashinfer_unavailable(cuda, torch.float32)
+    assert "needs CUDA tensors, the model is on cpu" in fim.unavailable(cpu, torch.bfloat16)
+    assert "float16/bfloat16" in fim.unavailable(cuda, torch.float32)
     # unsupported dtype: the compiled op's non-strict resolution falls back to the reference
     assert resolve_attention_backend("flashinfer", cuda, torch.float32, strict=False).name == "torch"
 

@@ -195,7 +195,7 @@ def forward(self, q_lat, kv_cache, latent, pe_cache, k_pe, q_pe, w_uv, dcp_local
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote kv_cache: decode, softmax form, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 6 instead of 8 columns per head)
+    rewrote kv_cache: decode, softmax form, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 6 instead of 8 columns per head); kernel torch (auto: fallback, no other kernel takes the call; gluon_seesaw, gluon_roles, gluon_lock_step, gluon_fp8, gluon_fp8_narrow, wide, split, per_head, flashinfer: needs CUDA tensors, the call's are on cpu)
   KV cache bytes on this rank: 1536 without DCP -> 864 with DCP (1.78x less)
   striped, not to be read outside compiled graphs: kv_cache, pe_cache""")
 
@@ -662,9 +662,9 @@ o_2 = merged_proj.flatten(2)""")
 dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 0: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 1: 1 MLA layer(s) rewritten
-    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head)
+    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head); kernel torch (auto: fallback, no other kernel takes the call; gluon_seesaw, gluon_roles, gluon_lock_step, gluon_fp8, gluon_fp8_narrow, wide, split, per_head, flashinfer: needs CUDA tensors, the call's are on cpu)
   graph 2: 1 MLA layer(s) rewritten
-    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head)
+    rewrote attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head); kernel torch (auto: fallback, no other kernel takes the call; gluon_seesaw, gluon_roles, gluon_lock_step, gluon_fp8, gluon_fp8_narrow, wide, split, per_head, flashinfer: needs CUDA tensors, the call's are on cpu)
   graph 3: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 4: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 5: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
@@ -843,7 +843,7 @@ o_2 = merged_proj.flatten(2)
 ---
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote layers.0.attn: decode, softmax form, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head)
+    rewrote layers.0.attn: decode, softmax form, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head); kernel torch (auto: fallback, no other kernel takes the call; gluon_seesaw, gluon_roles, gluon_lock_step, gluon_fp8, gluon_fp8_narrow, wide, split, per_head, flashinfer: needs CUDA tensors, the call's are on cpu)
     3 complex product(s) (rotary) computed in real arithmetic
   KV cache bytes on this rank: 30720 without DCP -> 15680 with DCP (1.96x less)
   striped, not to be read outside compiled graphs: layers.0.attn.kv_cache, layers.0.attn.pe_cache""")
@@ -949,7 +949,7 @@ o_4 = merged_proj.flatten(2)""")
         self.assertExpectedInline(be.report.summary(), """\
 dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
-    rewrote layers.1.attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head)
+    rewrote layers.1.attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head); kernel torch (auto: fallback, no other kernel takes the call; gluon_seesaw, gluon_roles, gluon_lock_step, gluon_fp8, gluon_fp8_narrow, wide, split, per_head, flashinfer: needs CUDA tensors, the call's are on cpu)
   KV cache bytes on this rank: 61440 without DCP -> 31360 with DCP (1.96x less)
   striped, not to be read outside compiled graphs: layers.1.attn.kv_cache, layers.1.attn.pe_cache""")
 

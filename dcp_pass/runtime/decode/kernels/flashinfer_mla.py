@@ -65,7 +65,7 @@ __all__ = [
     "run",
     "CKV_DIM",
     "KPE_DIM",
-    "flashinfer_unavailable",
+    "unavailable",
     "visible_counts",
     "row_chunks",
     "paged_request_pages",
@@ -99,7 +99,7 @@ def _installed() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def flashinfer_unavailable(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+def unavailable(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """None when FlashInfer's MLA path can run on `device` with cache dtype `dtype`, else why not.
 
     Cheap: it does not import flashinfer (options validation calls it).
@@ -120,7 +120,7 @@ def flashinfer_unavailable(device: torch.device, dtype: Optional[torch.dtype] = 
 
 
 def supports(shape) -> Optional[str]:
-    """The registry's check: where FlashInfer can run (:func:`flashinfer_unavailable`, from the
+    """The registry's check: where FlashInfer can run (:func:`unavailable`, from the
     call's shape). A mask is refused by the run itself, with its own message (the pass refuses
     masked layers at compile time, backend table ``takes_mask``)."""
     if shape.per_head or shape.offset_lens:
