@@ -31,8 +31,8 @@ from dcp_pass.runtime.decode.backends import attend, choose_kernel  # noqa: E402
 from dcp_pass.runtime.decode.call import AttentionCall  # noqa: E402
 from dcp_pass.runtime.decode.kernels.reference import attention_impl  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_attention as M  # noqa: E402
-from dcp_pass.runtime.decode.kernels import gluon_common as GC  # noqa: E402
-from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
+from dcp_pass.runtime.decode.kernels.gluon import common as GC  # noqa: E402
+from dcp_pass.runtime.decode.kernels.gluon import lock_step as G  # noqa: E402
 from dcp_pass.runtime.decode.kernels import mla_wide as W  # noqa: E402
 from dcp_pass.runtime.decode.kernels import splits as SP  # noqa: E402
 from dcp_pass.runtime.decode.kernels.splits import split_count  # noqa: E402
@@ -260,7 +260,7 @@ GLUON_CONFIGS = ["64,64,2,6,128", "64,64,2,3,128", "64,64,2,6,0", "64,64,2,3,0"]
 
 
 def gluon_rows(rec, sets, ceil, t_split, floor, flops, configs=None):
-    """Time the Gluon one-read kernel (kernels/mla_gluon.py) on one case: its default
+    """Time the Gluon one-read kernel (kernels/gluon/lock_step.py) on one case: its default
     configuration (what the dispatcher runs; the ``gluon_*`` fields) and then ``configs``
     (``gluon_all``, with the fastest of all named in ``gluon_best_cfg``)."""
     for tag in ["default"] + list(configs or GLUON_CONFIGS):
@@ -294,7 +294,7 @@ def reduce_only_ms(B, H, ns):
 
 def time_without_merge(sets, cfg):
     """The Gluon launch with the stage-2 merge kernel skipped (its output is then garbage): the
-    launch every Gluon kernel's plan goes through (gluon_common.launch_plan) is wrapped."""
+    launch every Gluon kernel's plan goes through (gluon.common.launch_plan) is wrapped."""
     real = GC.launch
     GC.launch = lambda kernel, *a, **k: None if kernel is SP._reduce_jit else real(kernel, *a, **k)
     try:
@@ -407,7 +407,7 @@ def main():
     ap.add_argument("--wide-sweep", action="store_true", help="tile configs of the two-GEMM wide kernels")
     ap.add_argument("--wide-min-rows", type=int, default=64, help="time the wide path from this many heads up")
     ap.add_argument("--no-table", action="store_true")
-    ap.add_argument("--gluon", action="store_true", help="also time the Gluon one-read kernel (kernels/mla_gluon.py)")
+    ap.add_argument("--gluon", action="store_true", help="also time the Gluon one-read kernel (kernels/gluon/lock_step.py)")
     ap.add_argument("--gluon-configs", default=None,
                     help="';'-separated Gluon configs block_h,block_n,stages,schedule,q_reg (default: GLUON_CONFIGS)")
     ap.add_argument("--gluon-splits", default=None,

@@ -1,4 +1,4 @@
-"""Offline sm_90 compile of the Gluon one-read kernel (``kernels/mla_gluon.py``), no GPU needed.
+"""Offline sm_90 compile of the Gluon one-read kernel (``kernels/gluon/lock_step.py``), no GPU needed.
 
 Registers, spill stack, shared memory, wgmma shapes and copy kinds per tile config,
 DeepSeek-V3 shapes (fused 512 + 64 cache, bf16, kv_lens on). Compile with the Triton the
@@ -7,7 +7,7 @@ benchmarks/offline_gluon.py``; Gluon's API moves between Triton releases.
 
     python benchmarks/offline_gluon.py [--configs "64,64,2;64,32,3"] [--ttgir DIR] [--roles] [--seesaw] [--fp8]
 
-``--fp8``: the fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on packed 656-byte rows, its
+``--fp8``: the fp8-cache kernel (``kernels/gluon/fp8.py``) on packed 656-byte rows, its
 arguments built by its own launcher from CPU tensors and marked as the JIT marks them.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from offline_wide import cubin_report, finish, save_ttgir  # noqa: E402
 
-from dcp_pass.runtime.decode.kernels import mla_gluon as G  # noqa: E402
+from dcp_pass.runtime.decode.kernels.gluon import lock_step as G  # noqa: E402
 
 PTRS = {"Q": "*bf16", "QT": "*bf16", "KV": "*bf16", "KT": "*bf16", "LENS": "*i64", "MASK": "*fp32", "QPOS": "*i64",
         "O": "*fp32", "L": "*fp32"}
@@ -54,7 +54,7 @@ def compile_gluon(jit, src, consts: dict, num_warps: int, not_divisible: tuple):
 
 
 def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False, causal: bool = False):
-    """The lock-step kernel (``kernels/mla_gluon.py``) for one config."""
+    """The lock-step kernel (``kernels/gluon/lock_step.py``) for one config."""
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_SPLITS=num_splits, HAS_LENS=True,
                   SCHEDULE=G.lock_step_schedule(cfg, mask or causal), HAS_MASK=mask, CAUSAL=causal,
                   Q_REG=G._q_reg_for(cfg, mask or causal))
@@ -66,15 +66,15 @@ def compile_config(cfg: "G.GluonConfig", num_splits: int = 2, mask: bool = False
 
 def compile_roles(num_splits: int = 16, separate_rope: bool = False, seesaw: bool = False, mask: bool = False,
                   causal: bool = False):
-    """The role-split kernel (``kernels/mla_gluon_roles.py``), or with `seesaw` the seesaw kernel
-    (``kernels/mla_gluon_seesaw.py``), fused cache (576-element rows) or two caches, kv_lens on,
+    """The role-split kernel (``kernels/gluon/roles.py``), or with `seesaw` the seesaw kernel
+    (``kernels/gluon/seesaw.py``), fused cache (576-element rows) or two caches, kv_lens on,
     with a decode step's mask row and / or a causal cap."""
     if seesaw:
-        from dcp_pass.runtime.decode.kernels import mla_gluon_seesaw as S
+        from dcp_pass.runtime.decode.kernels.gluon import seesaw as S
 
         jit, src = S._seesaw_jit, S._seesaw_kernel_src
     else:
-        from dcp_pass.runtime.decode.kernels import mla_gluon_roles as R
+        from dcp_pass.runtime.decode.kernels.gluon import roles as R
 
         jit, src = R._roles_jit, R._roles_kernel_src
 
@@ -155,9 +155,9 @@ def _fp8_extras(batch: int, keys: int, mask: bool, causal: bool) -> dict:
 
 def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 128, separate_rope: bool = False,
                 mask: bool = False, causal: bool = False):
-    """The fp8-cache kernel (``kernels/mla_gluon_fp8.py``) on :func:`fp8_call`'s operands, with a
+    """The fp8-cache kernel (``kernels/gluon/fp8.py``) on :func:`fp8_call`'s operands, with a
     decode step's mask row and / or a causal cap."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8 as F
+    from dcp_pass.runtime.decode.kernels.gluon import fp8 as F
 
     call = fp8_call(batch, keys, heads, separate_rope, **_fp8_extras(batch, keys, mask, causal))
     _, _, (grid, args, consts, _) = F.launch_args(call.shard(), num_splits=num_splits)
@@ -166,9 +166,9 @@ def compile_fp8(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: i
 
 def compile_fp8_narrow(num_splits: int = 16, batch: int = 2, keys: int = 4096, heads: int = 16,
                        separate_rope: bool = False, scorers: int = 2, mask: bool = False, causal: bool = False):
-    """The narrow fp8 kernel (``kernels/mla_gluon_fp8_narrow.py``) on :func:`fp8_call`'s operands,
+    """The narrow fp8 kernel (``kernels/gluon/fp8_narrow.py``) on :func:`fp8_call`'s operands,
     16 heads, with 1 or 2 scorer warpgroups, a decode step's mask row and / or a causal cap."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8_narrow as N
+    from dcp_pass.runtime.decode.kernels.gluon import fp8_narrow as N
 
     call = fp8_call(batch, keys, heads, separate_rope, **_fp8_extras(batch, keys, mask, causal))
     _, _, (grid, args, consts, _) = N.launch_args(call.shard(), num_splits=num_splits, scorers=scorers)
@@ -182,11 +182,11 @@ def main():
     ap.add_argument("--mask", action="store_true")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--roles", action="store_true", help="the role-split kernel (mla_gluon_roles.py) instead")
-    ap.add_argument("--seesaw", action="store_true", help="the seesaw kernel (mla_gluon_seesaw.py) instead")
-    ap.add_argument("--fp8", action="store_true", help="the fp8-cache kernel (mla_gluon_fp8.py) instead")
+    ap.add_argument("--roles", action="store_true", help="the role-split kernel (gluon/roles.py) instead")
+    ap.add_argument("--seesaw", action="store_true", help="the seesaw kernel (gluon/seesaw.py) instead")
+    ap.add_argument("--fp8", action="store_true", help="the fp8-cache kernel (gluon/fp8.py) instead")
     ap.add_argument("--fp8-narrow", action="store_true",
-                    help="the narrow fp8 kernel (mla_gluon_fp8_narrow.py, 16 rows) instead")
+                    help="the narrow fp8 kernel (gluon/fp8_narrow.py, 16 rows) instead")
     a = ap.parse_args()
     if a.fp8_narrow:
         rows = []

@@ -19,7 +19,7 @@ from dcp_pass.runtime.decode import backends
 from dcp_pass.runtime.decode.call import CallShape
 from dcp_pass.runtime.decode.kernels import registry
 from dcp_pass.runtime.decode.kernels.common import HAS_TRITON
-from dcp_pass.runtime.decode.kernels.gluon_common import HAS_GLUON
+from dcp_pass.runtime.decode.kernels.gluon.common import HAS_GLUON
 from dcp_pass.testing import run_ranks
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="the kernels' supports need Triton")

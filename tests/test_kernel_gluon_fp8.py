@@ -1,4 +1,4 @@
-"""Tests of the fp8-cache Gluon kernel (dcp_pass.runtime.decode.kernels.mla_gluon_fp8).
+"""Tests of the fp8-cache Gluon kernel (dcp_pass.runtime.decode.kernels.gluon.fp8).
 
 Gluon has no interpreter: the kernel runs only on a Hopper GPU (``-m gpu``). On CPU: which
 calls it takes and why not, that the chooser never takes it unasked (not yet timed), its
@@ -33,7 +33,7 @@ FP8 = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=True, fused=False, kv_qua
 
 
 def _gluon():
-    return gluon_kernel("mla_gluon_fp8")
+    return gluon_kernel("gluon.fp8")
 
 
 def _packed_call(B, H, T, device="cpu", lens=None, separate=False, gen=None, dtype=torch.bfloat16):
@@ -117,7 +117,7 @@ def test_launch_arguments_on_packed_rows():
     with pytest.raises(ValueError, match="4-byte words"):
         F.launch_args(odd.shard())
     with pytest.raises(ValueError, match="tiles"):
-        from dcp_pass.runtime.decode.kernels.gluon_common import GluonConfig
+        from dcp_pass.runtime.decode.kernels.gluon.common import GluonConfig
 
         F.launch_args(call.shard(), config=GluonConfig(64, 32, 3))
 

@@ -1,4 +1,4 @@
-"""Tests of the narrow-row fp8 Gluon kernel (dcp_pass.runtime.decode.kernels.mla_gluon_fp8_narrow).
+"""Tests of the narrow-row fp8 Gluon kernel (dcp_pass.runtime.decode.kernels.gluon.fp8_narrow).
 
 Gluon has no interpreter: the kernel runs only on a Hopper GPU (``-m gpu``). On CPU: which
 calls it takes and why not, its launch arguments (TMA descriptors over the rows' own strides),
@@ -37,7 +37,7 @@ FP8_16 = CallShape(dtype=torch.float8_e4m3fn, same_dtypes=True, fused=False, kv_
 
 
 def _narrow():
-    return gluon_kernel("mla_gluon_fp8_narrow")
+    return gluon_kernel("gluon.fp8_narrow")
 
 
 def test_which_calls_it_takes():

@@ -1,4 +1,4 @@
-"""Tests of the Gluon one-read MLA kernel (dcp_pass.runtime.decode.kernels.mla_gluon).
+"""Tests of the Gluon one-read MLA kernel (dcp_pass.runtime.decode.kernels.gluon.lock_step).
 
 Gluon has no interpreter: the kernel runs only on a Hopper GPU (``-m gpu``). On CPU the
 routing is checked: the kernel is never offered for operands it does not handle.
@@ -51,8 +51,8 @@ def test_not_offered_off_its_scope():
 
 
 def _offline():
-    """(mla_gluon, benchmarks/offline_gluon.py), or skip where it cannot run."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    """(gluon.lock_step, benchmarks/offline_gluon.py), or skip where it cannot run."""
+    from dcp_pass.runtime.decode.kernels.gluon import lock_step as G
 
     return G, offline_module("offline_gluon")
 
@@ -100,7 +100,7 @@ def test_schedule_6_compiles_plain_and_masked():
 
 @compiles_offline
 def test_role_split_kernel_compiles_for_hopper():
-    """The role-split kernel (mla_gluon_roles.py) is valid Gluon here, with one fused cache and
+    """The role-split kernel (gluon/roles.py) is valid Gluon here, with one fused cache and
     with two: no spill, its two wgmma shapes (the scorer's whole 64 x 64 score tile, both
     value halves), 36 score steps + 2 x 4 value steps per tile, within shared memory; plain,
     and with a decode step's mask row and a causal cap."""
@@ -117,16 +117,17 @@ def test_a_kernel_this_triton_cannot_build_is_dropped_not_raised(monkeypatch):
 
     from dcp_pass.runtime.decode import backends
     from dcp_pass.runtime.decode.call import CallShape
-    from dcp_pass.runtime.decode.kernels import mla_gluon_seesaw, mla_wide, registry
+    from dcp_pass.runtime.decode.kernels import mla_wide, registry
+    from dcp_pass.runtime.decode.kernels.gluon import seesaw
 
-    mla_gluon_roles = gluon_kernel("mla_gluon_roles")
+    roles = gluon_kernel("gluon.roles")
 
     def broken(*args, **kwargs):
         raise CompilationError("kernel.py", None, "async_copy_global_to_shared has been removed")
 
     h200 = CallShape(heads=128, batch=8, keys=32768)  # a call a Gluon kernel (the seesaw one) is chosen for
-    monkeypatch.setattr(mla_gluon_roles, "run", broken)
-    monkeypatch.setattr(mla_gluon_seesaw, "run", broken)
+    monkeypatch.setattr(roles, "run", broken)
+    monkeypatch.setattr(seesaw, "run", broken)
     monkeypatch.setattr(mla_wide, "run", lambda call, out, lse_out: ("wide ran",))
     monkeypatch.setattr(registry, "UNUSABLE", {})
     monkeypatch.setattr(CallShape, "of", classmethod(lambda cls, call: h200))
@@ -157,7 +158,7 @@ SCALE = 192 ** -0.5
 def _gluon(call, out=None, lse_out=None, config=None, num_splits=None):
     """`call` on the Gluon kernel `config` configures (default GluonConfig())."""
     from dcp_pass.runtime.decode.backends import attend
-    from dcp_pass.runtime.decode.kernels.gluon_common import GLUON_DEFAULT
+    from dcp_pass.runtime.decode.kernels.gluon.common import GLUON_DEFAULT
 
     options = {} if num_splits is None else dict(num_splits=num_splits)
     return attend(call, None, out, lse_out, config=config or GLUON_DEFAULT, **options)
@@ -192,7 +193,7 @@ def test_gpu_gluon_ragged_nan_beyond_lengths(num_splits):
 @gpu
 @needs_hopper
 def test_gpu_gluon_striped_lengths_and_tiles():
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode.kernels.gluon import lock_step as G
 
     for cfg in (G.GluonConfig(64, 32, 3), G.GluonConfig(64, 64, 2, schedule=1), G.GluonConfig(64, 64, 2, schedule=2),
                 G.GluonConfig(q_reg=128), G.GluonConfig(q_reg=256), G.GluonConfig(schedule=6, q_reg=0),
@@ -211,7 +212,7 @@ def test_gpu_gluon_drifting_and_wide_scores(tag):
     (one huge early key) or spans ~2^20 within a tile (q scaled x8): the online rescaling
     must follow each. Against the fp32 reference, with several splits, and one NaN key
     (its request's rows NaN, the others untouched)."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode.kernels.gluon import lock_step as G
 
     cfg = G.GluonConfig.parse(tag)
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -266,7 +267,7 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
     the causal cap of a striped multi-token call (c=2, r=1), each against the fp32 reference;
     the default (the role-split kernel, which takes both), the lock-step form's schedule 3
     ring and schedule 6 with q columns in registers, and the role-split kernel by name."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode.kernels.gluon import lock_step as G
 
     cfg = G.GluonConfig.parse(tag) if tag else None
 
@@ -319,7 +320,7 @@ def test_gpu_gluon_shared_mask_and_causal_stripes(tag):
 def test_gpu_gluon_separate_rope_cache_as_the_reference_model_keeps_it():
     """kv [B, T, 512] and pe [B, T, 64] in two buffers, q_lat / q_rope separate: the layout
     DeepSeek's reference model (and so the int-position decode graph) hands the op."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode.kernels.gluon import lock_step as G
 
     g = torch.Generator(device="cuda").manual_seed(9)
     B, T = 4, 5000
@@ -351,7 +352,7 @@ def test_gpu_role_split_kernel_multi_token_rows_and_partial_blocks(num_splits):
     heads (120 rows: a full and a partial 64-row block), a separate rope cache, ragged
     striped lengths with an empty request, NaN past every length; beside the lock-step
     kernel on the same call, both against the fp32 reference."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon as G
+    from dcp_pass.runtime.decode.kernels.gluon import lock_step as G
 
     g = torch.Generator(device="cuda").manual_seed(5)
     B, S, H, T = 3, 3, 40, 3000

@@ -1,4 +1,4 @@
-"""Tests of the seesaw Gluon MLA kernel (dcp_pass.runtime.decode.kernels.mla_gluon_seesaw).
+"""Tests of the seesaw Gluon MLA kernel (dcp_pass.runtime.decode.kernels.gluon.seesaw).
 
 Gluon has no interpreter: the kernel runs only on a Hopper GPU (``-m gpu``). On CPU: which
 calls it takes, that the chooser never takes it unmeasured, and an offline sm_90 compile
@@ -32,7 +32,7 @@ H200 = CallShape(heads=128, batch=8, keys=32768)
 
 
 def _module():
-    return gluon_kernel("mla_gluon_seesaw")
+    return gluon_kernel("gluon.seesaw")
 
 
 def test_which_calls_it_takes():

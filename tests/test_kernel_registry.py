@@ -22,7 +22,7 @@ import torch
 from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, AttentionBackendUnavailable, choose_kernel
 from dcp_pass.runtime.decode.call import AttentionCall, CallShape
 from dcp_pass.runtime.decode.kernels import registry
-from dcp_pass.runtime.decode.kernels.gluon_common import HAS_GLUON, GluonConfig, Schedule
+from dcp_pass.runtime.decode.kernels.gluon.common import HAS_GLUON, GluonConfig, Schedule
 
 needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon")
 
@@ -182,7 +182,7 @@ def test_a_group_that_cannot_be_built_is_no_longer_offered(monkeypatch):
 
 
 def test_gluon_configs_name_their_kernels(monkeypatch):
-    from dcp_pass.runtime.decode.kernels import gluon_common
+    from dcp_pass.runtime.decode.kernels.gluon import common as gluon_common
 
     monkeypatch.setattr(gluon_common, "_on_triton_36", lambda: True)
     assert GluonConfig().kernels == ("gluon_roles", "gluon_lock_step")

@@ -198,7 +198,7 @@ def test_the_narrow_fp8_kernel_s_arguments_replay_onto_each_layer_s_cache():
     """The narrow fp8 kernel's own argument list (its launch_args on CPU tensors, launched through a
     stand-in with its parameters): replayed for other layers' packed rows, every descriptor reads
     that layer's rows and no argument names the recorded layer's memory."""
-    from dcp_pass.runtime.decode.kernels import mla_gluon_fp8_narrow as narrow
+    from dcp_pass.runtime.decode.kernels.gluon import fp8_narrow as narrow
     from dcp_pass.runtime.decode.call import AttentionCall
     from dcp_pass.runtime.decode.kv_format import Fp8Layout, views
 

@@ -195,7 +195,7 @@ def poison_fp8_rows(call: AttentionCall, local) -> None:
 
 
 # a CallShape change each fp8 Gluon kernel refuses, and words of its reason (their shared
-# checks, kernels.gluon_common.fp8_gluon_reason)
+# checks, kernels.gluon.common.fp8_gluon_reason)
 FP8_GLUON_REFUSALS = {
     "reads fp8_e4m3": dict(kv_quant="", dtype=torch.bfloat16),
     "Hopper": dict(capability=8),

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def offline_module(name: str):
     """benchmarks/<name>.py, one of the offline sm_90 compile scripts, or skip where they
     cannot run (no Gluon in this Triton, or no ptxas / cuobjdump in its wheel)."""
-    from dcp_pass.runtime.decode.kernels.gluon_common import HAS_GLUON
+    from dcp_pass.runtime.decode.kernels.gluon.common import HAS_GLUON
 
     if not HAS_GLUON:
         pytest.skip("this Triton has no Gluon")

@@ -32,9 +32,10 @@ no host syncs, CUDA-graph capturable. Nothing is registered with ``torch.library
 the compile pass wraps the registry in its own custom op (runtime/decode/ops.py).
 
 Module layering: ``call`` holds the operands, ``common`` and ``splits`` what the kernels
-share; every kernel module (this one, ``mla_wide``, ``mla_gluon``, ``mla_gluon_roles``,
-``flashinfer_mla``, ``reference``) imports only those and says, from a call's shape, whether
-it can run it (``supports``); ``registry`` lists them and chooses.
+share; every kernel module (this one, ``mla_wide``, ``per_head_attention``, the Gluon forms
+in ``gluon/`` with their own ``gluon/common``, ``flashinfer_mla``, ``reference``) imports only
+those and says, from a call's shape, whether it can run it (``supports``); ``registry`` lists
+them and chooses.
 """
 from __future__ import annotations
 

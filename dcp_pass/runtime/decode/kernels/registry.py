@@ -204,22 +204,22 @@ _GLUON_FP8 = _triton(dtypes=frozenset(), fp8_cache=True, masks=frozenset({ROW_MA
 # Registry order is the chooser's preference among kernels that tie (the role-split and
 # lock-step Gluon forms share their timings) or where nothing measured decides.
 KERNELS: Dict[str, Kernel] = {k.name: k for k in (
-    Kernel("gluon_seesaw", "mla_gluon_seesaw", "seesaw",
+    Kernel("gluon_seesaw", "gluon.seesaw", "seesaw",
            "seesaw one-read Gluon kernel: two warpgroups take turns scoring the tiles of a pair and each holds "
            "half the output (Hopper, bf16 512 + 64, a mask row per request, causal caps)", _GLUON, group="gluon"),
-    Kernel("gluon_roles", "mla_gluon_roles", "gluon",
+    Kernel("gluon_roles", "gluon.roles", "gluon",
            "role-split one-read Gluon kernel, a scorer and a loader warpgroup (Hopper, bf16 512 + 64, "
            "a mask row per request, causal caps; on Triton 3.6 the calls the seesaw form measured no faster on)",
            _GLUON, group="gluon"),
-    Kernel("gluon_lock_step", "mla_gluon", "gluon",
+    Kernel("gluon_lock_step", "gluon.lock_step", "gluon",
            "lock-step one-read Gluon kernel (Hopper, bf16 512 + 64, a mask row per request, causal caps; the "
            "calls whose row strides the warp-specialised forms cannot copy, and Tritons other than 3.6)",
            _GLUON, group="gluon"),
-    Kernel("gluon_fp8", "mla_gluon_fp8", None,
+    Kernel("gluon_fp8", "gluon.fp8", None,
            "role-split one-read Gluon kernel for an fp8 e4m3 latent cache, dequantised to bf16 by the loader "
            "warpgroup (Hopper, 512 + 64, a mask row per request, causal caps)", _GLUON_FP8, group="gluon_fp8",
            fp8_cost_key="gluon_fp8"),
-    Kernel("gluon_fp8_narrow", "mla_gluon_fp8_narrow", None,
+    Kernel("gluon_fp8_narrow", "gluon.fp8_narrow", None,
            "narrow-row Gluon kernel for an fp8 e4m3 latent cache: keys as the wgmma's 64 rows, up to 16 query "
            "rows as its N, the e4m3 bytes converted to f16 exactly and the block scales applied to the small "
            "tiles (Hopper, 512 + 64, a mask row per request, causal caps)", _GLUON_FP8, group="gluon_fp8",

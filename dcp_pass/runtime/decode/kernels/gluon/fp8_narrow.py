@@ -2,7 +2,7 @@
 
 A rank of a DCP group with 16 heads runs 16 query rows over its stripe: the call is
 memory-bound, and an fp8 cache (656 bytes a token instead of 1152) could make it 1.76x
-faster. The fp8 role-split kernel (``mla_gluon_fp8.py``) cannot: its 64-row tile does four
+faster. The fp8 role-split kernel (``fp8.py``) cannot: its 64-row tile does four
 times the matrix work of 16 rows, which at 16 heads costs more than reading the cache. Here
 both products are transposed so that the 64 keys of a tile fill the wgmma's 64 rows and the
 query rows are its narrow N:
@@ -52,10 +52,9 @@ from typing import Optional
 
 import torch
 
-from .common import LOG2E, AttentionCall
-from .gluon_common import HAS_GLUON, GluonConfig, fp8_gluon_reason, launch_plan, roles_preferred, split_frame
-from .mla_gluon_roles import mask_args
-from .splits import reduce_launch
+from ..common import LOG2E, AttentionCall
+from ..splits import reduce_launch
+from .common import HAS_GLUON, GluonConfig, fp8_gluon_reason, launch_plan, mask_args, roles_preferred, split_frame
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -69,8 +68,17 @@ if HAS_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys, _tma_load  # noqa: F401
-    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _row_positions
+    from .common import (  # noqa: F401
+        BUILD_ERRORS,
+        async_load,
+        barrier,
+        causal_end,
+        copy_mask,
+        opaque,
+        row_positions,
+        split_keys,
+        tma_load,
+    )
 
 __all__ = ["NARROW", "supports", "offered", "unmeasured", "run", "launch_args"]
 
@@ -164,11 +172,11 @@ def _loader_src(words_s, rope_s, sc_s, mk_s, full, free, kvd, ktd, ksd, b, start
         bar = full.index(slot)
         mbarrier.expect(bar, BLOCK_N * (4 * SB + 2 * DR + 16))
         for blk in gl.static_range(4):
-            _tma_load(kvd, [b, t0, blk * (SB // 4)], bar, words3.index(4 * slot + blk))
-        _tma_load(ktd, [b, t0, 0], bar, rope3.index(slot))
-        _tma_load(ksd, [b, t0, 0], bar, sc3.index(slot))
+            tma_load(kvd, [b, t0, blk * (SB // 4)], bar, words3.index(4 * slot + blk))
+        tma_load(ktd, [b, t0, 0], bar, rope3.index(slot))
+        tma_load(ksd, [b, t0, 0], bar, sc3.index(slot))
         if HAS_MASK:
-            _copy_mask(mk_s.index(slot), mk_row, t0, end, sm_t, BLOCK_N)
+            copy_mask(mk_s.index(slot), mk_row, t0, end, sm_t, BLOCK_N)
             cp.mbarrier_arrive(bar, increment_count=False)
             cp.commit_group()
     if HAS_MASK:
@@ -245,7 +253,7 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
     o3 = gl.zeros([SB, BLOCK_R], gl.float32, layout=s_mma)
     keys = gl.arange(0, BLOCK_N, layout=key_l)
     if CAUSAL:  # each row's last visible local key (key k sits at global position k * cp_world + cp_rank)
-        qpos = _row_positions(qpos_row, sqp_s, row0, H, SH, row_l, BLOCK_R, CAUSAL)
+        qpos = row_positions(qpos_row, sqp_s, row0, H, SH, row_l, BLOCK_R, CAUSAL)
         last = gl.where(qpos >= cp_rank, (qpos - cp_rank) // cp_world, -1)
     else:
         last = 0
@@ -253,14 +261,14 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
     for i in range(n_mine):
         j = k + i * NUM_SCORERS
         t0 = start + j * BLOCK_N
-        slot = _opaque(j + salt) % STAGES
-        z = _opaque(j + salt) - j  # 0: the descriptors are formed here, not hoisted and spilled
+        slot = opaque(j + salt) % STAGES
+        z = opaque(j + salt) - j  # 0: the descriptors are formed here, not hoisted and spilled
         q8 = q_s.index(z)
         mbarrier.wait(full.index(slot), (j // STAGES) & 1)
         valid = (t0 + keys) < end
         if t0 + BLOCK_N > end:  # (the split's last tile)
             _zero_tail(words_s, slot, t0, end, BLOCK_N)
-            _barrier()
+            barrier()
             fence_async_shared()  # the zeros before the tensor cores' reads
         zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=s_mma)
         zero8 = gl.zeros([BLOCK_N, 2 * BLOCK_R], gl.float32, layout=s8_mma)
@@ -417,13 +425,13 @@ def _narrow_kernel_src(Q, QT, KVD, KTD, KSD, LENS, O, L, T, H, SH, sm_scale_log2
     for i in gl.static_range(NUM_SCORERS):
         mbarrier.init(sync.index(i), count=1)
 
-    start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    start, end = split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     qpos_row = QPOS + b * sqp_b
     if CAUSAL:
-        end = _causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_R, BLOCK_R)  # (per thread)
+        end = causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_R, BLOCK_R)  # (per thread)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     fence_async_shared()
-    _barrier()  # the queries and the factors in shared memory before any partition reads them
+    barrier()  # the queries and the factors in shared memory before any partition reads them
 
     mk_row = MASK + b * sm_b
     o_base = O + b * so_b + (pid_sp * NUM_SCORERS) * so_sp
@@ -471,7 +479,7 @@ if HAS_GLUON:
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
     """Why the narrow fp8 kernel cannot run a call of this shape (None: it can): the fp8 Gluon
-    calls (gluon_common.fp8_gluon_reason: a mask only as one row per request, any causal cap)."""
+    calls (common.fp8_gluon_reason: a mask only as one row per request, any causal cap)."""
     return fp8_gluon_reason(shape)
 
 

@@ -1,6 +1,6 @@
 """One-read MLA decode kernel in Gluon (Triton's explicit-layout dialect), for Hopper: the
 lock-step form, the registry's "gluon_lock_step" kernel. On Triton 3.6 the warp-specialised
-forms (``mla_gluon_roles.py``, ``mla_gluon_seesaw.py``; 2-16 % faster on the H200 plain, 6-13 %
+forms (``roles.py``, ``seesaw.py``; 2-16 % faster on the H200 plain, 6-13 %
 with a mask row or a causal cap, docs/kernels.md) take every call whose row strides are
 multiples of 16 elements; this one takes the others (and all calls on other Tritons).
 
@@ -36,8 +36,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall, causal_operand, mask_operand
-from .gluon_common import (  # noqa: F401
+from ..common import LOG2E, AttentionCall, causal_operand, mask_operand
+from ..splits import reduce_launch
+from .common import (  # noqa: F401
     D_LAT,
     D_ROPE,
     GLUON_DEFAULT,
@@ -51,7 +52,6 @@ from .gluon_common import (  # noqa: F401
     launch_plan,
     split_frame,
 )
-from .splits import reduce_launch
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -59,7 +59,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
+    from .common import BUILD_ERRORS, async_load, barrier, split_keys  # noqa: F401
 
 __all__ = ["GluonConfig", "HAS_GLUON", "Schedule", "lock_step_schedule", "supports", "offered", "run"]
 
@@ -68,9 +68,9 @@ def _issue_copies_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, skv_t, skt_t, 
     """The cp.async copies of the tile at key t0 into one ring buffer, as one commit group (a
     copy past the split's end is masked off: zero-filled, so no value from past the end
     reaches p @ v)."""
-    _async_load(lat_buf, kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
+    async_load(lat_buf, kv_row + (t0 + n_lat).to(gl.int64)[:, None] * skv_t + c_lat[None, :],
                 mask=((t0 + n_lat) < end)[:, None])
-    _async_load(rope_buf, kt_row + (t0 + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
+    async_load(rope_buf, kt_row + (t0 + n_rope).to(gl.int64)[:, None] * skt_t + c_rope[None, :],
                 mask=((t0 + n_rope) < end)[:, None])
     cp.commit_group()
 
@@ -79,7 +79,7 @@ def _issue_mask_copy_src(buf, mk_row, t0, end, sm_t, n_mk):
     """The mask row's entries for the tile at key t0 into `buf` (fp32 [BLOCK_N]), 4 bytes a
     copy (any key stride); past `end` zero-filled. Issued before the tile's own copies so
     that their commit closes the same group."""
-    _async_load(buf, mk_row + (t0 + n_mk) * sm_t, mask=(t0 + n_mk) < end)
+    async_load(buf, mk_row + (t0 + n_mk) * sm_t, mask=(t0 + n_mk) < end)
 
 
 def _issue_ring_copies_src(slot, k_lat_s, k_rope_s, mk_s, t0, end, kv_row, kt_row, mk_row, skv_t, skt_t, sm_t, n_lat,
@@ -99,7 +99,7 @@ def _tile_landed_src(OUTSTANDING: gl.constexpr):
     order them before the tensor cores' (async proxy) reads, and every thread's too."""
     cp.wait_group(OUTSTANDING)
     fence_async_shared()
-    _barrier()
+    barrier()
 
 
 def _score_tile_src(cur_lat, cur_rope, q_lat_s, q_rope_s, q_reg, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -130,7 +130,7 @@ def _row_max_src(s, red_s):
     BLOCK_N: gl.constexpr = s.shape[1]
     halves = gl.max(gl.reshape(s, [BLOCK_H, 2, BLOCK_N // 2]), axis=2)  # [rows, warpgroup]: no cross-warp step
     red_s.store(gl.reshape(gl.permute(halves, (1, 0)), [2 * BLOCK_H]))
-    _barrier()
+    barrier()
     row: gl.constexpr = gl.SliceLayout(1, s.type.layout)
     return gl.maximum(red_s.slice(0, BLOCK_H).load(row), red_s.slice(BLOCK_H, BLOCK_H).load(row))
 
@@ -200,7 +200,7 @@ def _pair_tile_src(it, cur_lat, cur_rope, cur_mk, nxt_lat, nxt_rope, nxt_mk, q_l
     l_2d = l_2d * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout))[:, None] + part
     p_s.store(p.to(p_s.dtype))
     fence_async_shared()
-    _barrier()
+    barrier()
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
     acc = warpgroup_mma(p_s, cur_lat, acc)
     return acc, m_new, l_2d
@@ -279,7 +279,7 @@ def _mla_gluon_kernel_src(
     red_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     # ---- this split's keys
-    start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    start, end = split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     rows_m = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_mma))
     qpos = 0  # unused unless CAUSAL
     if CAUSAL:
@@ -374,11 +374,11 @@ def _mla_gluon_kernel_src(
 
             p_s.store(p.to(dt))
             fence_async_shared()
-            _barrier()  # p complete (both warpgroups' halves) before either reads it
+            barrier()  # p complete (both warpgroups' halves) before either reads it
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
             acc = warpgroup_mma(p_s, k_lat, acc)
             if SCHEDULE == 1:
-                _barrier()  # p_s and this tile's buffer are free for the next iteration's writes
+                barrier()  # p_s and this tile's buffer are free for the next iteration's writes
 
     if SCHEDULE != 1:
         l_i = gl.convert_layout(gl.sum(l_2d, axis=1), gl.SliceLayout(1, s_mma))

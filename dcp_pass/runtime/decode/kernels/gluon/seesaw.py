@@ -1,7 +1,7 @@
 """Seesaw one-read MLA decode kernel in Gluon (Hopper): two warpgroups, each a scorer for
 every other tile and the owner of half the output.
 
-The role-split kernel (``mla_gluon_roles.py``) gives one warpgroup every tile's scores (the
+The role-split kernel (``roles.py``) gives one warpgroup every tile's scores (the
 576-deep GEMM) and the softmax, the other only half the value GEMM: the tensor cores wait
 whenever the scorer is in its softmax, and the scorer issues 3/4 of the matrix work. Here the
 tiles go in pairs and the warpgroups take turns, the schedule DeepSeek's FlashMLA calls
@@ -46,10 +46,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import AttentionCall
-from .gluon_common import HAS_GLUON, GluonConfig, gluon_offered, roles_preferred
-from .mla_gluon_roles import launch_role_args
-from .mla_gluon_roles import supports as roles_supports
+from ..common import AttentionCall
+from .common import HAS_GLUON, GluonConfig, gluon_offered, roles_preferred
+from .roles import launch_role_args
+from .roles import supports as roles_supports
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -62,8 +62,18 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _row_positions, _scores_log2, _store_half
+    from .common import (  # noqa: F401
+        BUILD_ERRORS,
+        async_load,
+        barrier,
+        causal_end,
+        copy_mask,
+        opaque,
+        row_positions,
+        scores_log2,
+        split_keys,
+        store_half,
+    )
 
 __all__ = ["supports", "offered", "unmeasured", "run"]
 if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as constexprs)
@@ -79,7 +89,7 @@ def _copy_lat_src(dst, kv_row, t0, end, c0: gl.constexpr, SKV_T: gl.constexpr, B
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     c = gl.arange(0, DH, layout=gl.SliceLayout(0, ld))
-    _async_load(dst, kv_row + (t0 + n).to(gl.int64)[:, None] * SKV_T + (c0 + c)[None, :],
+    async_load(dst, kv_row + (t0 + n).to(gl.int64)[:, None] * SKV_T + (c0 + c)[None, :],
                 mask=((t0 + n) < end)[:, None])
 
 
@@ -88,7 +98,7 @@ def _copy_rope_src(dst, kt_row, t0, end, SKT_T: gl.constexpr, BLOCK_N: gl.conste
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     c = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
-    _async_load(dst, kt_row + (t0 + n).to(gl.int64)[:, None] * SKT_T + c[None, :], mask=((t0 + n) < end)[:, None])
+    async_load(dst, kt_row + (t0 + n).to(gl.int64)[:, None] * SKT_T + c[None, :], mask=((t0 + n) < end)[:, None])
 
 
 def _copy_q_src(q_lat_s, q_rope_s, q_row, qt_row, sq_s, sq_h, sqt_s, sqt_h, row0, H, SH, BLOCK_H: gl.constexpr):
@@ -97,12 +107,12 @@ def _copy_q_src(q_lat_s, q_rope_s, q_row, qt_row, sq_s, sq_h, sqt_s, sqt_h, row0
     ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
     cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
-    _async_load(q_lat_s, q_row + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
+    async_load(q_lat_s, q_row + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
                 mask=(rq < SH)[:, None])
     ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    _async_load(q_rope_s, qt_row + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
+    async_load(q_rope_s, qt_row + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
                 mask=(rr < SH)[:, None])
     cp.commit_group()
 
@@ -117,7 +127,7 @@ def _fill_low_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr, 
     if with_rope:
         _copy_rope(rope, kt_row, t0, end, SKT_T, BLOCK_N)
     if with_mask:
-        _copy_mask(mk, mk_row, t0, end, sm_t, BLOCK_N)
+        copy_mask(mk, mk_row, t0, end, sm_t, BLOCK_N)
     cp.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
@@ -130,7 +140,7 @@ def _fill_high_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr,
     if with_rope:
         _copy_rope(rope, kt_row, t0, end, SKT_T, BLOCK_N)
     if with_mask:
-        _copy_mask(mk, mk_row, t0, end, sm_t, BLOCK_N)
+        copy_mask(mk, mk_row, t0, end, sm_t, BLOCK_N)
     cp.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
@@ -143,7 +153,7 @@ def _tile_scores_src(s, mk, t0, end, sm_scale_log2, qpos, cp_world, cp_rank, HAS
             mk_t = mk.load(gl.SliceLayout(0, s.type.layout))
         else:
             mk_t = 0  # unused
-        return _scores_log2(s, t0, end, sm_scale_log2, mk_t, qpos, cp_world, cp_rank, HAS_MASK, CAUSAL)
+        return scores_log2(s, t0, end, sm_scale_log2, mk_t, qpos, cp_world, cp_rank, HAS_MASK, CAUSAL)
     else:
         cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
         return gl.where(((t0 + cols) < end)[None, :], s * sm_scale_log2, float("-inf"))
@@ -169,15 +179,15 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
-    qpos = _row_positions(qpos_row, sqp_s, row0, H, SH, row_s, BLOCK_H, CAUSAL)
+    qpos = row_positions(qpos_row, sqp_s, row0, H, SH, row_s, BLOCK_H, CAUSAL)
     for i in range(n_pairs):
         ph = i & 1
-        b0 = _opaque(2 * i + salt) % 2  # 0 and 1, which LLVM cannot see: the descriptors stay in the loop
-        b1 = _opaque(2 * i + 1 + salt) % 2
+        b0 = opaque(2 * i + salt) % 2  # 0 and 1, which LLVM cannot see: the descriptors stay in the loop
+        b1 = opaque(2 * i + 1 + salt) % 2
         t0 = start + (2 * i) * BLOCK_N
         lat0 = k_lat.index(b0)
         lat1 = k_lat.index(b1)
-        qz = _opaque(salt + 2 * i) // 2 - i  # 0
+        qz = opaque(salt + 2 * i) // 2 - i  # 0
         q_lat = q_lat_s.index(qz)
         q_rope = q_rope_s.index(qz)
         # ---- scores of the even tile: its low region (refilled early) first
@@ -226,7 +236,7 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     l_s.index(0).store(l_i)
     mbarrier.arrive(bar.index(4))
     mbarrier.wait(bar.index(5), 0)
-    _store_half(o_base, acc, gl.convert_layout(l_s.index(1).load(row_s), row_o), 0, row0, so_s, so_h, H, SH,
+    store_half(o_base, acc, gl.convert_layout(l_s.index(1).load(row_s), row_o), 0, row0, so_s, so_h, H, SH,
                 BLOCK_H)
 
 
@@ -243,15 +253,15 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
-    qpos = _row_positions(qpos_row, sqp_s, row0, H, SH, row_s, BLOCK_H, CAUSAL)
+    qpos = row_positions(qpos_row, sqp_s, row0, H, SH, row_s, BLOCK_H, CAUSAL)
     for i in range(n_pairs):
         ph = i & 1
-        b0 = _opaque(2 * i + salt) % 2
-        b1 = _opaque(2 * i + 1 + salt) % 2
+        b0 = opaque(2 * i + salt) % 2
+        b1 = opaque(2 * i + 1 + salt) % 2
         t1 = start + (2 * i + 1) * BLOCK_N
         lat0 = k_lat.index(b0)
         lat1 = k_lat.index(b1)
-        qz = _opaque(salt + 2 * i) // 2 - i  # 0
+        qz = opaque(salt + 2 * i) // 2 - i  # 0
         q_lat = q_lat_s.index(qz)
         q_rope = q_rope_s.index(qz)
         # ---- scores of the odd tile, beside WG0's; its high region (refilled first) first
@@ -297,7 +307,7 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     l_i = l_i + l_s.index(0).load(row_s)  # both partial sums are relative to the last m1
     l_s.index(1).store(l_i)
     mbarrier.arrive(bar.index(5))
-    _store_half(o_base, acc, gl.convert_layout(l_i, row_o), 256, row0, so_s, so_h, H, SH, BLOCK_H)
+    store_half(o_base, acc, gl.convert_layout(l_i, row_o), 256, row0, so_s, so_h, H, SH, BLOCK_H)
     rows_m = row0 + gl.arange(0, BLOCK_H, layout=row_s)
     lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * lse_scale
     gl.store(l_base + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
@@ -312,7 +322,7 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
                        CAUSAL: gl.constexpr):
     """One (64-row block, split, batch row): the parent region (WG0's warps) loads q, finds
     the split's keys and issues the first two tiles, then the two warpgroups run the pairs.
-    MASK and CAUSAL as in the role-split kernel (mla_gluon_roles.py)."""
+    MASK and CAUSAL as in the role-split kernel (roles.py)."""
     dt: gl.constexpr = KV.dtype.element_ty
     pid_h = gl.program_id(0)
     pid_sp = gl.program_id(1)
@@ -347,15 +357,15 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
     else:
         mk = l_s  # unused
 
-    start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    start, end = split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     qpos_row = QPOS + b * sqp_b
     if CAUSAL:
-        end = _causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H)
+        end = causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     n_pairs = gl.cdiv(n_tiles, 2)  # an odd count's last pair has a tile past the end: all masked
     cp.wait_group(0)
     fence_async_shared()
-    _barrier()
+    barrier()
 
     kv_row = KV + b * skv_b
     kt_row = KT + b * skt_b

@@ -1,6 +1,6 @@
 """Role-split one-read MLA decode kernel in Gluon (Hopper) for an fp8 latent cache.
 
-The bf16 role-split kernel (``mla_gluon_roles.py``) with its loader rewritten; its scorer is
+The bf16 role-split kernel (``roles.py``) with its loader rewritten; its scorer is
 that module's, unchanged. The cache is FlashMLA's packed row (``runtime/decode/kv_format.py``):
 512 e4m3 latent values, one fp32 scale per 128 of them, 64 bf16 rope values, read through
 three strided views.
@@ -40,19 +40,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import LOG2E, AttentionCall
-from .gluon_common import (
+from ..common import LOG2E, AttentionCall
+from ..splits import reduce_launch
+from .common import (
     GLUON_DEFAULT,
     HAS_GLUON,
     ROLES_TILES,
     GluonConfig,
     fp8_gluon_reason,
     launch_plan,
+    mask_args,
     roles_preferred,
     split_frame,
 )
-from .mla_gluon_roles import mask_args
-from .splits import reduce_launch
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -65,8 +65,18 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_common import BUILD_ERRORS, _async_load, _barrier, _split_keys  # noqa: F401
-    from .mla_gluon_roles import _causal_end, _copy_mask, _opaque, _role_buffers, _scorer, _store_half
+    from .common import (  # noqa: F401
+        BUILD_ERRORS,
+        async_load,
+        barrier,
+        causal_end,
+        copy_mask,
+        opaque,
+        role_buffers,
+        scorer,
+        split_keys,
+        store_half,
+    )
 
 __all__ = ["supports", "offered", "unmeasured", "run", "launch_args"]
 if HAS_GLUON:
@@ -144,15 +154,15 @@ def _put_src(j, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_ro
     from registers (one more arrival once every thread's stores are fenced for the tensor
     cores)."""
     if j < n_tiles:
-        buf = _opaque(j + salt) % 2
+        buf = opaque(j + salt) % 2
         t0 = start + j * BLOCK_N
         ld_rope: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
         cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
-        _async_load(k_rope.index(buf), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
+        async_load(k_rope.index(buf), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
                     mask=((t0 + nr) < end)[:, None])
         if HAS_MASK:
-            _copy_mask(mk.index(buf), mk_row, t0, end, sm_t, BLOCK_N)
+            copy_mask(mk.index(buf), mk_row, t0, end, sm_t, BLOCK_N)
         cp.mbarrier_arrive(full.index(buf), increment_count=False)
         lat = k_lat.index(buf)
         lat.slice(0, SB, dim=1).store(_dequant(x0, s0))
@@ -180,7 +190,7 @@ def _loader_fp8_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, k
     x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(2, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
     for j in range(n_tiles):
-        buf = _opaque(j + salt) % 2
+        buf = opaque(j + salt) % 2
         mbarrier.wait(p_ready.index(buf), (j // 2) & 1)
         alpha = a_s.index(buf).load(row_o)
         acc = warpgroup_mma(k_rope.index(buf), k_lat.index(buf).slice(0, 256, dim=1), acc * alpha[:, None],
@@ -191,7 +201,7 @@ def _loader_fp8_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, k
              BLOCK_N, mk, mk_row, sm_t, HAS_MASK)
         x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(j + 3, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
     mbarrier.wait(done, 0)
-    _store_half(o_base, acc, l_s.load(row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
+    store_half(o_base, acc, l_s.load(row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
 
 
 def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
@@ -218,28 +228,28 @@ def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_
     ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
     cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
-    _async_load(q_lat_s, Q + b * (sq_b8 * 8) + (rq // H)[:, None] * (sq_s8 * 8) + (rq % H)[:, None] * (sq_h8 * 8)
+    async_load(q_lat_s, Q + b * (sq_b8 * 8) + (rq // H)[:, None] * (sq_s8 * 8) + (rq % H)[:, None] * (sq_h8 * 8)
                 + cq[None, :], mask=(rq < SH)[:, None])
     ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    _async_load(q_rope_s, QT + b * (sqt_b8 * 8) + (rr // H)[:, None] * (sqt_s8 * 8)
+    async_load(q_rope_s, QT + b * (sqt_b8 * 8) + (rr // H)[:, None] * (sqt_s8 * 8)
                 + (rr % H)[:, None] * (sqt_h8 * 8) + cr[None, :], mask=(rr < SH)[:, None])
     cp.commit_group()
 
     # (full, per fill: every loader thread once its rope copies land, and the loader once (a
     # partition barrier, then one arrival) after its latent stores)
-    k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, mk = _role_buffers(gl.bfloat16, BLOCK_H, BLOCK_N, 128 + 1,
+    k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, mk = role_buffers(gl.bfloat16, BLOCK_H, BLOCK_N, 128 + 1,
                                                                             HAS_MASK)
 
-    start, end = _split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
+    start, end = split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     qpos_row = QPOS + b * sqp_b
     if CAUSAL:
-        end = _causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H)
+        end = causal_end(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     cp.wait_group(0)
     fence_async_shared()
-    _barrier()
+    barrier()
 
     kv_words = (KV + b * skv_b).to(gl.pointer_type(gl.int32), bitcast=True)  # the fp8 rows as 4-byte words
     ks_row = KS + b * sks_b
@@ -247,7 +257,7 @@ def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_
     o_base = O + b * so_b + pid_sp * so_sp
     l_base = L + b * sl_b + pid_sp * sl_sp
     gl.warp_specialize([
-        (_scorer, (salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
+        (scorer, (salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
                    sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_H, BLOCK_N,
                    mk, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
         (_loader_fp8, (salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_words, ks_row, kt_row, sks_t,
@@ -271,7 +281,7 @@ if HAS_GLUON:
 # --------------------------------------------------------------------------------------
 def supports(shape) -> Optional[str]:
     """Why the fp8 kernel cannot run a call of this shape (None: it can): the fp8 Gluon calls
-    (gluon_common.fp8_gluon_reason: a mask only as one row per request, any causal cap)."""
+    (common.fp8_gluon_reason: a mask only as one row per request, any causal cap)."""
     return fp8_gluon_reason(shape)
 
 
