@@ -14,6 +14,13 @@ then 4 decode steps, max difference to the model without DCP in brackets):
   at -1, taken as -inf (0.16-1.6);
 * `write_between_reads`: the cache written again after the softmax, before the values are
   read (the rewrite attends over the shard as it is before the softmax: 0.15-2.0).
+
+And a form a rewrite would have crashed on inside the pass:
+
+* `slots_into_flat`: a flat cache `[B, T, D]` written through pool slots
+  (`cache.view(-1, D)[b * T + pos] = v`, the paged write form) and read as rows by position
+  (`cache[:, :end]`): the write and the read disagree about the layout (the paged write's
+  rewrite failed on the flat shard with an `index_copy_` dimensionality error).
 """
 from __future__ import annotations
 
@@ -46,12 +53,21 @@ class Forms(nn.Module):
         end = start + q.shape[1]
         if self.form.startswith("paged"):
             return self._paged(q, q_pe, latent, k_pe, start, end)
-        self.kv_cache[:, start:end] = latent
+        if self.form == "slots_into_flat":
+            slots = (torch.arange(BATCH)[:, None] * LEN + torch.arange(start, end)[None, :]).flatten()
+            self.kv_cache.view(-1, LAT)[slots] = latent.flatten(0, 1)
+        else:
+            self.kv_cache[:, start:end] = latent
         self.pe_cache[:, start:end] = k_pe
         kv, pe = self.kv_cache[:, :end], self.pe_cache[:, :end]
         if self.form == "softmax_over_heads":
             scores = (torch.einsum("bshc,btc->bsth", q, kv) + torch.einsum("bshr,btr->bsth", q_pe, pe)) * 0.3
             return torch.einsum("bsth,btc->bshc", scores.softmax(-1), kv)
+        if self.form == "slots_into_flat":
+            scores = torch.einsum("bshc,btc->bsht", q, kv) + torch.einsum("bshr,btr->bsht", q_pe, pe)
+            future = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+            probs = (scores * 0.3).masked_fill(future[None, :, None, :], float("-inf")).softmax(-1)
+            return torch.einsum("bsht,btc->bshc", probs, kv)
         if self.form == "write_between_reads":
             scores = torch.einsum("bshc,btc->bsht", q, kv) + torch.einsum("bshr,btr->bsht", q_pe, pe)
             probs = (scores * 0.3).softmax(-1)
@@ -115,6 +131,8 @@ def _rank(rank, world, form):
     ("flex_alpha", "score_mod applies `add` to the score"),
     ("fill_then_scale", "scaled by 0.0001 before the softmax"),
     ("write_between_reads", "kv_cache is written between its reads by this attention"),
+    ("slots_into_flat", "kv_cache is written as a paged pool read through a block table (pool slots "
+                        "(`pool.view(-1, D)[slots] = v`)) but read as rows by position"),
 ])
 def test_forms_a_rewrite_would_change_are_left_unchanged(form, reason):
     for distance, rewritten, summary in run_ranks(_rank, 2, form, timeout=300):

@@ -36,7 +36,7 @@ from dcp_pass.rewrites import cache as cache_rw
 from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput, rewrite_attention
 from dcp_pass.rewrites.axes import B, H, S
 from dcp_pass.rewrites.cache_reads import module_path, position_axis
-from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla
+from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla, where_of
 
 
 class DcpRewriteError(RuntimeError):
@@ -202,7 +202,7 @@ class FindAttention(GraphPass):
             allocation.put_back(state.graph, state.allocated.pop(placeholder))
             found.writes.pop(placeholder, None)
         if not state.buffers:
-            _refuse_released(state.graph, state.values)
+            _refuse_released(state.graph, state.values, found.near_misses)
             reason = "no absorbed-MLA attention in this graph"
             if found.near_misses:
                 reason += f" ({len(found.near_misses)} near miss(es) left unchanged)"
@@ -612,15 +612,25 @@ def _describe_use(node: fx.Node, depth: int = 3) -> str:
     return f"{name} -> {_describe_use(users[0], depth - 1)}"
 
 
-def _refuse_released(graph: fx.Graph, values: dict[str, Any]) -> None:
+def _refuse_released(graph: fx.Graph, values: dict[str, Any], near_misses: Sequence[tuple[str, str]] = ()) -> None:
     used = _released_buffers_used(graph, values)
     if used:
         names = ", ".join(buffer_name(n) for n in used)
+        if near_misses:
+            where, reason = near_misses[0]
+            why = f"; the attention at {where} cannot be rewritten: {reason}"
+        else:
+            first = min((u for n in used for u in n.users), key=lambda u: _order(graph)[u])
+            why = f"; first read at {where_of(first)}"
         raise DcpRewriteError(
             f"cache buffer(s) {names} have no full-size storage (striped by DCP in an earlier graph, or "
             f"deferred by dcp_pass.deferred_caches()), but this graph reads them outside an MLA attention "
-            f"the pass can rewrite"
+            f"the pass can rewrite{why}"
         )
+
+
+def _order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def _merged_shape(match: MlaMatch) -> tuple:

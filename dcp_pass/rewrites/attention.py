@@ -1,7 +1,7 @@
 """Rewrite of one matched MLA attention into shard-local attention + collective merge.
 
 Emitted (before the softmax, in this order):
-  local cache shards   local[:bsz(, :, f0:f1)]
+  local cache shards   local[row0:bsz(, :, f0:f1)]
   canonical queries    q.permute(...) -> [B, S, H, D]
   query heads          gather_heads (query all-gather)  | replicated projection | as is
   mask                 the model's mask in [B, S, H, T] order, over global key positions
@@ -118,7 +118,8 @@ def local_slice(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str, c
     index: list = []
     for role in cache_layout(access.buffer):
         if role == B:
-            index.append(slice(None, access.bsz))
+            first = None if isinstance(access.row0, int) and access.row0 == 0 else access.row0
+            index.append(slice(first, access.bsz))
         elif role == F:
             index.append(slice(None) if access.feat is None else slice(*access.feat))
         else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -112,7 +112,8 @@ def buffer_name(buffer: fx.Node) -> str:
 class CacheRead:
     """What one attention operand (or one feature piece of it) reads of a cache tensor.
 
-    `buffer[:bsz, start:end, feat]` in the cache tensor's own axes; `roles` gives the role
+    `buffer[row0:bsz, start:end, feat]` in the cache tensor's own axes (`row0` is 0 unless
+    the read takes rows further down the batch: one request's prefill); `roles` gives the role
     of each axis of the operand `node` (B, T, F, or None for a head axis of size 1 or
     expanded over the query heads). `cols` is where this piece sits in the operand's
     feature axis (keys concatenated from several caches), None for the whole axis.
@@ -128,6 +129,7 @@ class CacheRead:
     cols: Optional[tuple[int, int]] = None
     pages: Optional[fx.Node] = None  # a paged pool's block table (rows: requests, columns: pages)
     page_size: Optional[int] = None
+    row0: SizeArg = 0  # the first batch row read
 
     @property
     def kind(self) -> str:
@@ -536,8 +538,8 @@ def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
             raise ReadRefused(f"a paged read of part of its {layout[axis]} ({lo}:{hi} of {shape[axis]})")
     b_axis, t_axis, f_axis = layout.index(B), layout.index(T), layout.index(F)
     b0, b1 = piece.bounds.get(b_axis, (0, None))
-    if not (isinstance(b0, int) and b0 == 0):
-        raise ReadRefused("the cache read skips leading batch rows")
+    if piece.pages is not None and not (isinstance(b0, int) and b0 == 0):
+        raise ReadRefused("a paged read that skips leading rows of its block table")
     t0, t1 = piece.bounds.get(t_axis, (0, None))
     f0, f1 = piece.bounds.get(f_axis, (0, None))
     width = shape[f_axis]
@@ -547,7 +549,7 @@ def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
     feat = None if (f0, f1) == (0, width) else (f0, f1)
     bsz = shape[b_axis] if b1 is None else b1
     end = shape[t_axis] if t1 is None else t1
-    return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols, piece.pages, piece.page_size)
+    return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols, piece.pages, piece.page_size, b0)
 
 
 _ROLE_WORDS = {B: "batch", T: "position", F: "feature"}
@@ -564,7 +566,8 @@ def trace_cache_read(node: Any) -> list[CacheRead]:
     for other in reads[1:]:
         if other.roles != first.roles:
             raise ReadRefused("concatenated cache reads have different layouts")
-        if not (_same(other.bsz, first.bsz) and _same(other.start, first.start) and _same(other.end, first.end)):
+        if not (_same(other.bsz, first.bsz) and _same(other.row0, first.row0) and _same(other.start, first.start)
+                and _same(other.end, first.end)):
             raise ReadRefused("concatenated cache reads cover different rows or positions")
     return reads
 
@@ -596,7 +599,9 @@ def single_read(node: Any) -> Optional[CacheRead]:
 
 @dataclass
 class CacheAccess:
-    """A write `buffer[:bsz, start:end(, f0:f1)] = value` (or at a tensor of positions)."""
+    """A write `buffer[row0:bsz, start:end(, f0:f1)] = value`, at a tensor of positions
+    (`buffer[:bsz, positions] = value`), or at one position per request
+    (`buffer[rows, positions] = value`, `rows` and `positions` both [N])."""
 
     node: fx.Node
     buffer: fx.Node
@@ -606,10 +611,35 @@ class CacheAccess:
     feat: Optional[tuple[int, int]]  # absolute feature columns, None = all
     value: Optional[fx.Node] = None  # the written tensor
     positions: Optional[fx.Node] = None  # a LongTensor of positions, for `buffer[:b, pos] = v`
+    rows: Optional[fx.Node] = None  # a LongTensor of batch rows, one per position
+    row0: SizeArg = 0  # the first batch row written (a slice `buffer[row0:bsz]`)
+
+    kind: ClassVar[str] = "flat"  # the cache layout this write assumes (CacheRead.kind)
 
     def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
         """Replace this write by a striped write into the shard `local` (:func:`rewrite_write`)."""
         return rewrite_write(graph, self, local, entry)
+
+    def as_kind(self, kind: str) -> Optional["CacheAccess"]:
+        """This write read as a write into a cache of layout `kind` (how the attention reads it),
+        or None when it means something else there."""
+        if kind == self.kind:
+            return self
+        convert = WRITE_CONVERSIONS.get((self.kind, kind))
+        return convert(self) if convert is not None else None
+
+    def describe(self) -> str:
+        """The write's form, in the user's terms."""
+        if self.rows is not None:
+            return "one position per request (`cache[rows, positions] = v`)"
+        if self.positions is not None:
+            return "a tensor of positions (`cache[:b, positions] = v`)"
+        return "a slice of positions (`cache[:b, start:end] = v`)"
+
+
+# (write kind, read kind) -> a conversion of a write of the first layout into one of the second,
+# or None where it means something else there (recognisers register theirs)
+WRITE_CONVERSIONS: dict = {}
 
 
 def _slice_bounds(index: Any) -> Optional[tuple[SizeArg, SizeArg]]:
@@ -626,8 +656,8 @@ def _batch_rows(index: Any) -> Optional[SizeArg]:
 
 
 def parse_cache_index(buffer: fx.Node, index: Any
-                      ) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]]]]:
-    """(bsz, start, end, feat) for `buffer[:bsz, start:end(, f0:f1)]`, else None.
+                      ) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]], SizeArg]]:
+    """(bsz, start, end, feat, row0) for `buffer[row0:bsz, start:end(, f0:f1)]`, else None.
 
     One index entry per cache axis in the cache's layout (missing trailing entries are
     whole axes); a singleton head axis must be taken whole. `buffer[:bsz]` covers every
@@ -643,15 +673,16 @@ def parse_cache_index(buffer: fx.Node, index: Any
     entries += [slice(None)] * (len(layout) - len(entries))
     bsz = start = end = None
     feat = None
+    row0: SizeArg = 0
     for role, entry, size in zip(layout, entries, shape):
         bounds = _slice_bounds(entry)
         if bounds is None:
             return None
         lo, hi = bounds
         if role == B:
-            if not (isinstance(lo, int) and lo == 0):
+            if isinstance(lo, int) and lo < 0 or isinstance(hi, int) and hi < 0:
                 return None
-            bsz = size if hi is None else hi
+            row0, bsz = lo, (size if hi is None else hi)
         elif role == T:
             start, end = lo, (size if hi is None else hi)
         elif role == F:
@@ -662,7 +693,7 @@ def parse_cache_index(buffer: fx.Node, index: Any
             feat = None if (f0, f1) == (0, size) else (f0, f1)
         elif entry != slice(None):
             return None
-    return bsz, start, end, feat
+    return bsz, start, end, feat, row0
 
 
 def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
@@ -672,7 +703,12 @@ def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
             return None
         parsed = parse_cache_index(buffer, index)
         if parsed is not None:
-            return CacheAccess(node, buffer, *parsed, value=value)
+            bsz, start, end, feat, row0 = parsed
+            return CacheAccess(node, buffer, bsz, start, end, feat, value=value, row0=row0)
+        if cache_layout(buffer) == (B, T, F) and isinstance(index, tuple) and len(index) == 2 \
+                and all(_index_vector(i) for i in index):
+            # `buffer[rows, positions] = v`: request rows[i] at position positions[i] (per-request decode)
+            return CacheAccess(node, buffer, None, None, None, None, value=value, positions=index[1], rows=index[0])
         # `buffer[:b, positions] = v` with a position tensor (static-shape decode)
         if cache_layout(buffer) == (B, T, F) and isinstance(index, tuple) and len(index) == 2 \
                 and isinstance(index[1], fx.Node):
@@ -682,6 +718,13 @@ def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
                     and positions.dim() == 1 and not positions.is_floating_point()):
                 return CacheAccess(node, buffer, bsz, None, None, None, value=value, positions=index[1])
     return None
+
+
+def _index_vector(index: Any) -> bool:
+    """Whether `index` is a 1-D integer tensor."""
+    value = axes.example_value(index) if isinstance(index, fx.Node) else None
+    return (isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point()
+            and value.dtype != torch.bool)
 
 
 # Hooks of other cache layouts: each takes a node and returns its CacheAccess (or None).
@@ -701,23 +744,33 @@ def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
 
 def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry) -> fx.Node:
     """`buffer[:b, s:e(, f0:f1)] = v` -> `write_owned_tokens_(shard, v, s, c, rank, capacity, f0)`,
-    `buffer[:b, positions(, f0:f1)] = v` -> `write_tokens_at_(shard, v, positions, ...)`.
+    `buffer[:b, positions(, f0:f1)] = v` -> `write_tokens_at_(shard, v, positions, ...)`,
+    `buffer[rows, positions] = v` -> `write_request_tokens_at_(shard, v, rows, positions, ...)`;
+    `buffer[row0:b, ...]` writes into `shard[row0:b]`.
 
     Traceable runtime functions, not custom ops: the inner compiler sees (and fuses) the
     plain tensor ops inside, with no opaque call on the decode path. Both check the
     capacity themselves (a constant start fails while the graph is traced). `entry`: the
     shard's cache.LocalCache (its c, rank and virtual capacity).
     """
+    if write.rows is not None:
+        args = (local, write.value, write.rows, write.positions, entry.c, entry.rank, entry.virtual_capacity,
+                write.feat[0] if write.feat else 0)
+        return fx_util.replace_node(graph, write.node, layout.write_request_tokens_at_, args, name="striped_write")
     if write.positions is not None:
         fn, where = layout.write_tokens_at_, write.positions
     else:
         fn, where = layout.write_owned_tokens_, write.start
     shard, value = local, write.value
+    if not (isinstance(write.row0, int) and write.row0 == 0):  # rows further down the batch (a request's prefill)
+        with graph.inserting_before(write.node):
+            shard = fx_util.call(graph, operator.getitem, local, slice(write.row0, write.bsz), name="shard_batch_rows")
+            fx_util.set_example_value(shard)
     head = _singleton_head_axis(write.buffer)
     if head is not None:  # [B, T, 1, F] / [B, 1, T, F]: the write is on the [B, T, F] view
         with graph.inserting_before(write.node):
             index = (slice(None),) * head + (0,)
-            shard = fx_util.call(graph, operator.getitem, local, index, name="shard_rows")
+            shard = fx_util.call(graph, operator.getitem, shard, index, name="shard_rows")
             value = fx_util.call(graph, operator.getitem, write.value, index, name="written_rows")
             for node in (shard, value):  # later passes (device positions) read their shapes
                 fx_util.set_example_value(node)

@@ -319,6 +319,7 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                 continue
             try:
                 match = recogniser.match(node, ctx)
+                writes = _writes_as_read(match, ctx)
                 _check_no_write_between_reads(match, ctx, order)
             except NotAttention as why:
                 if str(why):
@@ -329,10 +330,37 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                 near.append((where_of(node), near_miss_text(NearMiss(GROWING_CACHE, grown) if grown else miss)))
                 continue
             claimed.update((match.anchor, match.output))
+            ctx.writes.update(writes)
             match.writes = [w for buf in match.buffers for w in ctx.writes.get(buf, [])]
             matches.append(match)
     matches.sort(key=lambda m: order[m.anchor])
     return GraphMatches(matches, near, ctx.writes, notes)
+
+
+_KIND_WORDS = {"flat": "rows by position", "paged": "a paged pool read through a block table"}
+
+
+def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[CacheAccess]]:
+    """The writes of each cache the match reads, as writes into the layout the attention reads
+    (`cache[a, b] = v` is (request, position) for a flat read, (page, offset) for a paged one);
+    NearMiss naming the write when the write and the read disagree about the cache's layout."""
+    reads = {}
+    for read in [t.cache for t in match.terms] + [match.value_cache]:
+        reads.setdefault(read.buffer, read)
+    found = {}
+    for buffer, read in reads.items():
+        kind = read.kind
+        converted = []
+        for write in ctx.writes.get(buffer, []):
+            as_read = write.as_kind(kind)
+            if as_read is None:
+                raise NearMiss(
+                    f"{buffer_name(buffer)} is written as {_KIND_WORDS.get(write.kind, write.kind)} "
+                    f"({write.describe()}) but read as {_KIND_WORDS.get(kind, kind)}: the write and the read "
+                    f"disagree about the cache's layout; write and read it the same way", write.node)
+            converted.append(as_read)
+        found[buffer] = converted
+    return found
 
 
 def _check_no_write_between_reads(match: MlaMatch, ctx: MatchContext, order: dict[fx.Node, int]) -> None:

@@ -128,7 +128,9 @@ def _dense_mask(score_mod, mask_mod, score_buffers, mask_buffers, read, heads: i
             idx = call(graph, torch.arange, size, dtype=torch.int32, device=device, name=f"flex_{name}")
             return method(graph, "view", idx, *shape, name=f"flex_{name}_4d")
 
-        indices = [index(read.bsz, 0, "b"), index(heads, 1, "h"), index(rows, 2, "q"), index(keys, 3, "kv")]
+        batch = read.bsz if isinstance(read.row0, int) and read.row0 == 0 else call(
+            graph, operator.sub, read.bsz, read.row0, name="flex_batch")
+        indices = [index(batch, 0, "b"), index(heads, 1, "h"), index(rows, 2, "q"), index(keys, 3, "kv")]
         total = None
         if score_mod is not None:
             zero = call(graph, torch.zeros, (), dtype=torch.float32, device=device, name="flex_zero_score")

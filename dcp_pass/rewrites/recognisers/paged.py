@@ -19,7 +19,7 @@ matched by whichever recogniser sees it (softmax, SDPA).
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.fx as fx
@@ -67,6 +67,12 @@ class PagedWrite(CacheAccess):
     `pool[pages, offsets] = value` (`page_offset`: the two index tensors)."""
 
     page_offset: Optional[tuple[fx.Node, fx.Node]] = None
+    kind: ClassVar[str] = "paged"
+
+    def describe(self) -> str:
+        if self.page_offset is not None:
+            return "pages and in-page offsets (`pool[pages, offsets] = v`)"
+        return "pool slots (`pool.view(-1, D)[slots] = v`)"
 
     def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
         with graph.inserting_before(self.node):
@@ -103,16 +109,21 @@ def paged_write(node: fx.Node) -> Optional[CacheAccess]:
         pool = _flat_view_of_pool(target)
         if pool is not None and isinstance(index, fx.Node) and _int_tensor(index, 1):
             return PagedWrite(node, pool, None, None, None, None, value=value, positions=index)
-        if _pool(target) and isinstance(index, tuple) and len(index) == 2 and all(
-                isinstance(i, fx.Node) and _int_tensor(i, 1) for i in index):
-            write = PagedWrite(node, target, None, None, None, None, value=value)
-            write.page_offset = (index[0], index[1])
-            return write
     if axes.is_method(node, "index_copy_") and len(node.args) == 4 and node.args[1] == 0:
         pool = _flat_view_of_pool(node.args[0])
         if pool is not None and _int_tensor(node.args[2], 1) and isinstance(node.args[3], fx.Node):
             return PagedWrite(node, pool, None, None, None, None, value=node.args[3], positions=node.args[2])
     return None
+
+
+def pages_and_offsets(write: CacheAccess) -> Optional[PagedWrite]:
+    """`cache[a, b] = v` (two index vectors) into a cache that is read as a paged pool: `a`
+    are pages and `b` offsets in them (read as a flat cache they are requests and positions)."""
+    if write.rows is None:
+        return None
+    paged = PagedWrite(write.node, write.buffer, None, None, None, None, value=write.value)
+    paged.page_offset = (write.rows, write.positions)
+    return paged
 
 
 def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str) -> cache.LocalCache:
@@ -152,6 +163,7 @@ def check_paged(read: cache_reads.CacheRead, c: int) -> Optional[str]:
 
 cache_reads.READ_BASES.append(paged_base)
 cache_reads.WRITE_FORMS.append(paged_write)
+cache_reads.WRITE_CONVERSIONS[("flat", "paged")] = pages_and_offsets
 cache.SHARD_MAKERS["paged"] = paged_shard
 attention.LOCAL_READS["paged"] = local_pages
 attention.STRIPE_CHECKS["paged"] = check_paged

@@ -42,7 +42,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.fx as fx
@@ -109,6 +109,11 @@ def whole_read(buffer: fx.Node, operand: fx.Node) -> StaticCacheRead:
 @dataclass
 class IndexCopyWrite(CacheAccess):
     """`cache.index_copy_(2, positions, new)` (or `cache[:, :, positions] = new`)."""
+
+    kind: ClassVar[str] = KIND
+
+    def describe(self) -> str:
+        return "`index_copy_` along its position axis"
 
     def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
         args = (local, self.value, self.positions, POSITION_AXIS, entry.c, entry.rank, entry.virtual_capacity)

@@ -298,6 +298,7 @@ def check_value_read(terms: list[ScoreTerm], value: CacheRead) -> int:
         raise NearMiss("the values are not the leading columns of the latent cache the scores read", value.node)
     for term in terms:
         same_rows = (axes.known_equal(term.cache.bsz, value.bsz) or term.cache.bsz is value.bsz) and (
+            axes.known_equal(term.cache.row0, value.row0) or term.cache.row0 is value.row0) and (
             axes.known_equal(term.cache.end, value.end) or term.cache.end is value.end) and (
             axes.known_equal(term.cache.start, value.start) or term.cache.start is value.start)
         if not same_rows:

@@ -456,10 +456,11 @@ def write_owned_tokens_(
     owned positions. Traceable: called from the rewritten graph and traced by the inner
     compiler into plain tensor ops.
 
-    With an int start it is `striped_write_` (one strided slice copy). With a symbolic
-    start (decode after the first steps) how many tokens the rank owns depends on the
-    value of start; a shape that depends on it would make Dynamo guard on it and
-    recompile every step. So the write covers a fixed window of local rows from
+    With an int start and an int length it is `striped_write_` (one strided slice copy).
+    With a symbolic start (decode after the first steps) or length (prefills of several
+    lengths) how many tokens the rank owns depends on their values and on the rank; a
+    shape that depends on them would make Dynamo guard on them, per rank (so ranks would
+    recompile at different calls) and per step. So the write covers a fixed window of local rows from
     `start // c` and keeps the rows it does not own (`torch.where`): the same shapes for
     every start. The owned rows run to `(start + s - 1) // c`, at most
     `(s + c - 2) // c` rows past `start // c` (when `start % c == c - 1`), so the window
@@ -469,7 +470,7 @@ def write_owned_tokens_(
     seq = values.shape[1]
     check_write_capacity(start_pos + seq, capacity)
     cols = shard[: values.shape[0], :, feat_start : feat_start + values.shape[-1]]
-    if isinstance(start_pos, int):
+    if isinstance(start_pos, int) and isinstance(seq, int):
         striped_write_(cols, values, start_pos, c, r)
         return
     window = window_rows(seq, c)
@@ -501,6 +502,30 @@ def write_tokens_at_(
     spare = torch.full_like(positions, shard.shape[1] - 1)
     rows = torch.where(positions % c == r, positions // c, spare)
     cols.index_copy_(1, rows, values.to(shard.dtype))
+
+
+def write_request_tokens_at_(
+    shard: torch.Tensor,
+    values: torch.Tensor,
+    requests: torch.Tensor,
+    positions: torch.Tensor,
+    c: int,
+    r: int,
+    capacity: int,
+    feat_start: int = 0,
+) -> None:
+    """`cache[requests, positions] = values` for rank r's shard: request `requests[i]` gets
+    `values[i]` at its own position `positions[i]` (serving-style decode, one position per
+    request).
+
+    As `write_tokens_at_`: static shapes, no host sync; a token this rank does not own goes
+    to its request's spare last row, which no read covers.
+    """
+    torch._assert_async(((positions >= 0) & (positions < capacity)).all())
+    cols = shard[..., feat_start : feat_start + values.shape[-1]]
+    spare = torch.full_like(positions, shard.shape[1] - 1)
+    rows = torch.where(positions % c == r, positions // c, spare)
+    cols.index_put_((requests, rows), values.to(shard.dtype))
 
 
 def write_rows_at_(
