@@ -184,6 +184,46 @@ def hy_v4_config(**overrides):
     return HYV4Config(**fields)
 
 
+def llama_mha_config(**overrides):
+    """LlamaConfig: plain MHA (as many KV heads as query heads)."""
+    return llama_gqa_config(**{"num_key_value_heads": HEADS, **overrides})
+
+
+def phi3_config(**overrides):
+    """Phi3Config: MHA with a fused qkv projection."""
+    from transformers import Phi3Config
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return Phi3Config(**fields)
+
+
+def gpt_neox_config(**overrides):
+    """GPTNeoXConfig: MHA, partial rotary, parallel residual."""
+    from transformers import GPTNeoXConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return GPTNeoXConfig(**fields)
+
+
 CONFIGS = {
     "deepseek_v3": deepseek_v3_config,
     "kimi_linear": kimi_linear_config,
@@ -191,6 +231,9 @@ CONFIGS = {
     "gpt_oss": gpt_oss_config,
     "gemma3": gemma3_config,
     "hy_v4": hy_v4_config,
+    "llama_mha": llama_mha_config,
+    "phi3": phi3_config,
+    "gpt_neox": gpt_neox_config,
 }
 
 
@@ -204,6 +247,9 @@ def model_class(name: str):
         "gpt_oss": transformers.GptOssForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
         "hy_v4": transformers.HYV4ForCausalLM,
+        "llama_mha": transformers.LlamaForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
+        "gpt_neox": transformers.GPTNeoXForCausalLM,
     }[name]
 
 

@@ -97,6 +97,9 @@ SHARD_MAKERS: dict[str, Any] = {}
 # kinds whose striped tensors take an eager zero_() (a reset of the cache object that holds
 # them, outside any graph) by zeroing the rank's shard; any other eager use raises
 RESETTABLE: set[str] = set()
+# kinds of shards whose axis 0 is the batch (a paged pool's is its pages): StripedCache applies
+# batch reorders (beam search) to them
+BATCH_REORDERABLE: set[str] = {"flat"}
 
 
 def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",
@@ -185,12 +188,44 @@ class StripedCache(torch.Tensor):
             # a cache reset (Hugging Face's Cache.reset() between generations) clears this rank's rows
             entry.local.zero_()
             return touched
+        if what in ("index_select", "index_copy_") and args and args[0] is touched and entry is not None:
+            return _reorder_batch(what, touched, entry, args, kwargs)
         name, why = _describe(touched) if touched is not None else ("?", "?")
         raise DcpCacheError(
             f"dcp_pass: eager code called {what} on cache buffer {name}, but {why}. Only graphs compiled "
             f"with backend='dcp' can read or write it; call the compiled model (a graph break inside the "
             f"attention, or model code between graphs, must not touch the cache)"
         )
+
+
+def _reorder_batch(what: str, touched: torch.Tensor, entry: LocalCache, args, kwargs) -> torch.Tensor:
+    """`cache.index_select(0, rows)` / `cache.index_copy_(0, rows, other)` along the batch axis
+    (beam search reorders its beams so), applied to this rank's shard: the batch axis is not
+    striped, so each rank moves its own rows of every request. `index_select` keeps the batch
+    size and reorders in place, returning the cache itself (a static cache keeps its address;
+    the caller replaces the cache by the result). Anything else raises DcpCacheError."""
+    names = ("dim", "index", "source") if what == "index_copy_" else ("dim", "index")
+    given = dict(zip(names, args[1:]))
+    given.update({k: v for k, v in kwargs.items() if k in names})
+    dim, index, source = given.get("dim"), given.get("index"), given.get("source")
+    name, _ = _describe(touched)
+    where = (f"dcp_pass: eager code called {what} on cache buffer {name} (striped by DCP): only reorders of "
+             f"the batch axis (dim 0) by an integer index")
+    if entry.kind not in BATCH_REORDERABLE or not isinstance(dim, int) or dim not in (0, -touched.dim()) \
+            or not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
+        raise DcpCacheError(f"{where} run on its shard; call the compiled model for anything else")
+    index = index.to(entry.local.device)
+    if what == "index_select":
+        if index.shape[0] != touched.shape[0]:
+            raise DcpCacheError(f"{where} that keep the batch size ({touched.shape[0]}) run on its shard; this one "
+                                f"selects {index.shape[0]} rows")
+        entry.local.copy_(entry.local.index_select(0, index))
+        return touched
+    other = lookup_local_cache(source) if isinstance(source, torch.Tensor) else None
+    if other is None or other.local.shape[1:] != entry.local.shape[1:] or other.kv_format != entry.kv_format:
+        raise DcpCacheError(f"{where}, from another cache striped the same way, run on its shard")
+    entry.local.index_copy_(0, index, other.local)
+    return touched
 
 
 _METADATA_CALLS = {"size", "dim", "stride", "storage_offset", "numel", "element_size", "is_contiguous",

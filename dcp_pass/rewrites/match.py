@@ -363,13 +363,28 @@ def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[Ca
     return found
 
 
+def _read_time(read: fx.Node, writes: set, order: dict[fx.Node, int]) -> Optional[int]:
+    """Where in graph order `read` is read: the node itself, or for a graph input its first use
+    that is not one of the cache's writes."""
+    if read not in order:
+        return None
+    if read.op != "placeholder":
+        return order[read]
+    uses = [order[u] for u in read.users if u not in writes and u in order]
+    return min(uses) if uses else order[read]
+
+
 def _check_no_write_between_reads(match: MlaMatch, ctx: MatchContext, order: dict[fx.Node, int]) -> None:
     """NearMiss when a cache the match reads is written between its first read and its output
     (after the scores, before the values read it again): the rewrite attends over the shard as
     it is at one point, before the softmax."""
-    reads = [t.cache.node for t in match.terms] + [match.value_cache.node]
-    first = min(order[n] for n in reads if n in order)
-    last = max([order[n] for n in reads if n in order] + [order.get(match.output, -1)])
+    writes = {w.node for buffer in match.buffers for w in ctx.writes.get(buffer, [])}
+    # when a read is the cache tensor itself (a whole static cache read as it is), its contents
+    # are read where the ops using it run, not where the graph input sits in graph order
+    times = [_read_time(n, writes, order) for n in [t.cache.node for t in match.terms] + [match.value_cache.node]]
+    times = [t for t in times if t is not None]
+    first = min(times)
+    last = max(times + [order.get(match.output, -1)])
     for buffer in match.buffers:
         for write in ctx.writes.get(buffer, []):
             if first < order.get(write.node, -1) < last:

@@ -197,20 +197,61 @@ def _is_param(node: Any) -> bool:
     return bool(source) and "_parameters[" in source
 
 
+def _new_head_axis(node: Any) -> Optional[fx.Node]:
+    """x when `node` is x [b, kvh, t, d] with a new axis of size 1 at 2 (`x[:, :, None]`,
+    `x[:, :, None, :, :]`, `x[:, :, None, ...]`, `x.unsqueeze(2)`, `x.view(b, kvh, 1, t, d)`)."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    base = node.args[0]
+    shape, out = axes.shape_of(base), axes.shape_of(node)
+    if shape is None or out is None or len(shape) != 4 or len(out) != 5:
+        return None
+    if node.op == "call_function" and node.target is operator.getitem:
+        index = node.args[1]
+        entries = list(index) if isinstance(index, tuple) else [index]
+        if Ellipsis in entries:
+            at = entries.index(Ellipsis)
+            if Ellipsis in entries[at + 1:]:
+                return None
+            real = sum(1 for e in entries if e is not None and e is not Ellipsis)
+            entries[at:at + 1] = [slice(None)] * (4 - real)
+        entries += [slice(None)] * (5 - len(entries))
+        ok = len(entries) == 5 and entries[2] is None and all(_whole(e) for i, e in enumerate(entries) if i != 2)
+        return base if ok else None
+    if axes.is_method(node, "unsqueeze") or axes.is_function(node, torch.unsqueeze):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return base if isinstance(dim, int) and axes.normalize_dim(dim, 5) == 2 else None
+    if axes.is_method(node, "view", "reshape") or axes.is_function(node, torch.reshape):
+        same = all(axes.known_equal(a, b) for a, b in zip(shape, (out[0], out[1], out[3], out[4])))
+        return base if same and axes.known_equal(out[2], 1) else None
+    return None
+
+
 def _repeat_kv_base(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
-    """`x[:, :, None].expand(b, kvh, n, t, d).reshape(b, kvh * n, t, d)` -> (x, n)."""
-    if not axes.is_method(node, "reshape", "view") or not isinstance(node.args[0], fx.Node):
+    """K or V broadcast from kv heads to the query heads, query head h reading kv head h // n:
+    `x[:, :, None].expand(b, kvh, n, t, d).reshape(b, kvh * n, t, d)` (HF's repeat_kv; any
+    spelling of the new axis, `flatten(1, 2)` for the reshape) or `x.repeat_interleave(n, dim=1)`
+    -> (x, n)."""
+    if axes.is_method(node, "repeat_interleave") or axes.is_function(node, torch.repeat_interleave):
+        base = node.args[0]
+        repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        shape = axes.shape_of(base) if isinstance(base, fx.Node) else None
+        if shape is None or len(shape) != 4 or not isinstance(repeats, int) or not isinstance(dim, int) \
+                or axes.normalize_dim(dim, 4) != 1:
+            return None
+        return base, repeats
+    merged = axes.is_method(node, "reshape", "view") or axes.is_function(node, torch.reshape) or (
+        (axes.is_method(node, "flatten") or axes.is_function(node, torch.flatten))
+        and tuple(node.args[1:3]) == (1, 2))
+    if not merged or not isinstance(node.args[0], fx.Node):
         return None
     expand = node.args[0]
     if not axes.is_method(expand, "expand") or not isinstance(expand.args[0], fx.Node):
         return None
-    index = expand.args[0]
-    if not (index.op == "call_function" and index.target is operator.getitem and isinstance(index.args[1], tuple)):
+    base = _new_head_axis(expand.args[0])
+    if base is None:
         return None
-    entries = index.args[1]
-    if len(entries) != 5 or entries[2] is not None or not all(_whole(e) for i, e in enumerate(entries) if i != 2):
-        return None
-    base = index.args[0]
     shape, big, out = axes.shape_of(base), axes.shape_of(expand), axes.shape_of(node)
     if shape is None or big is None or out is None or len(big) != 5 or len(out) != 4:
         return None
@@ -783,11 +824,12 @@ cache_reads.WRITE_FORMS.append(index_copy_write)
 
 
 def _register_shards() -> None:
-    from dcp_pass.rewrites.cache import INSTALLED_AT_FIRST_CALL, RESETTABLE, SHARD_MAKERS
+    from dcp_pass.rewrites.cache import BATCH_REORDERABLE, INSTALLED_AT_FIRST_CALL, RESETTABLE, SHARD_MAKERS
 
     SHARD_MAKERS[KIND] = static_cache_shard
     INSTALLED_AT_FIRST_CALL.add(KIND)  # every generate brings new cache tensors
     RESETTABLE.add(KIND)  # Cache.reset() zeroes its tensors between generations
+    BATCH_REORDERABLE.add(KIND)  # beam search reorders them along the batch axis
 
 
 _register_shards()
