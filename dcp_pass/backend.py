@@ -8,6 +8,7 @@ want the report and the rewritten graphs.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -454,6 +455,7 @@ class DcpBackend:
         # called with (pass name, graph module) after each pass of the pipeline (testing.graph_stages)
         self.observer: Optional[Callable[[str, fx.GraphModule], None]] = None
         self.diffs: list[str] = []  # unified diff of the code of every graph the pass rewrote
+        self._warned_unchanged = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, **_: Any):
         opts = self.options
@@ -487,6 +489,7 @@ class DcpBackend:
                 self.diffs.append(graph_diff(gm, out, graph_report.graph_index))
         self.graphs.append(out)
         log.info("%s", self.report.graph_log(graph_report, new_caches))
+        self._warn_if_nothing_rewritten(graph_report)
         if caches or allocations or position is not None:
             return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position, layers,
                                      checks, allocations, allocation_layers,
@@ -495,6 +498,23 @@ class DcpBackend:
             compiled = compile_inner(out, plain_inputs(example_inputs), opts, mode)
             return lambda *args: compiled(*plain_inputs(args))
         return compile_inner(out, example_inputs, opts, mode)
+
+    def _warn_if_nothing_rewritten(self, graph_report: GraphReport) -> None:
+        """Rank 0 warns once when DCP is on, no graph so far has been rewritten and this one was
+        left unchanged for attention it could not rewrite: DCP would otherwise save nothing
+        without a word (the near misses are in the report, which a user need not print)."""
+        if (self._warned_unchanged or not self.topology.enabled or self.topology.rank != 0
+                or not graph_report.near_misses or any(g.rewritten for g in self.report.graphs)):
+            return
+        self._warned_unchanged = True
+        where, reason = graph_report.near_misses[0]
+        more = len(graph_report.near_misses) - 1
+        text = (f"dcp_pass: dcp_size={self.options.dcp_size} but graph {graph_report.graph_index} was left unchanged "
+                f"and no graph has been rewritten so far: the attention at {where} cannot be rewritten: {reason}"
+                + (f" ({more} more near miss(es) in the report)" if more else "")
+                + "; strict=True raises this instead, and the backend's report lists every graph")
+        warnings.warn(text, UserWarning, stacklevel=2)
+        log.warning("%s", text)
 
 
 # One DcpBackend per torch.compile call, held weakly by the object Dynamo keeps for that

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes, sinks
 from dcp_pass.rewrites.axes import B, F, H, S, T
-from dcp_pass.rewrites.cache_reads import CacheRead, ReadRefused, trace_cache_read
+from dcp_pass.rewrites.cache_reads import CacheRead, ReadRefused, is_cache_tensor, trace_cache_read
 from dcp_pass.rewrites.match import (
     MaskTerm,
     MatchContext,
@@ -337,6 +337,67 @@ def _attention_shaped(softmax: fx.Node) -> bool:
     return True
 
 
+_SCORE_WALK_LIMIT = 512  # nodes visited before the question is left undecided
+_LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
+
+
+def _reaches_cache_directly(node: fx.Node, seen: set) -> bool:
+    """Whether `node` is computed from a cache tensor along some path that crosses no
+    contraction and no softmax (key rows, or per-head keys projected from them by a linear)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > _SCORE_WALK_LIMIT:
+            return True  # undecided: count it as a cache read (the recogniser then says why not)
+        if is_cache_tensor(n):
+            return True
+        if axes.as_contraction(n) is not None or is_softmax(n) or _is_attention_call(n):
+            continue
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _is_attention_call(node: fx.Node) -> bool:
+    """SDPA or flex_attention: another attention's output, like a product or a softmax."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return "scaled_dot_product_attention" in name or "flex_attention" in name
+
+
+def reads_no_cache_rows(scores: fx.Node) -> bool:
+    """True when the scores certainly contract no cache rows: every product reached from them
+    through the ops scores are built with (sums, scales, casts, masks, views) has no operand
+    that comes from a cache without crossing another product or softmax (attention contracts
+    queries with keys). An MoE router (`linear(hidden)`), Sinkhorn normalisation of a small
+    mixing matrix, and pooling weights over a state's slots (a state read with no product)
+    are such softmaxes: downstream of attention layers, but not attention."""
+    products, seen, stack = [], set(), [scores]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > _SCORE_WALK_LIMIT:
+            return False
+        if axes.as_contraction(n) is not None:
+            products.append(n)
+        elif n.op == "placeholder" or (n.op == "call_function" and n.target in _LINEAR):
+            continue  # a graph input, or a projection of hidden states (a router's logits)
+        elif _binary(n) is not None or axes.is_dtype_cast(n) or axes.is_method(n, "masked_fill", "masked_fill_") \
+                or n.op == "call_method" or (n.op == "call_function" and n.target is operator.getitem):
+            stack.extend(n.all_input_nodes)
+        else:
+            return False  # an op the walk does not know: undecided
+    walked: set = set()
+    for product in products:
+        contraction = axes.as_contraction(product)
+        if any(_reaches_cache_directly(o, walked) for o in (contraction.lhs, contraction.rhs)):
+            return False
+    return True
+
+
 class SoftmaxRecogniser(Recogniser):
     name = "softmax"
 
@@ -351,6 +412,8 @@ class SoftmaxRecogniser(Recogniser):
             if _attention_shaped(softmax):
                 raise NotAttention("attention over keys and values computed in the graph, not read from a cache "
                                    "(MHA/GQA over per-head K/V): not MLA decode, left unchanged")
+            raise NotAttention()
+        if reads_no_cache_rows(scores):  # computed after attention layers, but not attention itself
             raise NotAttention()
         rank = len(axes.shape_of(scores) or ())
         dim = softmax_dim(softmax)
