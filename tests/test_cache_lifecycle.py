@@ -210,3 +210,15 @@ def test_learning_owners_keeps_no_caller_locals_alive(fake_world):
     compiled = torch.compile(Outer(), backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))
     assert _Runner().first_call_then_free(compiled)
     assert cache.lookup_local_cache(compiled._orig_mod.attn.kv_cache) is not None
+
+
+@torch.no_grad()
+def test_a_graph_reading_a_striped_cache_outside_attention_names_its_line(fake_world):
+    model, _ = _striped()
+
+    def total(m):
+        return m.kv_cache.sum() * 2  # a read the pass cannot stripe
+
+    with pytest.raises(Exception, match=r"no full-size storage .* first read at test_cache_lifecycle\.py:\d+ "
+                                        r"`return m\.kv_cache\.sum\(\) \* 2"):
+        torch.compile(total, backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))(model)

@@ -171,12 +171,14 @@ def source_of(node: Any) -> Optional[str]:
     if not isinstance(node, fx.Node):
         return None
     trace = node.meta.get("stack_trace") or ""
-    frames = [line for line in trace.splitlines() if line.strip().startswith("File ")]
+    lines = trace.splitlines()
+    # the innermost frame outside this package's rewrites (a striped cache's __torch_function__,
+    # which Dynamo traces through, is not where the user read it)
+    frames = [i for i, line in enumerate(lines) if line.strip().startswith("File ") and _OWN_FRAMES not in line]
     if not frames:
         return None
-    last = frames[-1].strip()
-    lines = trace.splitlines()
-    at = max(i for i, line in enumerate(lines) if line.strip().startswith("File "))
+    at = frames[-1]
+    last = lines[at].strip()
     code = lines[at + 1].strip() if at + 1 < len(lines) else ""
     try:
         path = last.split('"')[1]
@@ -185,6 +187,9 @@ def source_of(node: Any) -> Optional[str]:
         return None
     where = f"{os.path.basename(path)}:{lineno}"
     return f"{where} `{code}`" if code else where
+
+
+_OWN_FRAMES = os.path.join("dcp_pass", "rewrites", "")
 
 
 def where_of(node: fx.Node) -> str:
