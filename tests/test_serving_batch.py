@@ -4,7 +4,7 @@ over the whole cache under a per-request mask, rewritten and exact on real gloo 
 
 Prompts are ragged, one shorter than c (some ranks hold none of its rows after its
 prefill); greedy fp32 tokens must equal the model without DCP over 9 decode steps, every
-graph of every rank rewritten, every rank compiling the same number of graphs.
+graph of every rank rewritten, every rank compiling as many graphs as plain Dynamo does.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dcp_pass.testing import run_ranks
 
 PROMPTS = [[5, 7, 9, 11, 2, 3], [1], [3, 4], [8, 8, 1, 4, 6]]
 STEPS = 9
+PLAIN_GRAPHS = 4
 
 
 def _rank(rank, world, fused, inner):
@@ -46,7 +47,8 @@ def _rank(rank, world, fused, inner):
 @pytest.mark.parametrize("world, fused, inner", [(2, False, "aot_eager"), (4, True, "aot_eager")])
 def test_per_row_prefill_and_per_request_decode_exact(world, fused, inner):
     results = run_ranks(_rank, world, fused, inner, timeout=600)
-    assert len({r["graphs"] for r in results}) == 1, [r["graphs"] for r in results]
+    # what plain Dynamo captures: prefill of 6 tokens, of 1, of any length, the decode step
+    assert [r["graphs"] for r in results] == [PLAIN_GRAPHS] * world, [r["graphs"] for r in results]
     for r in results:
         assert r["tokens_equal"] and r["rel"] < 1e-5, (r["rel"], r["summary"])
         assert r["all_rewritten"] and r["released"], r["summary"]
