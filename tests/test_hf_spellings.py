@@ -14,7 +14,6 @@ End to end on 2 gloo ranks; the matcher tests need no process group.
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 

@@ -20,10 +20,10 @@ PLAIN_GRAPHS = 4
 def _rank(rank, world, fused, inner):
     import torch
     import torch._dynamo
+    from kit.serving import ServingMLA, serve
 
     from dcp_pass.backend import DcpBackend
     from dcp_pass.rewrites import cache as cache_rw
-    from kit.serving import ServingMLA, serve
 
     torch.set_grad_enabled(False)
     torch._dynamo.reset()

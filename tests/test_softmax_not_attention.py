@@ -9,9 +9,8 @@ miss. The attention itself still matches.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from kit.graphs import matches_of
+from torch import nn
 
 
 class AttentionThenRouters(nn.Module):

@@ -205,7 +205,8 @@ class FindAttention(GraphPass):
             _refuse_released(state.graph, state.values, found.near_misses)
             reason = "no absorbed-MLA attention in this graph"
             if found.near_misses:  # attention was found: say that none of it could be rewritten
-                reason = f"no attention in this graph that the pass can rewrite ({len(found.near_misses)} near miss(es))"
+                count = len(found.near_misses)
+                reason = f"no attention in this graph that the pass can rewrite ({count} near miss(es))"
             state.stop(reason)
             state.report.unchanged_reason = reason
         return PassOutcome(len(found.matches), [f"{m.layer}: {m.family}" for m in found.matches] + found.notes)

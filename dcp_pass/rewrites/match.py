@@ -349,10 +349,10 @@ def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[Ca
     """The writes of each cache the match reads, as writes into the layout the attention reads
     (`cache[a, b] = v` is (request, position) for a flat read, (page, offset) for a paged one);
     NearMiss naming the write when the write and the read disagree about the cache's layout."""
-    reads = {}
+    reads: dict[fx.Node, CacheRead] = {}
     for read in [t.cache for t in match.terms] + [match.value_cache]:
         reads.setdefault(read.buffer, read)
-    found = {}
+    found: dict[fx.Node, list[CacheAccess]] = {}
     for buffer, read in reads.items():
         kind = read.kind
         converted = []
@@ -386,8 +386,8 @@ def _check_no_write_between_reads(match: MlaMatch, ctx: MatchContext, order: dic
     writes = {w.node for buffer in match.buffers for w in ctx.writes.get(buffer, [])}
     # when a read is the cache tensor itself (a whole static cache read as it is), its contents
     # are read where the ops using it run, not where the graph input sits in graph order
-    times = [_read_time(n, writes, order) for n in [t.cache.node for t in match.terms] + [match.value_cache.node]]
-    times = [t for t in times if t is not None]
+    found = [_read_time(n, writes, order) for n in [t.cache.node for t in match.terms] + [match.value_cache.node]]
+    times = [t for t in found if t is not None]
     first = min(times)
     last = max(times + [order.get(match.output, -1)])
     for buffer in match.buffers:
