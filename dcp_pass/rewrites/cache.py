@@ -98,8 +98,9 @@ SHARD_MAKERS: dict[str, Any] = {}
 # them, outside any graph) by zeroing the rank's shard; any other eager use raises
 RESETTABLE: set[str] = set()
 # kinds of shards whose axis 0 is the batch (a paged pool's is its pages): StripedCache applies
-# batch reorders (beam search) to them
-BATCH_REORDERABLE: set[str] = {"flat"}
+# batch reorders (beam search) to them. "static_cache": a Hugging Face static cache tensor
+# [batch, kv heads, position, feature] (recognisers/per_head.py's KIND)
+BATCH_REORDERABLE: set[str] = {"flat", "static_cache"}
 
 
 def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",

@@ -824,12 +824,11 @@ cache_reads.WRITE_FORMS.append(index_copy_write)
 
 
 def _register_shards() -> None:
-    from dcp_pass.rewrites.cache import BATCH_REORDERABLE, INSTALLED_AT_FIRST_CALL, RESETTABLE, SHARD_MAKERS
+    from dcp_pass.rewrites.cache import INSTALLED_AT_FIRST_CALL, RESETTABLE, SHARD_MAKERS
 
     SHARD_MAKERS[KIND] = static_cache_shard
     INSTALLED_AT_FIRST_CALL.add(KIND)  # every generate brings new cache tensors
     RESETTABLE.add(KIND)  # Cache.reset() zeroes its tensors between generations
-    BATCH_REORDERABLE.add(KIND)  # beam search reorders them along the batch axis
 
 
 _register_shards()
