@@ -61,6 +61,7 @@ __all__ = [
     "mla_refusal",
     "fp8_reason",
     "triton_reason",
+    "triton_device_reason",
     "lens_operand",
     "launch",
     "recording_launches",
@@ -347,6 +348,12 @@ def triton_reason(shape, fp8: bool = False) -> Optional[str]:
         return f"values ({shape.v_dim} columns) wider than the key part ({shape.d_main}): not a decode MLA layout"
     if pow2(shape.d_main) > 1024 or pow2(shape.d_tail) > 256:
         return f"{shape.d_main} + {shape.d_tail} score columns: the kernels take up to 1024 + 256"
+    return triton_device_reason(shape)
+
+
+def triton_device_reason(shape) -> Optional[str]:
+    """Why a Triton kernel cannot run on the call's device (None: it can): CUDA, or the
+    interpreter on CPU in float32 / float16."""
     if shape.device != "cuda" and not INTERPRETED:
         return f"it needs CUDA tensors, or TRITON_INTERPRET=1 set before triton's import for {shape.device} tensors"
     if shape.device != "cuda" and shape.dtype == torch.bfloat16:

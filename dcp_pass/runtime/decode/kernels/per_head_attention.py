@@ -34,7 +34,6 @@ import torch
 
 from .common import (
     HAS_TRITON,
-    INTERPRETED,
     LOG2E,
     TRITON_DTYPES,
     AttentionCall,
@@ -51,6 +50,7 @@ from .common import (
     positions_i32,
     pow2,
     shard_keys,
+    triton_device_reason,
 )
 from .splits import partial_outputs, reduce_launch, split_count
 
@@ -250,13 +250,7 @@ def supports(shape) -> Optional[str]:
     if max(shape.d_main, shape.v_dim) > MAX_HEAD_DIM:
         return (f"head dims {shape.d_main} (keys) and {shape.v_dim} (values): the kernel holds up to "
                 f"{MAX_HEAD_DIM} columns of each")
-    if shape.device != "cuda" and not INTERPRETED:
-        return f"it needs CUDA tensors, or TRITON_INTERPRET=1 set before triton's import for {shape.device} tensors"
-    if shape.device != "cuda" and shape.dtype == torch.bfloat16:
-        # the interpreter keeps bfloat16 as raw 16-bit integers and tl.dot multiplies those
-        return ("Triton's interpreter computes tl.dot on bfloat16 wrongly; on CPU pass float32 or float16 "
-                "tensors (the GPU path takes bfloat16)")
-    return None
+    return triton_device_reason(shape)
 
 
 def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
