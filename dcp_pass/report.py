@@ -72,6 +72,10 @@ class GraphReport:
     def rewritten(self) -> int:
         return sum(layer.rewritten for layer in self.layers)
 
+    def reset(self) -> None:
+        """Back to what a new report of this graph holds (a rewrite starting again writes it anew)."""
+        self.__dict__.update(type(self)(self.graph_index).__dict__)
+
     def detail_lines(self, other_fields: bool = True,
                      kernel_of: Optional[Callable[[LayerReport], str]] = None) -> list[str]:
         """What happened in this graph, one line each (without the graph's head line);

@@ -554,7 +554,7 @@ def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassCon
         except _KeepLayers as found:
             kept.update(found.layers)
             # the report restarts with the next attempt (the kept layers' lines are written again)
-            report.__dict__.update(type(report)(report.graph_index).__dict__)
+            report.reset()
     if state.stopped is not None:
         return DcpPassResult(state.gm, position=state.position)
     replicator = state.replicator
