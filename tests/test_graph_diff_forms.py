@@ -135,14 +135,9 @@ striped_write_1 = dcp_pass_runtime_decode_layout_write_owned_tokens_(dcp_local_c
 kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
 pe_local = dcp_local_cache_1[(slice(None, 2, None),)]
 query_rows = q_abs.size(1)
-causal_keys = torch.arange(5, device = device(type='cpu'))
 causal_rows = torch.arange(query_rows, device = device(type='cpu'))
-getitem = causal_keys[(None, slice(None, None, None))]
-getitem_16 = causal_rows[(slice(None, None, None), None)]
-causal_keep = getitem <= getitem_16
-causal_f32 = torch.where(causal_keep, 0.0, -inf)
-causal_mask = causal_f32[(None, slice(None, None, None), None, slice(None, None, None))]
-local_attention = torch.ops.dcp.mla_local_attention.default(q_abs, q_pe_1, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = causal_mask, lse_base = 'e', backend = 'auto')
+causal_q_pos = causal_rows.unsqueeze(0)
+local_attention = torch.ops.dcp.mla_local_attention.default(q_abs, q_pe_1, kv_local, pe_local, kv_len = 5, c = 2, rank = 0, v_dim = 16, scale = 0.25, mask = None, lse_base = 'e', backend = 'auto', q_pos = causal_q_pos)
 partial_out = local_attention[0]
 partial_lse = local_attention[1]
 merged = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32)

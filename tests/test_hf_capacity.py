@@ -146,8 +146,9 @@ def test_prefill_allocations_stand_in_for_the_cache_tensors(name, impl):
     """The recogniser names each StaticCache tensor the prefill allocates as the later graphs
     take it (`cache.layers.<i>.keys` / `values`; Kimi's linear-attention layer allocates none),
     every factory call gives way to an input, and HF's unpadded SDPA prefill (causal over
-    `key[:, :, :n]`) becomes the same attention under a `p <= i` mask over every position; put
-    back, the graph allocates and attends as captured."""
+    `key[:, :, :n]`) becomes the same causal attention over every position, which the
+    recognisers take with a causal cap and no mask; put back, the graph allocates and attends as
+    captured."""
     from kit import hf
 
     from dcp_pass.rewrites import allocation
@@ -163,10 +164,12 @@ def test_prefill_allocations_stand_in_for_the_cache_tensors(name, impl):
     assert [buffer_name(s.placeholder) for s in stand_ins] == [
         f"cache.layers.{i}.{t}" for i in layers for t in ("keys", "values")]
     assert all(not s.factory.users for s in stand_ins)
-    prefixes = allocation.causal_prefix_as_mask(graph, stand_ins)
+    prefixes = allocation.causal_prefix_over_cache(graph, stand_ins)
     assert len(prefixes) == (len(layers) if impl == "sdpa" else 0)
     found = find_mla(graph)
     assert [m.layer for m in found.matches] == [f"cache.layers.{i}" for i in layers] and not found.near_misses
+    assert [m.causal for m in found.matches] == [impl == "sdpa"] * len(layers)
+    assert all(not m.masks for m in found.matches) if impl == "sdpa" else True
     assert {b for m in found.matches for b in m.buffers} == {s.placeholder for s in stand_ins}
     for prefix in prefixes:
         allocation.undo_prefix(graph, prefix)

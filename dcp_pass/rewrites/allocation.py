@@ -20,11 +20,13 @@ back as it was (`put_back`).
 
 A prefill over a fresh cache may attend over its first `n` positions only, causally
 (Hugging Face's SDPA path slices `key[:, :, :n]` and passes `is_causal=True` when there is
-no padding mask). `causal_prefix_as_mask` writes such a call over a stand-in's tensors as
-the same attention over every position under a mask that keeps key `p` for query `i`
-when `p <= i`: the cache is zero past what this graph wrote and its write positions start
-at 0 (the graph allocated it, so its length is 0, as the slice assumes too), so both see
-the same keys, and the masked form is one the recognisers take over a striped cache.
+no padding mask). `causal_prefix_over_cache` writes such a call over a stand-in's tensors
+as the same causal attention over every position: SDPA's `is_causal` is top-left aligned,
+so query `i` still sees keys `p <= i` and none past the prefix; the cache is zero past what
+this graph wrote and its write positions start at 0 (the graph allocated it, so its length
+is 0, as the slice assumes too), so both see the same keys, and a causal read of the whole
+cache is one the recognisers take over a striped cache (the attention op gets it as a cap
+on key positions, no [S, T] mask anywhere).
 
 Which factory calls are cache allocations is for the recognisers to say: each entry of
 `ALLOCATION_FORMS` takes a factory node and returns the source name of the cache tensor
@@ -132,7 +134,7 @@ def only_returned(node: fx.Node) -> bool:
 
 
 @dataclass
-class MaskedPrefix:
+class CausalPrefix:
     """A causal SDPA over the first positions of stand-in tensors, replaced by `new`: what
     `undo_prefix` needs to put the call back."""
 
@@ -181,14 +183,12 @@ def _prefix_of(node, length: int) -> Optional[fx.Node]:
     return base if shape is not None and len(shape) == 4 else None
 
 
-def causal_prefix_as_mask(graph: fx.Graph, stand_ins: list[StandIn]) -> list[MaskedPrefix]:
+def causal_prefix_over_cache(graph: fx.Graph, stand_ins: list[StandIn]) -> list[CausalPrefix]:
     """Rewrite each `sdpa(q, k[:, :, :n], v[:, :, :n], is_causal=True)` whose keys and values
-    are computed from stand-ins (n the query length) as `sdpa(q, k, v, attn_mask=keep)`,
-    keep[i, p] = p <= i (one mask per shape, shared by the layers)."""
+    are computed from stand-ins (n the query length) as `sdpa(q, k, v, is_causal=True)`."""
     from dcp_pass.rewrites.recognisers.sdpa import SDPA_TARGETS, sdpa_arguments
 
     placeholders = {s.placeholder for s in stand_ins}
-    masks: dict = {}
     done = []
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target in SDPA_TARGETS):
@@ -208,20 +208,7 @@ def causal_prefix_as_mask(graph: fx.Graph, stand_ins: list[StandIn]) -> list[Mas
         under = _stand_ins_under(key, placeholders) | _stand_ins_under(value, placeholders)
         if not under:
             continue
-        device = axes.example_value(args["query"]).device
-        keep = masks.get((n, total, device))
-        if keep is None:
-            first = next(x for x in graph.nodes if x.op != "placeholder")
-            with graph.inserting_before(first):
-                keys_at = fx_util.call(graph, torch.arange, total, device=device, name="prefix_key_positions")
-                queries_at = fx_util.call(graph, torch.arange, n, device=device, name="prefix_query_positions")
-                column = fx_util.method(graph, "unsqueeze", queries_at, -1)
-                keep = fx_util.call(graph, torch.le, keys_at, column, name="causal_prefix_keep")
-            for made in (keys_at, queries_at, column, keep):
-                fx_util.set_example_value(made)
-            masks[(n, total, device)] = keep
         kwargs = {k: v for k, v in args.items() if k not in ("query", "key", "value")}
-        kwargs.update(attn_mask=keep, is_causal=False)
         with graph.inserting_before(node):
             # a stand-in read as it is (GQA through enable_gqa): read through a view at the
             # attention, after the graph's write into it, as the slice read it
@@ -230,7 +217,7 @@ def causal_prefix_as_mask(graph: fx.Graph, stand_ins: list[StandIn]) -> list[Mas
                                     name=f"{node.name}_over_cache")
         new.meta = dict(node.meta)
         slices = {i: (a.args[0], a.args[1]) for i, a in ((1, args["key"]), (2, args["value"]))}
-        done.append(MaskedPrefix(new, node.target, node.args, dict(node.kwargs), slices, node.name,
+        done.append(CausalPrefix(new, node.target, node.args, dict(node.kwargs), slices, node.name,
                                  dict(node.meta), under))
         node.replace_all_uses_with(new)
         old_slices = [args["key"], args["value"]]
@@ -249,7 +236,7 @@ def _read_here(graph: fx.Graph, tensor: fx.Node) -> fx.Node:
     return view
 
 
-def undo_prefix(graph: fx.Graph, prefix: MaskedPrefix) -> None:
+def undo_prefix(graph: fx.Graph, prefix: CausalPrefix) -> None:
     """Put back the causal call over the prefix slices that `prefix` replaced."""
     with graph.inserting_before(prefix.new):
         cut = {i: fx_util.call(graph, operator.getitem, base, index) for i, (base, index) in prefix.slices.items()}
@@ -264,7 +251,6 @@ def undo_prefix(graph: fx.Graph, prefix: MaskedPrefix) -> None:
         old = graph.create_node("call_function", prefix.target, args, kwargs, name=prefix.name)
     old.meta = prefix.meta
     prefix.new.replace_all_uses_with(old)
-    mask = prefix.new.kwargs["attn_mask"]
     reads = [a for a in prefix.new.args[1:3] if isinstance(a, fx.Node)]
     graph.erase_node(prefix.new)
-    fx_util.erase_dead_region(graph, [n for n in [mask, *reads] if isinstance(n, fx.Node)])
+    fx_util.erase_dead_region(graph, reads)

@@ -116,7 +116,7 @@ class PassState:
     kept_layers: dict[str, str] = field(default_factory=dict)
     # inputs standing in for cache tensors the graph allocated (rewrites/allocation.py)
     allocated: dict[fx.Node, allocation.StandIn] = field(default_factory=dict)
-    prefixes: list[allocation.MaskedPrefix] = field(default_factory=list)  # causal prefixes over them
+    prefixes: list[allocation.CausalPrefix] = field(default_factory=list)  # causal prefixes over them
     allocations: list[cache_rw.AllocatedCache] = field(default_factory=list)
 
     @property
@@ -161,9 +161,9 @@ class AllocatedCaches(GraphPass):
             example = fx_util.node_value(stand_in.placeholder)
             state.values[stand_in.placeholder.name] = cache_rw.unallocated(example.shape, example.stride(),
                                                                            example.dtype, example.device)
-        state.prefixes = allocation.causal_prefix_as_mask(state.graph, list(state.allocated.values()))
+        state.prefixes = allocation.causal_prefix_over_cache(state.graph, list(state.allocated.values()))
         notes = [f"{buffer_name(p)} allocated in the graph" for p in state.allocated]
-        notes += [f"{p.name}: causal attention over the first positions, as a mask over the cache"
+        notes += [f"{p.name}: causal attention over the first positions, as causal attention over the cache"
                   for p in state.prefixes]
         if symbolic:
             # Dynamo compiled this graph for any cache length (a generate with a longer cache than

@@ -145,25 +145,26 @@ def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], can
     return node if perm == list(range(len(perm))) else method(graph, "permute", node, *perm, name=name)
 
 
-def causal_mask(graph: fx.Graph, match: MlaMatch, q_lat: fx.Node) -> fx.Node:
-    """SDPA's `is_causal` as an additive [1, S, 1, T] mask: query i sees keys j <= i of the
-    read (top-left aligned), over global key positions like every other mask."""
+def causal_positions(graph: fx.Graph, match: MlaMatch, q_lat: fx.Node) -> Optional[fx.Node]:
+    """SDPA's `is_causal` as the op's causal cap: the global position of each query row, int64
+    [1, S]. Query i sees keys j <= i of the read (top-left aligned), so for a read from
+    `start` its cap is start + i. A cap, not an additive mask: the mask would be an [S, T]
+    fp32 tensor (16 GiB for a 64K-token prefill), the cap is S integers."""
+    if not match.causal:
+        return None
     device = axes.example_value(match.terms[0].query).device
-    read = match.value_cache
-    keys = read.end if not read.windowed else call(graph, operator.sub, read.end, read.start, name="window_keys")
     rows = method(graph, "size", q_lat, 1, name="query_rows")
-    key_pos = call(graph, torch.arange, keys, device=device, name="causal_keys")
     query_pos = call(graph, torch.arange, rows, device=device, name="causal_rows")
-    keep = call(graph, operator.le, call(graph, operator.getitem, key_pos, (None, slice(None))),
-                call(graph, operator.getitem, query_pos, (slice(None), None)), name="causal_keep")
-    additive = call(graph, torch.where, keep, 0.0, float("-inf"), name="causal_f32")
-    return call(graph, operator.getitem, additive, (None, slice(None), None, slice(None)), name="causal_mask")
+    read = match.value_cache
+    if read.windowed:
+        query_pos = call(graph, operator.add, query_pos, read.start, name="causal_rows_global")
+    return method(graph, "unsqueeze", query_pos, 0, name="causal_q_pos")
 
 
 def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None) -> Optional[fx.Node]:
     """Sum of the score masks as one additive fp32 tensor in [B, S, H, T] order (global
     key positions: the op keeps this rank's columns)."""
-    total = causal_mask(graph, match, q_lat) if match.causal else None
+    total = None
     if match.mask_builder is not None:
         built = match.mask_builder(graph, q_lat)
         if built is not None:
@@ -307,6 +308,9 @@ def rewrite_attention(
                 q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, d_lat)
         mask = score_mask(graph, match, q_lat)
         window = {"kv_start": match.value_cache.start} if match.value_cache.windowed else {}
+        q_pos = causal_positions(graph, match, q_lat)
+        if q_pos is not None:
+            window["q_pos"] = q_pos
         if kv_format:
             window["kv_format"] = kv_format
         attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,

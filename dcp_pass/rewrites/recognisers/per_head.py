@@ -458,7 +458,7 @@ class PerHeadMatch(MlaMatch):
 
     def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
                 query_override=None):
-        from dcp_pass.rewrites.attention import CANON_Q, MergedOutput, emit_exchange, score_mask
+        from dcp_pass.rewrites.attention import CANON_Q, MergedOutput, causal_positions, emit_exchange, score_mask
 
         if query_override is not None:
             raise NearMiss("per-head attention takes no replicated query projection")
@@ -474,8 +474,10 @@ class PerHeadMatch(MlaMatch):
             v = local_kv(graph, self.values, local_nodes, memo, "v_local")
             q = method(graph, "transpose", self.query, 1, 2, name="q_bshd")
             mask = score_mask(graph, self, q)
+            cap = causal_positions(graph, self, q)
             attn = call(graph, torch.ops.dcp.local_attention.default, q, k, v, self.kv_len, plan.c, plan.rank,
-                        float(self.scale), mask, plan.lse_base, plan.attn_backend, name="local_attention")
+                        float(self.scale), mask, plan.lse_base, plan.attn_backend, name="local_attention",
+                        **({"q_pos": cap} if cap is not None else {}))
             out = call(graph, operator.getitem, attn, 0, name="partial_out")
             lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
             merged = emit_exchange(graph, out, lse, self, plan)
@@ -492,7 +494,7 @@ class PerHeadMatch(MlaMatch):
         q_nope . (W_k c_t) = (q_nope W_k) . c_t, and sum_t p_t W_v c_t = W_v sum_t p_t c_t; a
         key bias adds one constant per query row (the softmax and the merge ignore it), a
         value bias is added after the merge (the probabilities sum to 1)."""
-        from dcp_pass.rewrites.attention import CANON_Q, MergedOutput, emit_exchange, score_mask
+        from dcp_pass.rewrites.attention import CANON_Q, MergedOutput, causal_positions, emit_exchange, score_mask
 
         proj, nope, rope, v = ab.projection, ab.nope, ab.rope, ab.v_dim
         with graph.inserting_before(self.anchor):
@@ -508,9 +510,11 @@ class PerHeadMatch(MlaMatch):
             kv = call(graph, operator.getitem, local_nodes[ab.latent], (slice(None), 0), name="kv_local")
             pe = call(graph, operator.getitem, local_nodes[ab.rotary], (slice(None), 0), name="pe_local")
             mask = score_mask(graph, self, q_lat)
+            cap = causal_positions(graph, self, q_lat)
             attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
                         kv_len=self.kv_len, c=plan.c, rank=plan.rank, v_dim=ab.rank, scale=float(self.scale),
-                        mask=mask, lse_base=plan.lse_base, backend=plan.attn_backend, name="local_attention")
+                        mask=mask, lse_base=plan.lse_base, backend=plan.attn_backend, name="local_attention",
+                        **({"q_pos": cap} if cap is not None else {}))
             out = call(graph, operator.getitem, attn, 0, name="partial_out")
             lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
             merged = emit_exchange(graph, out, lse, self, plan)
@@ -653,7 +657,7 @@ def _mask_term(mask: Any, kv_len: int, kind: Optional[str] = None) -> list[MaskT
 
 
 def _record(family: str, anchor: fx.Node, output: fx.Node, query: fx.Node, keys: KvOperand, values: KvOperand,
-            scale: float, masks: list[MaskTerm], kv_len: int) -> PerHeadMatch:
+            scale: float, masks: list[MaskTerm], kv_len: int, causal: bool = False) -> PerHeadMatch:
     buffers = []
     for piece in keys.pieces + values.pieces:
         if piece.buffer not in buffers:
@@ -662,8 +666,8 @@ def _record(family: str, anchor: fx.Node, output: fx.Node, query: fx.Node, keys:
     value_read = whole_read(values.pieces[0].buffer, values.node)
     out = axes.example_value(output)
     return PerHeadMatch(_layer_of([keys]), family, anchor, output, terms, value_read, values.width, float(scale),
-                        masks, SCORE_ROLES, [B, H, S, F], out.dtype, query=query, keys=keys, values=values,
-                        kv_len=kv_len)
+                        masks, SCORE_ROLES, [B, H, S, F], out.dtype, causal=causal, query=query, keys=keys,
+                        values=values, kv_len=kv_len)
 
 
 def _reads_static_cache(ctx: MatchContext, *nodes: Any) -> bool:
@@ -685,8 +689,10 @@ class PerHeadSdpa(Recogniser):
         query, key, value = args["query"], args["key"], args["value"]
         if not all(isinstance(x, fx.Node) for x in (query, key, value)) or not _reads_static_cache(ctx, key, value):
             raise NotAttention()
-        if args["dropout_p"] not in (0, 0.0) or args["is_causal"] is not False:
-            raise NearMiss("dropout or is_causal over a static cache (decode passes a mask)")
+        if args["dropout_p"] not in (0, 0.0):
+            raise NearMiss("dropout in the attention")
+        if args["is_causal"] not in (True, False):
+            raise NearMiss("is_causal is not a constant")
         keys, values = trace_kv(key, node), trace_kv(value, node)
         _check_query(query, keys, values, ctx)
         _check_mask(args["attn_mask"], keys, values, ctx)
@@ -696,7 +702,7 @@ class PerHeadSdpa(Recogniser):
         if not isinstance(scale, (int, float)):
             raise NearMiss("the scale is not a constant")
         return _record("per-head sdpa", node, node, query, keys, values, scale, _mask_term(args["attn_mask"], kv_len),
-                       kv_len)
+                       kv_len, causal=args["is_causal"])
 
 
 _ADDS = {operator.add, torch.add}

@@ -26,11 +26,11 @@ _LIBRARY = torch.library.Library(LIB, "FRAGMENT")
 _LIBRARY.define(
     "mla_local_attention(Tensor q_lat, Tensor? q_rope, Tensor kv, Tensor? pe, SymInt kv_len, int c, int rank, "
     "int v_dim, float scale, Tensor? mask, str lse_base, str backend, Tensor? kv_lens=None, SymInt kv_start=0, "
-    "str kv_format='') -> (Tensor, Tensor)"
+    "str kv_format='', Tensor? q_pos=None) -> (Tensor, Tensor)"
 )
 _LIBRARY.define(
     "local_attention(Tensor q, Tensor k, Tensor v, SymInt kv_len, int c, int rank, float scale, Tensor? mask, "
-    "str lse_base, str backend, SymInt kv_start=0) -> (Tensor, Tensor)"
+    "str lse_base, str backend, SymInt kv_start=0, Tensor? q_pos=None) -> (Tensor, Tensor)"
 )
 
 
@@ -50,6 +50,7 @@ def mla_local_attention(
     kv_lens: Optional[torch.Tensor] = None,
     kv_start: int = 0,
     kv_format: str = "",
+    q_pos: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of all query heads over this rank's KV shard only.
 
@@ -81,13 +82,18 @@ def mla_local_attention(
     packed fp8 rows of that layout, read as the fp8 latent, its scales and (if the layout
     has them) the rotary columns, which then stand for `pe`; a query that carries both parts
     (q_rope None) is split at the latent width.
+
+    `q_pos` (int, broadcastable to [B, S], global): the causal cap, a key at global position p
+    visible to query s only when p <= q_pos[b, s] (SDPA's `is_causal` over keys from 0 is
+    q_pos = arange(S)). A cap costs no memory; the same cap as an additive mask would be an
+    [S, kv_len] fp32 tensor, 16 GiB for a 64K-token prefill.
     """
     if kv_lens is not None and kv_start != 0:
         raise ValueError(f"dcp.mla_local_attention: kv_start={kv_start} with device key counts (kv_lens); a "
                          f"window start needs a host kv_len (pass kv_lens=None)")
     # kv_len=STEP_COUNT: kv_lens is the step's key count buffer, whose value the backend holds
     host_lens = step_count.current_count() if kv_lens is not None and kv_len == step_count.STEP_COUNT else None
-    if kv_lens is not None and q_lat.is_cuda:
+    if kv_lens is not None and q_pos is None and q_lat.is_cuda:
         # The decode path: one signature per layer shape for the whole run, so after its
         # first call the launches replay without this Python (runtime/decode/replay.py).
         inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
@@ -98,7 +104,7 @@ def mla_local_attention(
         return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
                                                                 lse_base, backend, 0, kv_format, host_lens))
     return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                            kv_start, kv_format, host_lens)[0]
+                            kv_start, kv_format, host_lens, q_pos)[0]
 
 
 def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
@@ -117,7 +123,7 @@ def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
 
 
 def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                     kv_start=0, kv_format="", host_lens=None):
+                     kv_start=0, kv_format="", host_lens=None, q_pos=None):
     """((partial output, lse), whether the kernel that ran may be replayed)."""
     from dcp_pass.runtime.decode.backends import attend_with_kernel
     from dcp_pass.runtime.decode.call import AttentionCall
@@ -128,7 +134,8 @@ def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_di
     # the graph's global count and mask as they are: the call takes the rank's rows and
     # columns, and with device counts the kernels take its share (no torch op per call)
     call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask=mask, kv_lens=kv_len if kv_lens is None else kv_lens,
-                         kv_start=kv_start, stripe=(c, rank), lse_base=lse_base, kv_scale=kv_scale, host_lens=host_lens)
+                         kv_start=kv_start, stripe=(c, rank), lse_base=lse_base, kv_scale=kv_scale, host_lens=host_lens,
+                         q_pos=q_pos)
     # "auto": the Triton kernels on CUDA for 16-bit caches, the torch reference for fp32
     # caches (a checking mode) and off CUDA; a named backend that cannot run here (refused
     # at compile) falls back to the reference, as it always did
@@ -141,7 +148,7 @@ _LIBRARY.impl("mla_local_attention", mla_local_attention, "CompositeExplicitAuto
 
 @torch.library.register_fake(f"{LIB}::mla_local_attention")
 def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend, kv_lens=None, kv_start=0,
-      kv_format=""):
+      kv_format="", q_pos=None):
     B, S, H, _ = q_lat.shape
     out = q_lat.new_empty((B, S, H, v_dim))
     lse = q_lat.new_empty((B, S, H), dtype=torch.float64 if q_lat.dtype == torch.float64 else torch.float32)
@@ -160,6 +167,7 @@ def local_attention(
     lse_base: str,
     backend: str,
     kv_start: int = 0,
+    q_pos: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of all query heads over this rank's rows of per-head keys and values.
 
@@ -169,7 +177,8 @@ def local_attention(
     the rank's share are not read); ``H % Hk == 0`` and query head h reads kv head
     ``h // (H // Hk)``. ``kv_len``, ``kv_start`` and ``mask`` are global, as in
     :func:`mla_local_attention` (mask: additive fp32, broadcastable to
-    ``[B,S,H,kv_len - kv_start]``; the op keeps its stripe). Returns ``out [B,S,H,Dv]`` (q's
+    ``[B,S,H,kv_len - kv_start]``; the op keeps its stripe), and ``q_pos`` the causal cap
+    as in :func:`mla_local_attention`. Returns ``out [B,S,H,Dv]`` (q's
     dtype) and ``lse [B,S,H]`` (fp32, fp64 for fp64 inputs) in ``lse_base``; a rank with no
     visible key gives 0 and -inf. On CUDA, "auto" and "triton" run the per-head split-KV Triton
     kernel (kernels/per_head_attention.py) for 16-bit caches; "auto" keeps the torch reference
@@ -179,7 +188,7 @@ def local_attention(
     from dcp_pass.runtime.decode.call import AttentionCall
 
     call = AttentionCall(q, None, k, None, v.shape[-1], scale, mask=mask, kv_lens=kv_len, kv_start=kv_start,
-                         stripe=(c, rank), lse_base=lse_base, v=v)
+                         stripe=(c, rank), lse_base=lse_base, v=v, q_pos=q_pos)
     out, lse = attend(call, backend, strict=False)
     return out.contiguous(), lse.contiguous()
 
@@ -188,7 +197,7 @@ _LIBRARY.impl("local_attention", local_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake(f"{LIB}::local_attention")
-def _(q, k, v, kv_len, c, rank, scale, mask, lse_base, backend, kv_start=0):
+def _(q, k, v, kv_len, c, rank, scale, mask, lse_base, backend, kv_start=0, q_pos=None):
     B, S, H, _ = q.shape
     out = q.new_empty((B, S, H, v.shape[-1]))
     lse = q.new_empty((B, S, H), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
