@@ -77,41 +77,150 @@ VARIANTS = {  # label -> DcpBackend options beyond dcp_size (None: HF's own comp
 }
 
 
+def _profile(model, prompts, args, label, rank):
+    """Top device kernels of a decode-only stretch (a long generate minus a short one) and the
+    allocation history of a prefill (and one decode step), written to --profile-dir."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tables = {}
+    for new in (2, args.steps + 2):
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            _generate(model, prompts, new)
+        tables[new] = {e.key: (e.device_time_total, e.count, e.self_cpu_time_total, e.cpu_time_total)
+                       for e in prof.key_averages()}
+    short, long = tables[2], tables[args.steps + 2]
+    tag = f"{label.replace(' ', '_')}_r{rank}"
+    with open(os.path.join(args.profile_dir, f"decode_kernels_{tag}.txt"), "w") as f:
+        for column, what in ((0, "device"), (2, "self cpu"), (3, "cpu total")):
+            per_step = {k: ((v[column] - short.get(k, (0, 0, 0, 0))[column]) / args.steps,
+                            (v[1] - short.get(k, (0, 0, 0, 0))[1]) / args.steps) for k, v in long.items()}
+            f.write(f"us of {what} time per step | calls per step | name\n")
+            for k, (us, n) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:25]:
+                f.write(f"{us:10.1f} | {n:6.1f} | {k[:150]}\n")
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    _generate(model, prompts, 2)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(os.path.join(args.profile_dir, f"prefill_peak_blocks_{tag}.txt"), "w") as f:
+        f.write(_blocks_at_peak(snapshot))
+
+
+def _blocks_at_peak(snapshot) -> str:
+    """The allocations live at the highest point of the recorded trace, largest first, each with
+    the innermost frames of its stack that are not torch's own."""
+    live, total, best, at_best = {}, 0, -1, {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > best:
+            best, at_best = total, dict(live)
+    lines = [f"peak of the trace: {best / 2**30:.2f} GiB above its start, {len(at_best)} blocks"]
+    for event in sorted(at_best.values(), key=lambda e: -e["size"])[:25]:
+        frames = [f"{fr['filename'].split('/')[-1]}:{fr['line']} {fr['name']}" for fr in event.get("frames", [])
+                  if "/torch/" not in fr["filename"] or "_inductor" in fr["filename"]][:4]
+        lines.append(f"{event['size'] / 2**30:8.3f} GiB  " + " <- ".join(frames))
+    return "\n".join(lines) + "\n"
+
+
+def _build(label, device, dtype, cfg, world, args):
+    from transformers import AutoModelForCausalLM
+
+    from dcp_pass.backend import DcpBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+    backend = None
+    if VARIANTS[label] is not None:
+        # the documented call: dcp_size, and at one GPU fast_path; nothing else unless the variant says
+        options = {"dcp_size": world, "tp_size": 1, **({"fast_path": True} if world == 1 else {})}
+        options.update(VARIANTS[label])
+        if args.inner != "inductor":
+            options["inner"] = args.inner
+        backend = DcpBackend(options)
+        model.compile(backend=backend)
+    return model, backend
+
+
+def _capacity(device, dtype, cfg, world, args):
+    """Per variant, the prompts (ascending) that prefill and decode 4 tokens with at most
+    --cap-gib of GPU memory in this process, each with its peak; a variant stops at its first
+    out-of-memory. One batch row, so the prompt is the request's whole context."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)
+    rows = []
+    for label in args.variants.split(","):
+        model, backend = _build(label, device, dtype, cfg, world, args)
+        for length in (int(x) for x in args.prompts.split(",")):
+            prompts = torch.randint(0, cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                out = _generate(model, prompts.to(device), 4)
+                ok, error = True, ""
+                del out
+            except torch.OutOfMemoryError as e:
+                ok, error = False, str(e).splitlines()[0][:200]
+            except Exception as e:  # Dynamo wraps an out-of-memory inside a compile
+                if "out of memory" not in str(e).lower():
+                    raise
+                ok, error = False, str(e).splitlines()[0][:200]
+            rows.append(dict(variant=label, prompt=length, ok=ok, peak_gib=torch.cuda.max_memory_allocated(device)
+                             / 2**30, error=error))
+            print(f"rank {torch.distributed.get_rank()} {label}: prompt {length}: {'ok' if ok else 'OOM'}, "
+                  f"peak {rows[-1]['peak_gib']:.2f} GiB", flush=True)
+            if not ok:
+                break
+        if backend is not None:
+            rows.append(dict(variant=label, report=backend.report.summary()))
+        del model, backend
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _rank(rank: int, world: int, args):
     import torch._dynamo
-    from transformers import AutoModelForCausalLM
 
     # the two timed lengths give two static cache sizes: two static graphs each, warmed first
     torch._dynamo.config.automatic_dynamic_shapes = False
 
-    from dcp_pass.backend import DcpBackend
     from dcp_pass.rewrites.cache import lookup_local_cache
 
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    # ranks beyond the GPU count share GPUs (gloo only: NCCL refuses two ranks on one device)
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
     cfg = config(args)
     cfg._attn_implementation = args.attn
+    if args.cap_gib:
+        return _capacity(device, dtype, cfg, world, args)
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
     prompts = prompts.to(device)
     rows, reference = [], None
     for label in args.variants.split(","):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
-        backend = None
-        if VARIANTS[label] is not None:
-            # the documented call: dcp_size, and at one GPU fast_path; nothing else unless the variant says
-            options = {"dcp_size": world, "tp_size": 1, **({"fast_path": True} if world == 1 else {})}
-            options.update(VARIANTS[label])
-            if args.inner != "inductor":
-                options["inner"] = args.inner
-            backend = DcpBackend(options)
-            model.compile(backend=backend)
+        model, backend = _build(label, device, dtype, cfg, world, args)
         for new in (2, args.steps + 2):  # every compile of both cache lengths
             _generate(model, prompts, new)
         warmed = len(backend.graphs) if backend else 0
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0  # compiles included
+        prefill_peak = 0.0
+        if device.type == "cuda":  # the peak of a prefill-only generate, the graphs compiled already
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            _generate(model, prompts, 2)
+            torch.cuda.synchronize(device)
+            prefill_peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+        if args.profile_dir and device.type == "cuda":
+            _profile(model, prompts, args, label, rank)
+            for i, gm in enumerate(backend.graphs if backend else []):
+                with open(os.path.join(args.profile_dir, f"graph{i}_{label.replace(' ', '_')}_r{rank}.py"), "w") as f:
+                    f.write(gm.code)
         short, _ = _timed(model, prompts, 2, device)
         long, out = _timed(model, prompts, args.steps + 2, device)
         cache_bytes = 0
@@ -126,7 +235,7 @@ def _rank(rank: int, world: int, args):
                          tokens_equal_first=bool(torch.equal(out.sequences, reference)),
                          graphs=len(backend.graphs) if backend else 0,
                          compiled_while_timed=len(backend.graphs) - warmed if backend else 0,
-                         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+                         peak_gib=peak / 2**30, prefill_peak_above_model_gib=prefill_peak,
                          layers=[layer.detail for g in backend.report.graphs for layer in g.layers
                                  if layer.rewritten][:1] if backend else []))
         del model, out, cache
@@ -153,13 +262,19 @@ def main():
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--variants", default="hf,dcp", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--comm", default=None, choices=("nccl", "gloo"),
+                        help="process group (default: nccl on CUDA; gloo lets ranks share a GPU)")
+    parser.add_argument("--cap-gib", type=float, default=0.0,
+                        help="capacity mode: which of --prompts fit this much GPU memory per rank, B=1")
+    parser.add_argument("--prompts", default="32768,65536,98304,131072", help="capacity mode: prompt lengths")
+    parser.add_argument("--profile-dir", default=None, help="write decode kernel tables and prefill memory snapshots")
     args = parser.parse_args()
 
     from dcp_pass.testing import run_ranks
 
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    backend = args.comm or ("nccl" if args.device == "cuda" else "gloo")
     results = run_ranks(_rank, args.world, args, backend=backend, timeout=3000)
-    for row in results[0]:
+    for row in results[0] if not args.cap_gib else []:
         print(f"{row['variant']:>16}: {row['step_ms']:8.2f} ms/step, cache {row['cache_bytes_per_rank'] / 2**20:8.2f} "
               f"MiB/rank, tokens == first: {row['tokens_equal_first']}, graphs {row['graphs']} "
               f"({row['compiled_while_timed']} while timed)")

@@ -203,3 +203,83 @@ def test_prefill_of_any_cache_length_keeps_its_allocation():
     assert allocation.stand_in_allocations(prefill.graph, symbolic) == []
     assert symbolic == [f"L['kwargs']['cache'].layers[{i}].{t}" for i in range(hf_tiny.LAYERS)
                         for t in ("keys", "values")]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "deepseek_v3"])
+def test_padded_prefill_mask_becomes_a_causal_cap(name):
+    """Called with a 2-D padding mask and a StaticCache, Hugging Face's compiled SDPA prefill
+    builds its mask in the graph: `ones & (kv_idx <= q_idx) & padding[b, kv_idx]`, expanded to
+    [B, 1, S, T]. The comparison goes to the op as its causal cap (q_pos) and only the padding
+    term stays a mask, one row per request: no [S, T] mask reaches the op (as fp32 it would be
+    16 GiB for a 64K-token prefill)."""
+    from kit import hf
+    from transformers import StaticCache
+
+    from dcp_pass.rewrites import allocation
+    from dcp_pass.rewrites.causal_masks import causal_splits
+    from dcp_pass.rewrites.match import find_mla, load_recognisers
+
+    keeper = hf.GraphKeeper()
+    torch._dynamo.reset()
+    model = hf_tiny.tiny_model(name, "sdpa")
+    model.compile(backend=keeper)
+    ids, mask = _batch(RAGGED)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, use_cache=True,
+                  cache=StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4))
+    finally:
+        torch._dynamo.reset()
+    prefill = keeper.restore()[0][0]
+    load_recognisers()
+    allocation.stand_in_allocations(prefill.graph)
+    found = find_mla(prefill.graph)
+    assert len(found.matches) == hf_tiny.LAYERS and not found.near_misses
+    for match in found.matches:
+        split, rest = causal_splits(match.masks)
+        assert split is not None, [m.node.format_node() for m in match.masks]
+        assert len(rest) == 1 and rest[0].kind == "keep", rest
+        shape = rest[0].node.meta["example_value"].shape
+        assert shape[-1] == ids.shape[1] + 4 and math.prod(shape[:-1]) == len(RAGGED), shape  # [B, T] rows
+
+
+def _run_forward_calls(rank: int, world: int, name: str):
+    """Logits of a padded prefill and 4 decode steps called as `model(...)` with a StaticCache
+    (the mask built in the graph, its comparison the op's cap) under DCP, against the model."""
+    import torch._dynamo
+    from transformers import StaticCache
+
+    from dcp_pass.backend import DcpBackend
+
+    ids, mask = _batch(RAGGED)
+    steps = torch.randint(1, 60, (4, len(RAGGED), 1), generator=torch.Generator().manual_seed(3))
+
+    def run(model):
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 5)
+        with torch.no_grad():
+            out = [model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]]
+            grown = mask
+            for token in steps:
+                grown = torch.cat([grown, torch.ones_like(grown[:, :1])], 1)
+                out.append(model(input_ids=token, attention_mask=grown, cache=cache, use_cache=True,
+                                 cache_position=torch.tensor([grown.shape[1] - 1])).logits[:, -1])
+        return torch.stack(out)
+
+    torch._dynamo.reset()
+    want = run(hf_tiny.tiny_model(name, "sdpa"))
+    model = hf_tiny.tiny_model(name, "sdpa")
+    backend = DcpBackend(dcp_size=world, tp_size=1, inner="aot_eager")
+    model.compile(backend=backend)
+    got = run(model)
+    return dict(err=((got - want).abs().max() / want.abs().max()).item(), summary=backend.report.summary(),
+                caps=["q_pos = causal_q_pos" in gm.code for gm in backend.graphs],
+                prefill_float_masks=backend.graphs[0].code.count("mask_f32"))
+
+
+@pytest.mark.slow
+def test_padded_prefill_with_a_causal_cap_is_exact():
+    for r in run_ranks(_run_forward_calls, 2, "llama_gqa"):
+        assert r["err"] < 1e-5, r
+        # the prefill's attention takes the cap; the decode steps (one token) keep their mask row
+        assert r["caps"][0] and not any(r["caps"][1:]), r
+        assert r["prefill_float_masks"] == 0, r

@@ -153,6 +153,26 @@ def check_masks_fp32():
     _striped(torch.float32, 2, [2 * T - 1, 2 * T - 1], mask=row[..., :2 * T - 1], host=True)
 
 
+def check_bool_masks_fp32():
+    """A boolean keep mask (True: visible), read in place as bytes: per head and token with a
+    fully masked row, one row per request striped over two ranks, and causal plus a padding
+    row (a padded prefill's form); each equals the additive mask of the same pattern."""
+    g = _gen()
+    B, S, H, T = 2, 3, 8, 36
+    keep = torch.rand(B, S, H, T, generator=g) > 0.3
+    keep[1, 0, 3] = False  # no visible key: 0 and -inf
+    call, out, lse = _case(torch.float32, B=B, S=S, H=H, T=T, kv_lens=T, mask=keep)
+    additive = torch.where(keep, 0.0, float("-inf"))
+    ro, rl = ref64(call.replace(mask=additive))
+    check_close(out, lse, ro, rl, TOL[torch.float32])
+    row = torch.rand(B, 1, 1, 2 * T, generator=g) > 0.25
+    _case(torch.float32, B=B, S=1, H=H, T=T, kv_lens=torch.tensor([2 * T, T + 3]), stripe=(2, 1), mask=row)
+    _striped(torch.float32, 2, [2 * T - 1, 2 * T - 1], mask=row[..., :2 * T - 1], host=True)
+    padding = torch.ones(B, 1, 1, 20, dtype=torch.bool)
+    padding[1, ..., :4] = False  # request 1 left-padded by 4
+    _striped(torch.float32, 2, [20, 20], S=S, mask=padding, q_pos=torch.arange(17, 20).view(1, S), host=True)
+
+
 def check_mask_fp16():
     g = _gen()
     mask = torch.randn(2, 1, 8, 40, generator=g)
@@ -289,6 +309,10 @@ def test_gpu_bf16_striped_causal_mask_window():
                          lse_base="2"), lse_base="2")
     _gpu_check(_gpu_call(B, 1, H, Hk, 128, 128, T, kv_lens=glens, stripe=(c, r), kv_start=1000))
     _gpu_check(_gpu_call(B, 1, 16, 16, 128, 128, T, dtype=torch.float16, kv_lens=2 * T - 5, stripe=(c, 0)))
+    keep = torch.rand(B, S, H, c * T, device="cuda") > 0.2  # a boolean mask, read in place
+    keep[0, 1, 5] = False
+    _gpu_check(_gpu_call(B, S, H, Hk, 128, 128, T, kv_lens=glens, stripe=(c, r), mask=keep))
+    _gpu_check(_gpu_call(B, S, H, Hk, 128, 128, T, kv_lens=glens, stripe=(c, r), q_pos=q_pos, mask=keep[:, :1, :1]))
 
 
 @gpu

@@ -29,11 +29,11 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from dcp_pass.rewrites import axes
+from dcp_pass.rewrites import axes, causal_masks
 from dcp_pass.rewrites.axes import B, F, H, S, T
 from dcp_pass.rewrites.cache_reads import CacheRead, cache_layout
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
-from dcp_pass.rewrites.match import MlaMatch, NearMiss, ScoreTerm
+from dcp_pass.rewrites.match import MaskTerm, MlaMatch, NearMiss, ScoreTerm
 from dcp_pass.runtime.decode import comm
 from dcp_pass.runtime.decode import ops as _ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_pass.runtime.decode.backends import ATTENTION_BACKENDS, AUTO, COMM_BACKENDS
@@ -146,30 +146,55 @@ def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], can
 
 
 def causal_positions(graph: fx.Graph, match: MlaMatch, q_lat: fx.Node) -> Optional[fx.Node]:
-    """SDPA's `is_causal` as the op's causal cap: the global position of each query row, int64
-    [1, S]. Query i sees keys j <= i of the read (top-left aligned), so for a read from
-    `start` its cap is start + i. A cap, not an additive mask: the mask would be an [S, T]
-    fp32 tensor (16 GiB for a 64K-token prefill), the cap is S integers."""
-    if not match.causal:
-        return None
-    device = axes.example_value(match.terms[0].query).device
-    rows = method(graph, "size", q_lat, 1, name="query_rows")
-    query_pos = call(graph, torch.arange, rows, device=device, name="causal_rows")
+    """The op's causal cap, int64 [1, S] global query positions (a key at global position p is
+    visible to query s when p <= cap[s]), or None. From SDPA's `is_causal` (query i sees keys
+    j <= i of the read, top-left aligned: start + i for a read from `start`), or from a
+    multi-token mask that compares query and key positions (causal_masks.py: the comparison
+    leaves the mask). A cap, not an additive mask: the mask would be an [S, T] fp32 tensor
+    (16 GiB for a 64K-token prefill), the cap is S integers."""
     read = match.value_cache
+    if match.causal:
+        device = axes.example_value(match.terms[0].query).device
+        rows = method(graph, "size", q_lat, 1, name="query_rows")
+        query_pos = call(graph, torch.arange, rows, device=device, name="causal_rows")
+    else:
+        split, _ = causal_masks.causal_splits(match.masks)
+        if split is None:
+            return None
+        query_pos = split.query_index
+        if not (isinstance(split.key_offset, int) and split.key_offset == 0):
+            query_pos = call(graph, operator.sub, query_pos, split.key_offset, name="causal_rows_of_read")
+        query_pos = method(graph, "reshape", query_pos, -1, name="causal_rows")
     if read.windowed:
         query_pos = call(graph, operator.add, query_pos, read.start, name="causal_rows_global")
     return method(graph, "unsqueeze", query_pos, 0, name="causal_q_pos")
 
 
+def masks_to_add(match: MlaMatch) -> list[MaskTerm]:
+    """The match's masks less a causal comparison that `causal_positions` turns into the cap."""
+    return list(match.masks) if match.causal else causal_masks.causal_splits(match.masks)[1]
+
+
 def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None) -> Optional[fx.Node]:
     """Sum of the score masks as one additive fp32 tensor in [B, S, H, T] order (global
-    key positions: the op keeps this rank's columns)."""
+    key positions: the op keeps this rank's columns); one boolean keep mask alone goes as it
+    is, in that order (the op reads it in place: as fp32 it would be 4x its size)."""
+    masks = masks_to_add(match)
+    if match.mask_builder is None and len(masks) == 1 and masks[0].kind == "keep" and masks[0].multiplier == 1.0:
+        mask = masks[0]
+        value = axes.example_value(mask.node)
+        if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+            node = mask.node
+            missing = len(match.score_roles) - len(mask.roles)
+            if missing:
+                node = call(graph, operator.getitem, node, (None,) * missing + (Ellipsis,))
+            return to_canonical(graph, node, match.score_roles, CANON_SCORES, name="mask_keep")
     total = None
     if match.mask_builder is not None:
         built = match.mask_builder(graph, q_lat)
         if built is not None:
             total = built if total is None else call(graph, operator.add, total, built)
-    for mask in match.masks:
+    for mask in masks:
         node = mask.node
         if mask.kind == "bool":
             node = call(graph, torch.where, node, float("-inf"), 0.0)

@@ -228,8 +228,8 @@ class AttentionCall:
     positions: ``kv_lens`` is the global key count (a host int, or an int tensor ``[1]`` /
     ``[B]`` on the query's device), ``kv_start`` the first visible global key (a sliding
     window), ``q_pos`` the causal cap (global query positions ``[B, S]``; a key is visible
-    to a query at or after it) and ``mask`` an additive mask over the global key positions
-    ``kv_start, kv_start + 1, ...`` (last dim, or 1 to broadcast). The call derives the
+    to a query at or after it) and ``mask`` an additive (or boolean, True: visible) mask over
+    the global key positions ``kv_start, kv_start + 1, ...`` (last dim, or 1 to broadcast). The call derives the
     rank's view of all that once (:meth:`shard`): its visible rows, its mask columns, its
     share of the counts.
 

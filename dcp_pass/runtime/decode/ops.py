@@ -56,8 +56,9 @@ def mla_local_attention(
 
     q_lat [B,S,H,Dl], q_rope [B,S,H,Dr] or None (fused cache), kv [B,T,Dk] and pe [B,T,Dr]
     are the rank-local cache shards; values are kv[..., :v_dim]. `kv_len` is the GLOBAL
-    key count and `mask` the model's additive mask over GLOBAL key positions
-    [B,S,H,kv_len] (or broadcastable): the op keeps rank `rank`'s stripe of both itself.
+    key count and `mask` the model's mask over GLOBAL key positions [B,S,H,kv_len] (or
+    broadcastable; additive, or boolean with True for a visible key): the op keeps rank
+    `rank`'s stripe of both itself.
 
     Why global: every shape and symbolic expression the graph holds must be the same on
     every rank. A rank-local count or a striped mask has a rank-dependent size, and a
@@ -176,7 +177,7 @@ def local_attention(
     laid out like the striped shards (local row i = global position i * c + rank; rows past
     the rank's share are not read); ``H % Hk == 0`` and query head h reads kv head
     ``h // (H // Hk)``. ``kv_len``, ``kv_start`` and ``mask`` are global, as in
-    :func:`mla_local_attention` (mask: additive fp32, broadcastable to
+    :func:`mla_local_attention` (mask: additive fp32 or boolean keep, broadcastable to
     ``[B,S,H,kv_len - kv_start]``; the op keeps its stripe), and ``q_pos`` the causal cap
     as in :func:`mla_local_attention`. Returns ``out [B,S,H,Dv]`` (q's
     dtype) and ``lse [B,S,H]`` (fp32, fp64 for fp64 inputs) in ``lse_base``; a rank with no

@@ -124,24 +124,29 @@ if INTERPRETED:
     _squeeze_scalar_index()
 
 
-def _bcast_mask(mask, B, S, H, T, device):
+def _bcast_mask(mask, B, S, H, T, device, keep_bool=False):
     if mask is None:
         return None
     m = mask
-    if m.dtype != torch.float32:
-        m = m.float()
     if m.device != device:
         m = m.to(device)
+    if m.dtype == torch.bool:
+        # a keep mask (True: visible): read in place as bytes by a kernel that takes it, else
+        # made additive (a copy of the mask's own size, fp32)
+        m = m.view(torch.uint8) if keep_bool else torch.where(m, 0.0, float("-inf"))
+    elif m.dtype != torch.float32:
+        m = m.float()
     return torch.broadcast_to(m, (B, S, H, T))
 
 
-def mask_operand(mask, B, S, H, T, device):
-    """(mask as fp32 [B, S, H, T] or None, its strides, MASK_SHARED) for the kernels.
+def mask_operand(mask, B, S, H, T, device, keep_bool=False):
+    """(mask as fp32 [B, S, H, T] or None, its strides, MASK_SHARED) for the kernels;
+    with `keep_bool` a boolean mask comes as its uint8 bytes (1: visible), no copy.
 
     MASK_SHARED: one mask row serves every row of a block (rows differ only by head, or the
     mask does not vary over query tokens either).
     """
-    mask_b = _bcast_mask(mask, B, S, H, T, device)
+    mask_b = _bcast_mask(mask, B, S, H, T, device, keep_bool)
     ms = mask_b.stride() if mask_b is not None else (0, 0, 0, 0)
     return mask_b, ms, mask_b is not None and mask_rows_shared(ms, S)
 

@@ -78,8 +78,8 @@ def _stage1_kernel_src(
     sl_b, sl_sp, sl_s, sl_h,
     D: tl.constexpr, D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SHARED: tl.constexpr, CAUSAL: tl.constexpr,
-    IEEE: tl.constexpr,
+    HAS_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SHARED: tl.constexpr, MASK_BOOL: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One (kv head, row block, split, batch row): online base-2 softmax over the split's keys.
 
@@ -137,9 +137,16 @@ def _stage1_kernel_src(
         else:
             qk = tl.dot(q, tl.trans(k))
         qk = qk * sm_scale_log2
-        if HAS_MASK and MASK_SHARED:
+        if HAS_MASK and MASK_SHARED and MASK_BOOL:
+            keep = tl.load(MASK + b * sm_b + offs_n * sm_t, mask=n_ok, other=1)
+            qk = tl.where(keep[None, :] != 0, qk, float("-inf"))
+        elif HAS_MASK and MASK_SHARED:
             mk = tl.load(MASK + b * sm_b + offs_n * sm_t, mask=n_ok, other=0.0)
             qk = qk + mk[None, :] * 1.4426950408889634
+        elif HAS_MASK and MASK_BOOL:
+            keep = tl.load(MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
+                           mask=row_ok[:, None] & n_ok[None, :], other=1)
+            qk = tl.where(keep != 0, qk, float("-inf"))
         elif HAS_MASK:
             mk = tl.load(MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
                          mask=row_ok[:, None] & n_ok[None, :], other=0.0)
@@ -291,7 +298,8 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     out, lse_out, done = outputs(q, d_v, out, lse_out, T == 0)
     if done:
         return out, lse_out
-    mask_b, ms, mask_shared = mask_operand(a.mask, B, S, H, T, device)
+    # a boolean mask is read in place (a prefill's [S, T] mask would be 4x its size as fp32)
+    mask_b, ms, mask_shared = mask_operand(a.mask, B, S, H, T, device, keep_bool=True)
     check_launchable(device, a.kv_lens, "the per-head kernel", k.dtype)
     if config is None:
         cfg = pick_config(R, D, d_v, B, Hk, T, device, num_splits, elem_bytes=k.element_size(),
@@ -313,7 +321,8 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     ), dict(
         D=D, D_V=d_v, BLOCK_D=pow2(D), BLOCK_DV=pow2(d_v), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n,
         ROW_BLOCKS=row_blocks, NUM_SPLITS=ns, HAS_LENS=a.kv_lens is not None, HAS_MASK=mask_b is not None,
-        MASK_SHARED=mask_shared, CAUSAL=a.causal is not None, IEEE=k.dtype == torch.float32,
+        MASK_SHARED=mask_shared, MASK_BOOL=mask_b is not None and mask_b.dtype == torch.uint8,
+        CAUSAL=a.causal is not None, IEEE=k.dtype == torch.float32,
     ), cfg.num_warps, cfg.num_stages)
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, d_v, ns)

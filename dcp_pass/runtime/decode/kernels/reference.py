@@ -114,10 +114,19 @@ def _mla(view: ShardView, acc: torch.dtype):
     if parts.q_tail is not None:
         scores = scores + torch.einsum("bshd,btd->bsht", parts.q_tail.to(acc), parts.k_tail.to(acc))
     scores = scores * view.scale
-    if view.mask is not None:
-        scores = scores + view.mask.to(acc)
+    scores = _add_mask(scores, view.mask, acc)
     p, lse = _softmax(scores, _visible(view, B, S, T, view.q_lat.device))
     return torch.einsum("bsht,btd->bshd", p, kv[..., :view.v_dim].to(acc)), lse
+
+
+def _add_mask(scores: torch.Tensor, mask: Optional[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
+    """The scores under the call's mask: an additive one added, a boolean one (True: visible)
+    setting -inf where it is False."""
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask.to(acc)
 
 
 def _heads(view: ShardView, acc: torch.dtype):
@@ -138,8 +147,7 @@ def _heads(view: ShardView, acc: torch.dtype):
     k, v = _zero_absent(k, present), _zero_absent(v, present)
     scores = torch.einsum("bskgd,btkd->bskgt", q.to(acc).reshape(B, S, Hk, G, D), k.to(acc)).reshape(B, S, H, T)
     scores = scores * view.scale
-    if view.mask is not None:
-        scores = scores + view.mask.to(acc)
+    scores = _add_mask(scores, view.mask, acc)
     p, lse = _softmax(scores, _visible(view, B, S, T, q.device))
     out = torch.einsum("bskgt,btkd->bskgd", p.reshape(B, S, Hk, G, T), v.to(acc)).reshape(B, S, H, v.shape[-1])
     return out, lse
@@ -157,7 +165,8 @@ def reference_f64(call: AttentionCall) -> Tuple[torch.Tensor, torch.Tensor]:
     d = lambda t: None if t is None or not t.is_floating_point() else t.double()  # noqa: E731
     kv = call.kv if call.kv_scale is None else dequantize(call.kv, call.kv_scale, torch.float64)
     return attention_impl(call.replace(q_lat=d(call.q_lat), q_rope=d(call.q_rope), kv=d(kv), pe=d(call.pe),
-                                       mask=d(call.mask), v=d(call.v), kv_scale=None), torch.float64)
+                                       mask=call.mask if call.mask is not None and call.mask.dtype == torch.bool
+                                       else d(call.mask), v=d(call.v), kv_scale=None), torch.float64)
 
 
 def attention_reference(call: AttentionCall, out: Optional[torch.Tensor] = None,
