@@ -85,7 +85,7 @@ def _rank(rank: int, world: int, args):
     torch._dynamo.config.automatic_dynamic_shapes = False
 
     from dcp_pass.backend import DcpBackend
-    from dcp_pass.rewrites.cache import lookup_local_cache
+    from dcp_pass.state.store import lookup_local_cache
 
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
