@@ -51,21 +51,21 @@ MODELS = {  # dense layers only: one decode graph, no data-dependent MoE loop
 
 def _held_bytes(model) -> int:
     """Bytes of every storage the model holds, plus the DCP shards of its caches."""
-    from dcp_pass.rewrites import cache
+    from dcp_pass.state import memory, store
 
     tensors = [*model.parameters(), *model.buffers()]
-    tensors += [e.local for e in map(cache.lookup_local_cache, model.buffers()) if e is not None]
-    return sum({t.untyped_storage()._cdata: cache.held_nbytes(t) for t in tensors}.values())
+    tensors += [e.local for e in map(store.lookup_local_cache, model.buffers()) if e is not None]
+    return sum({t.untyped_storage()._cdata: memory.held_nbytes(t) for t in tensors}.values())
 
 
 def _cache_bytes(model) -> int:
-    from dcp_pass.rewrites import cache
+    from dcp_pass.state import memory, store
 
     total = 0
     for name, buf in model.named_buffers():
         if name.endswith("_cache"):
-            entry = cache.lookup_local_cache(buf)
-            total += entry.local_nbytes if entry is not None else cache.held_nbytes(buf)
+            entry = store.lookup_local_cache(buf)
+            total += entry.local_nbytes if entry is not None else memory.held_nbytes(buf)
     return total
 
 

@@ -187,7 +187,7 @@ def _rank(rank: int, world: int, args):
     # the two timed lengths give two static cache sizes: two static graphs each, warmed first
     torch._dynamo.config.automatic_dynamic_shapes = False
 
-    from dcp_pass.rewrites.cache import lookup_local_cache
+    from dcp_pass.state.store import lookup_local_cache
 
     # ranks beyond the GPU count share GPUs (gloo only: NCCL refuses two ranks on one device)
     device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
@@ -207,14 +207,13 @@ def _rank(rank: int, world: int, args):
             _generate(model, prompts, new)
         warmed = len(backend.graphs) if backend else 0
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0  # compiles included
-        prefill_peak = 0.0
+        prefill_peak, prefill_s = 0.0, 0.0
         if device.type == "cuda":  # the peak of a prefill-only generate, the graphs compiled already
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-            _generate(model, prompts, 2)
-            torch.cuda.synchronize(device)
+            prefill_s, _ = _timed(model, prompts, 2, device)  # the prefill and one decode step
             prefill_peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
         if args.profile_dir and device.type == "cuda":
             _profile(model, prompts, args, label, rank)
@@ -236,6 +235,7 @@ def _rank(rank: int, world: int, args):
                          graphs=len(backend.graphs) if backend else 0,
                          compiled_while_timed=len(backend.graphs) - warmed if backend else 0,
                          peak_gib=peak / 2**30, prefill_peak_above_model_gib=prefill_peak,
+                         prefill_and_one_step_ms=1e3 * prefill_s if device.type == "cuda" else 0.0,
                          layers=[layer.detail for g in backend.report.graphs for layer in g.layers
                                  if layer.rewritten][:1] if backend else []))
         del model, out, cache
@@ -277,7 +277,8 @@ def main():
     for row in results[0] if not args.cap_gib else []:
         print(f"{row['variant']:>16}: {row['step_ms']:8.2f} ms/step, cache {row['cache_bytes_per_rank'] / 2**20:8.2f} "
               f"MiB/rank, tokens == first: {row['tokens_equal_first']}, graphs {row['graphs']} "
-              f"({row['compiled_while_timed']} while timed)")
+              f"({row['compiled_while_timed']} while timed), peak {row['peak_gib']:.2f} GiB, prefill + 1 step "
+              f"{row['prefill_and_one_step_ms']:.0f} ms at {row['prefill_peak_above_model_gib']:.2f} GiB above the model")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), ranks=results), f, indent=1)

@@ -21,11 +21,11 @@ def __getattr__(name):
 
         return getattr(deferred, name)
     if name == "DcpCacheError":
-        from dcp_pass.rewrites.cache import DcpCacheError
+        from dcp_pass.state.store import DcpCacheError
 
         return DcpCacheError
     if name in ("refresh_weights", "DcpWeightsError"):  # weights updated after compile
-        from dcp_pass.rewrites import q_replicate
+        from dcp_pass.state import weights
 
-        return getattr(q_replicate, name)
+        return getattr(weights, name)
     raise AttributeError(name)

@@ -16,14 +16,16 @@ import torch
 import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dcp_pass import tracing
+from dcp_pass import dynamo_frames, tracing
 from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.report import DcpReport, GraphReport, cache_layers, log
-from dcp_pass.rewrites import cache, fx_util
+from dcp_pass.rewrites import fx_util
 from dcp_pass.rewrites.apply import PassConfig, apply_dcp
 from dcp_pass.rewrites.attention import AttentionPlan
-from dcp_pass.runtime.decode import step_count
+from dcp_pass.state import guards
+from dcp_pass.state.feeder import CallFeeder, has_striped, plain_inputs
+from dcp_pass.state.store import INSTALLED_AT_FIRST_CALL
 from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
 
 tracing.install()  # before the first trace of a model compiled with this backend
@@ -323,59 +325,15 @@ def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str
                                            f"graph {index} (dcp)", lineterm="", n=0))
 
 
-_STANDINS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # striped buffer -> its plain stand-in
-
-
-def plain_inputs(args: Sequence[Any]) -> list:
-    """`args` with every striped cache buffer replaced by a plain tensor of the same shape,
-    stride, dtype and device and no memory (cache.unallocated): the rewritten graph never
-    reads those inputs, and the inner compiler must not meet their guarding class."""
-    from dcp_pass.rewrites.cache import StripedCache, unallocated
-
-    out = list(args)
-    for i, a in enumerate(out):
-        if type(a) is StripedCache:
-            standin = _STANDINS.get(a)
-            if standin is None:
-                standin = _STANDINS[a] = unallocated(a.shape, a.stride(), a.dtype, a.device)
-            out[i] = standin
-    return out
-
-
-def _has_striped(args: Sequence[Any]) -> bool:
-    from dcp_pass.rewrites.cache import StripedCache
-
-    return any(type(a) is StripedCache for a in args)
-
-
-def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
-                      position=None, layers: Optional[Sequence[Optional[str]]] = None, checks=(),
-                      allocations=(), allocation_layers: Optional[Sequence[Optional[str]]] = None,
-                      attention_layers: Sequence[str] = ()) -> Callable:
-    """Compile `gm` (which takes the local shards and replicated weights as trailing
-    inputs) and feed them per call, resolved from the buffers/weights actually passed.
-
-    `allocations` (cache.AllocatedCache): cache tensors the graph allocated. Every call gets
-    new ones: a full-shape tensor without memory, passed after the graph's own inputs and
-    returned where the graph returned the allocation, and its zeroed shard, passed after the
-    other shards and installed as its stripe once the call has written it. No rank ever holds
-    the full-size tensor. `allocation_layers`: for each, the layer it identifies in the report.
-
-    With `position` (rewrites/positions.py) the graph no longer takes the int step
-    position: it is written into a static device buffer, the graph's last input,
-    before each call, so the graph's inputs are the same objects at every step.
-    `layers`: for each cache, the layer it identifies in the report (report.cache_layers).
-    `checks`: parameters the graph uses for every rank's heads, checked unchanged per call.
-    `attention_layers`: the graph's rewritten layers, in the order their attention calls run:
-    the kernel choices of each call are kept under their sites for the report.
-    """
-    from dcp_pass.rewrites.cache import INSTALLED_AT_FIRST_CALL, local_for
-    from dcp_pass.rewrites.q_replicate import resolve_inputs
-    from dcp_pass.runtime.decode.kernels.registry import collecting
-
+def compile_with_feeder(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
+                        position=None, layers: Optional[Sequence[Optional[str]]] = None, checks=(),
+                        allocations=(), allocation_layers: Optional[Sequence[Optional[str]]] = None,
+                        attention_layers: Sequence[str] = ()) -> CallFeeder:
+    """Compile `gm`, which takes the local shards, the graph's allocated caches, replicated
+    weights and (with `position`) the device step position as trailing inputs, and return
+    the feeder that resolves them per call (state/feeder.py says what each argument is)."""
     # static-shape fakes: Dynamo never saw the shards, inner fakification would give them
     # symbolic sizes that Dynamo cannot turn into guards
-    allocations = list(allocations)
     made = [a.make() for a in allocations]  # examples of each call's: their fakes are compiled for
     held = ([shell for shell, _ in made] + [entry.local for _, entry in caches] + [entry.local for _, entry in made]
             + [w.example for w in weights])
@@ -384,62 +342,8 @@ def with_local_caches(gm, example_inputs, caches, weights, opts: DcpOptions, mod
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
     host_counts = position is not None and position.holds_count
     compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode, host_counts, bool(allocations))
-    # the graph's host-planned kernels (FlashInfer), re-planned before each call
-    plans = step_count.HostPlans() if host_counts else None
-    layers = list(layers) if layers is not None else [None] * len(caches)
-    specs = [(index, entry.c, entry.rank, entry.name, entry.kind, entry.kv_format, layer)
-             for (index, entry), layer in zip(caches, layers)]
-    sites = [report.site(layer) for layer in attention_layers]
-
-    allocation_layers = list(allocation_layers) if allocation_layers is not None else [None] * len(allocations)
-
-    def run(*args):
-        fresh = [a.make() for a in allocations]
-        shells = [shell for shell, _ in fresh]
-        if fresh and fresh[0][0].device.type == "cuda":
-            for shell in shells:  # as a cache allocated eagerly is: later graphs keep their CUDA graphs
-                torch._dynamo.mark_static_address(shell, guard=False)
-        out = call_graph(args, shells, [entry.local for _, entry in fresh])
-        for a, (shell, entry), layer in zip(allocations, fresh, allocation_layers):
-            cache.install_allocated(shell, entry)
-            report.add_cache(shell, a.name, entry.full_nbytes, entry.local_nbytes, layer, renewed=True)
-        return _returning(out, allocations, shells) if allocations else out
-
-    def call_graph(args, shells, made_shards):
-        shards = []
-        for index, c, rank, name, kind, kv_format, layer in specs:
-            buffer = args[index]
-            entry = local_for(buffer, c, rank, name, kind, kv_format)
-            if not report.knows(buffer):  # a layer first seen at run time (one graph, several layers)
-                report.add_cache(buffer, name, entry.full_nbytes, entry.local_nbytes, layer,
-                                 renewed=kind in INSTALLED_AT_FIRST_CALL)
-            shards.append(entry.local)
-        for check in checks:
-            check.check(args[check.index])
-        replicas = resolve_inputs(weights, args)
-        # Dynamo calls backends' results with positional args; so do we.
-        shards += made_shards
-        with collecting(sites):
-            if position is None:
-                return compiled(*plain_inputs(args), *shells, *shards, *replicas)
-            inputs = plain_inputs(position.call_args(args)) + shells
-            if plans is None:
-                return compiled(*inputs, *shards, *replicas, position.buffer)
-            with step_count.step(plans, position.key_count(args)):
-                return compiled(*inputs, *shards, *replicas, position.buffer)
-
-    return run
-
-
-def _returning(out, allocations, shells):
-    """The graph's outputs with each allocated cache's full-shape tensor where the graph returns it."""
-    flat = list(out) if isinstance(out, (list, tuple)) else [out]
-    for a, shell in zip(allocations, shells):
-        for i in a.outputs:
-            flat[i] = shell
-    if isinstance(out, (list, tuple)):
-        return type(out)(flat)
-    return flat[0]
+    return CallFeeder(compiled, report, caches, weights, checks, allocations, position, host_counts, layers,
+                      allocation_layers, attention_layers)
 
 
 class DcpBackend:
@@ -482,7 +386,7 @@ class DcpBackend:
             self.report.add_uncached_layers(graph_report, named)
             for (index, entry), layer in zip(caches, layers):
                 key = self.report.add_cache(example_inputs[index], entry.name, entry.full_nbytes, entry.local_nbytes,
-                                            layer, renewed=entry.kind in cache.INSTALLED_AT_FIRST_CALL)
+                                            layer, renewed=entry.kind in INSTALLED_AT_FIRST_CALL)
                 if key is not None:
                     new_caches.append(key)
             if caches or allocations:
@@ -491,10 +395,10 @@ class DcpBackend:
         log.info("%s", self.report.graph_log(graph_report, new_caches))
         self._warn_if_nothing_rewritten(graph_report)
         if caches or allocations or position is not None:
-            return with_local_caches(out, example_inputs, caches, weights, opts, mode, self.report, position, layers,
-                                     checks, allocations, allocation_layers,
-                                     [layer.layer for layer in graph_report.layers if layer.rewritten])
-        if _has_striped(example_inputs):  # a graph that takes a striped buffer without reading it
+            return compile_with_feeder(out, example_inputs, caches, weights, opts, mode, self.report, position,
+                                       layers, checks, allocations, allocation_layers,
+                                       [layer.layer for layer in graph_report.layers if layer.rewritten])
+        if has_striped(example_inputs):  # a graph that takes a striped buffer without reading it
             compiled = compile_inner(out, plain_inputs(example_inputs), opts, mode)
             return lambda *args: compiled(*plain_inputs(args))
         return compile_inner(out, example_inputs, opts, mode)
@@ -531,7 +435,7 @@ def _compile_call_owner() -> Optional[object]:
     frame is being compiled (the output graph's `compiler_fn`: one per call, reused by
     every recompile of that compiled model, freed with it); None outside Dynamo."""
     try:
-        return fx_util.tracing_compiler_fn()
+        return dynamo_frames.tracing_compiler_fn()
     except Exception:  # noqa: BLE001 - not tracing, or Dynamo internals moved: one backend per call
         return None
 
@@ -568,4 +472,4 @@ def last_backend() -> Optional[DcpBackend]:
     return _LAST_BACKEND[0]() if _LAST_BACKEND else None
 
 
-cache.register_dcp_compilers(DcpBackend, dcp_backend)  # the cache guards' test for a DCP compile
+guards.register_dcp_compilers(DcpBackend, dcp_backend)  # the cache guards' test for a DCP compile

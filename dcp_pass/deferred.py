@@ -14,7 +14,7 @@ memory, zeroed for `torch.zeros`, before its first use or when the context exits
 rest of the model is built exactly as without the context.
 
 A deferred cache whose module runs eagerly, or that is pickled, saved or compiled by
-another backend, raises `DcpCacheError` naming it (rewrites/cache.py, `guard`); one that
+another backend, raises `DcpCacheError` naming it (state/guards.py, `guard`); one that
 a DCP graph reads outside an attention the pass rewrites is refused by the pass. Moving
 or deep-copying the model keeps it deferred (there is nothing to copy). Code that reads
 the tensor object itself (`buf.sum()`) is not intercepted: it reads a null storage.
@@ -28,7 +28,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from dcp_pass.rewrites import cache
+from dcp_pass.state import guards, memory, shards
+from dcp_pass.state.store import DcpCacheError, describe, is_deferred
 
 _FACTORIES = {torch.zeros: 0.0, torch.empty: None}  # factory -> fill
 # Calls that read only metadata: they leave a tensor without memory (nn.Linear's init reads
@@ -71,28 +72,28 @@ class _DeferMode(TorchFunctionMode):
         nbytes = meta.numel() * meta.element_size()
         if meta.layout != torch.strided or nbytes == 0 or nbytes < self.min_bytes:
             return None
-        t = cache.unallocated(meta.shape, meta.stride(), meta.dtype, device)
+        t = memory.unallocated(meta.shape, meta.stride(), meta.dtype, device)
         shell = t.untyped_storage()
         self.pending[shell._cdata] = (shell, _FACTORIES[func])
         return t
 
     def _back(self, t: torch.Tensor) -> None:
         """Before a torch call reads or writes `t`: move it onto memory if it is on one of our shells."""
-        if cache.is_deferred(t):
-            name, _ = cache._describe(t)
-            raise cache.DcpCacheError(f"dcp_pass: deferred cache buffer {name} was used while the model is built "
+        if is_deferred(t):
+            name, _ = describe(t)
+            raise DcpCacheError(f"dcp_pass: deferred cache buffer {name} was used while the model is built "
                                       f"under dcp_pass.deferred_caches(); it has no memory until DCP stripes it")
         if (self.pending or self.backed) and t.layout == torch.strided and t.device.type != "meta" \
-                and not cache.has_memory(t):
-            memory = self._memory_for(t.untyped_storage()._cdata)
-            if memory is not None:  # every alias that reaches a torch call moves onto the same memory
-                cache.move_onto(t, memory)
+                and not memory.has_memory(t):
+            backing = self._memory_for(t.untyped_storage()._cdata)
+            if backing is not None:  # every alias that reaches a torch call moves onto the same memory
+                memory.move_onto(t, backing)
 
     def _memory_for(self, key: int) -> Optional[torch.UntypedStorage]:
         """The memory of our shell `key` (allocated on first need), or None if it is not ours."""
         if key in self.pending:
             shell, fill = self.pending.pop(key)
-            self.backed[key] = (shell, cache.new_backing(shell, fill))
+            self.backed[key] = (shell, memory.new_backing(shell, fill))
         held = self.backed.get(key)
         return None if held is None else held[1]
 
@@ -107,10 +108,10 @@ class _DeferMode(TorchFunctionMode):
         live = {key: entry for key, entry in {**self.pending, **self.backed}.items()
                 if torch._C._storage_Use_Count(key) > 1}
         if live:
-            for alias in cache.aliases_of(live):
-                if cache.is_deferred(alias):
+            for alias in memory.aliases_of(live):
+                if is_deferred(alias):
                     continue
-                cache.move_onto(alias, self._memory_for(alias.untyped_storage()._cdata))
+                memory.move_onto(alias, self._memory_for(alias.untyped_storage()._cdata))
         self.pending.clear()
         self.backed.clear()
 
@@ -132,7 +133,7 @@ def deferred_caches(min_bytes: int = 1 << 20) -> Iterator[None]:
         if tensor is not None and not persistent:
             ours, fill = mode.claim(tensor)
             if ours:
-                cache.defer(tensor, f"{type(module).__name__}.{name}", fill, module)
+                guards.defer(tensor, f"{type(module).__name__}.{name}", fill, module)
 
     torch.nn.Module.register_buffer = register_buffer
     try:
@@ -157,10 +158,10 @@ def materialize(model: torch.nn.Module, dcp_size: int, rank: Optional[int] = Non
     if dcp_size > 1 and rank is None:
         raise ValueError("materialize: pass rank= (this process's DCP rank) when dcp_size > 1")
     for name, buffer in model.named_buffers():
-        if not cache.is_deferred(buffer):
+        if not is_deferred(buffer):
             continue
         if dcp_size == 1:
-            cache.materialize_full(buffer)
+            guards.materialize_full(buffer)
         else:
-            cache.install(buffer, cache.shard_for(buffer, dcp_size, rank, name))
+            shards.install(buffer, shards.shard_for(buffer, dcp_size, rank, name))
     return model

@@ -19,8 +19,8 @@ trace of a model compiled with it), these make Dynamo trace both:
 
 Both change how Dynamo traces for the whole process, not only for `backend="dcp"`: the
 traced graphs compute what the model does. `DCP_TRACE_BROADCAST=0` / `DCP_TRACE_ASSERTS=0`
-leave Dynamo as it is. Both use Dynamo internals (the one other file that does is
-rewrites/fx_util.py); if they moved, nothing is installed and a debug line says so.
+leave Dynamo as it is. Both use Dynamo internals (the other files that do are
+rewrites/fx_util.py and dynamo_frames.py); if they moved, nothing is installed and a debug line says so.
 """
 from __future__ import annotations
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcp_pass.rewrites import cache
+from dcp_pass.state import shards, store
 
 
 def _striped(seed: int):
     full = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(seed))
     buffer = full.clone()
-    entry = cache.shard_for(buffer, 2, 1, f"kv_{seed}")
-    cache.install(buffer, entry)
+    entry = shards.shard_for(buffer, 2, 1, f"kv_{seed}")
+    shards.install(buffer, entry)
     return full, buffer, entry
 
 
@@ -51,5 +51,5 @@ def test_index_copy_from_a_cache_striped_the_same_way():
 ])
 def test_other_reorders_stay_refused(call):
     _, buffer, _ = _striped(3)
-    with pytest.raises(cache.DcpCacheError, match="kv_3"):
+    with pytest.raises(store.DcpCacheError, match="kv_3"):
         call(buffer)

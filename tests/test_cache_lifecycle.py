@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from dcp_pass.backend import DcpBackend
-from dcp_pass.rewrites import cache
-from dcp_pass.rewrites.cache import DcpCacheError
+from dcp_pass.state import store
+from dcp_pass.state.store import DcpCacheError
 from dcp_pass.testing import run_ranks
 from kit.graphs import TinyMLA, init_fake_world, tiny_inputs
 
@@ -171,7 +171,7 @@ def _cycle(inner):
     for seqlen, start in [(3, 0), (1, 3), (1, 4)]:
         compiled(*tiny_inputs(seqlen, start))
     buffers = [model.attn.kv_cache, model.attn.pe_cache]
-    shards = [cache.lookup_local_cache(b).local for b in buffers]
+    shards = [store.lookup_local_cache(b).local for b in buffers]
     refs = [weakref.ref(x) for x in (model, *buffers, *shards)]
     del model, compiled, backend, buffers, shards
     return refs
@@ -187,7 +187,7 @@ def test_deleted_models_free_their_shards(fake_world, inner):
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, [type(x).__name__ + str(tuple(getattr(x, "shape", ()))) for x in alive]
-    assert len(cache._LOCAL_CACHES) == 0
+    assert len(store.STRIPED) == 0
 
 
 class _Runner:
@@ -209,7 +209,7 @@ def test_learning_owners_keeps_no_caller_locals_alive(fake_world):
     frames of nn.Module methods may be read: a driver's method must get its memory back."""
     compiled = torch.compile(Outer(), backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))
     assert _Runner().first_call_then_free(compiled)
-    assert cache.lookup_local_cache(compiled._orig_mod.attn.kv_cache) is not None
+    assert store.lookup_local_cache(compiled._orig_mod.attn.kv_cache) is not None
 
 
 @torch.no_grad()

@@ -15,8 +15,8 @@ from torch import nn
 
 import dcp_pass
 from dcp_pass.backend import DcpBackend
-from dcp_pass.rewrites import cache
-from dcp_pass.rewrites.cache import DcpCacheError
+from dcp_pass.state import memory, store
+from dcp_pass.state.store import DcpCacheError
 from dcp_pass.testing import run_ranks
 from kit.graphs import TinyMLA, tiny_inputs
 
@@ -59,13 +59,13 @@ def _rank_deferred(rank, world):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with dcp_pass.deferred_caches(min_bytes=0):  # 0: weights take the "back on first use" path too
             model = build_model(args, rank=rank, seed=3)
-        unbacked = all(not cache.has_memory(b) for n, b in model.named_buffers() if n.endswith("_cache"))
+        unbacked = all(not memory.has_memory(b) for n, b in model.named_buffers() if n.endswith("_cache"))
         tokens, logits = _decode(torch.compile(model, backend=DcpBackend(dcp_size=world, inner="aot_eager")))
     seen = _allocations(prof)
 
     caches = {n: b for n, b in model.named_buffers() if n.endswith("_cache")}
-    shards = [cache.lookup_local_cache(b).local for b in caches.values()]
-    storages = {t.untyped_storage()._cdata: cache.held_nbytes(t)
+    shards = [store.lookup_local_cache(b).local for b in caches.values()]
+    storages = {t.untyped_storage()._cdata: memory.held_nbytes(t)
                 for t in (*model.parameters(), *model.buffers(), *shards)}
     cache_bytes = {n: b.numel() * b.element_size() for n, b in caches.items()}
     others = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
@@ -122,13 +122,13 @@ def test_deferred_dcp1_gets_full_buffers_and_equals_an_ordinary_build():
     reference = NPMLA()
     model = _deferred(NPMLA)
     assert torch.equal(model.w_uv, reference.w_uv)  # weights built exactly as without the context
-    assert not cache.has_memory(model.kv_cache)
+    assert not memory.has_memory(model.kv_cache)
     with pytest.raises(DcpCacheError, match=r"NPMLA ran eagerly.*NPMLA.kv_cache.*deferred_caches.*materialize"):
         model(*tiny_inputs(1, 0))
     compiled = torch.compile(model, backend=DcpBackend(dcp_size=1, inner="eager"))  # DCP off: full buffers
     for step in range(3):
         torch.testing.assert_close(compiled(*tiny_inputs(1, step)), reference(*tiny_inputs(1, step)))
-    assert not cache.is_deferred(model.kv_cache) and model.kv_cache.untyped_storage().nbytes() == 2 * 16 * 8 * 4
+    assert not store.is_deferred(model.kv_cache) and model.kv_cache.untyped_storage().nbytes() == 2 * 16 * 8 * 4
 
     other = _deferred(NPMLA)
     dcp_pass.materialize(other, dcp_size=1)
@@ -141,8 +141,8 @@ def test_deferred_caches_move_and_copy_without_memory():
     model.to(torch.float64)
     copied = copy.deepcopy(model)
     for m in (model, copied):
-        assert m.kv_cache.dtype == torch.float64 and cache.is_deferred(m.kv_cache)
-        assert not cache.has_memory(m.kv_cache) and m.w_uv.dtype == torch.float64
+        assert m.kv_cache.dtype == torch.float64 and store.is_deferred(m.kv_cache)
+        assert not memory.has_memory(m.kv_cache) and m.w_uv.dtype == torch.float64
     assert copied.kv_cache is not model.kv_cache
 
 
@@ -150,11 +150,11 @@ def test_deferred_caches_move_and_copy_without_memory():
 def test_deferred_caches_get_only_their_stripe(fake_world):
     model = _deferred(NPMLA)
     dcp_pass.materialize(model, dcp_size=2, rank=0)  # before the first compile, as the backend would
-    entry = cache.lookup_local_cache(model.kv_cache)
-    assert tuple(entry.local.shape) == (2, 16 // 2 + 1, 8) and not cache.has_memory(model.kv_cache)
+    entry = store.lookup_local_cache(model.kv_cache)
+    assert tuple(entry.local.shape) == (2, 16 // 2 + 1, 8) and not memory.has_memory(model.kv_cache)
     compiled = torch.compile(model, backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))
     compiled(*tiny_inputs(1, 0))
-    assert cache.lookup_local_cache(model.kv_cache) is entry  # the backend uses that shard
+    assert store.lookup_local_cache(model.kv_cache) is entry  # the backend uses that shard
 
 
 @torch.no_grad()
@@ -177,9 +177,9 @@ def test_weights_and_persistent_buffers_are_allocated_as_usual():
 
     model = _deferred(M)
     for t in (model.lin.weight, model.kept, model.raw):
-        assert t.untyped_storage().nbytes() == 64 * 64 * 4 and not cache.is_released(t)
+        assert t.untyped_storage().nbytes() == 64 * 64 * 4 and not store.is_released(t)
     assert model.kept.abs().sum() == 0
-    assert all(cache.has_memory(t) for t in (model.lin.weight, model.kept, model.raw))
+    assert all(memory.has_memory(t) for t in (model.lin.weight, model.kept, model.raw))
 
 
 def test_aliases_get_one_memory_whether_touched_or_not():
@@ -198,7 +198,7 @@ def test_aliases_get_one_memory_whether_touched_or_not():
 
     model = _deferred(M)
     # Booleans only: a failing assert that printed a tensor would read the null storage.
-    backed = [cache.has_memory(t) for t in (model.untouched, model.view, model.touched, model.touched_view)]
+    backed = [memory.has_memory(t) for t in (model.untouched, model.view, model.touched, model.touched_view)]
     assert backed == [True] * 4
     assert model.untouched.untyped_storage()._cdata == model.view.untyped_storage()._cdata
     assert model.touched.untyped_storage()._cdata == model.touched_view.untyped_storage()._cdata
@@ -214,7 +214,7 @@ def test_dcp1_materialize_moves_every_alias_of_a_cache():
     model = _deferred(NPMLA)
     alias = model.kv_cache.detach()[1:]  # a view taken before the cache has memory
     dcp_pass.materialize(model, dcp_size=1)
-    backed = [cache.has_memory(model.kv_cache), cache.has_memory(alias)]
+    backed = [memory.has_memory(model.kv_cache), memory.has_memory(alias)]
     assert backed == [True, True]
     assert alias.untyped_storage()._cdata == model.kv_cache.untyped_storage()._cdata
     assert model.kv_cache.abs().sum() == 0 and alias.shape[0] == model.kv_cache.shape[0] - 1

@@ -38,7 +38,7 @@ def _run_forms(rank: int, world: int, forms: list[str], inner: str):
     from dcp_pass.backend import DcpBackend
     from dcp_pass.models.generate import greedy_generate
     from dcp_pass.models.mla_forms import FormArgs, build_forms_model
-    from dcp_pass.rewrites import cache as cache_rw
+    from dcp_pass.state import store
 
     torch.set_grad_enabled(False)
     out = {}
@@ -63,7 +63,7 @@ def _run_forms(rank: int, world: int, forms: list[str], inner: str):
             "layers": report.layers_rewritten,
             "kv_full": report.kv_bytes_full,
             "kv_local": report.kv_bytes_local,
-            "released": all(cache_rw.is_released(b) for b in caches),
+            "released": all(store.is_released(b) for b in caches),
             "summary": report.summary(),
         }
     return out

@@ -57,7 +57,8 @@ def _generate(model, prompts, new_tokens, **kwargs):
 def _cache_bytes(cache) -> tuple[int, int, list[int]]:
     """(memory behind the cache tensors and their shards on this rank, their full size, the
     full size of each tensor)."""
-    from dcp_pass.rewrites.cache import held_nbytes, lookup_local_cache
+    from dcp_pass.state.memory import held_nbytes
+    from dcp_pass.state.store import lookup_local_cache
 
     held = full = 0
     sizes = []

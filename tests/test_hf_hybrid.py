@@ -37,7 +37,7 @@ def _generate(rank: int, world: int, names: list, inner: str):
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from dcp_pass.rewrites.cache import StripedCache
+    from dcp_pass.state.guards import StripedCacheTensor
 
     results = []
     for name in names:
@@ -51,7 +51,7 @@ def _generate(rank: int, world: int, names: list, inner: str):
         for (label, t), (_, r) in zip(hf.cache_tensors(out.cache), hf.cache_tensors(ref.cache)):
             own, shard = hf.held_bytes(t)
             caches[label] = dict(own=own, shard=shard, full=r.untyped_storage().nbytes(),
-                                 striped=type(t) is StripedCache, positions=t.shape[2])
+                                 striped=type(t) is StripedCacheTensor, positions=t.shape[2])
         layers = [(layer.layer, layer.rewritten, layer.detail) for g in backend.report.graphs for layer in g.layers]
         results.append(dict(name=name, tokens_equal=torch.equal(out.sequences, ref.sequences),
                             logits_err=hf.logits_error(out, ref), graphs=len(backend.graphs),

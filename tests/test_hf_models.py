@@ -62,7 +62,7 @@ def _generate_configs(rank: int, world: int, configs: list, inner: str):
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from dcp_pass.rewrites.cache import StripedCache
+    from dcp_pass.state.guards import StripedCacheTensor
 
     results = []
     for name, impl, absorb in configs:
@@ -76,7 +76,7 @@ def _generate_configs(rank: int, world: int, configs: list, inner: str):
         for (label, t), (_, r) in zip(hf.cache_tensors(out.cache), hf.cache_tensors(ref.cache)):
             own, shard = hf.held_bytes(t)
             caches.append(dict(name=label, own=own, shard=shard, full=r.untyped_storage().nbytes(),
-                               striped=type(t) is StripedCache, positions=t.shape[2]))
+                               striped=type(t) is StripedCacheTensor, positions=t.shape[2]))
         states = list(zip(_linear_states(out.cache), _linear_states(ref.cache)))
         state_err = max([((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in states],
                         default=0.0)
@@ -157,7 +157,7 @@ def _reuse_and_reset(world: int):
     cache.reset()  # zeroes the shards of the striped tensors
     third = hf.generate(model, cache=cache)
     count()
-    from dcp_pass.rewrites.cache import DcpCacheError
+    from dcp_pass.state.store import DcpCacheError
 
     try:  # any other eager read of a striped cache tensor is refused, naming it
         cache.layers[0].keys.sum()

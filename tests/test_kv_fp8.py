@@ -108,7 +108,7 @@ def _rank_e2e(rank, world, fused):
     from dcp_pass.backend import DcpBackend
     from dcp_pass.models.deepseek_mla import ModelArgs, build_model
     from dcp_pass.models.generate import greedy_generate, teacher_forced
-    from dcp_pass.rewrites import cache
+    from dcp_pass.state import memory, store
 
     torch.set_grad_enabled(False)
     ref = build_model(ModelArgs(dtype=torch.float32, tp_size=1, fused_cache=fused, **ARGS), rank=0, seed=1)
@@ -125,12 +125,12 @@ def _rank_e2e(rank, world, fused):
         compiled = torch.compile(model, backend=backend)
         logits = torch.stack(teacher_forced(compiled, PROMPTS, tokens, STEPS))
         err = (logits - ref_logits).abs()
-        shards = [cache.lookup_local_cache(b) for n, b in model.named_buffers() if n.endswith("_cache")]
+        shards = [store.lookup_local_cache(b) for n, b in model.named_buffers() if n.endswith("_cache")]
         out[kv_dtype] = {
             "max": err.max().item(), "mean": err.mean().item(), "ref_std": ref_logits.std().item(),
             "agree": (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
             "kv_local": backend.report.kv_bytes_local,
-            "held_full": sum(cache.held_nbytes(b) for n, b in model.named_buffers() if n.endswith("_cache")),
+            "held_full": sum(memory.held_nbytes(b) for n, b in model.named_buffers() if n.endswith("_cache")),
             "formats": sorted({(s.kv_format, s.local.dtype, s.local.shape[-1]) for s in shards}, key=str),
             "summary": backend.report.summary(),
         }
@@ -218,7 +218,7 @@ def test_gpu_example_model_fast_path_fp8(fused, monkeypatch):
     from dcp_pass.backend import DcpBackend
     from dcp_pass.models.deepseek_mla import ModelArgs, build_model
     from dcp_pass.models.generate import greedy_generate, teacher_forced
-    from dcp_pass.rewrites import cache
+    from dcp_pass.state import memory
 
     shape = dict(kv_lora_rank=512, qk_rope_head_dim=64, max_seq_len=64, n_layers=2, n_dense_layers=2, tp_size=1,
                  fused_cache=fused)
@@ -238,7 +238,7 @@ def test_gpu_example_model_fast_path_fp8(fused, monkeypatch):
         if attn == "auto" and replay == "1":
             errs[kv_dtype] = (logits - ref_logits).abs().mean().item()
         runs[kv_dtype, replay, attn] = logits
-        held = sum(cache.held_nbytes(b) for n, b in model.named_buffers() if n.endswith("_cache"))
+        held = sum(memory.held_nbytes(b) for n, b in model.named_buffers() if n.endswith("_cache"))
         assert held == 0 or kv_dtype is None, held
     assert errs["fp8_e4m3"] <= 6 * errs[None] + 1e-3, errs
     to_reference = (runs["fp8_e4m3", "1", "auto"] - runs["fp8_e4m3", "1", "torch"]).abs().mean().item()

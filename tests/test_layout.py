@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from dcp_pass.runtime.decode.layout import (
     CacheCapacityError,
+    EagerStripedCache,
     OutOfKVPagesError,
     PagedVirtualAllocator,
-    StripedCache,
     filter_owned,
     local_capacity,
     local_length,
@@ -184,18 +184,18 @@ def test_chunked_writes_then_read_equal_full_shard(cr, chunks):
 def test_striped_cache_round_trip(cr, prefix, extra):
     c, r = cr
     full = torch.randn(3, prefix + extra, 2)
-    cache = StripedCache(4, prefix + extra, 2, c, r)
+    cache = EagerStripedCache(4, prefix + extra, 2, c, r)
     assert cache.storage.shape == (4, math.ceil((prefix + extra) / c), 2)
     cache.write(full[1:, :prefix], 0, batch_start=2)
     cache.write(full[1:, prefix:], prefix, batch_start=2)
     expect = brute_shard(full, c, r)[1:, : len(brute_owned(0, prefix + extra, c, r))]
     assert torch.equal(cache.read(2, prefix + extra, batch_start=2), expect)
-    assert torch.equal(StripedCache.from_full(full, c, r).read(3, prefix + extra)[1:], expect)
+    assert torch.equal(EagerStripedCache.from_full(full, c, r).read(3, prefix + extra)[1:], expect)
     assert cache.nbytes == 4 * math.ceil((prefix + extra) / c) * 2 * 4
 
 
 def test_striped_cache_read_is_a_view():
-    cache = StripedCache(2, 8, 1, 2, 0)
+    cache = EagerStripedCache(2, 8, 1, 2, 0)
     cache.read(2, 8).fill_(7.0)
     assert torch.all(cache.storage == 7.0)
 
@@ -209,14 +209,14 @@ def test_striped_cache_read_is_a_view():
     ],
 )
 def test_striped_cache_capacity_errors_leave_storage_unchanged(shape, start, batch_start, needle):
-    cache = StripedCache(4, 10, 2, 3, 1)
+    cache = EagerStripedCache(4, 10, 2, 3, 1)
     with pytest.raises(CacheCapacityError, match=needle):
         cache.write(torch.ones(shape), start, batch_start=batch_start)
     assert not cache.storage.any()
 
 
 def test_striped_cache_read_past_capacity_raises():
-    cache = StripedCache(2, 10, 1, 4, 3)
+    cache = EagerStripedCache(2, 10, 1, 4, 3)
     with pytest.raises(CacheCapacityError, match="max_seq_len=10"):
         cache.read(1, 11)
     with pytest.raises(CacheCapacityError, match="max_batch=2"):
@@ -391,8 +391,8 @@ def _bool_calls():
     yield "filter_owned c", lambda: filter_owned(torch.arange(6), True, 0)
     yield "shard_full_cache r", lambda: shard_full_cache(cache, 2, False)
     yield "striped_write_ start", lambda: striped_write_(cache.clone(), new, True, 2, 0)
-    yield "StripedCache rank", lambda: StripedCache(2, 8, 4, 2, True)
-    yield "StripedCache max_batch", lambda: StripedCache(True, 8, 4, 2, 0)
+    yield "EagerStripedCache rank", lambda: EagerStripedCache(2, 8, 4, 2, True)
+    yield "EagerStripedCache max_batch", lambda: EagerStripedCache(True, 8, 4, 2, 0)
     yield "allocator c", lambda: PagedVirtualAllocator(32, 8, True)
     yield "allocator local_slots rank", lambda: PagedVirtualAllocator(32, 8, 2).local_slots(torch.arange(4), False)
     yield "extend write rank", lambda: write_new_tokens_(cache.clone(), new, 0, 2, False)

@@ -212,7 +212,7 @@ def _dcp_rank(rank: int, world: int, inner: str, prompts: list[int]):
     """The unmodified model compiled with backend="dcp" (TP = DCP = world) against eager,
     over several requests; plus the graphs plain torch.compile makes of the same calls."""
     import dcp_pass
-    from dcp_pass.rewrites import cache as cache_rw
+    from dcp_pass.state import store
 
     torch.set_grad_enabled(False)
     torch._dynamo.reset()
@@ -237,8 +237,8 @@ def _dcp_rank(rank: int, world: int, inner: str, prompts: list[int]):
     return {
         "rel": rel, "tokens_equal": tokens_equal, "layers": report.layers_rewritten,
         "kv_full": report.kv_bytes_full, "kv_local": report.kv_bytes_local,
-        "mla_striped": all(cache_rw.is_released(a.kv_cache) and cache_rw.is_released(a.pe_cache) for a in attn),
-        "indexer_replicated": not any(cache_rw.is_released(a.indexer.k_cache) for a in attn),
+        "mla_striped": all(store.is_released(a.kv_cache) and store.is_released(a.pe_cache) for a in attn),
+        "indexer_replicated": not any(store.is_released(a.indexer.k_cache) for a in attn),
         "graphs": len(report.graphs), "plain_graphs": len(plain), "summary": str(report),
     }
 

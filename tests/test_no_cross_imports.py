@@ -1,11 +1,19 @@
 """Import rules, read from the source (every import statement, function-local ones included):
 
 * no test file imports another test file: shared helpers live in tests/kit/;
-* the runtime (dcp_pass/runtime/) never imports the rewrites, the compile entry (backend) or
-  the deferred-allocation entry: the rewritten graphs call into the runtime, never the
-  other way round;
+* the runtime (dcp_pass/runtime/) never imports the rewrites, the run-time state, the compile
+  entry (backend) or the deferred-allocation entry: the rewritten graphs call into the
+  runtime, never the other way round;
+* the run-time state (dcp_pass/state/: the striped-cache and weight stores, their guards, the
+  per-call feeder) never imports the rewrites or those entries: it lives with the model it
+  serves, whatever compiled it;
+* the rewrites (dcp_pass/rewrites/) are FX code: only the modules that hand run-time state to
+  the compiled graph (the pipeline, which makes and installs the shards, and the query
+  replication, whose extra inputs are weight-store lookups) import dcp_pass.state, and no
+  module there keeps a store of its own;
 * the recognisers (dcp_pass/rewrites/recognisers/) read graphs only: they import no run-time
-  state (the runtime, the cache and weight stores) and no compile entry.
+  state (the runtime, dcp_pass/state/, the rewrites that emit references to it) and no
+  compile entry.
 """
 import ast
 import os
@@ -77,41 +85,54 @@ def test_no_test_file_imports_another():
     assert found == []
 
 
-RUNTIME_MAY_NOT_IMPORT = ("dcp_pass.rewrites", "dcp_pass.backend", "dcp_pass.deferred")
+RUNTIME_MAY_NOT_IMPORT = ("dcp_pass.rewrites", "dcp_pass.state", "dcp_pass.backend", "dcp_pass.deferred")
+STATE_MAY_NOT_IMPORT = ("dcp_pass.rewrites", "dcp_pass.backend", "dcp_pass.deferred")
 
 
-def test_runtime_never_imports_the_rewrites_or_the_compile_entry():
+def test_runtime_never_imports_the_rewrites_the_state_or_the_compile_entry():
     assert sum(1 for _ in _files(os.path.join(PACKAGE, "runtime"))) > 20
     assert _violations(os.path.join(PACKAGE, "runtime"), RUNTIME_MAY_NOT_IMPORT) == set()
 
 
-# run-time state: the runtime, the per-call stores (the striped-cache store in rewrites/cache.py,
-# the gathered-weight store in rewrites/q_replicate.py, and dcp_pass/state/ wherever they live),
-# and the compile entries that hold them
-RECOGNISERS_MAY_NOT_IMPORT = ("dcp_pass.runtime", "dcp_pass.state", "dcp_pass.rewrites.cache",
-                              "dcp_pass.rewrites.q_replicate", "dcp_pass.backend", "dcp_pass.deferred")
-# imports of run-time state by recognisers that the run-time room's move takes away; an entry
-# leaves this list when its import goes (a new one fails the test)
-KNOWN = {
-    ("dcp_pass.rewrites.recognisers.paged", "dcp_pass.rewrites.cache"),
-    ("dcp_pass.rewrites.recognisers.paged", "dcp_pass.runtime.decode"),
-    ("dcp_pass.rewrites.recognisers.paged", "dcp_pass.runtime.decode.layout"),
-    ("dcp_pass.rewrites.recognisers.per_head", "dcp_pass.rewrites.cache"),
-    ("dcp_pass.rewrites.recognisers.per_head", "dcp_pass.rewrites.cache.INSTALLED_AT_FIRST_CALL"),
-    ("dcp_pass.rewrites.recognisers.per_head", "dcp_pass.rewrites.cache.LocalCache"),
-    ("dcp_pass.rewrites.recognisers.per_head", "dcp_pass.rewrites.cache.RESETTABLE"),
-    ("dcp_pass.rewrites.recognisers.per_head", "dcp_pass.rewrites.cache.SHARD_MAKERS"),
-    ("dcp_pass.rewrites.recognisers.per_head", "dcp_pass.rewrites.cache.is_released"),
-    ("dcp_pass.rewrites.recognisers.per_head", "dcp_pass.runtime.decode"),
-    ("dcp_pass.rewrites.recognisers.per_head", "dcp_pass.runtime.decode.layout"),
-}
+def test_state_never_imports_the_rewrites_or_the_compile_entry():
+    assert sum(1 for _ in _files(os.path.join(PACKAGE, "state"))) >= 6
+    assert _violations(os.path.join(PACKAGE, "state"), STATE_MAY_NOT_IMPORT) == set()
+
+
+# the rewrites that hand run-time state to the compiled graph: the pass pipeline (it makes each
+# buffer's shard and installs it) and the query replication (its extra inputs look the other
+# ranks' weight shards up per call)
+REWRITES_THAT_IMPORT_STATE = {"dcp_pass.rewrites.apply", "dcp_pass.rewrites.q_replicate"}
+
+
+def test_only_the_rewrites_that_hand_state_to_the_graph_import_it():
+    importing = {module for module, _ in _violations(os.path.join(PACKAGE, "rewrites"), ("dcp_pass.state",))}
+    assert importing == REWRITES_THAT_IMPORT_STATE
+
+
+def test_the_rewrites_keep_no_store_of_their_own():
+    """A weak-keyed table or a tensor subclass in the rewrites is run-time state in the wrong room."""
+    found = []
+    for path in _files(os.path.join(PACKAGE, "rewrites")):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in ("WeakIdKeyDictionary", "WeakKeyDictionary"):
+                found.append((_module_name(path), node.id))
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b) in ("torch.Tensor", "Tensor") for b in node.bases):
+                found.append((_module_name(path), node.name))
+    assert found == []
+
+
+# run-time state, and the compile entries and rewrites that hold or emit it
+RECOGNISERS_MAY_NOT_IMPORT = ("dcp_pass.runtime", "dcp_pass.state", "dcp_pass.rewrites.q_replicate",
+                              "dcp_pass.rewrites.apply", "dcp_pass.backend", "dcp_pass.deferred")
 
 
 def test_recognisers_import_no_run_time_state():
     folder = os.path.join(PACKAGE, "rewrites", "recognisers")
     assert sum(1 for _ in _files(folder)) >= 5
-    found = _violations(folder, RECOGNISERS_MAY_NOT_IMPORT)
-    assert found - KNOWN == set()
+    assert _violations(folder, RECOGNISERS_MAY_NOT_IMPORT) == set()
 
 
 @pytest.mark.parametrize("source, module, expected", [

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dcp_pass.rewrites.cache import DcpCacheError
+from dcp_pass.state.store import DcpCacheError
 import torch.distributed as dist
 
 from dcp_pass.backend import DcpBackend

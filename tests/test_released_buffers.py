@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from dcp_pass import env
-from dcp_pass.rewrites.cache import DcpCacheError, StripedCache
+from dcp_pass.state.guards import StripedCacheTensor
+from dcp_pass.state.store import DcpCacheError
 from dcp_pass.testing import run_ranks
 
 DIM, HEADS, NOPE, ROPE, V, RANK, MAX_B, MAX_S = 32, 2, 8, 8, 8, 16, 2, 32
@@ -84,7 +85,7 @@ def _requests(rank, world, inner):
         for got, want in zip(_request(compiled, xs, prompt), _request(eager, xs, prompt)):
             worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
     model = compiled._orig_mod
-    return worst, type(model.kv_cache) is StripedCache
+    return worst, type(model.kv_cache) is StripedCacheTensor
 
 
 @pytest.mark.slow
@@ -104,7 +105,7 @@ def test_eager_calls_on_a_striped_buffer_raise_and_metadata_stays(fake_world):
     x = torch.randn(MAX_B, 1, DIM)
     compiled(x, 0, None)
     buffer = model.kv_cache
-    assert type(buffer) is StripedCache
+    assert type(buffer) is StripedCacheTensor
     assert buffer.shape == (MAX_B, MAX_S, RANK) and buffer.dtype == torch.float32 and buffer.dim() == 3
     for touch in (lambda t: t.sum(), lambda t: t[:, 0], lambda t: t.zero_(), lambda t: torch.cat([t, t]),
                   lambda t: t + 1, lambda t: t.clone()):

@@ -23,7 +23,7 @@ def _rank(rank, world, fused, inner):
     from kit.serving import ServingMLA, serve
 
     from dcp_pass.backend import DcpBackend
-    from dcp_pass.rewrites import cache as cache_rw
+    from dcp_pass.state import store
 
     torch.set_grad_enabled(False)
     torch._dynamo.reset()
@@ -38,7 +38,7 @@ def _rank(rank, world, fused, inner):
         "graphs": len(report.graphs),
         "all_rewritten": all(g.rewritten == 1 for g in report.graphs),
         "kv": (report.kv_bytes_full, report.kv_bytes_local),
-        "released": all(cache_rw.is_released(b) for a in model.attn for b in a.buffers()),
+        "released": all(store.is_released(b) for a in model.attn for b in a.buffers()),
         "summary": report.summary(),
     }
 

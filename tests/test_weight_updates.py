@@ -47,10 +47,10 @@ def _copy_addresses():
     """The addresses of the other ranks' shards the pass holds copies of."""
     import torch.distributed as dist
 
-    from dcp_pass.rewrites import q_replicate
+    from dcp_pass.state import weights
 
     own = dist.get_rank()
-    return sorted(t.data_ptr() for held in q_replicate._GATHERED.values() for h in held.values()
+    return sorted(t.data_ptr() for held in weights._GATHERED.values() for h in held.values()
                   for r, t in enumerate(h.shards) if r != own)
 
 
@@ -197,7 +197,7 @@ def test_a_weight_the_same_everywhere_at_compile_is_checked_too(placeholder_resu
 def _fingerprints(rank, world, _):
     import torch.distributed as dist
 
-    from dcp_pass.rewrites.q_replicate import weights_differ
+    from dcp_pass.state.weights import weights_differ
 
     torch.manual_seed(0)
     w = torch.randint(-4, 5, (8, 6)).to(torch.bfloat16)  # small integers: every sum exact, in any order

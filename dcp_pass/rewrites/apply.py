@@ -32,11 +32,15 @@ import torch.fx as fx
 
 from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
 from dcp_pass.rewrites import allocation, axes, complex_product, fx_util, project_merge, q_replicate
-from dcp_pass.rewrites import cache as cache_rw
 from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput, rewrite_attention
 from dcp_pass.rewrites.axes import B, H, S
 from dcp_pass.rewrites.cache_reads import module_path, position_axis
+from dcp_pass.rewrites.fp8_cache import Fp8Refused, fp8_layout_of, fp8_packed_write
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla, where_of
+from dcp_pass.state import shards
+from dcp_pass.state.memory import unallocated
+from dcp_pass.state.store import INSTALLED_AT_FIRST_CALL, LocalCache, is_released
+from dcp_pass.state.weights import ExtraInput, WeightCheck, weights_differ
 
 
 class DcpRewriteError(RuntimeError):
@@ -69,11 +73,11 @@ class DcpPassResult:
     """
 
     graph_module: fx.GraphModule
-    caches: list[tuple[int, cache_rw.LocalCache]] = field(default_factory=list)
-    weights: list[q_replicate.ExtraInput] = field(default_factory=list)
+    caches: list[tuple[int, LocalCache]] = field(default_factory=list)
+    weights: list[ExtraInput] = field(default_factory=list)
     position: Any = None
-    checks: list[q_replicate.WeightCheck] = field(default_factory=list)
-    allocations: list[cache_rw.AllocatedCache] = field(default_factory=list)
+    checks: list[WeightCheck] = field(default_factory=list)
+    allocations: list[shards.AllocatedCache] = field(default_factory=list)
 
 
 @dataclass
@@ -104,20 +108,20 @@ class PassState:
     example_inputs: Sequence[Any] = ()
     found: Optional[GraphMatches] = None
     buffers: set[fx.Node] = field(default_factory=set)
-    entries: dict[fx.Node, cache_rw.LocalCache] = field(default_factory=dict)
+    entries: dict[fx.Node, LocalCache] = field(default_factory=dict)
     local_nodes: dict[fx.Node, fx.Node] = field(default_factory=dict)
     queries: dict[int, tuple[Any, str]] = field(default_factory=dict)  # id(match) -> (override, detail)
     replicator: Optional[q_replicate.QueryReplicator] = None
     rewritten: list[RewrittenLayer] = field(default_factory=list)
     stopped: Optional[str] = None  # why the DCP rewrite stopped (the original graph is kept)
-    caches: list[tuple[int, cache_rw.LocalCache]] = field(default_factory=list)  # (input index, shard)
+    caches: list[tuple[int, LocalCache]] = field(default_factory=list)  # (input index, shard)
     position: Any = None
     # layers left as they are (their caches used outside their attention) -> why, in the user's terms
     kept_layers: dict[str, str] = field(default_factory=dict)
     # inputs standing in for cache tensors the graph allocated (rewrites/allocation.py)
     allocated: dict[fx.Node, allocation.StandIn] = field(default_factory=dict)
     prefixes: list[allocation.CausalPrefix] = field(default_factory=list)  # causal prefixes over them
-    allocations: list[cache_rw.AllocatedCache] = field(default_factory=list)
+    allocations: list[shards.AllocatedCache] = field(default_factory=list)
 
     @property
     def graph(self) -> fx.Graph:
@@ -159,7 +163,7 @@ class AllocatedCaches(GraphPass):
         for stand_in in allocation.stand_in_allocations(state.graph, symbolic):
             state.allocated[stand_in.placeholder] = stand_in
             example = fx_util.node_value(stand_in.placeholder)
-            state.values[stand_in.placeholder.name] = cache_rw.unallocated(example.shape, example.stride(),
+            state.values[stand_in.placeholder.name] = unallocated(example.shape, example.stride(),
                                                                            example.dtype, example.device)
         state.prefixes = allocation.causal_prefix_over_cache(state.graph, list(state.allocated.values()))
         notes = [f"{buffer_name(p)} allocated in the graph" for p in state.allocated]
@@ -193,7 +197,7 @@ class FindAttention(GraphPass):
             where, reason = found.near_misses[0]
             raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
         state.buffers = {b for m in found.matches for b in m.buffers} | {
-            b for b in found.writes if cache_rw.is_released(state.values[b.name])}
+            b for b in found.writes if is_released(state.values[b.name])}
         dropped = {p for p in state.allocated if p not in state.buffers}  # no rewritten attention reads them
         for prefix in [p for p in state.prefixes if p.placeholders & dropped]:
             allocation.undo_prefix(state.graph, prefix)
@@ -229,7 +233,7 @@ class StripedWrites(GraphPass):
             check = STRIPE_CHECKS.get(read.kind)
             why = check(read, plan.c) if check is not None else None
             if why is not None:
-                if cache_rw.is_released(state.values[read.buffer.name]):
+                if is_released(state.values[read.buffer.name]):
                     raise DcpRewriteError(why)
                 state.stop(why)
                 state.report.unchanged_reason = why
@@ -242,10 +246,10 @@ class StripedWrites(GraphPass):
             if buf in state.allocated:  # an example shard: the backend makes each call's
                 entry = _allocated_cache(state, buf, kind).shard()
             else:
-                entry = cache_rw.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf), kind,
-                                           formats.get(buf, ""))
+                entry = shards.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf), kind,
+                                         formats.get(buf, ""))
             state.entries[buf] = entry
-            state.local_nodes[buf] = cache_rw.local_cache_placeholder(state.graph, index, entry.local)
+            state.local_nodes[buf] = fx_util.static_placeholder(state.graph, f"dcp_local_cache_{index}", entry.local)
             # the attention rewrite reads the shard's row format from its input
             state.local_nodes[buf].meta["dcp_kv_format"] = entry.kv_format
         count = 0
@@ -256,8 +260,8 @@ class StripedWrites(GraphPass):
                     entry = state.entries[buf]
                     if entry.kv_format:  # quantised in the graph: the striped write stores packed bytes
                         try:
-                            write = cache_rw.fp8_packed_write(state.graph, write, entry)
-                        except cache_rw.Fp8Refused as why:
+                            write = fp8_packed_write(state.graph, write, entry.kv_format, entry.name)
+                        except Fp8Refused as why:
                             raise DcpRewriteError(f"{_FP8_REFUSED}: {why}") from why
                     write.rewrite_write(state.graph, state.local_nodes[buf], entry)
                     fx_util.erase_dead_region(state.graph, feeding)  # e.g. the pool's flat view
@@ -376,7 +380,7 @@ class ProjectBeforeMerge(GraphPass):
             # a fingerprint decides which parameters differ across the group (a fake test group
             # cannot tell: gather); the others are the same on every rank and shared
             sharded = [p for p in found.params
-                       if q_replicate.weights_differ(state.values[p.name], plan.group_name, plan.c, no_verdict=True)]
+                       if weights_differ(state.values[p.name], plan.group_name, plan.c, no_verdict=True)]
             project_merge.check_gatherable(sharded, lambda p: state.values[p.name].dtype)
             for param in found.params:  # projected for the other ranks' chunks as this rank holds it
                 if param not in sharded:
@@ -403,7 +407,7 @@ class VerifyBuffers(GraphPass):
         if leftovers:
             uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}" for n in leftovers)
             reason = f"cache buffers are used outside the matched attention ({uses})"
-            if any(cache_rw.is_released(values[n.name]) for n in leftovers) or state.config.strict:
+            if any(is_released(values[n.name]) for n in leftovers) or state.config.strict:
                 raise DcpRewriteError(reason)
             kept = _layers_to_keep(state, leftovers)
             if kept and len(kept) < len(state.found.matches):
@@ -443,17 +447,17 @@ class InstallShards(GraphPass):
         for buf, entry in state.entries.items():
             if buf in state.allocated:  # made anew by every call
                 continue
-            if entry.kind in cache_rw.INSTALLED_AT_FIRST_CALL:
-                cache_rw.install_at_first_call(state.values[buf.name], entry)
+            if entry.kind in INSTALLED_AT_FIRST_CALL:
+                shards.install_at_first_call(state.values[buf.name], entry)
             else:
-                cache_rw.install(state.values[buf.name], entry)
+                shards.install(state.values[buf.name], entry)
         siblings = 0
         for buf, entry in state.entries.items():
             if buf in state.allocated:
                 continue
             # the same cache of the other layers a shared graph will be called with
-            for other, name in cache_rw.sibling_buffers(state.values[buf.name]):
-                cache_rw.local_for(other, plan.c, plan.rank, name, entry.kind, entry.kv_format)
+            for other, name in shards.sibling_buffers(state.values[buf.name]):
+                shards.local_for(other, plan.c, plan.rank, name, entry.kind, entry.kv_format)
                 siblings += 1
         placeholders = fx_util.placeholders(state.graph)
         state.caches = [(placeholders.index(buf), state.entries[buf]) for buf in state.local_nodes
@@ -565,9 +569,9 @@ def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassCon
 # ----------------------------------------------------------------------------- helpers
 
 
-def _allocated_cache(state: PassState, buf: fx.Node, kind: str) -> cache_rw.AllocatedCache:
+def _allocated_cache(state: PassState, buf: fx.Node, kind: str) -> shards.AllocatedCache:
     plan = state.config.plan
-    return cache_rw.AllocatedCache.of(state.values[buf.name], position_axis(buf), plan.c, plan.rank,
+    return shards.AllocatedCache.of(state.values[buf.name], position_axis(buf), plan.c, plan.rank,
                                       buffer_name(buf), kind, tuple(allocation.output_positions(state.graph, buf)))
 
 _FP8_REFUSED = "kv_cache_dtype='fp8_e4m3' cannot store this graph's cache as fp8"
@@ -579,8 +583,8 @@ def _fp8_formats(state: PassState) -> dict:
     formats: dict = {}
     for match in state.found.matches:
         try:
-            spec = cache_rw.fp8_layout_of(match, state.values).spec()
-        except cache_rw.Fp8Refused as why:
+            spec = fp8_layout_of(match, state.values).spec()
+        except Fp8Refused as why:
             raise DcpRewriteError(f"{_FP8_REFUSED}: layer {match.layer}: {why}; pass kv_cache_dtype=None to "
                                   f"keep the model's cache dtype") from why
         buf = match.value_cache.buffer
@@ -600,7 +604,7 @@ def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.N
     return [
         n for n in graph.nodes
         if n.op == "placeholder" and n.users and isinstance(values.get(n.name), torch.Tensor)
-        and cache_rw.is_released(values[n.name])
+        and is_released(values[n.name])
     ]
 
 

@@ -64,7 +64,7 @@ def module_path(source: Optional[str]) -> str:
 
 
 # Hooks of caches that are not module buffers (graph inputs reached through a cache object,
-# recognisers/per_head.py): each takes a placeholder and returns its layout, or None.
+# rewrites/static_cache.py): each takes a placeholder and returns its layout, or None.
 CACHE_LAYOUTS: list = []
 
 
@@ -162,7 +162,7 @@ class _Piece:
     """Replay state of one cache tensor on its way to the operand.
 
     `layout` / `shape` describe the tensor the axes' sources index: the cache tensor
-    itself, or for a paged pool the gathered pages (see recognisers/paged.py).
+    itself, or for a paged pool the gathered pages (see rewrites/paged.py).
     """
 
     buffer: fx.Node

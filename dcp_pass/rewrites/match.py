@@ -172,9 +172,10 @@ def source_of(node: Any) -> Optional[str]:
         return None
     trace = node.meta.get("stack_trace") or ""
     lines = trace.splitlines()
-    # the innermost frame outside this package's rewrites (a striped cache's __torch_function__,
-    # which Dynamo traces through, is not where the user read it)
-    frames = [i for i, line in enumerate(lines) if line.strip().startswith("File ") and _OWN_FRAMES not in line]
+    # the innermost frame outside this package's rewrites and state (a striped cache's
+    # __torch_function__, which Dynamo traces through, is not where the user read it)
+    frames = [i for i, line in enumerate(lines)
+              if line.strip().startswith("File ") and not any(own in line for own in _OWN_FRAMES)]
     if not frames:
         return None
     at = frames[-1]
@@ -189,7 +190,7 @@ def source_of(node: Any) -> Optional[str]:
     return f"{where} `{code}`" if code else where
 
 
-_OWN_FRAMES = os.path.join("dcp_pass", "rewrites", "")
+_OWN_FRAMES = (os.path.join("dcp_pass", "rewrites", ""), os.path.join("dcp_pass", "state", ""))
 
 
 def where_of(node: fx.Node) -> str:
@@ -292,10 +293,17 @@ def register(recogniser: Recogniser) -> Recogniser:
     return recogniser
 
 
+# modules of cache kinds other than "flat": each registers its read and write forms
+CACHE_KIND_MODULES = ("dcp_pass.rewrites.paged", "dcp_pass.rewrites.static_cache")
+
+
 def load_recognisers() -> dict[str, Recogniser]:
-    """Import every module of `dcp_pass/rewrites/recognisers/` (each registers its form)."""
+    """Import every module of `dcp_pass/rewrites/recognisers/` (each registers its form), and
+    the cache kinds' modules."""
     from dcp_pass.rewrites import recognisers
 
+    for name in CACHE_KIND_MODULES:
+        importlib.import_module(name)
     for info in sorted(pkgutil.iter_modules(recognisers.__path__), key=lambda i: i.name):
         importlib.import_module(f"{recognisers.__name__}.{info.name}")
     return RECOGNISERS

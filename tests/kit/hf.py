@@ -38,7 +38,8 @@ def cache_tensors(cache) -> list[tuple[str, torch.Tensor]]:
 
 def held_bytes(t: torch.Tensor) -> tuple[int, int]:
     """(bytes of memory behind the tensor's own storage, bytes of its DCP shard's storage; 0 without one)."""
-    from dcp_pass.rewrites.cache import held_nbytes, lookup_local_cache
+    from dcp_pass.state.memory import held_nbytes
+    from dcp_pass.state.store import lookup_local_cache
 
     entry = lookup_local_cache(t)
     own = held_nbytes(t)

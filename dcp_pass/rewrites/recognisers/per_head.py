@@ -30,27 +30,27 @@ the query, `dcp.mla_local_attention` attends over the cached latent and rotary r
 are, and the value half applies after the merge (before it, per rank, where
 project_before_merge moves it), so no step re-expands the context.
 
-The cache tensors are striped like module buffers (rewrites/cache.py): each rank keeps a
-shard `[batch, kv heads, ceil(T / c) + 1, feature]` (one spare row that no read covers), the
-full-size storage is released and the tensor's class becomes `StripedCache`. Only the
-cache's `keys` / `values` tensors are caches here: a linear-attention layer's conv and
-recurrent states (Kimi's KDA) are other graph inputs, left as they are.
+The cache tensors (rewrites/static_cache.py) are striped like module buffers
+(state/shards.py): each rank keeps a shard `[batch, kv heads, ceil(T / c) + 1, feature]` (one
+spare row that no read covers), the full-size storage is released and the tensor's class
+becomes `StripedCacheTensor`. Only the cache's `keys` / `values` tensors are caches here: a
+linear-attention layer's conv and recurrent states (Kimi's KDA) are other graph inputs, left
+as they are.
 """
 from __future__ import annotations
 
 import math
 import operator
-import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes, cache_reads, sinks
 from dcp_pass.rewrites.axes import B, F, H, S, T
-from dcp_pass.rewrites.cache_reads import CacheAccess, CacheRead, buffer_name, buffer_source
-from dcp_pass.rewrites.fx_util import call, erase_dead_region, method, replace_node, set_example_value
+from dcp_pass.rewrites.cache_reads import buffer_name, buffer_source
+from dcp_pass.rewrites.fx_util import call, erase_dead_region, method, set_example_value
 from dcp_pass.rewrites.match import (
     MaskTerm,
     MatchContext,
@@ -64,89 +64,15 @@ from dcp_pass.rewrites.match import (
 )
 from dcp_pass.rewrites.recognisers.sdpa import SDPA_TARGETS, sdpa_arguments
 from dcp_pass.rewrites.recognisers.softmax import softmax_dim
-from dcp_pass.runtime.decode import layout
+from dcp_pass.rewrites.static_cache import (
+    POSITION_AXIS,
+    is_static_cache,
+    static_cache_layout,
+    whole_read,
+)
 
-KIND = "static_cache"  # LocalCache / CacheRead kind of these caches
 QUERY_ROLES = [B, H, S, F]
 SCORE_ROLES = [B, H, S, T]
-POSITION_AXIS = 2  # of a static cache tensor [batch, kv heads, position, feature]
-
-# A Hugging Face static cache layer's tensors, as Dynamo names graph inputs reached through it
-STATIC_CACHE_SOURCE = re.compile(r"\.layers\[\d+\]\.(keys|values)$")
-
-
-# ----------------------------------------------------------------------------- the cache tensors
-
-
-def static_cache_layout(node: fx.Node) -> Optional[tuple]:
-    """[batch, kv heads (None when 1), position, feature] for a static cache layer's tensor."""
-    source = buffer_source(node)
-    shape = axes.shape_of(node)
-    if not source or not STATIC_CACHE_SOURCE.search(source) or shape is None or len(shape) != 4:
-        return None
-    return (B, None if axes.known_equal(shape[1], 1) else H, T, F)
-
-
-def is_static_cache(node: Any) -> bool:
-    return isinstance(node, fx.Node) and node.op == "placeholder" and static_cache_layout(node) is not None
-
-
-@dataclass
-class StaticCacheRead(CacheRead):
-    """A whole static cache tensor read by the attention (every position; the mask hides the
-    unwritten ones)."""
-
-    @property
-    def kind(self) -> str:
-        return KIND
-
-
-def whole_read(buffer: fx.Node, operand: fx.Node) -> StaticCacheRead:
-    shape = axes.shape_of(buffer)
-    return StaticCacheRead(operand, buffer, shape[0], 0, shape[POSITION_AXIS], None, [B, H, T, F])
-
-
-@dataclass
-class IndexCopyWrite(CacheAccess):
-    """`cache.index_copy_(2, positions, new)` (or `cache[:, :, positions] = new`)."""
-
-    kind: ClassVar[str] = KIND
-
-    def describe(self) -> str:
-        return "`index_copy_` along its position axis"
-
-    def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
-        args = (local, self.value, self.positions, POSITION_AXIS, entry.c, entry.rank, entry.virtual_capacity)
-        return replace_node(graph, self.node, layout.write_rows_at_, args, name="striped_write")
-
-
-def index_copy_write(node: fx.Node) -> Optional[IndexCopyWrite]:
-    if axes.is_method(node, "index_copy_") and is_static_cache(node.args[0]):
-        buffer, dim, positions, value = (list(node.args) + [None] * 4)[:4]
-        if isinstance(dim, int) and axes.normalize_dim(dim, 4) == POSITION_AXIS and isinstance(positions, fx.Node) \
-                and isinstance(value, fx.Node):
-            return IndexCopyWrite(node, buffer, axes.shape_of(buffer)[0], None, None, None, value, positions)
-    if node.op == "call_function" and node.target is operator.setitem and is_static_cache(node.args[0]):
-        buffer, index, value = node.args
-        if (isinstance(index, tuple) and len(index) == 3 and index[:2] == (slice(None),) * 2
-                and isinstance(index[2], fx.Node) and isinstance(value, fx.Node)):
-            return IndexCopyWrite(node, buffer, axes.shape_of(buffer)[0], None, None, None, value, index[2])
-    return None
-
-
-def static_cache_shard(buffer: torch.Tensor, c: int, rank: int, name: str):
-    """This rank's rows of a static cache tensor: positions p % c == rank, compacted along
-    the position axis, plus one spare row (written by tokens the rank does not own)."""
-    from dcp_pass.rewrites.cache import LocalCache, is_released
-
-    tokens = buffer.shape[POSITION_AXIS]
-    shape = list(buffer.shape)
-    shape[POSITION_AXIS] = layout.local_capacity(tokens, c) + 1
-    local = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
-    if not is_released(buffer):  # keeps the rows written so far (the prefill's)
-        owned = buffer.detach()[:, :, rank::c]
-        local[:, :, : owned.shape[POSITION_AXIS]].copy_(owned)
-    return LocalCache(local, tokens, c, rank, buffer.numel() * buffer.element_size(), name, kind=KIND)
 
 
 # ----------------------------------------------------------------------------- K and V
@@ -825,18 +751,5 @@ class PerHeadEager(Recogniser):
         return match
 
 
-cache_reads.CACHE_LAYOUTS.append(static_cache_layout)
-cache_reads.WRITE_FORMS.append(index_copy_write)
-
-
-def _register_shards() -> None:
-    from dcp_pass.rewrites.cache import INSTALLED_AT_FIRST_CALL, RESETTABLE, SHARD_MAKERS
-
-    SHARD_MAKERS[KIND] = static_cache_shard
-    INSTALLED_AT_FIRST_CALL.add(KIND)  # every generate brings new cache tensors
-    RESETTABLE.add(KIND)  # Cache.reset() zeroes its tensors between generations
-
-
-_register_shards()
 register(PerHeadEager())
 register(PerHeadSdpa())

@@ -13,7 +13,7 @@ Extend is outside the decode cost model: its work grows with the prefix length. 
 
 Both take the attention operands as one :class:`~dcp_pass.runtime.decode.call.AttentionCall`:
 the new tokens' queries over this rank's caches, per-sequence striped tensors ``[B, Tl, D]``
-(see :class:`~dcp_pass.runtime.decode.layout.StripedCache`; row ``b``'s position ``p`` owned
+(see :class:`~dcp_pass.runtime.decode.layout.EagerStripedCache`; row ``b``'s position ``p`` owned
 by this rank sits at local row ``p // c``) with ``stripe=(c, rank)``; a fused cache (latent
 + rope columns) is ``kv`` with ``pe=None``, a split cache passes both. The key counts and
 the causal cap are extend's: from ``prefix_lens``, an int or a length-``B`` sequence /

@@ -29,7 +29,7 @@ __all__ = [
     "shard_full_cache",
     "striped_write_",
     "striped_read",
-    "StripedCache",
+    "EagerStripedCache",
     "PagedVirtualAllocator",
 ]
 
@@ -230,8 +230,9 @@ def striped_read(storage: torch.Tensor, bsz: int, end_pos: int, c: int, r: int) 
     return storage[:bsz, : local_length(end_pos, c, r)]
 
 
-class StripedCache:
-    """Contiguous per-sequence striped KV cache held by one DCP rank."""
+class EagerStripedCache:
+    """One DCP rank's striped rows of a `[B, T, D]` KV cache, written and read by eager code (no model, no
+    compile: the runtime compositions); a model's striped cache tensor is state.guards.StripedCacheTensor."""
 
     def __init__(
         self,
@@ -256,7 +257,7 @@ class StripedCache:
         )
 
     @classmethod
-    def from_full(cls, full: torch.Tensor, c: int, rank: int) -> "StripedCache":
+    def from_full(cls, full: torch.Tensor, c: int, rank: int) -> "EagerStripedCache":
         """Cache sized exactly for an unsharded ``[B, T, D]`` cache, holding rank's shard of it."""
         batch, tokens, dim = full.shape
         cache = cls(batch, tokens, dim, c, rank, dtype=full.dtype, device=full.device)

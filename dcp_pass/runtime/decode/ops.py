@@ -5,7 +5,7 @@ shard-local attention as an opaque kernel: it has a fake implementation for
 tracing, and its real implementation chooses its attention backend (the Triton
 kernel the registry chooses for the call, runtime/decode/backends.py) at run time. (Striped cache
 writes need no op: they are one strided slice copy in the graph, see
-rewrites/cache.py.)
+layout.write_owned_tokens_.)
 """
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ and slot mappings keep their meaning: each rank gathers its own slots of the sam
 pages (local position k of a request is global position k * c + rank, as in a flat
 shard) and writes only the slots it owns (the others go to one spare slot no read covers).
 
-This module registers the paged read and write forms with `cache_reads`, the paged
-shard with `cache`, and the rank-local gather with `attention`; the attention itself is
-matched by whichever recogniser sees it (softmax, SDPA).
+This module registers the paged read and write forms with `cache_reads` and the rank-local
+gather with `attention` (the shard itself is state/shards.py's `paged_shard`); the attention
+itself is matched by whichever recogniser sees it (softmax, SDPA).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.fx as fx
 
-from dcp_pass.rewrites import attention, axes, cache, cache_reads
+from dcp_pass.rewrites import attention, axes, cache_reads
 from dcp_pass.rewrites.axes import B, F, T
 from dcp_pass.rewrites.cache_reads import CacheAccess, _Axis, _Piece, cache_layout
 from dcp_pass.rewrites.fx_util import call, method, replace_node, set_example_value
@@ -126,20 +126,6 @@ def pages_and_offsets(write: CacheAccess) -> Optional[PagedWrite]:
     return paged
 
 
-def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str) -> cache.LocalCache:
-    """Slots v % c == rank of the pool, compacted ([pages * P / c + 1, D]; the last slot is spare)."""
-    pages, page, width = buffer.shape
-    if page % c:
-        raise cache.DcpCacheError(
-            f"paged cache {name} has pages of {page} slots, not a multiple of dcp_size={c}: a page cannot be split "
-            f"evenly across the DCP ranks; use a page size that is a multiple of {c}")
-    local = torch.zeros((pages * (page // c) + 1, width), dtype=buffer.dtype, device=buffer.device)
-    if not cache.is_deferred(buffer):
-        owned = buffer.detach().reshape(-1, width)[rank::c]
-        local[: owned.shape[0]] = owned
-    return cache.LocalCache(local, pages * page, c, rank, buffer.numel() * buffer.element_size(), name, kind="paged")
-
-
 def local_pages(graph: fx.Graph, local: fx.Node, read: cache_reads.CacheRead, name: str, c: int) -> fx.Node:
     """This rank's slots of the pages the model gathers, as [batch, position, feature]."""
     pages, page, width = axes.shape_of(read.buffer)
@@ -164,6 +150,5 @@ def check_paged(read: cache_reads.CacheRead, c: int) -> Optional[str]:
 cache_reads.READ_BASES.append(paged_base)
 cache_reads.WRITE_FORMS.append(paged_write)
 cache_reads.WRITE_CONVERSIONS[("flat", "paged")] = pages_and_offsets
-cache.SHARD_MAKERS["paged"] = paged_shard
 attention.LOCAL_READS["paged"] = local_pages
 attention.STRIPE_CHECKS["paged"] = check_paged

@@ -1,0 +1,283 @@
+"""This rank's shards of the model's cache tensors: made, installed, and looked up per call.
+
+The model's full-size cache buffer stays a module buffer (so Dynamo's guards and the
+model code are untouched), but its storage is released: the backend owns a compacted
+shard `[max_batch, ceil(max_seq / c) + 1, D]` per rank (one spare row), keyed by the
+buffer object and reused by every later recompile. The graph takes the shard as a
+trailing static input, resolved per call from the buffer passed (`feeder.CallFeeder`).
+
+A buffer built under `dcp_pass.deferred_caches()` never had full-size storage: it is
+created without memory (`memory.unallocated`) and gets only its shard.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from dcp_pass.report import log
+from dcp_pass.runtime.decode import kv_format as fp8
+from dcp_pass.runtime.decode import layout
+from dcp_pass.state.guards import guard, mark_striped, modules_on_stack, owners_of
+from dcp_pass.state.memory import storage_nbytes, unallocated
+from dcp_pass.state.store import (
+    DEFERRED,
+    INSTALLED_AT_FIRST_CALL,
+    PENDING,
+    STRIPED,
+    DcpCacheError,
+    LocalCache,
+    is_deferred,
+    is_released,
+    lookup_local_cache,
+)
+
+
+def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",
+              kv_format: str = "") -> LocalCache:
+    """This rank's shard of `buffer`: the one installed earlier, or a new copy (nothing released yet).
+
+    `kv_format` (a packed fp8 layout's spec): the shard is allocated as packed fp8 rows
+    directly (a deferred buffer never has any other storage) and rows already written are
+    quantised into it.
+    """
+    entry = lookup_local_cache(buffer) or PENDING.get(buffer)
+    if entry is None and kind != "flat":
+        if kv_format:
+            raise DcpCacheError(f"cache {name}: kv_cache_dtype fp8 takes caches with rows by position, not a "
+                                f"{kind} pool; pass kv_cache_dtype=None")
+        return SHARD_MAKERS[kind](buffer, c, rank, name)
+    if entry is not None:
+        if (entry.c, entry.rank) != (c, rank):
+            raise DcpCacheError(
+                f"cache {name} is already striped with dcp_size={entry.c}, rank {entry.rank}; "
+                f"it cannot be recompiled with dcp_size={c}, rank {rank}"
+            )
+        if entry.kv_format != kv_format and kv_format:
+            raise DcpCacheError(
+                f"cache {name} is already striped as {entry.kv_format or str(entry.local.dtype)} rows (an earlier "
+                f"compile or dcp_pass.materialize); it cannot be read as {kv_format}: let the first compile with "
+                f"kv_cache_dtype='fp8_e4m3' stripe it"
+            )
+        return entry
+    return _flat_shard(buffer, c, rank, name, fp8.Fp8Layout.parse(kv_format) if kv_format else None)
+
+
+def _flat_shard(buffer: torch.Tensor, c: int, rank: int, name: str,
+                packed: Optional[fp8.Fp8Layout] = None) -> LocalCache:
+    """A new shard of a cache with rows by position: the rank's rows in the buffer's dtype, or,
+    with a `packed` fp8 layout, as packed rows (uint8 [..., row_bytes]); rows already written
+    are copied (quantised) into it."""
+    if packed is not None and buffer.shape[-1] != packed.columns:
+        raise DcpCacheError(f"cache {name} has {buffer.shape[-1]} columns; its fp8 layout {packed.spec()} stores "
+                            f"{packed.columns}")
+    axis = 1 if buffer.dim() == 3 or buffer.shape[1] != 1 else 2  # the position axis (cache_reads.cache_layout)
+    tokens = buffer.shape[axis]
+    # One spare row: a windowed write (symbolic start) may touch row (start + n) // c,
+    # one past the last owned row when max_seq is a multiple of c. Never read.
+    shape = list(buffer.shape)
+    shape[axis] = layout.local_capacity(tokens, c) + 1
+    if packed is not None:
+        shape[-1] = packed.row_bytes
+    local = torch.zeros(shape, dtype=torch.uint8 if packed is not None else buffer.dtype, device=buffer.device)
+    if buffer not in DEFERRED:  # a deferred buffer has no rows yet: its shard starts zeroed
+        owned = buffer.detach()[(slice(None),) * axis + (slice(rank, None, c),)]  # keeps rows already written
+        local.narrow(axis, 0, owned.shape[axis]).copy_(fp8.pack(owned, packed) if packed is not None else owned)
+    full_nbytes = buffer.numel() * buffer.element_size()
+    return LocalCache(local, tokens, c, rank, full_nbytes, name, kv_format=packed.spec() if packed is not None else "")
+
+
+def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
+    """Slots v % c == rank of a paged pool `[pages, P, D]` (rewrites/paged.py), compacted
+    ([pages * P / c + 1, D]; the last slot is spare)."""
+    pages, page, width = buffer.shape
+    if page % c:
+        raise DcpCacheError(
+            f"paged cache {name} has pages of {page} slots, not a multiple of dcp_size={c}: a page cannot be split "
+            f"evenly across the DCP ranks; use a page size that is a multiple of {c}")
+    local = torch.zeros((pages * (page // c) + 1, width), dtype=buffer.dtype, device=buffer.device)
+    if not is_deferred(buffer):
+        owned = buffer.detach().reshape(-1, width)[rank::c]
+        local[: owned.shape[0]] = owned
+    return LocalCache(local, pages * page, c, rank, buffer.numel() * buffer.element_size(), name, kind="paged")
+
+
+STATIC_CACHE_POSITION_AXIS = 2  # of a static cache tensor [batch, kv heads, position, feature]
+
+
+def static_cache_shard(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
+    """This rank's rows of a Hugging Face static cache tensor (rewrites/static_cache.py):
+    positions p % c == rank, compacted along the position axis, plus one spare row (written
+    by tokens the rank does not own)."""
+    axis = STATIC_CACHE_POSITION_AXIS
+    tokens = buffer.shape[axis]
+    shape = list(buffer.shape)
+    shape[axis] = layout.local_capacity(tokens, c) + 1
+    local = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
+    if not is_released(buffer):  # keeps the rows written so far (the prefill's)
+        owned = buffer.detach()[:, :, rank::c]
+        local[:, :, : owned.shape[axis]].copy_(owned)
+    return LocalCache(local, tokens, c, rank, buffer.numel() * buffer.element_size(), name, kind="static_cache")
+
+
+# kind -> (buffer, c, rank, name) -> LocalCache, for cache layouts other than "flat"
+SHARD_MAKERS: dict[str, Callable[[torch.Tensor, int, int, str], LocalCache]] = {
+    "paged": paged_shard,
+    "static_cache": static_cache_shard,
+}
+
+
+def install(buffer: torch.Tensor, entry: LocalCache) -> None:
+    """Make `entry` the owner of `buffer`'s rows and release the full-size storage (once)."""
+    if lookup_local_cache(buffer) is entry:
+        return
+    if DEFERRED.pop(buffer, None) is not None:  # never had full-size storage; guarded since defer()
+        STRIPED[buffer] = entry
+        mark_striped(buffer)
+        return
+    if owns_storage(buffer):
+        # Shape, stride and dtype stay, so Dynamo's guards on the buffer still pass.
+        buffer.untyped_storage().resize_(0)
+    elif _striped_cover_storage(buffer):
+        # Striped cache buffers (latent and rotary caches carved out of one allocation) hold
+        # every byte of it: release it, so that any other view of it (a pool's) fails at its
+        # next use instead of writing rows no graph reads any more.
+        buffer.untyped_storage().resize_(0)
+        log.info("dcp_pass: %s and the caches sharing its allocation are striped: the allocation is released",
+                 entry.name)
+    else:
+        # The storage also backs tensors the pass has not striped (yet): releasing it would
+        # destroy them. Keep it; only this buffer's rows move to the shard.
+        log.warning("dcp_pass: %s shares its storage with other tensors, so its full-size memory is kept; "
+                    "a write through another view of that storage does not reach this rank's shard",
+                    entry.name)
+        entry.full_nbytes = entry.local_nbytes  # report no saving that did not happen
+    STRIPED[buffer] = entry
+    # A kind installed at first call is a graph input held by a Cache object, never a module
+    # buffer: there is no owner to find, and the gc scan would cost each generation's first step.
+    guard(buffer, [] if entry.kind in INSTALLED_AT_FIRST_CALL else owners_of(buffer))
+    mark_striped(buffer)
+
+
+# a shared storage's address -> weak references to the striped cache buffers that live in it
+_SHARING: dict[int, list] = {}
+
+
+def _striped_cover_storage(buffer: torch.Tensor) -> bool:
+    """Record `buffer` (about to be striped) in its shared storage; whether the striped buffers
+    in it, `buffer` included, now account for all of its bytes (they do not overlap: a
+    model's caches are distinct tensors). Dead buffers, and buffers whose storage moved, are
+    not counted: an address can be reused."""
+    storage = buffer.untyped_storage()
+    key = storage.data_ptr()
+    held = [ref for ref in _SHARING.get(key, ()) if (t := ref()) is not None and t is not buffer
+            and t.untyped_storage().data_ptr() == key]
+    held.append(weakref.ref(buffer))
+    nbytes = sum(t.numel() * t.element_size() for t in (ref() for ref in held))
+    if nbytes >= storage.nbytes():
+        _SHARING.pop(key, None)
+        return True
+    _SHARING[key] = held
+    return False
+
+
+def owns_storage(buffer: torch.Tensor) -> bool:
+    """Whether `buffer` is the whole of its storage (so releasing it frees nothing else)."""
+    storage = buffer.untyped_storage()
+    return buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() * buffer.element_size()
+
+
+def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",
+              kv_format: str = "") -> LocalCache:
+    """The shard to pass for `buffer` on this call; installs one on first sight.
+
+    One compiled graph serves every layer whose module shares the code (Dynamo passes
+    each layer's buffers as inputs), so the shard is looked up per call, by buffer.
+    """
+    entry = lookup_local_cache(buffer)
+    if entry is None:
+        entry = PENDING.pop(buffer, None) or shard_for(buffer, c, rank, name, kind, kv_format)
+        install(buffer, entry)
+    return entry
+
+
+def install_at_first_call(buffer: torch.Tensor, entry: LocalCache) -> None:
+    """Keep `entry` for `buffer` until the compiled graph's first call installs it (local_for)."""
+    if lookup_local_cache(buffer) is None:
+        PENDING[buffer] = entry
+
+
+@dataclass(frozen=True)
+class AllocatedCache:
+    """A cache tensor that the graph allocated (rewrites/allocation.py), made by the backend
+    for every call instead: `make` gives the full-shape tensor the graph returns in its place,
+    without memory, and this rank's zeroed shard of it (`local_capacity + 1` positions: the
+    spare row, as for every shard)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    axis: int  # the position axis
+    c: int
+    rank: int
+    name: str
+    kind: str
+    outputs: tuple[int, ...]  # where the graph's output returns the tensor
+
+    @classmethod
+    def of(cls, example: torch.Tensor, axis: int, c: int, rank: int, name: str, kind: str,
+           outputs: tuple[int, ...] = ()) -> "AllocatedCache":
+        return cls(tuple(int(s) for s in example.shape), tuple(int(s) for s in example.stride()), example.dtype,
+                   example.device, axis, c, rank, name, kind, outputs)
+
+    def shell(self) -> torch.Tensor:
+        return unallocated(self.shape, self.stride, self.dtype, self.device)
+
+    def shard(self) -> LocalCache:
+        tokens = self.shape[self.axis]
+        shape = list(self.shape)
+        shape[self.axis] = layout.local_capacity(tokens, self.c) + 1
+        local = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        full = storage_nbytes(self.shape, self.stride, self.dtype.itemsize)
+        return LocalCache(local, tokens, self.c, self.rank, full, self.name, kind=self.kind)
+
+    def make(self) -> tuple[torch.Tensor, LocalCache]:
+        return self.shell(), self.shard()
+
+
+def install_allocated(shell: torch.Tensor, entry: LocalCache) -> None:
+    """Make `entry` the stripe of `shell`, a full-shape tensor that never had memory (AllocatedCache)."""
+    STRIPED[shell] = entry
+    guard(shell, [])  # held by a cache object, not a module: no owner to guard
+    mark_striped(shell)
+
+
+def sibling_buffers(buffer: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+    """The buffers that play `buffer`'s part in the other layers: the same attribute of every
+    module of its owner's class (in the modules the calling frames run), of the same shape,
+    dtype and device, not yet striped.
+
+    One compiled graph serves every layer of a model whose blocks share their code; its
+    guards check the class of each buffer it takes, so every layer's caches must be
+    striped together, before the first call that passes them (else each layer's first
+    call would compile the graph again).
+    """
+    owners = owners_of(buffer)
+    names = {(type(m), key) for m in owners for key, b in m._buffers.items() if b is buffer}
+    if not names:
+        return []
+    roots = modules_on_stack(sys._getframe(1))
+    found: dict[int, tuple[torch.Tensor, str]] = {}
+    for root in roots.values():
+        for path, module in root.named_modules():
+            for cls, key in names:
+                other = module._buffers.get(key) if type(module) is cls else None
+                if (other is not None and other is not buffer and not is_released(other)
+                        and other.shape == buffer.shape and other.dtype == buffer.dtype
+                        and other.device == buffer.device):
+                    found.setdefault(id(other), (other, f"{path}.{key}" if path else key))
+    return list(found.values())
