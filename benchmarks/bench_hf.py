@@ -187,6 +187,7 @@ def _rank(rank: int, world: int, args):
     # the two timed lengths give two static cache sizes: two static graphs each, warmed first
     torch._dynamo.config.automatic_dynamic_shapes = False
 
+    from dcp_pass.state.memory import held_nbytes
     from dcp_pass.state.store import lookup_local_cache
 
     # ranks beyond the GPU count share GPUs (gloo only: NCCL refuses two ranks on one device)
@@ -227,7 +228,8 @@ def _rank(rank: int, world: int, args):
         for layer in cache.layers:
             for t in (layer.keys, layer.values):
                 entry = lookup_local_cache(t)
-                cache_bytes += t.untyped_storage().nbytes() + (entry.local.untyped_storage().nbytes() if entry else 0)
+                # memory behind the tensor (none for a full-shape stand-in) and its shard
+                cache_bytes += held_nbytes(t) + (held_nbytes(entry.local) if entry else 0)
         if reference is None:
             reference = out.sequences
         rows.append(dict(variant=label, step_ms=1e3 * (long - short) / args.steps, cache_bytes_per_rank=cache_bytes,
@@ -278,7 +280,8 @@ def main():
         print(f"{row['variant']:>16}: {row['step_ms']:8.2f} ms/step, cache {row['cache_bytes_per_rank'] / 2**20:8.2f} "
               f"MiB/rank, tokens == first: {row['tokens_equal_first']}, graphs {row['graphs']} "
               f"({row['compiled_while_timed']} while timed), peak {row['peak_gib']:.2f} GiB, prefill + 1 step "
-              f"{row['prefill_and_one_step_ms']:.0f} ms at {row['prefill_peak_above_model_gib']:.2f} GiB above the model")
+              f"{row['prefill_and_one_step_ms']:.0f} ms at {row['prefill_peak_above_model_gib']:.2f} GiB above the "
+              f"model")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), ranks=results), f, indent=1)

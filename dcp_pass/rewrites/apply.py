@@ -152,8 +152,9 @@ class AllocatedCaches(GraphPass):
     name = "allocated_caches"
 
     def run(self, state: PassState) -> PassOutcome:
-        if state.config.plan.c == 1:
-            return PassOutcome(0, ["dcp_size=1: allocated caches stay as the graph makes them"])
+        # at dcp_size=1 too: the stripe is the whole cache, but the prefill then attends over it
+        # through the op (a causal cap, a boolean mask read in place), not through SDPA with an
+        # [S, T] mask made 16-bit (8 GiB for a 64K-token prefill), and no decode step copies it
         if state.config.kv_cache_dtype:
             return PassOutcome(0, ["kv_cache_dtype: allocated caches are striped at their first decode step"])
         from dcp_pass.rewrites.match import load_recognisers
