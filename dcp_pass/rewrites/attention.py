@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -211,6 +211,21 @@ def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None
     return total
 
 
+def merge_local_attention(graph: fx.Graph, attn: fx.Node, match: MlaMatch, plan: AttentionPlan,
+                          project: Optional[Callable[[fx.Node], fx.Node]] = None) -> MergedOutput:
+    """The tail of every rewritten attention: the partial output and LSE of the local attention
+    op `attn`, exchanged and merged across the DCP group ([B, S, H, F], `emit_exchange`), mapped
+    by `project` when given (absorbed MLA's value half), back in the model's layout."""
+    out = call(graph, operator.getitem, attn, 0, name="partial_out")
+    lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
+    merged = emit_exchange(graph, out, lse, match, plan)
+    result = merged if project is None else project(merged)
+    back = [CANON_Q.index(r) for r in match.out_roles]
+    if back != list(range(4)):
+        result = method(graph, "permute", result, *back, name="merged_layout")
+    return MergedOutput(merged, result)
+
+
 def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
     """The merged output [B, S, H, F] in the model's dtype; with a sink, the sink counted in
     it after the merge (`fold_sink` over the merged fp32 output and merged LSE). Where the
@@ -342,11 +357,7 @@ def rewrite_attention(
                      kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim,
                      scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
                      backend=backend, name="local_attention", **window)
-        out = call(graph, operator.getitem, attn, 0, name="partial_out")
-        lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
-        merged = emit_exchange(graph, out, lse, match, plan)
-        back = [CANON_Q.index(r) for r in match.out_roles]
-        result = merged if back == list(range(4)) else method(graph, "permute", merged, *back, name="merged_layout")
-    value_node.replace_all_uses_with(result)
+        merged = merge_local_attention(graph, attn, match, plan)
+    value_node.replace_all_uses_with(merged.result)
     erase_dead_region(graph, [value_node] + match.lse_outputs)
-    return MergedOutput(merged, result)
+    return merged
