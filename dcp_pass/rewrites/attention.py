@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes, causal_masks
 from dcp_pass.rewrites.axes import B, F, H, S, T
-from dcp_pass.rewrites.cache_reads import CacheRead, cache_layout
+from dcp_pass.rewrites.cache_reads import CacheRead, cache_kind
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.match import MaskTerm, MlaMatch, NearMiss, ScoreTerm
 from dcp_pass.runtime.decode import comm
@@ -104,29 +104,13 @@ def layer_backend(match: MlaMatch, plan: AttentionPlan) -> str:
     return plan.attn_backend
 
 
-# cache kind -> (graph, local shard node, read, name, c) -> the rank's keys [batch, position, feature]
-LOCAL_READS: dict = {}
-# cache kind -> (read, c) -> why the read cannot be striped over c ranks, or None
-STRIPE_CHECKS: dict = {}
-
-
 def local_slice(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str, c: int = 1) -> fx.Node:
-    """The batch rows (and feature columns) of a shard as [batch, position, feature]; key
-    rows are bounded by the op. A singleton head axis of the cache is indexed away."""
-    if access.kind != "flat":
-        return LOCAL_READS[access.kind](graph, local, access, name, c)
-    index: list = []
-    for role in cache_layout(access.buffer):
-        if role == B:
-            first = None if isinstance(access.row0, int) and access.row0 == 0 else access.row0
-            index.append(slice(first, access.bsz))
-        elif role == F:
-            index.append(slice(None) if access.feat is None else slice(*access.feat))
-        else:
-            index.append(slice(None) if role == T else 0)
-    while index and index[-1] == slice(None):
-        index.pop()
-    return call(graph, operator.getitem, local, tuple(index), name=name)
+    """This rank's rows of a read from its shard `local`, as [batch, position, feature] (the
+    read's cache kind says how)."""
+    kind = cache_kind(access.kind)
+    if kind.local_read is None:
+        raise NearMiss(f"a cache of kind {kind.name} ({kind.words}) is read only by its own recogniser's rewrite")
+    return kind.local_read(graph, local, access, name, c)
 
 
 def canonical_query(graph: fx.Graph, node: fx.Node, term: ScoreTerm, name: Optional[str] = None) -> fx.Node:

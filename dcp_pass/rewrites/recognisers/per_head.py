@@ -30,7 +30,7 @@ the query, `dcp.mla_local_attention` attends over the cached latent and rotary r
 are, and the value half applies after the merge (before it, per rank, where
 project_before_merge moves it), so no step re-expands the context.
 
-The cache tensors (rewrites/static_cache.py) are striped like module buffers
+The cache tensors (rewrites/cache_kinds/static_cache.py) are striped like module buffers
 (state/shards.py): each rank keeps a shard `[batch, kv heads, ceil(T / c) + 1, feature]` (one
 spare row that no read covers), the full-size storage is released and the tensor's class
 becomes `StripedCacheTensor`. Only the cache's `keys` / `values` tensors are caches here: a
@@ -49,6 +49,12 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes, cache_reads, sinks
 from dcp_pass.rewrites.axes import B, F, H, S, T
+from dcp_pass.rewrites.cache_kinds.static_cache import (
+    POSITION_AXIS,
+    is_static_cache,
+    static_cache_layout,
+    whole_read,
+)
 from dcp_pass.rewrites.cache_reads import buffer_name, buffer_source
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method, set_example_value
 from dcp_pass.rewrites.match import (
@@ -64,12 +70,6 @@ from dcp_pass.rewrites.match import (
 )
 from dcp_pass.rewrites.recognisers.sdpa import SDPA_TARGETS, sdpa_arguments
 from dcp_pass.rewrites.recognisers.softmax import softmax_dim
-from dcp_pass.rewrites.static_cache import (
-    POSITION_AXIS,
-    is_static_cache,
-    static_cache_layout,
-    whole_read,
-)
 
 QUERY_ROLES = [B, H, S, F]
 SCORE_ROLES = [B, H, S, T]
