@@ -138,8 +138,8 @@ def test_recognisers_import_no_run_time_state():
 
 
 @pytest.mark.parametrize("source, module, expected", [
-    ("import dcp_pass.rewrites.cache\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.cache"),
-    ("def f():\n    from dcp_pass.rewrites import cache\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.cache"),
+    ("import dcp_pass.rewrites.apply\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.apply"),
+    ("def f():\n    from dcp_pass.rewrites import apply\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.apply"),
     ("from dcp_pass import backend\n", "dcp_pass.runtime.x", "dcp_pass.backend"),
     ("from ...rewrites import axes\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.axes"),
     ("import importlib\nimportlib.import_module('dcp_pass.deferred')\n", "dcp_pass.runtime.x", "dcp_pass.deferred"),
