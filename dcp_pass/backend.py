@@ -25,7 +25,6 @@ from dcp_pass.rewrites.apply import PassConfig, apply_dcp
 from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.state import guards
 from dcp_pass.state.feeder import CallFeeder, has_striped, plain_inputs
-from dcp_pass.state.store import INSTALLED_AT_FIRST_CALL
 from dcp_pass.topology import DcpTopology, check_explicit_group, dcp_process_group, topology_from_world
 
 tracing.install()  # before the first trace of a model compiled with this backend
@@ -386,7 +385,7 @@ class DcpBackend:
             self.report.add_uncached_layers(graph_report, named)
             for (index, entry), layer in zip(caches, layers):
                 key = self.report.add_cache(example_inputs[index], entry.name, entry.full_nbytes, entry.local_nbytes,
-                                            layer, renewed=entry.kind in INSTALLED_AT_FIRST_CALL)
+                                            layer, renewed=entry.kind.installed_at_first_call)
                 if key is not None:
                     new_caches.append(key)
             if caches or allocations:

@@ -163,5 +163,5 @@ def materialize(model: torch.nn.Module, dcp_size: int, rank: Optional[int] = Non
         if dcp_size == 1:
             guards.materialize_full(buffer)
         else:
-            shards.install(buffer, shards.shard_for(buffer, dcp_size, rank, name))
+            shards.install(buffer, shards.shard_for(buffer, dcp_size, rank, name, shards.FLAT))
     return model

@@ -16,7 +16,7 @@ from dcp_pass.state import shards, store
 def _striped(seed: int):
     full = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(seed))
     buffer = full.clone()
-    entry = shards.shard_for(buffer, 2, 1, f"kv_{seed}")
+    entry = shards.shard_for(buffer, 2, 1, f"kv_{seed}", shards.FLAT)
     shards.install(buffer, entry)
     return full, buffer, entry
 

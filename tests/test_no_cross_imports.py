@@ -9,8 +9,8 @@
   serves, whatever compiled it;
 * the rewrites (dcp_pass/rewrites/) are FX code: only the modules that hand run-time state to
   the compiled graph (the pipeline, which makes and installs the shards, and the query
-  replication, whose extra inputs are weight-store lookups) import dcp_pass.state, and no
-  module there keeps a store of its own;
+  replication, whose extra inputs are weight-store lookups) and the cache kinds (each names
+  its run-time half) import dcp_pass.state, and no module there keeps a store of its own;
 * the recognisers (dcp_pass/rewrites/recognisers/) read graphs only: they import no run-time
   state (the runtime, dcp_pass/state/, the rewrites that emit references to it) and no
   compile entry.
@@ -100,9 +100,11 @@ def test_state_never_imports_the_rewrites_or_the_compile_entry():
 
 
 # the rewrites that hand run-time state to the compiled graph: the pass pipeline (it makes each
-# buffer's shard and installs it) and the query replication (its extra inputs look the other
-# ranks' weight shards up per call)
-REWRITES_THAT_IMPORT_STATE = {"dcp_pass.rewrites.apply", "dcp_pass.rewrites.q_replicate"}
+# buffer's shard and installs it), the query replication (its extra inputs look the other
+# ranks' weight shards up per call), and each cache kind (its record names its shard kind)
+REWRITES_THAT_IMPORT_STATE = {"dcp_pass.rewrites.apply", "dcp_pass.rewrites.q_replicate",
+                              "dcp_pass.rewrites.cache_kinds.flat", "dcp_pass.rewrites.cache_kinds.paged",
+                              "dcp_pass.rewrites.cache_kinds.static_cache"}
 
 
 def test_only_the_rewrites_that_hand_state_to_the_graph_import_it():
@@ -136,8 +138,8 @@ def test_recognisers_import_no_run_time_state():
 
 
 @pytest.mark.parametrize("source, module, expected", [
-    ("import dcp_pass.rewrites.cache\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.cache"),
-    ("def f():\n    from dcp_pass.rewrites import cache\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.cache"),
+    ("import dcp_pass.rewrites.apply\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.apply"),
+    ("def f():\n    from dcp_pass.rewrites import apply\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.apply"),
     ("from dcp_pass import backend\n", "dcp_pass.runtime.x", "dcp_pass.backend"),
     ("from ...rewrites import axes\n", "dcp_pass.runtime.decode.x", "dcp_pass.rewrites.axes"),
     ("import importlib\nimportlib.import_module('dcp_pass.deferred')\n", "dcp_pass.runtime.x", "dcp_pass.deferred"),

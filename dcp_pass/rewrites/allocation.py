@@ -13,7 +13,7 @@ source name of the tensor the cache object keeps (the name its later graphs take
 so that the recognisers, the striped writes and the attention rewrite treat it as they
 treat a cache that comes in: the graph writes this rank's positions into its shard and
 attends over its rows. The backend then gives every call a new zeroed shard and a
-full-shape tensor without memory (`cache.AllocatedCache`), returns that tensor where the
+full-shape tensor without memory (`state.shards.AllocatedCache`), returns that tensor where the
 graph returned the allocation, and registers the shard as its stripe: the full-size
 tensor never exists on any rank. An allocation that no rewritten attention reads is put
 back as it was (`put_back`).

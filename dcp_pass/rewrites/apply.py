@@ -32,14 +32,14 @@ import torch.fx as fx
 
 from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
 from dcp_pass.rewrites import allocation, axes, complex_product, fx_util, project_merge, q_replicate
-from dcp_pass.rewrites.attention import STRIPE_CHECKS, AttentionPlan, MergedOutput, rewrite_attention
+from dcp_pass.rewrites.attention import AttentionPlan, MergedOutput, rewrite_attention
 from dcp_pass.rewrites.axes import B, H, S
-from dcp_pass.rewrites.cache_reads import module_path, position_axis
+from dcp_pass.rewrites.cache_reads import cache_kind, module_path, position_axis
 from dcp_pass.rewrites.fp8_cache import Fp8Refused, fp8_layout_of, fp8_packed_write
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla, where_of
 from dcp_pass.state import shards
 from dcp_pass.state.memory import unallocated
-from dcp_pass.state.store import INSTALLED_AT_FIRST_CALL, LocalCache, is_released
+from dcp_pass.state.store import LocalCache, ShardKind, is_released
 from dcp_pass.state.weights import ExtraInput, WeightCheck, weights_differ
 
 
@@ -228,10 +228,10 @@ class StripedWrites(GraphPass):
             why = match.check_plan(plan)
             if why is not None:
                 raise DcpRewriteError(why)
-        kinds = {read.buffer: read for m in state.found.matches
+        reads = {read.buffer: read for m in state.found.matches
                  for read in [t.cache for t in m.terms] + [m.value_cache]}
-        for read in kinds.values():
-            check = STRIPE_CHECKS.get(read.kind)
+        for read in reads.values():
+            check = cache_kind(read.kind).stripe_check
             why = check(read, plan.c) if check is not None else None
             if why is not None:
                 if is_released(state.values[read.buffer.name]):
@@ -243,7 +243,8 @@ class StripedWrites(GraphPass):
         # shards of allocated caches last, in the order of their inputs: the backend passes them so
         allocated = {p: i for i, p in enumerate(state.allocated)}
         for index, buf in enumerate(sorted(state.buffers, key=lambda n: (allocated.get(n, -1), n.name))):
-            kind = kinds[buf].kind if buf in kinds else "flat"
+            # how the attention reads it, else (a striped cache only written here) how it is written
+            kind = cache_kind(reads[buf].kind if buf in reads else state.found.writes[buf][0].kind).shards
             if buf in state.allocated:  # an example shard: the backend makes each call's
                 entry = _allocated_cache(state, buf, kind).shard()
             else:
@@ -313,7 +314,7 @@ class AttentionRewrite(GraphPass):
                 _striped_already(match, miss)
             kind = "decode" if _is_decode(match) else "multi-token"
             window = ", sliding window" if match.value_cache.windowed else ""
-            window += ", paged pool" if match.value_cache.kind == "paged" else ""
+            window += cache_kind(match.value_cache.kind).layer_note
             kv_format = state.local_nodes[match.value_cache.buffer].meta.get("dcp_kv_format", "")
             window += f", kv cache {kv_format}" if kv_format else ""
             layer = LayerReport(
@@ -448,7 +449,7 @@ class InstallShards(GraphPass):
         for buf, entry in state.entries.items():
             if buf in state.allocated:  # made anew by every call
                 continue
-            if entry.kind in INSTALLED_AT_FIRST_CALL:
+            if entry.kind.installed_at_first_call:
                 shards.install_at_first_call(state.values[buf.name], entry)
             else:
                 shards.install(state.values[buf.name], entry)
@@ -570,7 +571,7 @@ def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassCon
 # ----------------------------------------------------------------------------- helpers
 
 
-def _allocated_cache(state: PassState, buf: fx.Node, kind: str) -> shards.AllocatedCache:
+def _allocated_cache(state: PassState, buf: fx.Node, kind: ShardKind) -> shards.AllocatedCache:
     plan = state.config.plan
     return shards.AllocatedCache.of(state.values[buf.name], position_axis(buf), plan.c, plan.rank,
                                       buffer_name(buf), kind, tuple(allocation.output_positions(state.graph, buf)))

@@ -24,14 +24,14 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes, causal_masks
 from dcp_pass.rewrites.axes import B, F, H, S, T
-from dcp_pass.rewrites.cache_reads import CacheRead, cache_layout
+from dcp_pass.rewrites.cache_reads import CacheRead, cache_kind
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.match import MaskTerm, MlaMatch, NearMiss, ScoreTerm
 from dcp_pass.runtime.decode import comm
@@ -104,29 +104,13 @@ def layer_backend(match: MlaMatch, plan: AttentionPlan) -> str:
     return plan.attn_backend
 
 
-# cache kind -> (graph, local shard node, read, name, c) -> the rank's keys [batch, position, feature]
-LOCAL_READS: dict = {}
-# cache kind -> (read, c) -> why the read cannot be striped over c ranks, or None
-STRIPE_CHECKS: dict = {}
-
-
 def local_slice(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str, c: int = 1) -> fx.Node:
-    """The batch rows (and feature columns) of a shard as [batch, position, feature]; key
-    rows are bounded by the op. A singleton head axis of the cache is indexed away."""
-    if access.kind != "flat":
-        return LOCAL_READS[access.kind](graph, local, access, name, c)
-    index: list = []
-    for role in cache_layout(access.buffer):
-        if role == B:
-            first = None if isinstance(access.row0, int) and access.row0 == 0 else access.row0
-            index.append(slice(first, access.bsz))
-        elif role == F:
-            index.append(slice(None) if access.feat is None else slice(*access.feat))
-        else:
-            index.append(slice(None) if role == T else 0)
-    while index and index[-1] == slice(None):
-        index.pop()
-    return call(graph, operator.getitem, local, tuple(index), name=name)
+    """This rank's rows of a read from its shard `local`, as [batch, position, feature] (the
+    read's cache kind says how)."""
+    kind = cache_kind(access.kind)
+    if kind.local_read is None:
+        raise NearMiss(f"a cache of kind {kind.name} ({kind.words}) is read only by its own recogniser's rewrite")
+    return kind.local_read(graph, local, access, name, c)
 
 
 def canonical_query(graph: fx.Graph, node: fx.Node, term: ScoreTerm, name: Optional[str] = None) -> fx.Node:
@@ -209,6 +193,21 @@ def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None
         node = method(graph, "float", node, name="mask_f32")
         total = node if total is None else call(graph, operator.add, total, node)
     return total
+
+
+def merge_local_attention(graph: fx.Graph, attn: fx.Node, match: MlaMatch, plan: AttentionPlan,
+                          project: Optional[Callable[[fx.Node], fx.Node]] = None) -> MergedOutput:
+    """The tail of every rewritten attention: the partial output and LSE of the local attention
+    op `attn`, exchanged and merged across the DCP group ([B, S, H, F], `emit_exchange`), mapped
+    by `project` when given (absorbed MLA's value half), back in the model's layout."""
+    out = call(graph, operator.getitem, attn, 0, name="partial_out")
+    lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
+    merged = emit_exchange(graph, out, lse, match, plan)
+    result = merged if project is None else project(merged)
+    back = [CANON_Q.index(r) for r in match.out_roles]
+    if back != list(range(4)):
+        result = method(graph, "permute", result, *back, name="merged_layout")
+    return MergedOutput(merged, result)
 
 
 def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
@@ -342,11 +341,7 @@ def rewrite_attention(
                      kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim,
                      scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
                      backend=backend, name="local_attention", **window)
-        out = call(graph, operator.getitem, attn, 0, name="partial_out")
-        lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
-        merged = emit_exchange(graph, out, lse, match, plan)
-        back = [CANON_Q.index(r) for r in match.out_roles]
-        result = merged if back == list(range(4)) else method(graph, "permute", merged, *back, name="merged_layout")
-    value_node.replace_all_uses_with(result)
+        merged = merge_local_attention(graph, attn, match, plan)
+    value_node.replace_all_uses_with(merged.result)
     erase_dead_region(graph, [value_node] + match.lse_outputs)
-    return MergedOutput(merged, result)
+    return merged

@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -63,24 +63,80 @@ def module_path(source: Optional[str]) -> str:
     return ".".join(keys) or source
 
 
-# Hooks of caches that are not module buffers (graph inputs reached through a cache object,
-# rewrites/static_cache.py): each takes a placeholder and returns its layout, or None.
-CACHE_LAYOUTS: list = []
+@dataclass(frozen=True)
+class CacheKind:
+    """One kind of cache: how its tensors are found, read, written and striped. One record per
+    kind, each in its own module of rewrites/cache_kinds/, registered in that package's table
+    (`cache_kinds()`); the name is what CacheRead.kind and CacheAccess.kind say."""
+
+    name: str
+    words: str  # the kind in a user's terms, for messages
+    # its run-time half (a state.store.ShardKind, from state/shards.py): the shard, and what eager
+    # code may do with a striped tensor
+    shards: Any
+    # (graph, this rank's shard node, the read, node name, c) -> the rank's rows [batch, position,
+    # feature] of the read; None: the kind's own rewrite reads its shards (recognisers/per_head.py)
+    local_read: Optional[Callable[..., fx.Node]]
+    # graph input -> its axis roles when it is a cache tensor of this kind (else None); None: the
+    # kind's tensors are told apart by how they are read, not by the input (a paged pool)
+    layout: Optional[Callable[[fx.Node], Optional[tuple]]] = None
+    # node -> the `_Piece` a read of this kind starts at (a paged pool's gather), else None
+    read_base: Optional[Callable[[fx.Node], Optional["_Piece"]]] = None
+    # node -> the CacheAccess when it writes a cache tensor in a form of this kind, else None
+    write_form: Optional[Callable[[fx.Node], Optional["CacheAccess"]]] = None
+    # (the kind a write was matched as, how it reads as a write of this kind, or None where it
+    # means something else here)
+    write_conversions: tuple[tuple[str, Callable[["CacheAccess"], Optional["CacheAccess"]]], ...] = ()
+    # (a read of this kind, c) -> why it cannot be striped over c ranks, or None
+    stripe_check: Optional[Callable[["CacheRead", int], Optional[str]]] = None
+    layer_note: str = ""  # added to the report's line of a layer that reads it
+
+
+# The table of rewrites/cache_kinds/, handed over whole when that package loads (its kinds
+# build on this module, so this module cannot import them); match.py imports it.
+_CACHE_KINDS: list[CacheKind] = []
+
+
+def use_cache_kinds(kinds: tuple[CacheKind, ...]) -> None:
+    """Called once by rewrites/cache_kinds/: every cache kind, in the order they are tried."""
+    _CACHE_KINDS[:] = kinds
+
+
+def cache_kinds() -> tuple[CacheKind, ...]:
+    """Every cache kind, in the order their layouts and forms are tried (rewrites/cache_kinds/)."""
+    if not _CACHE_KINDS:
+        raise RuntimeError("dcp_pass.rewrites.cache_kinds is not imported: the cache kinds are unknown")
+    return tuple(_CACHE_KINDS)
+
+
+def cache_kind(name: str) -> CacheKind:
+    """The kind called `name` (CacheRead.kind, CacheAccess.kind)."""
+    for kind in cache_kinds():
+        if kind.name == name:
+            return kind
+    raise KeyError(f"no cache kind {name!r} in rewrites/cache_kinds/ (the kinds: "
+                   f"{', '.join(k.name for k in cache_kinds())})")
 
 
 def cache_layout(node: Any) -> Optional[tuple[Optional[str], ...]]:
-    """Axis roles of a cache tensor placeholder, or None when `node` is not one.
+    """Axis roles of a cache tensor placeholder (as the first kind that knows it says), or None
+    when `node` is not one."""
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return None
+    return next((lay for lay in (kind.layout(node) for kind in cache_kinds() if kind.layout) if lay is not None),
+                None)
+
+
+def module_buffer_layout(node: fx.Node) -> Optional[tuple[Optional[str], ...]]:
+    """Axis roles of a module buffer placeholder that is a cache tensor, else None.
 
     Module buffers of rank 3 are `[batch, position, feature]`; of rank 4, the singleton
     axis next to the position axis is a head axis of size 1 (`[B, T, 1, F]` or `[B, 1, T, F]`).
     """
-    if not isinstance(node, fx.Node) or node.op != "placeholder":
-        return None
     name = buffer_source(node)
     shape = axes.shape_of(node)
     if not (name and BUFFER_SOURCE.search(name)) or shape is None:
-        # graph inputs that are caches by another convention (CACHE_LAYOUTS)
-        return next((lay for lay in (hook(node) for hook in CACHE_LAYOUTS) if lay is not None), None)
+        return None
     if len(shape) == 3:
         return (B, T, F)
     if len(shape) == 4:
@@ -162,7 +218,7 @@ class _Piece:
     """Replay state of one cache tensor on its way to the operand.
 
     `layout` / `shape` describe the tensor the axes' sources index: the cache tensor
-    itself, or for a paged pool the gathered pages (see rewrites/paged.py).
+    itself, or for a paged pool the gathered pages (see rewrites/cache_kinds/paged.py).
     """
 
     buffer: fx.Node
@@ -180,10 +236,6 @@ class _Piece:
             self.layout = cache_layout(self.buffer)
             self.shape = tuple(axes.shape_of(self.buffer))
         self.merges = self.merges or {}
-
-
-# Hooks of other cache layouts: each takes a node and returns the _Piece it starts (or None).
-READ_BASES: list = []
 
 
 def _add(a: SizeArg, b: SizeArg) -> SizeArg:
@@ -446,7 +498,7 @@ def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
             raise ReadRefused("too many views between the cache tensor and the attention")
         if not isinstance(current, fx.Node):
             raise ReadRefused("a constant where a cache read was expected")
-        based = [p for p in (base(current) for base in READ_BASES) if p is not None]
+        based = [p for p in (kind.read_base(current) for kind in cache_kinds() if kind.read_base) if p is not None]
         if based:
             pieces = based[:1]
             break
@@ -625,7 +677,7 @@ class CacheAccess:
         or None when it means something else there."""
         if kind == self.kind:
             return self
-        convert = WRITE_CONVERSIONS.get((self.kind, kind))
+        convert = dict(cache_kind(kind).write_conversions).get(self.kind)
         return convert(self) if convert is not None else None
 
     def describe(self) -> str:
@@ -635,11 +687,6 @@ class CacheAccess:
         if self.positions is not None:
             return "a tensor of positions (`cache[:b, positions] = v`)"
         return "a slice of positions (`cache[:b, start:end] = v`)"
-
-
-# (write kind, read kind) -> a conversion of a write of the first layout into one of the second,
-# or None where it means something else there (recognisers register theirs)
-WRITE_CONVERSIONS: dict = {}
 
 
 def _slice_bounds(index: Any) -> Optional[tuple[SizeArg, SizeArg]]:
@@ -727,16 +774,12 @@ def _index_vector(index: Any) -> bool:
             and value.dtype != torch.bool)
 
 
-# Hooks of other cache layouts: each takes a node and returns its CacheAccess (or None).
-WRITE_FORMS: list = []
-
-
 def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
+    """Every write of a cache tensor in `graph`, by cache tensor (the first kind whose form matches)."""
+    forms = [kind.write_form for kind in cache_kinds() if kind.write_form]
     writes: dict[fx.Node, list[CacheAccess]] = {}
     for node in graph.nodes:
-        access = as_cache_write(node)
-        if access is None:
-            access = next((a for a in (form(node) for form in WRITE_FORMS) if a is not None), None)
+        access = next((a for a in (form(node) for form in forms) if a is not None), None)
         if access is not None:
             writes.setdefault(access.buffer, []).append(access)
     return writes
@@ -751,7 +794,7 @@ def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry) ->
     Traceable runtime functions, not custom ops: the inner compiler sees (and fuses) the
     plain tensor ops inside, with no opaque call on the decode path. Both check the
     capacity themselves (a constant start fails while the graph is traced). `entry`: the
-    shard's cache.LocalCache (its c, rank and virtual capacity).
+    shard's state.store.LocalCache (its c, rank and virtual capacity).
     """
     if write.rows is not None:
         args = (local, write.value, write.rows, write.positions, entry.c, entry.rank, entry.virtual_capacity,

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes
+from dcp_pass.rewrites import cache_kinds as _cache_kinds  # noqa: F401  (the kinds' table: cache_reads reads it)
 from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the record's vocabulary)
     BUFFER_SOURCE,
     GROWING_CACHE,
@@ -35,6 +36,7 @@ from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the rec
     as_cache_write,
     buffer_name,
     buffer_source,
+    cache_kind,
     cache_layout,
     cache_writes,
     growing_cache,
@@ -293,17 +295,10 @@ def register(recogniser: Recogniser) -> Recogniser:
     return recogniser
 
 
-# modules of cache kinds other than "flat": each registers its read and write forms
-CACHE_KIND_MODULES = ("dcp_pass.rewrites.paged", "dcp_pass.rewrites.static_cache")
-
-
 def load_recognisers() -> dict[str, Recogniser]:
-    """Import every module of `dcp_pass/rewrites/recognisers/` (each registers its form), and
-    the cache kinds' modules."""
+    """Import every module of `dcp_pass/rewrites/recognisers/` (each registers its form)."""
     from dcp_pass.rewrites import recognisers
 
-    for name in CACHE_KIND_MODULES:
-        importlib.import_module(name)
     for info in sorted(pkgutil.iter_modules(recognisers.__path__), key=lambda i: i.name):
         importlib.import_module(f"{recognisers.__name__}.{info.name}")
     return RECOGNISERS
@@ -350,9 +345,6 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
     return GraphMatches(matches, near, ctx.writes, notes)
 
 
-_KIND_WORDS = {"flat": "rows by position", "paged": "a paged pool read through a block table"}
-
-
 def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[CacheAccess]]:
     """The writes of each cache the match reads, as writes into the layout the attention reads
     (`cache[a, b] = v` is (request, position) for a flat read, (page, offset) for a paged one);
@@ -368,8 +360,8 @@ def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[Ca
             as_read = write.as_kind(kind)
             if as_read is None:
                 raise NearMiss(
-                    f"{buffer_name(buffer)} is written as {_KIND_WORDS.get(write.kind, write.kind)} "
-                    f"({write.describe()}) but read as {_KIND_WORDS.get(kind, kind)}: the write and the read "
+                    f"{buffer_name(buffer)} is written as {cache_kind(write.kind).words} "
+                    f"({write.describe()}) but read as {cache_kind(kind).words}: the write and the read "
                     f"disagree about the cache's layout; write and read it the same way", write.node)
             converted.append(as_read)
         found[buffer] = converted

@@ -21,7 +21,7 @@ from dcp_pass.runtime.decode.kernels.registry import collecting
 from dcp_pass.state.guards import StripedCacheTensor
 from dcp_pass.state.memory import unallocated
 from dcp_pass.state.shards import AllocatedCache, install_allocated, local_for
-from dcp_pass.state.store import INSTALLED_AT_FIRST_CALL, LocalCache
+from dcp_pass.state.store import LocalCache
 from dcp_pass.state.weights import ExtraInput, WeightCheck, resolve_inputs
 
 _STANDINS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # striped buffer -> its plain stand-in
@@ -107,7 +107,7 @@ class CallFeeder:
             entry = local_for(buffer, c, rank, name, kind, kv_format)
             if not self.report.knows(buffer):  # a layer first seen at run time (one graph, several layers)
                 self.report.add_cache(buffer, name, entry.full_nbytes, entry.local_nbytes, layer,
-                                      renewed=kind in INSTALLED_AT_FIRST_CALL)
+                                      renewed=kind.installed_at_first_call)
             shards.append(entry.local)
         for check in self.checks:
             check.check(args[check.index])

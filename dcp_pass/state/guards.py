@@ -20,9 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dcp_pass import dynamo_frames
 from dcp_pass.state.memory import back, unallocated
 from dcp_pass.state.store import (
-    BATCH_REORDERABLE,
     DEFERRED,
-    RESETTABLE,
     STRIPED,
     DcpCacheError,
     DeferredCache,
@@ -42,8 +40,8 @@ class StripedCacheTensor(torch.Tensor):
     pass that sees the buffer striped: no compiled graph ever writes or reads the released
     storage. And any eager torch call that would read or write its data raises
     `DcpCacheError` naming it (its metadata stays readable: shape, dtype, device, ...),
-    except `zero_()` on the kinds in RESETTABLE, which zeroes this rank's shard (a Hugging Face
-    cache reset between generations).
+    except `zero_()` on a resettable kind (ShardKind.resettable), which zeroes this rank's
+    shard (a Hugging Face cache reset between generations).
     While Dynamo traces, calls pass through as on a plain tensor (the pass rewrites them).
     """
 
@@ -61,7 +59,7 @@ class StripedCacheTensor(torch.Tensor):
         touched = next((a for a in _tensors_in(args, kwargs) if type(a) is StripedCacheTensor), None)
         what = getattr(func, "__name__", str(func))
         entry = lookup_local_cache(touched) if touched is not None else None
-        if what == "zero_" and args and args[0] is touched and entry is not None and entry.kind in RESETTABLE:
+        if what == "zero_" and args and args[0] is touched and entry is not None and entry.kind.resettable:
             # a cache reset (Hugging Face's Cache.reset() between generations) clears this rank's rows
             entry.local.zero_()
             return touched
@@ -88,7 +86,7 @@ def _reorder_batch(what: str, touched: torch.Tensor, entry: LocalCache, args, kw
     name, _ = describe(touched)
     where = (f"dcp_pass: eager code called {what} on cache buffer {name} (striped by DCP): only reorders of "
              f"the batch axis (dim 0) by an integer index")
-    if entry.kind not in BATCH_REORDERABLE or not isinstance(dim, int) or dim not in (0, -touched.dim()) \
+    if not entry.kind.batch_reorderable or not isinstance(dim, int) or dim not in (0, -touched.dim()) \
             or not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
         raise DcpCacheError(f"{where} run on its shard; call the compiled model for anything else")
     index = index.to(entry.local.device)

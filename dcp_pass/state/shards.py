@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -25,18 +25,18 @@ from dcp_pass.state.guards import guard, mark_striped, modules_on_stack, owners_
 from dcp_pass.state.memory import storage_nbytes, unallocated
 from dcp_pass.state.store import (
     DEFERRED,
-    INSTALLED_AT_FIRST_CALL,
     PENDING,
     STRIPED,
     DcpCacheError,
     LocalCache,
+    ShardKind,
     is_deferred,
     is_released,
     lookup_local_cache,
 )
 
 
-def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",
+def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: ShardKind,
               kv_format: str = "") -> LocalCache:
     """This rank's shard of `buffer`: the one installed earlier, or a new copy (nothing released yet).
 
@@ -45,29 +45,27 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "f
     quantised into it.
     """
     entry = lookup_local_cache(buffer) or PENDING.get(buffer)
-    if entry is None and kind != "flat":
-        if kv_format:
+    if entry is None:
+        if kv_format and not kind.takes_fp8_rows:
             raise DcpCacheError(f"cache {name}: kv_cache_dtype fp8 takes caches with rows by position, not a "
-                                f"{kind} pool; pass kv_cache_dtype=None")
-        return SHARD_MAKERS[kind](buffer, c, rank, name)
-    if entry is not None:
-        if (entry.c, entry.rank) != (c, rank):
-            raise DcpCacheError(
-                f"cache {name} is already striped with dcp_size={entry.c}, rank {entry.rank}; "
-                f"it cannot be recompiled with dcp_size={c}, rank {rank}"
-            )
-        if entry.kv_format != kv_format and kv_format:
-            raise DcpCacheError(
-                f"cache {name} is already striped as {entry.kv_format or str(entry.local.dtype)} rows (an earlier "
-                f"compile or dcp_pass.materialize); it cannot be read as {kv_format}: let the first compile with "
-                f"kv_cache_dtype='fp8_e4m3' stripe it"
-            )
-        return entry
-    return _flat_shard(buffer, c, rank, name, fp8.Fp8Layout.parse(kv_format) if kv_format else None)
+                                f"{kind.name} pool; pass kv_cache_dtype=None")
+        return kind.make(buffer, c, rank, name, fp8.Fp8Layout.parse(kv_format) if kv_format else None)
+    if (entry.c, entry.rank) != (c, rank):
+        raise DcpCacheError(
+            f"cache {name} is already striped with dcp_size={entry.c}, rank {entry.rank}; "
+            f"it cannot be recompiled with dcp_size={c}, rank {rank}"
+        )
+    if entry.kv_format != kv_format and kv_format:
+        raise DcpCacheError(
+            f"cache {name} is already striped as {entry.kv_format or str(entry.local.dtype)} rows (an earlier "
+            f"compile or dcp_pass.materialize); it cannot be read as {kv_format}: let the first compile with "
+            f"kv_cache_dtype='fp8_e4m3' stripe it"
+        )
+    return entry
 
 
-def _flat_shard(buffer: torch.Tensor, c: int, rank: int, name: str,
-                packed: Optional[fp8.Fp8Layout] = None) -> LocalCache:
+def flat_shard(buffer: torch.Tensor, c: int, rank: int, name: str,
+               packed: Optional[fp8.Fp8Layout] = None) -> LocalCache:
     """A new shard of a cache with rows by position: the rank's rows in the buffer's dtype, or,
     with a `packed` fp8 layout, as packed rows (uint8 [..., row_bytes]); rows already written
     are copied (quantised) into it."""
@@ -87,11 +85,16 @@ def _flat_shard(buffer: torch.Tensor, c: int, rank: int, name: str,
         owned = buffer.detach()[(slice(None),) * axis + (slice(rank, None, c),)]  # keeps rows already written
         local.narrow(axis, 0, owned.shape[axis]).copy_(fp8.pack(owned, packed) if packed is not None else owned)
     full_nbytes = buffer.numel() * buffer.element_size()
-    return LocalCache(local, tokens, c, rank, full_nbytes, name, kv_format=packed.spec() if packed is not None else "")
+    return LocalCache(local, tokens, c, rank, full_nbytes, name, FLAT, kv_format=packed.spec() if packed else "")
 
 
-def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
-    """Slots v % c == rank of a paged pool `[pages, P, D]` (rewrites/paged.py), compacted
+# a module buffer [batch, position, feature] (or with a head axis of size 1): rows by position
+FLAT = ShardKind("flat", flat_shard, takes_fp8_rows=True, batch_reorderable=True, resettable=False,
+                 installed_at_first_call=False)
+
+
+def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packed: None = None) -> LocalCache:
+    """Slots v % c == rank of a paged pool `[pages, P, D]` (rewrites/cache_kinds/paged.py), compacted
     ([pages * P / c + 1, D]; the last slot is spare)."""
     pages, page, width = buffer.shape
     if page % c:
@@ -102,14 +105,19 @@ def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCach
     if not is_deferred(buffer):
         owned = buffer.detach().reshape(-1, width)[rank::c]
         local[: owned.shape[0]] = owned
-    return LocalCache(local, pages * page, c, rank, buffer.numel() * buffer.element_size(), name, kind="paged")
+    return LocalCache(local, pages * page, c, rank, buffer.numel() * buffer.element_size(), name, PAGED)
+
+
+# a pool of pages [pages, P, D] read through a block table (its axis 0 is pages, not the batch)
+PAGED = ShardKind("paged", paged_shard, takes_fp8_rows=False, batch_reorderable=False, resettable=False,
+                  installed_at_first_call=False)
 
 
 STATIC_CACHE_POSITION_AXIS = 2  # of a static cache tensor [batch, kv heads, position, feature]
 
 
-def static_cache_shard(buffer: torch.Tensor, c: int, rank: int, name: str) -> LocalCache:
-    """This rank's rows of a Hugging Face static cache tensor (rewrites/static_cache.py):
+def static_cache_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packed: None = None) -> LocalCache:
+    """This rank's rows of a Hugging Face static cache tensor (rewrites/cache_kinds/static_cache.py):
     positions p % c == rank, compacted along the position axis, plus one spare row (written
     by tokens the rank does not own)."""
     axis = STATIC_CACHE_POSITION_AXIS
@@ -120,14 +128,13 @@ def static_cache_shard(buffer: torch.Tensor, c: int, rank: int, name: str) -> Lo
     if not is_released(buffer):  # keeps the rows written so far (the prefill's)
         owned = buffer.detach()[:, :, rank::c]
         local[:, :, : owned.shape[axis]].copy_(owned)
-    return LocalCache(local, tokens, c, rank, buffer.numel() * buffer.element_size(), name, kind="static_cache")
+    return LocalCache(local, tokens, c, rank, buffer.numel() * buffer.element_size(), name, STATIC_CACHE)
 
 
-# kind -> (buffer, c, rank, name) -> LocalCache, for cache layouts other than "flat"
-SHARD_MAKERS: dict[str, Callable[[torch.Tensor, int, int, str], LocalCache]] = {
-    "paged": paged_shard,
-    "static_cache": static_cache_shard,
-}
+# a Hugging Face static cache tensor [batch, kv heads, position, feature], held by a Cache object
+# made anew for every generate and zeroed by Cache.reset()
+STATIC_CACHE = ShardKind("static_cache", static_cache_shard, takes_fp8_rows=False, batch_reorderable=True,
+                         resettable=True, installed_at_first_call=True)
 
 
 def install(buffer: torch.Tensor, entry: LocalCache) -> None:
@@ -158,7 +165,7 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
     STRIPED[buffer] = entry
     # A kind installed at first call is a graph input held by a Cache object, never a module
     # buffer: there is no owner to find, and the gc scan would cost each generation's first step.
-    guard(buffer, [] if entry.kind in INSTALLED_AT_FIRST_CALL else owners_of(buffer))
+    guard(buffer, [] if entry.kind.installed_at_first_call else owners_of(buffer))
     mark_striped(buffer)
 
 
@@ -190,7 +197,7 @@ def owns_storage(buffer: torch.Tensor) -> bool:
     return buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() * buffer.element_size()
 
 
-def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: str = "flat",
+def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: ShardKind,
               kv_format: str = "") -> LocalCache:
     """The shard to pass for `buffer` on this call; installs one on first sight.
 
@@ -225,11 +232,11 @@ class AllocatedCache:
     c: int
     rank: int
     name: str
-    kind: str
+    kind: ShardKind
     outputs: tuple[int, ...]  # where the graph's output returns the tensor
 
     @classmethod
-    def of(cls, example: torch.Tensor, axis: int, c: int, rank: int, name: str, kind: str,
+    def of(cls, example: torch.Tensor, axis: int, c: int, rank: int, name: str, kind: ShardKind,
            outputs: tuple[int, ...] = ()) -> "AllocatedCache":
         return cls(tuple(int(s) for s in example.shape), tuple(int(s) for s in example.stride()), example.dtype,
                    example.device, axis, c, rank, name, kind, outputs)
@@ -243,7 +250,7 @@ class AllocatedCache:
         shape[self.axis] = layout.local_capacity(tokens, self.c) + 1
         local = torch.zeros(shape, dtype=self.dtype, device=self.device)
         full = storage_nbytes(self.shape, self.stride, self.dtype.itemsize)
-        return LocalCache(local, tokens, self.c, self.rank, full, self.name, kind=self.kind)
+        return LocalCache(local, tokens, self.c, self.rank, full, self.name, self.kind)
 
     def make(self) -> tuple[torch.Tensor, LocalCache]:
         return self.shell(), self.shard()

@@ -7,7 +7,7 @@ of a tensor without full-size data.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -15,6 +15,33 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 class DcpCacheError(RuntimeError):
     """A cache buffer has no full-size data (striped by DCP, or deferred) and was used as if it had."""
+
+
+@dataclass(frozen=True)
+class ShardKind:
+    """The run-time half of a cache kind (the whole kind: rewrites/cache_kinds/): how this
+    rank's shard of such a cache tensor is made, and what eager code may do with the tensor
+    once it is striped. One record per kind, beside its shard maker (state/shards.py)."""
+
+    name: str
+    # (buffer, c, rank, name, packed fp8 layout or None) -> this rank's new shard
+    make: Callable[..., "LocalCache"]
+    # its shard can hold packed fp8 rows (option kv_cache_dtype): rows by position
+    takes_fp8_rows: bool
+    # axis 0 of the shard is the batch (a paged pool's is its pages): StripedCacheTensor applies
+    # eager batch reorders (beam search) to it
+    batch_reorderable: bool
+    # an eager zero_() of the striped tensor (a reset of the cache object that holds it,
+    # outside any graph: Cache.reset() between generations) zeroes the rank's shard; any other
+    # eager use raises
+    resettable: bool
+    # its tensors are new objects for every generation (a Hugging Face Cache's): a graph
+    # compiled for them must guard on the plain tensor class they arrive with, else every new
+    # generation's first call would compile the graph again. Their shards are installed
+    # (storage released, class changed) at the graph's first call, after Dynamo has built its
+    # guards, instead of during the compile; the next call then compiles once for the striped
+    # class. No module owns them: there is no owner to guard.
+    installed_at_first_call: bool
 
 
 @dataclass
@@ -27,7 +54,7 @@ class LocalCache:
     rank: int
     full_nbytes: int
     name: str
-    kind: str = "flat"  # how its rows are laid out (see RESETTABLE below; shards.SHARD_MAKERS)
+    kind: ShardKind
     # "" (the buffer's dtype) or a packed fp8 layout's spec (runtime/decode/kv_format.py): then
     # `local` is uint8 [..., row_bytes], one packed row per owned position
     kv_format: str = ""
@@ -77,22 +104,3 @@ def describe(buffer: torch.Tensor) -> tuple[str, str]:
     if info is not None:
         return info.name, "it was built under dcp_pass.deferred_caches() and was never allocated"
     return "?", "?"
-
-
-# What each kind of shard (LocalCache.kind) does at run time. "flat": rows by position;
-# "paged": a pool's slots; "static_cache": a Hugging Face static cache tensor
-# [batch, kv heads, position, feature].
-#
-# kinds whose striped tensors take an eager zero_() (a reset of the cache object that holds
-# them, outside any graph) by zeroing the rank's shard (Cache.reset() between generations);
-# any other eager use raises
-RESETTABLE: frozenset[str] = frozenset({"static_cache"})
-# kinds of shards whose axis 0 is the batch (a paged pool's is its pages): StripedCacheTensor
-# applies batch reorders (beam search) to them
-BATCH_REORDERABLE: frozenset[str] = frozenset({"flat", "static_cache"})
-# Kinds whose tensors are new objects for every generation (a Hugging Face Cache's): a graph
-# compiled for them must guard on the plain tensor class they arrive with, else every new
-# generation's first call would compile the graph again. Their shards are installed (storage
-# released, class changed) at the graph's first call, after Dynamo has built its guards,
-# instead of during the compile; the next call then compiles once for the striped class.
-INSTALLED_AT_FIRST_CALL: frozenset[str] = frozenset({"static_cache"})

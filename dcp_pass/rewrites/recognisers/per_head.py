@@ -20,7 +20,7 @@ V of its own stripe from its own cache rows. The rewrite (`PerHeadMatch.rewrite`
 that: each rank runs the derivation (kv_b_proj included) on its ~1/c rows only, attends
 with `dcp.local_attention` over them (global positions, the model's mask over global
 positions: the op keeps the rank's columns), and the partials merge exactly through their
-log-sum-exp (`attention.emit_exchange`, as for absorbed MLA).
+log-sum-exp (`attention.merge_local_attention`, as for absorbed MLA).
 
 With option `absorb_kv_b_proj` (by default where options.absorb_kv_b_proj_auto says so:
 decode on CUDA in 16-bit dtypes) a layer whose K and V are the two halves of one kv_b_proj
@@ -30,7 +30,7 @@ the query, `dcp.mla_local_attention` attends over the cached latent and rotary r
 are, and the value half applies after the merge (before it, per rank, where
 project_before_merge moves it), so no step re-expands the context.
 
-The cache tensors (rewrites/static_cache.py) are striped like module buffers
+The cache tensors (rewrites/cache_kinds/static_cache.py) are striped like module buffers
 (state/shards.py): each rank keeps a shard `[batch, kv heads, ceil(T / c) + 1, feature]` (one
 spare row that no read covers), the full-size storage is released and the tensor's class
 becomes `StripedCacheTensor`. Only the cache's `keys` / `values` tensors are caches here: a
@@ -49,6 +49,12 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes, cache_reads, sinks
 from dcp_pass.rewrites.axes import B, F, H, S, T
+from dcp_pass.rewrites.cache_kinds.static_cache import (
+    POSITION_AXIS,
+    is_static_cache,
+    static_cache_layout,
+    whole_read,
+)
 from dcp_pass.rewrites.cache_reads import buffer_name, buffer_source
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method, set_example_value
 from dcp_pass.rewrites.match import (
@@ -64,12 +70,6 @@ from dcp_pass.rewrites.match import (
 )
 from dcp_pass.rewrites.recognisers.sdpa import SDPA_TARGETS, sdpa_arguments
 from dcp_pass.rewrites.recognisers.softmax import softmax_dim
-from dcp_pass.rewrites.static_cache import (
-    POSITION_AXIS,
-    is_static_cache,
-    static_cache_layout,
-    whole_read,
-)
 
 QUERY_ROLES = [B, H, S, F]
 SCORE_ROLES = [B, H, S, T]
@@ -384,7 +384,7 @@ class PerHeadMatch(MlaMatch):
 
     def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
                 query_override=None):
-        from dcp_pass.rewrites.attention import CANON_Q, MergedOutput, causal_positions, emit_exchange, score_mask
+        from dcp_pass.rewrites.attention import causal_positions, merge_local_attention, score_mask
 
         if query_override is not None:
             raise NearMiss("per-head attention takes no replicated query projection")
@@ -404,15 +404,10 @@ class PerHeadMatch(MlaMatch):
             attn = call(graph, torch.ops.dcp.local_attention.default, q, k, v, self.kv_len, plan.c, plan.rank,
                         float(self.scale), mask, plan.lse_base, plan.attn_backend, name="local_attention",
                         **({"q_pos": cap} if cap is not None else {}))
-            out = call(graph, operator.getitem, attn, 0, name="partial_out")
-            lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
-            merged = emit_exchange(graph, out, lse, self, plan)
-            back = [CANON_Q.index(r) for r in self.out_roles]
-            result = merged if back == list(range(4)) else method(graph, "permute", merged, *back,
-                                                                  name="merged_layout")
-        self.output.replace_all_uses_with(result)
+            merged = merge_local_attention(graph, attn, self, plan)
+        self.output.replace_all_uses_with(merged.result)
         erase_dead_region(graph, [self.output] + self.keys.copies + self.values.copies)
-        return MergedOutput(merged, result)
+        return merged
 
     def _rewrite_absorbed(self, graph: fx.Graph, plan, local_nodes: dict, ab: "Absorbed"):
         """Absorbed MLA: q_lat = q_nope . W_k per head attends over the latent rows and the
@@ -420,9 +415,23 @@ class PerHeadMatch(MlaMatch):
         q_nope . (W_k c_t) = (q_nope W_k) . c_t, and sum_t p_t W_v c_t = W_v sum_t p_t c_t; a
         key bias adds one constant per query row (the softmax and the merge ignore it), a
         value bias is added after the merge (the probabilities sum to 1)."""
-        from dcp_pass.rewrites.attention import CANON_Q, MergedOutput, causal_positions, emit_exchange, score_mask
+        from dcp_pass.rewrites.attention import CANON_Q, causal_positions, merge_local_attention, score_mask
 
         proj, nope, rope, v = ab.projection, ab.nope, ab.rope, ab.v_dim
+
+        def value_half(merged: fx.Node) -> fx.Node:
+            result = call(graph, torch.einsum, "bshr,hvr->bshv", merged, w_v, name="merged_v")
+            # [B, S, H, v]: the model's attention output, reordered (project_before_merge reads it)
+            result.meta["example_value"] = axes.example_value(self.output).permute(
+                *[self.out_roles.index(r) for r in CANON_Q])
+            if proj.bias is not None:
+                b = method(graph, "view", proj.bias, proj.heads, proj.head_dim)
+                b_v = call(graph, operator.getitem, b, (slice(None), slice(nope, nope + v)), name="b_v")
+                for node in (b, b_v):
+                    set_example_value(node)
+                result = call(graph, operator.add, result, b_v, name="merged_v_bias")
+            return result
+
         with graph.inserting_before(self.anchor):
             w = method(graph, "view", proj.weight, proj.heads, proj.head_dim, -1, name="kv_b_heads")
             w_k = call(graph, operator.getitem, w, (slice(None), slice(0, nope)), name="w_k")
@@ -441,26 +450,11 @@ class PerHeadMatch(MlaMatch):
                         kv_len=self.kv_len, c=plan.c, rank=plan.rank, v_dim=ab.rank, scale=float(self.scale),
                         mask=mask, lse_base=plan.lse_base, backend=plan.attn_backend, name="local_attention",
                         **({"q_pos": cap} if cap is not None else {}))
-            out = call(graph, operator.getitem, attn, 0, name="partial_out")
-            lse = call(graph, operator.getitem, attn, 1, name="partial_lse")
-            merged = emit_exchange(graph, out, lse, self, plan)
-            result = call(graph, torch.einsum, "bshr,hvr->bshv", merged, w_v, name="merged_v")
-            # [B, S, H, v]: the model's attention output, reordered (project_before_merge reads it)
-            result.meta["example_value"] = axes.example_value(self.output).permute(
-                *[self.out_roles.index(r) for r in CANON_Q])
-            if proj.bias is not None:
-                b = method(graph, "view", proj.bias, proj.heads, proj.head_dim)
-                b_v = call(graph, operator.getitem, b, (slice(None), slice(nope, nope + v)), name="b_v")
-                for node in (b, b_v):
-                    set_example_value(node)
-                result = call(graph, operator.add, result, b_v, name="merged_v_bias")
-            back = [CANON_Q.index(r) for r in self.out_roles]
-            if back != list(range(4)):
-                result = method(graph, "permute", result, *back, name="merged_layout")
-        self.output.replace_all_uses_with(result)
+            merged = merge_local_attention(graph, attn, self, plan, value_half)
+        self.output.replace_all_uses_with(merged.result)
         erase_dead_region(graph, [self.output] + self.keys.copies + self.values.copies)
         self.rewrite_notes.append(f"kv_b_proj absorbed ({flops_note(self, ab, local_nodes)})")
-        return MergedOutput(merged, result)
+        return merged
 
 
 @dataclass

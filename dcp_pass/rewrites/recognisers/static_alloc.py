@@ -10,7 +10,7 @@
 The layer is named by the `cumulative_length` input its write positions come from, the
 tensor by the attribute it is assigned to (Dynamo names the node after it). The source
 name given (`L['kwargs']['cache'].layers[0].keys`) is the one the later graphs take the
-tensor by, so the per-head recognisers read it as a static cache (rewrites/static_cache.py)
+tensor by, so the per-head recognisers read it as a static cache (rewrites/cache_kinds/static_cache.py)
 tensor; rewrites/allocation.py does the rest.
 """
 from __future__ import annotations

@@ -3,9 +3,9 @@
 `generate(cache_implementation="static")` keeps the caches in a Cache object passed into the
 forward: its tensors are graph inputs (`L['kwargs']['cache'].layers[0].keys`,
 `[batch, kv heads, position, feature]`), written with `index_copy_(2, cache_position, new)`
-and read whole (the mask hides unwritten positions). This module registers their layout and
-write form with `cache_reads`; the attention over them is recognisers/per_head.py's, their
-shard state/shards.py's `static_cache_shard`.
+and read whole (the mask hides unwritten positions). `STATIC_CACHE` is the kind's record: their
+layout and write form, and their shard (state/shards.py's `static_cache_shard`); the attention
+over them, and its reads of their shards, are recognisers/per_head.py's.
 """
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ from typing import Any, ClassVar, Optional
 
 import torch.fx as fx
 
-from dcp_pass.rewrites import axes, cache_reads
+from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, H, T
-from dcp_pass.rewrites.cache_reads import CacheAccess, CacheRead, buffer_source
+from dcp_pass.rewrites.cache_reads import CacheAccess, CacheKind, CacheRead, buffer_source
 from dcp_pass.rewrites.fx_util import replace_node
 from dcp_pass.runtime.decode import layout
+from dcp_pass.state import shards
 
-KIND = "static_cache"  # LocalCache / CacheRead kind of these caches
-POSITION_AXIS = 2  # of a static cache tensor [batch, kv heads, position, feature]
+KIND = "static_cache"  # the name CacheRead.kind and CacheAccess.kind give these caches
+POSITION_AXIS = shards.STATIC_CACHE_POSITION_AXIS  # [batch, kv heads, position, feature]
 
 # A Hugging Face static cache layer's tensors, as Dynamo names graph inputs reached through it
 STATIC_CACHE_SOURCE = re.compile(r"\.layers\[\d+\]\.(keys|values)$")
@@ -88,5 +89,5 @@ def index_copy_write(node: fx.Node) -> Optional[IndexCopyWrite]:
     return None
 
 
-cache_reads.CACHE_LAYOUTS.append(static_cache_layout)
-cache_reads.WRITE_FORMS.append(index_copy_write)
+STATIC_CACHE = CacheKind(KIND, "a Hugging Face static cache tensor", shards.STATIC_CACHE, None,
+                         layout=static_cache_layout, write_form=index_copy_write)

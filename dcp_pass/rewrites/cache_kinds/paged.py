@@ -12,9 +12,9 @@ and slot mappings keep their meaning: each rank gathers its own slots of the sam
 pages (local position k of a request is global position k * c + rank, as in a flat
 shard) and writes only the slots it owns (the others go to one spare slot no read covers).
 
-This module registers the paged read and write forms with `cache_reads` and the rank-local
-gather with `attention` (the shard itself is state/shards.py's `paged_shard`); the attention
-itself is matched by whichever recogniser sees it (softmax, SDPA).
+`PAGED` is the kind's record: its read and write forms, the rank-local gather, the check that
+pages split evenly, and its shard (state/shards.py's `paged_shard`); the attention itself is
+matched by whichever recogniser sees it (softmax, SDPA).
 """
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.fx as fx
 
-from dcp_pass.rewrites import attention, axes, cache_reads
+from dcp_pass.rewrites import axes, cache_reads
 from dcp_pass.rewrites.axes import B, F, T
-from dcp_pass.rewrites.cache_reads import CacheAccess, _Axis, _Piece, cache_layout
+from dcp_pass.rewrites.cache_reads import CacheAccess, CacheKind, _Axis, _Piece, cache_layout
 from dcp_pass.rewrites.fx_util import call, method, replace_node, set_example_value
 from dcp_pass.runtime.decode import layout
+from dcp_pass.state import shards
 
 TPAGE, TIN = "pages", "slots"
 # sources of a gathered read's axes: table rows, table columns, slots of a page, features,
@@ -147,8 +148,8 @@ def check_paged(read: cache_reads.CacheRead, c: int) -> Optional[str]:
     return None
 
 
-cache_reads.READ_BASES.append(paged_base)
-cache_reads.WRITE_FORMS.append(paged_write)
-cache_reads.WRITE_CONVERSIONS[("flat", "paged")] = pages_and_offsets
-attention.LOCAL_READS["paged"] = local_pages
-attention.STRIPE_CHECKS["paged"] = check_paged
+PAGED = CacheKind(
+    "paged", "a paged pool read through a block table", shards.PAGED, local_pages,
+    read_base=paged_base, write_form=paged_write,
+    write_conversions=(("flat", pages_and_offsets),),  # `cache[a, b] = v`: (page, offset) here
+    stripe_check=check_paged, layer_note=", paged pool")

@@ -1,0 +1,61 @@
+"""The cache kinds: one frozen record per kind, each in its own module of
+dcp_pass/rewrites/cache_kinds/, all in one table that the pass reads."""
+import dataclasses
+import importlib
+import os
+import pkgutil
+
+import pytest
+
+from dcp_pass.rewrites import cache_kinds
+from dcp_pass.rewrites.cache_reads import CacheKind, cache_kind
+from dcp_pass.rewrites.cache_reads import cache_kinds as table_read
+from dcp_pass.state import shards
+from dcp_pass.state.store import ShardKind
+
+
+def test_each_kind_module_defines_one_record_and_the_table_holds_them_all():
+    modules = sorted(info.name for info in pkgutil.iter_modules(cache_kinds.__path__))
+    defined = []
+    for name in modules:
+        module = importlib.import_module(f"{cache_kinds.__name__}.{name}")
+        own = [v for v in vars(module).values() if isinstance(v, CacheKind)]
+        assert len(own) == 1, (name, own)
+        defined.append(own[0])
+    assert modules == ["flat", "paged", "static_cache"]
+    assert set(cache_kinds.CACHE_KINDS) == set(defined) and len(cache_kinds.CACHE_KINDS) == len(defined)
+    assert cache_kinds.CACHE_KINDS[0].name == "flat"  # a module buffer's own forms are tried first
+    assert table_read() == cache_kinds.CACHE_KINDS  # what the tracer and the rewrites read
+
+
+def test_records_are_frozen_and_name_their_run_time_half():
+    for kind in cache_kinds.CACHE_KINDS:
+        assert cache_kind(kind.name) is kind
+        assert isinstance(kind.shards, ShardKind) and kind.shards.name == kind.name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            kind.words = "changed"  # type: ignore[misc]
+    assert {k.shards for k in cache_kinds.CACHE_KINDS} == {shards.FLAT, shards.PAGED, shards.STATIC_CACHE}
+
+
+def test_an_unknown_kind_is_an_error_not_flat():
+    with pytest.raises(KeyError, match="no cache kind 'ring'.*flat, paged, static_cache"):
+        cache_kind("ring")
+
+
+def test_what_each_kind_allows_at_run_time():
+    allows = {k.name: (k.shards.takes_fp8_rows, k.shards.batch_reorderable, k.shards.resettable,
+                       k.shards.installed_at_first_call) for k in cache_kinds.CACHE_KINDS}
+    assert allows == {"flat": (True, True, False, False), "paged": (False, False, False, False),
+                      "static_cache": (False, True, True, True)}
+
+
+def test_no_module_registers_a_kind_behind_the_tables_back():
+    """The tables the kinds replaced are gone: nothing appends to a module-level hook list."""
+    root = os.path.dirname(os.path.dirname(cache_kinds.__file__))
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".py"):
+                text = open(os.path.join(dirpath, name)).read()
+                for gone in ("READ_BASES", "WRITE_FORMS", "CACHE_LAYOUTS", "WRITE_CONVERSIONS", "LOCAL_READS",
+                             "STRIPE_CHECKS", "SHARD_MAKERS"):
+                    assert gone not in text, (name, gone)
