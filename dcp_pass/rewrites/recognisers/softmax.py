@@ -343,7 +343,8 @@ _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 # a gate's sigmoid) and joins of tensors (pooling weights concatenated from a state's halves)
 _WALKED_FUNCTIONS = {
     torch.rsqrt, torch.sqrt, torch.exp, torch.log, torch.sigmoid, torch.tanh, torch.relu, torch.abs, torch.neg,
-    torch.square, torch.clamp, torch.where, torch.sub, operator.sub, operator.neg, torch.cat, torch.stack, torch.unflatten, torch.flatten, torch.reshape,
+    torch.square, torch.clamp, torch.where, torch.sub, operator.sub, operator.neg,
+    torch.cat, torch.stack, torch.unflatten, torch.flatten, torch.reshape,
     torch.nn.functional.relu, torch.nn.functional.silu, torch.nn.functional.softplus,
 }
 
