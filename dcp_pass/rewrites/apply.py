@@ -629,9 +629,10 @@ def _ring_write(buffer: fx.Node) -> Optional[str]:
         if not (use.op == "call_function" and use.target is operator.setitem and use.args[0] is buffer):
             continue
         index = use.args[1] if isinstance(use.args[1], tuple) else (use.args[1],)
-        ring = next((i for i in index if isinstance(i, fx.Node) and i.op == "call_function"
-                     and i.target in _MODULO), None)
-        if ring is None:
+        # rows of the batch, then the ring's slot (a paged pool's `pool[page, pos % page_size]`
+        # names a page first, not the batch)
+        ring = index[1] if len(index) > 1 and isinstance(index[0], slice) else None
+        if not (isinstance(ring, fx.Node) and ring.op == "call_function" and ring.target in _MODULO):
             continue
         size = ring.args[1] if len(ring.args) > 1 and isinstance(ring.args[1], int) else "a size"
         return (f"{buffer_name(buffer)} is written as a ring of {size} rows (at {where_of(use)}): its rows are "
