@@ -386,7 +386,8 @@ class DcpBackend:
             self.report.add_uncached_layers(graph_report, named)
             for (index, entry), layer in zip(caches, layers):
                 key = self.report.add_cache(example_inputs[index], entry.name, entry.full_nbytes, entry.local_nbytes,
-                                            layer, renewed=entry.kind in INSTALLED_AT_FIRST_CALL)
+                                            layer, renewed=entry.kind in INSTALLED_AT_FIRST_CALL,
+                                            token_rows=entry.token_rows)
                 if key is not None:
                     new_caches.append(key)
             if caches or allocations:

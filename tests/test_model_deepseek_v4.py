@@ -142,7 +142,7 @@ def test_cache_bytes_per_token_for_v4_flash_widths():
 
 
 def test_compile_equals_eager():
-    tokens = _tokens(2, 9)
+    tokens = _tokens(2, 8)
     torch._dynamo.reset()
     try:
         with torch.no_grad():
