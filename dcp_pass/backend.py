@@ -385,7 +385,8 @@ class DcpBackend:
             self.report.add_uncached_layers(graph_report, named)
             for (index, entry), layer in zip(caches, layers):
                 key = self.report.add_cache(example_inputs[index], entry.name, entry.full_nbytes, entry.local_nbytes,
-                                            layer, renewed=entry.kind.installed_at_first_call)
+                                            layer, renewed=entry.kind.installed_at_first_call,
+                                            token_rows=entry.token_rows)
                 if key is not None:
                     new_caches.append(key)
             if caches or allocations:
@@ -404,16 +405,22 @@ class DcpBackend:
 
     def _warn_if_nothing_rewritten(self, graph_report: GraphReport) -> None:
         """Rank 0 warns once when DCP is on, no graph so far has been rewritten and this one was
-        left unchanged for attention it could not rewrite: DCP would otherwise save nothing
+        left unchanged for attention it could not rewrite or kept: DCP would otherwise save nothing
         without a word (the near misses are in the report, which a user need not print)."""
+        kept = [layer for layer in graph_report.layers if not layer.rewritten]
         if (self._warned_unchanged or not self.topology.enabled or self.topology.rank != 0
-                or not graph_report.near_misses or any(g.rewritten for g in self.report.graphs)):
+                or not (graph_report.near_misses or kept) or any(g.rewritten for g in self.report.graphs)):
             return
         self._warned_unchanged = True
-        where, reason = graph_report.near_misses[0]
-        more = len(graph_report.near_misses) - 1
+        if graph_report.near_misses:
+            where, reason = graph_report.near_misses[0]
+            why = f"the attention at {where} cannot be rewritten: {reason}"
+            more = len(graph_report.near_misses) - 1
+        else:  # attention was found, and its layers kept as they are
+            why = f"{kept[0].layer} is {kept[0].detail}"
+            more = 0
         text = (f"dcp_pass: dcp_size={self.options.dcp_size} but graph {graph_report.graph_index} was left unchanged "
-                f"and no graph has been rewritten so far: the attention at {where} cannot be rewritten: {reason}"
+                f"and no graph has been rewritten so far: {why}"
                 + (f" ({more} more near miss(es) in the report)" if more else "")
                 + "; strict=True raises this instead, and the backend's report lists every graph")
         warnings.warn(text, UserWarning, stacklevel=2)

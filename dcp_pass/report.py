@@ -184,6 +184,8 @@ class DcpReport:
     # path, -> the layer's name
     layers_seen: dict[Hashable, str] = field(default_factory=dict)
     _keys: dict[int, Hashable] = field(default_factory=dict)  # a live buffer's id -> its cache's key
+    # a cache's key -> the token rows it holds without DCP (requests x positions), where known
+    token_rows: dict[Hashable, int] = field(default_factory=dict)
     token: int = field(default_factory=lambda: next(_REPORT_TOKENS))
 
     def site(self, layer: str) -> Hashable:
@@ -203,7 +205,7 @@ class DcpReport:
         return id(buffer) in self._keys
 
     def add_cache(self, buffer: Any, name: str, full: int, local: int, layer: Optional[str] = None,
-                  renewed: bool = False) -> Optional[Hashable]:
+                  renewed: bool = False, token_rows: Optional[int] = None) -> Optional[Hashable]:
         """Record a cache buffer (`layer`: the layer it identifies); its cache's key when the
         cache is new to the report, else None.
 
@@ -212,13 +214,16 @@ class DcpReport:
         keyed by its name and layer: a later generate's tensor takes the earlier one's place
         instead of adding to the bytes. An entry outlives its buffer (the report still
         describes the caches once a generate has dropped them); a new buffer that reuses a
-        dead one's id is new."""
+        dead one's id is new. `token_rows`: the token rows the buffer holds without DCP
+        (requests x positions), for the bytes per token."""
         ident = id(buffer)
         if ident in self._keys:
             return None
         key = ("renewed", name, layer) if renewed else ("buffer", ident)
         known = key in self.caches  # a renewed cache's earlier tensor: this one takes its place
         self.caches[key] = (name, full, local)
+        if token_rows:
+            self.token_rows[key] = token_rows
         self._keys[ident] = key
         try:
             weakref.finalize(buffer, self._forget, ident, key)
@@ -239,6 +244,8 @@ class DcpReport:
             token = ("dead", object())
             if key in self.caches:
                 self.caches[token] = self.caches.pop(key)
+            if key in self.token_rows:
+                self.token_rows[token] = self.token_rows.pop(key)
             if key in self.layers_seen:
                 self.layers_seen[token] = self.layers_seen.pop(key)
 
@@ -273,6 +280,25 @@ class DcpReport:
         return sum(local for _, _, local in self.caches.values())
 
     @property
+    def bytes_per_token_per_layer(self) -> Optional[tuple[float, float]]:
+        """Striped cache bytes one token of context costs a layer, without DCP and on this rank
+        with it (its shard, spare row included), averaged over the layers the caches belong to
+        (a cache's layer: its name up to the last dot); None when no cache's token rows are
+        known. Caches every rank keeps whole (an indexer's, a window's) are not counted."""
+        per_layer: dict[str, list[float]] = {}
+        for key, rows in self.token_rows.items():
+            if key not in self.caches:
+                continue
+            name, full, local = self.caches[key]
+            sums = per_layer.setdefault(name.rpartition(".")[0], [0.0, 0.0])
+            sums[0] += full / rows
+            sums[1] += local / rows
+        if not per_layer:
+            return None
+        return (sum(f for f, _ in per_layer.values()) / len(per_layer),
+                sum(loc for _, loc in per_layer.values()) / len(per_layer))
+
+    @property
     def layers_rewritten(self) -> int:
         """Distinct MLA layers rewritten: a layer reached through several graphs counts once,
         layers sharing one graph count each (told apart by their cache buffers)."""
@@ -292,11 +318,13 @@ class DcpReport:
         full, local = self.kv_bytes_full, max(self.kv_bytes_local, 1)
         # at dcp_size=1 (option fast_path) a shard's spare row makes it a little larger
         ratio = f"{full / local:.2f}x less" if full >= local else f"{local / max(full, 1):.2f}x more: no DCP"
-        return [
-            f"KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "
-            f"({ratio})",
-            f"striped, not to be read outside compiled graphs: {', '.join(names)}",
-        ]
+        lines = [f"KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "
+                 f"({ratio})"]
+        per_token = self.bytes_per_token_per_layer
+        if per_token is not None:
+            lines.append(f"striped cache bytes per token per layer: {per_token[0]:.4g} without DCP -> "
+                         f"{per_token[1]:.4g} on this rank")
+        return lines + [f"striped, not to be read outside compiled graphs: {', '.join(names)}"]
 
     def summary(self) -> str:
         """Every graph on its own lines (a rewritten layer's ends with the kernel its attention

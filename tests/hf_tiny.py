@@ -184,6 +184,41 @@ def hy_v4_config(**overrides):
     return HYV4Config(**fields)
 
 
+def deepseek_v4_config(**overrides):
+    """DeepseekV4Config: one layer of each kind (sliding window, CSA with its indexer, HCA), shared-KV
+    MQA with sinks, window 8, compress rates 4 and 8, hyper-connections of width 2, tiny MoE
+    (V4 has no dense MLP: its first layer routes by hash)."""
+    from transformers import DeepseekV4Config
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        head_dim=32,
+        q_lora_rank=32,
+        partial_rotary_factor=0.25,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        hc_mult=2,
+        hc_sinkhorn_iters=4,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=2,
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    fields.update(overrides)
+    return DeepseekV4Config(**fields)
+
+
 def llama_mha_config(**overrides):
     """LlamaConfig: plain MHA (as many KV heads as query heads)."""
     return llama_gqa_config(**{"num_key_value_heads": HEADS, **overrides})
@@ -231,6 +266,7 @@ CONFIGS = {
     "gpt_oss": gpt_oss_config,
     "gemma3": gemma3_config,
     "hy_v4": hy_v4_config,
+    "deepseek_v4": deepseek_v4_config,
     "llama_mha": llama_mha_config,
     "phi3": phi3_config,
     "gpt_neox": gpt_neox_config,
@@ -247,6 +283,7 @@ def model_class(name: str):
         "gpt_oss": transformers.GptOssForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
         "hy_v4": transformers.HYV4ForCausalLM,
+        "deepseek_v4": transformers.DeepseekV4ForCausalLM,
         "llama_mha": transformers.LlamaForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
         "gpt_neox": transformers.GPTNeoXForCausalLM,

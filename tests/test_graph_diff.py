@@ -199,6 +199,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
     rewrote kv_cache: decode, softmax form, 2 score term(s), q all-gather (queries use no weights), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 6 instead of 8 columns per head); kernel torch (auto: fallback, no other kernel takes the call; gluon_seesaw, gluon_roles, gluon_lock_step, gluon_fp8, gluon_fp8_narrow, wide, split, per_head, flashinfer: needs CUDA tensors, the call's are on cpu)
   KV cache bytes on this rank: 1536 without DCP -> 864 with DCP (1.78x less)
+  striped cache bytes per token per layer: 48 without DCP -> 27 on this rank
   striped, not to be read outside compiled graphs: kv_cache, pe_cache""")
 
     def test_decode_symbolic_start_pos(self):
@@ -681,6 +682,7 @@ dcp_pass report: dcp_size=2 rank=0, 10 graph(s)
   graph 8: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   graph 9: 0 MLA layer(s) rewritten (unchanged: no absorbed-MLA attention in this graph)
   KV cache bytes on this rank: 122880 without DCP -> 62720 with DCP (1.96x less)
+  striped cache bytes per token per layer: 160 without DCP -> 81.67 on this rank
   striped, not to be read outside compiled graphs: attn.kv_cache, attn.pe_cache, layers.1.attn.kv_cache, layers.1.attn.pe_cache""")
 
     def test_model_fused_cache(self):
@@ -854,6 +856,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
     rewrote layers.0.attn: decode, softmax form, 2 score term(s), q replicated q-proj/w_kc, comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head); kernel torch (auto: fallback, no other kernel takes the call; gluon_seesaw, gluon_roles, gluon_lock_step, gluon_fp8, gluon_fp8_narrow, wide, split, per_head, flashinfer: needs CUDA tensors, the call's are on cpu)
     3 complex product(s) (rotary) computed in real arithmetic
   KV cache bytes on this rank: 30720 without DCP -> 15680 with DCP (1.96x less)
+  striped cache bytes per token per layer: 80 without DCP -> 40.83 on this rank
   striped, not to be read outside compiled graphs: layers.0.attn.kv_cache, layers.0.attn.pe_cache""")
 
     def test_replicated_vs_gathered_q(self):
@@ -959,6 +962,7 @@ dcp_pass report: dcp_size=2 rank=0, 1 graph(s)
   graph 0: 1 MLA layer(s) rewritten
     rewrote layers.1.attn: decode, softmax form, 2 score term(s), q all-gather (q weights are float32; replication takes unquantized bf16/fp16 only), comm a2a, lse base e, attention auto, v-projection before merge (exchanges 16 instead of 32 columns per head); kernel torch (auto: fallback, no other kernel takes the call; gluon_seesaw, gluon_roles, gluon_lock_step, gluon_fp8, gluon_fp8_narrow, wide, split, per_head, flashinfer: needs CUDA tensors, the call's are on cpu)
   KV cache bytes on this rank: 61440 without DCP -> 31360 with DCP (1.96x less)
+  striped cache bytes per token per layer: 160 without DCP -> 81.67 on this rank
   striped, not to be read outside compiled graphs: layers.1.attn.kv_cache, layers.1.attn.pe_cache""")
 
         # ... and the linear-attention state is read and written exactly as before

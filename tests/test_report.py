@@ -105,3 +105,23 @@ def test_cache_layers_picks_one_cache_per_layer():
              "layers.1.attn.kv_cache", "kept.kv_cache", "attn.inner.kv_cache", "attn.kv_cache"]
     assert cache_layers(graph, names) == [None, None, "layers.0.attn", "kv_cache", "layers.1.attn", None,
                                           "attn.inner", "attn"]
+
+
+def test_bytes_per_token_per_layer():
+    """Striped caches' bytes per token of context, averaged over their layers: two layers of a
+    512 + 64 bf16 latent over 2 requests x 100 positions (1152 B per token per layer), each rank
+    holding 51 of the 100 positions at c = 2; a cache of unknown token rows is not counted."""
+    report = DcpReport(dcp_size=2)
+    assert report.bytes_per_token_per_layer is None
+    keep = []
+    for layer in ("layers.0.attn", "layers.1.attn"):
+        for width in (512, 64):
+            buffer = torch.empty(1)
+            keep.append(buffer)
+            report.add_cache(buffer, f"{layer}.cache_{width}", 2 * 100 * width * 2, 2 * 51 * width * 2,
+                             token_rows=2 * 100)
+    keep.append(torch.empty(1))
+    report.add_cache(keep[-1], "layers.1.attn.other", 10**6, 10**6)
+    full, local = report.bytes_per_token_per_layer
+    assert full == 1152 and abs(local - 1152 * 0.51) < 1e-9
+    assert "striped cache bytes per token per layer: 1152 without DCP -> 587.5 on this rank" in str(report)

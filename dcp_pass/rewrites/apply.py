@@ -24,6 +24,7 @@ when no graph of the step is symbolic).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -409,6 +410,10 @@ class VerifyBuffers(GraphPass):
         if leftovers:
             uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}" for n in leftovers)
             reason = f"cache buffers are used outside the matched attention ({uses})"
+            rings = [r for r in map(_ring_write, leftovers) if r]
+            if len(rings) == len(leftovers):  # said once, in the model's terms
+                more = len(rings) - 1
+                reason = rings[0] + (f"; {more} more cache(s) of this graph are rings too" if more else "")
             if any(is_released(values[n.name]) for n in leftovers) or state.config.strict:
                 raise DcpRewriteError(reason)
             kept = _layers_to_keep(state, leftovers)
@@ -538,9 +543,13 @@ def _layers_to_keep(state: PassState, leftovers: list[fx.Node]) -> dict[str, str
             if match.layer not in kept and blocked & set(match.buffers):
                 uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}"
                                  for n in match.buffers if n in leftovers)
-                what = "a rolling (sliding-window) cache, used" if "roll" in uses else "its cache is used"
-                kept[match.layer] = (f"left as it is: {what} outside the attention "
-                                     f"({uses or 'shared with a layer left as it is'}); every rank keeps it whole")
+                ring = next((r for r in map(_ring_write, match.buffers) if r), None)
+                if ring:
+                    kept[match.layer] = f"left as it is: {ring}; every rank keeps it whole"
+                else:
+                    what = "a rolling (sliding-window) cache, used" if "roll" in uses else "its cache is used"
+                    kept[match.layer] = (f"left as it is: {what} outside the attention "
+                                         f"({uses or 'shared with a layer left as it is'}); every rank keeps it whole")
                 blocked |= set(match.buffers)
                 grew = True
     return kept
@@ -608,6 +617,29 @@ def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.N
         if n.op == "placeholder" and n.users and isinstance(values.get(n.name), torch.Tensor)
         and is_released(values[n.name])
     ]
+
+
+_MODULO = {operator.mod, torch.remainder, torch.fmod}
+
+
+def _ring_write(buffer: fx.Node) -> Optional[str]:
+    """Why `buffer` is not striped when the graph writes it at a position taken modulo a size
+    (`cache[:b, start_pos % window] = kv`: a ring over the last `window` tokens, DeepSeek-V4's
+    sliding window): its rows are ring slots, not token positions; None for other caches."""
+    for use in buffer.users:
+        if not (use.op == "call_function" and use.target is operator.setitem and use.args[0] is buffer):
+            continue
+        index = use.args[1] if isinstance(use.args[1], tuple) else (use.args[1],)
+        # rows of the batch, then the ring's slot (a paged pool's `pool[page, pos % page_size]`
+        # names a page first, not the batch)
+        ring = index[1] if len(index) > 1 and isinstance(index[0], slice) else None
+        if not (isinstance(ring, fx.Node) and ring.op == "call_function" and ring.target in _MODULO):
+            continue
+        size = ring.args[1] if len(ring.args) > 1 and isinstance(ring.args[1], int) else "a size"
+        return (f"{buffer_name(buffer)} is written as a ring of {size} rows (at {where_of(use)}): its rows are "
+                f"ring slots, not token positions, and DCP stripes only rows that are positions (a ring is bounded "
+                f"by its size and costs the same on every rank)")
+    return None
 
 
 def _describe_use(node: fx.Node, depth: int = 3) -> str:

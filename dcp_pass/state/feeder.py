@@ -97,7 +97,8 @@ class CallFeeder:
         out = self._call_graph(args, shells, [entry.local for _, entry in fresh])
         for a, (shell, entry), layer in zip(self.allocations, fresh, self.allocation_layers):
             install_allocated(shell, entry)
-            self.report.add_cache(shell, a.name, entry.full_nbytes, entry.local_nbytes, layer, renewed=True)
+            self.report.add_cache(shell, a.name, entry.full_nbytes, entry.local_nbytes, layer, renewed=True,
+                                  token_rows=entry.token_rows)
         return _returning(out, self.allocations, shells) if self.allocations else out
 
     def _call_graph(self, args, shells, made_shards):
@@ -107,7 +108,7 @@ class CallFeeder:
             entry = local_for(buffer, c, rank, name, kind, kv_format)
             if not self.report.knows(buffer):  # a layer first seen at run time (one graph, several layers)
                 self.report.add_cache(buffer, name, entry.full_nbytes, entry.local_nbytes, layer,
-                                      renewed=kind.installed_at_first_call)
+                                      renewed=kind.installed_at_first_call, token_rows=entry.token_rows)
             shards.append(entry.local)
         for check in self.checks:
             check.check(args[check.index])

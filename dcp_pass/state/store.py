@@ -63,6 +63,14 @@ class LocalCache:
     def local_nbytes(self) -> int:
         return self.local.numel() * self.local.element_size()
 
+    @property
+    def token_rows(self) -> Optional[int]:
+        """Token rows (requests x positions) the buffer holds without DCP, for the report's bytes
+        per token; None for a kind whose axis 0 is not the batch (a paged pool's pages)."""
+        if not self.kind.batch_reorderable:
+            return None
+        return self.local.shape[0] * self.virtual_capacity
+
 
 @dataclass
 class DeferredCache:

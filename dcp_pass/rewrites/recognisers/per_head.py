@@ -69,7 +69,7 @@ from dcp_pass.rewrites.match import (
     register,
 )
 from dcp_pass.rewrites.recognisers.sdpa import SDPA_TARGETS, sdpa_arguments
-from dcp_pass.rewrites.recognisers.softmax import softmax_dim
+from dcp_pass.rewrites.recognisers.softmax import reads_no_cache_rows, softmax_dim
 
 QUERY_ROLES = [B, H, S, F]
 SCORE_ROLES = [B, H, S, T]
@@ -725,6 +725,8 @@ class PerHeadEager(Recogniser):
 
     def match(self, node: fx.Node, ctx: MatchContext) -> PerHeadMatch:
         if not isinstance(node.args[0], fx.Node) or not _reads_static_cache(ctx, node.args[0]):
+            raise NotAttention()
+        if reads_no_cache_rows(node.args[0]):  # a mixing matrix's or a pooling's softmax after attention
             raise NotAttention()
         dim = softmax_dim(node)
         if not isinstance(dim, int) or axes.normalize_dim(dim, 4) != 3:

@@ -339,6 +339,14 @@ def _attention_shaped(softmax: fx.Node) -> bool:
 
 _SCORE_WALK_LIMIT = 512  # nodes visited before the question is left undecided
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
+# ops through which the walk below follows every operand: elementwise functions (a norm's rsqrt,
+# a gate's sigmoid) and joins of tensors (pooling weights concatenated from a state's halves)
+_WALKED_FUNCTIONS = {
+    torch.rsqrt, torch.sqrt, torch.exp, torch.log, torch.sigmoid, torch.tanh, torch.relu, torch.abs, torch.neg,
+    torch.square, torch.clamp, torch.where, torch.sub, operator.sub, operator.neg,
+    torch.cat, torch.stack, torch.unflatten, torch.flatten, torch.reshape,
+    torch.nn.functional.relu, torch.nn.functional.silu, torch.nn.functional.softplus,
+}
 
 
 def _reaches_cache_directly(node: fx.Node, seen: set) -> bool:
@@ -366,13 +374,27 @@ def _is_attention_call(node: fx.Node) -> bool:
     return "scaled_dot_product_attention" in name or "flex_attention" in name
 
 
+_STATISTICS = {torch.mean, torch.sum, torch.var, torch.linalg.vector_norm, torch.norm}
+
+
+def _is_norm_statistic(node: fx.Node) -> bool:
+    """A reduction that keeps its axis (`x.square().mean(-1, keepdim=True)`): a norm's statistic
+    of hidden states, which scales rows and holds no keys."""
+    if not (axes.is_method(node, "mean", "sum", "var", "norm")
+            or (node.op == "call_function" and node.target in _STATISTICS)):
+        return False
+    return node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False) is True
+
+
 def reads_no_cache_rows(scores: fx.Node) -> bool:
     """True when the scores certainly contract no cache rows: every product reached from them
     through the ops scores are built with (sums, scales, casts, masks, views) has no operand
     that comes from a cache without crossing another product or softmax (attention contracts
     queries with keys). An MoE router (`linear(hidden)`), Sinkhorn normalisation of a small
     mixing matrix, and pooling weights over a state's slots (a state read with no product)
-    are such softmaxes: downstream of attention layers, but not attention."""
+    are such softmaxes: downstream of attention layers, but not attention. The walk stops at
+    graph inputs, linear projections and norm statistics (what scales hidden states is not
+    a key)."""
     products, seen, stack = [], set(), [scores]
     while stack:
         n = stack.pop()
@@ -383,10 +405,12 @@ def reads_no_cache_rows(scores: fx.Node) -> bool:
             return False
         if axes.as_contraction(n) is not None:
             products.append(n)
-        elif n.op == "placeholder" or (n.op == "call_function" and n.target in _LINEAR):
-            continue  # a graph input, or a projection of hidden states (a router's logits)
+        elif (n.op == "placeholder" or (n.op == "call_function" and n.target in _LINEAR) or _is_norm_statistic(n)
+              or isinstance(axes.example_value(n), (int, torch.SymInt))):  # sizes: symbolic ints, not keys
+            continue  # a graph input, a projection of hidden states (a router's logits), a norm's statistic
         elif _binary(n) is not None or axes.is_dtype_cast(n) or axes.is_method(n, "masked_fill", "masked_fill_") \
-                or n.op == "call_method" or (n.op == "call_function" and n.target is operator.getitem):
+                or n.op == "call_method" or (n.op == "call_function" and n.target is operator.getitem) \
+                or (n.op == "call_function" and n.target in _WALKED_FUNCTIONS):
             stack.extend(n.all_input_nodes)
         else:
             return False  # an op the walk does not know: undecided
