@@ -411,7 +411,7 @@ class PerHeadMatch(MlaMatch):
             result = merged if back == list(range(4)) else method(graph, "permute", merged, *back,
                                                                   name="merged_layout")
         self.output.replace_all_uses_with(result)
-        erase_dead_region(graph, [self.output] + self.keys.copies + self.values.copies)
+        erase_dead_region(graph, [self.output] + self.lse_outputs + self.keys.copies + self.values.copies)
         return MergedOutput(merged, result)
 
     def _rewrite_absorbed(self, graph: fx.Graph, plan, local_nodes: dict, ab: "Absorbed"):
@@ -458,7 +458,7 @@ class PerHeadMatch(MlaMatch):
             if back != list(range(4)):
                 result = method(graph, "permute", result, *back, name="merged_layout")
         self.output.replace_all_uses_with(result)
-        erase_dead_region(graph, [self.output] + self.keys.copies + self.values.copies)
+        erase_dead_region(graph, [self.output] + self.lse_outputs + self.keys.copies + self.values.copies)
         self.rewrite_notes.append(f"kv_b_proj absorbed ({flops_note(self, ab, local_nodes)})")
         return MergedOutput(merged, result)
 
