@@ -107,3 +107,12 @@ def test_per_head_flex_c2():
                     positions = entry["positions"]
                     assert entry["striped"] and entry["own"] == 0, entry
                     assert entry["shard"] * positions == entry["full"] * (math.ceil(positions / 2) + 1), entry
+
+
+def test_per_head_flex_matches():
+    """The decode graph of Llama's flex path: both layers match the per-head flex form, no near miss."""
+    from dcp_pass.rewrites.match import find_mla
+
+    found = [find_mla(gm.graph) for gm, _ in hf.capture_graphs(hf_tiny.tiny_model("llama_gqa", "flex_attention"))]
+    assert [[m.family for m in f.matches] for f in found] == [[], ["per-head flex"] * hf_tiny.LAYERS], found
+    assert not [m for f in found for m in f.near_misses], found
