@@ -11,6 +11,7 @@ compiled, graph breaks, and the report's reasons where a layer or graph is left 
 
     python benchmarks/hf_family_survey.py --out benchmarks/results/hf_family_survey_cpu.json
     python benchmarks/hf_family_survey.py --families mistral_large4 glm5_next --kinds static
+    python benchmarks/hf_family_survey.py --table benchmarks/results/hf_family_survey_cpu.json
 
 Each family runs in its own process group (one failing family does not stop the others); on
 a 2-core machine the whole survey takes a few minutes. Not part of the test suite.
@@ -84,7 +85,7 @@ def _families() -> dict[str, tuple[str, Callable[[], Any], tuple[str, ...]]]:
         "minicpm3": ("MiniCPM3ForCausalLM", lambda: _config("MiniCPM3Config"), both),
         "longcat_flash": ("LongcatFlashForCausalLM", lambda: _config(
             "LongcatFlashConfig", num_layers=1, ffn_hidden_size=128, expert_ffn_hidden_size=32, moe_topk=2,
-            zero_expert_num=0), both),
+            zero_expert_num=0, head_dim=16), both),
         "mistral4": ("Mistral4ForCausalLM", lambda: _config("Mistral4Config"), both),
         "youtu": ("YoutuForCausalLM", lambda: _config("YoutuConfig"), both),
         "axk1": ("AXK1ForCausalLM", lambda: _config("AXK1Config"), both),
@@ -174,7 +175,12 @@ def _cache_bytes(cache) -> tuple[int, int]:
     return full, local
 
 
+GENERIC = ("no absorbed-MLA attention in this graph", "no attention in this graph that the pass can rewrite")
+
+
 def _reasons(report) -> list[str]:
+    """Every distinct reason a layer or graph was left unchanged, the specific ones (a near
+    miss, a kept layer, a graph break) before the generic "no attention in this graph"."""
     found: list[str] = []
     for g in report.graphs:
         items = [f"{layer.layer}: {layer.detail}" for layer in g.layers if not layer.rewritten]
@@ -184,7 +190,7 @@ def _reasons(report) -> list[str]:
         for item in items:
             if item not in found:
                 found.append(item)
-    return found
+    return sorted(found, key=lambda why: why.startswith(GENERIC))
 
 
 def _attention_layers(model) -> int:
@@ -270,7 +276,15 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--inner", default="eager")
     parser.add_argument("--out", default=None, help="JSON file to write (rows merged by family and cache kind)")
+    parser.add_argument("--table", default=None, help="print the table of this JSON file and run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            rows = json.load(f)["rows"]
+        for row in rows:
+            row["reasons"] = sorted(row.get("reasons", []), key=lambda why: why.startswith(GENERIC))
+        print(table(rows))
+        return
 
     rows = []
     for name in args.families:
