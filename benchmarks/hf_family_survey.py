@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -52,8 +52,8 @@ def _config(cls_name: str, **extra):
     return cls(**{k: v for k, v in {**COMMON, **extra}.items() if k in names})
 
 
-# family -> (model class, config builder, cache kinds, a note on what the tiny config changes)
-def _families() -> dict[str, tuple[str, Callable[[], Any], tuple[str, ...]]]:
+# family -> (model class, config builder, cache kinds[, torch._dynamo.config settings for the compiled run])
+def _families() -> dict[str, tuple]:
     both = ("static", "dynamic")
 
     def mistral_large4():
@@ -114,6 +114,9 @@ def _families() -> dict[str, tuple[str, Callable[[], Any], tuple[str, ...]]]:
         # DSA with KV sharing / KDA hybrids with an indexer, and DeepSeek-V4
         "mistral_large4": ("MistralLarge4ForConditionalGeneration", mistral_large4, both),
         "glm5_next": ("Glm5NextForConditionalGeneration", glm5_next, both),
+        # the same with the hint the report gives for its indexer's graph break followed
+        "glm5_next_dynamic_shapes": ("Glm5NextForConditionalGeneration", glm5_next, ("static",),
+                                     dict(capture_dynamic_output_shape_ops=True)),
         "deepseek_v4": ("DeepseekV4ForCausalLM", lambda: _config(
             "DeepseekV4Config", head_dim=32, sliding_window=4, index_topk=4, o_groups=2, o_lora_rank=16,
             hc_mult=2, layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
@@ -126,7 +129,7 @@ def build(name: str, attn: str, seed: int = 0):
     import torch
     import transformers
 
-    cls_name, make_config, _ = _families()[name]
+    cls_name, make_config = _families()[name][:2]
     config = make_config()
     config._attn_implementation = attn
     for sub in ("text_config",):
@@ -154,7 +157,8 @@ def _generate(model, kind: str, new_tokens: int):
 
 
 def _cache_bytes(cache) -> tuple[int, int]:
-    """(bytes of the cache's tensors as the model sees them, bytes this rank holds for them)."""
+    """(bytes of the storages of the cache's tensors as the model sees them (a striped tensor's
+    at full size), bytes of memory this rank holds for them: its own storage, or its stripe)."""
     import torch
 
     from dcp_pass.rewrites.cache import held_nbytes, lookup_local_cache
@@ -169,7 +173,7 @@ def _cache_bytes(cache) -> tuple[int, int]:
                 if not isinstance(t, torch.Tensor) or id(t) in seen:
                     continue
                 seen.add(id(t))
-                full += t.numel() * t.element_size()
+                full += t.untyped_storage().nbytes()
                 entry = lookup_local_cache(t)
                 local += held_nbytes(t) + (entry.local.untyped_storage().nbytes() if entry is not None else 0)
     return full, local
@@ -223,7 +227,9 @@ def survey_rank(rank: int, world: int, name: str, kinds: list, attn: str, new_to
             model = build(name, attn)
             backend = DcpBackend(dcp_size=world, tp_size=1, inner=inner)
             model.compile(backend=backend)
-            out = _generate(model, kind, new_tokens)
+            flags = _families()[name][3] if len(_families()[name]) > 3 else {}
+            with torch._dynamo.config.patch(**flags):
+                out = _generate(model, kind, new_tokens)
             row["tokens_equal"] = bool(torch.equal(out.sequences, ref.sequences))
             row["logits_err"] = max(((a - b).abs().max() / b.abs().max()).item()
                                     for a, b in zip(out.logits, ref.logits))
@@ -243,7 +249,11 @@ def survey_rank(rank: int, world: int, name: str, kinds: list, attn: str, new_to
     return rows
 
 
-def _short(reason: str, width: int = 140) -> str:
+def _short(reason: str, width: int = 160) -> str:
+    """The reason without the source lines' code (their file:line stays), cut to `width`."""
+    import re
+
+    reason = re.sub(r" `[^`]*`", "", reason)
     return reason if len(reason) <= width else reason[:width - 3] + "..."
 
 
@@ -253,11 +263,12 @@ def table(rows: list) -> str:
             "(full -> local) | graphs | graph breaks | reason where unchanged |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        family = r["family"] if r.get("attn", "eager") == "eager" else f"{r['family']} ({r['attn']})"
         if "error" in r:
-            lines.append(f"| {r['family']} | {r['cache']} | - | - | - | - | - | - | error: {_short(r['error'])} |")
+            lines.append(f"| {family} | {r['cache']} | - | - | - | - | - | - | error: {_short(r['error'])} |")
             continue
         reason = _short(r["reasons"][0]) if r["reasons"] else ""
-        lines.append(f"| {r['family']} | {r['cache']} | {r['rewritten']} / {r['attention_layers']} | "
+        lines.append(f"| {family} | {r['cache']} | {r['rewritten']} / {r['attention_layers']} | "
                      f"{'yes' if r['tokens_equal'] else 'NO'} | {r['logits_err']:.1e} | "
                      f"{r['cache_full_bytes']} -> {r['cache_local_bytes']} | {r['graphs']} | {r['graph_breaks']} | "
                      f"{reason.replace('|', '/')} |")
@@ -281,6 +292,9 @@ def main(argv=None) -> None:
     if args.table:
         with open(args.table) as f:
             rows = json.load(f)["rows"]
+        order = list(_families())
+        rows.sort(key=lambda r: (order.index(r["family"]) if r["family"] in order else len(order),
+                                 r.get("attn", "eager") != "eager", r["cache"] != "static"))
         for row in rows:
             row["reasons"] = sorted(row.get("reasons", []), key=lambda why: why.startswith(GENERIC))
         print(table(rows))
@@ -308,7 +322,8 @@ def main(argv=None) -> None:
         new_keys = {(r["family"], r["cache"], r["attn"]) for r in rows}
         merged = [r for r in kept if (r["family"], r["cache"], r.get("attn", "eager")) not in new_keys] + rows
         order = list(families)
-        merged.sort(key=lambda r: (order.index(r["family"]) if r["family"] in order else len(order), r["cache"]))
+        merged.sort(key=lambda r: (order.index(r["family"]) if r["family"] in order else len(order),
+                                   r.get("attn", "eager") != "eager", r["cache"] != "static"))
         import torch
         import transformers
 
