@@ -161,7 +161,8 @@ def _cache_bytes(cache) -> tuple[int, int]:
     at full size), bytes of memory this rank holds for them: its own storage, or its stripe)."""
     import torch
 
-    from dcp_pass.rewrites.cache import held_nbytes, lookup_local_cache
+    from dcp_pass.state.memory import held_nbytes
+    from dcp_pass.state.store import lookup_local_cache
 
     full = local = 0
     seen: set = set()

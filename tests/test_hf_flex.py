@@ -57,7 +57,7 @@ def _run(rank: int, world: int, runs: list):
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from dcp_pass.rewrites.cache import StripedCache
+    from dcp_pass.state.guards import StripedCacheTensor
 
     _register()
     results = []
@@ -72,7 +72,7 @@ def _run(rank: int, world: int, runs: list):
         for (label, t), (_, r) in zip(hf.cache_tensors(out.cache), hf.cache_tensors(ref.cache)):
             own, shard = hf.held_bytes(t)
             caches[label] = dict(own=own, shard=shard, full=r.untyped_storage().nbytes(),
-                                 striped=type(t) is StripedCache, positions=t.shape[2])
+                                 striped=type(t) is StripedCacheTensor, positions=t.shape[2])
         results.append(dict(
             run=(name, impl), tokens_equal=torch.equal(out.sequences, ref.sequences),
             logits_err=hf.logits_error(out, ref), graphs=len(backend.graphs),

@@ -36,7 +36,7 @@ def _run(name: str, world: int, new_tokens: int, capture_dynamic: bool = False):
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from dcp_pass.rewrites.cache import StripedCache
+    from dcp_pass.state.guards import StripedCacheTensor
 
     torch._dynamo.reset()
     ref = hf.generate(hf_tiny.tiny_model(name, "eager"), new_tokens=new_tokens)
@@ -51,7 +51,7 @@ def _run(name: str, world: int, new_tokens: int, capture_dynamic: bool = False):
     for (label, t), (_, r) in zip(hf.cache_tensors(out.cache), hf.cache_tensors(ref.cache)):
         own, shard = hf.held_bytes(t)
         caches[label] = dict(own=own, shard=shard, full=r.untyped_storage().nbytes(),
-                             striped=type(t) is StripedCache, positions=t.shape[2])
+                             striped=type(t) is StripedCacheTensor, positions=t.shape[2])
     return dict(tokens_equal=torch.equal(out.sequences, ref.sequences), logits_err=hf.logits_error(out, ref),
                 graphs=len(backend.graphs), rewritten=[g.rewritten for g in backend.report.graphs],
                 reasons=[g.unchanged_reason for g in backend.report.graphs if g.unchanged_reason],
