@@ -21,7 +21,7 @@ from dcp_pass.agreement import check_options_agree
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.report import DcpReport, GraphReport, cache_layers, log
 from dcp_pass.rewrites import fx_util
-from dcp_pass.rewrites.apply import PassConfig, apply_dcp
+from dcp_pass.rewrites.apply import GRAPH_BREAK_AFTER_WRITES, PassConfig, apply_dcp
 from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.state import guards
 from dcp_pass.state.feeder import CallFeeder, has_striped, plain_inputs
@@ -405,20 +405,24 @@ class DcpBackend:
 
     def _warn_if_nothing_rewritten(self, graph_report: GraphReport) -> None:
         """Rank 0 warns once when DCP is on, no graph so far has been rewritten and this one was
-        left unchanged for attention it could not rewrite or kept: DCP would otherwise save nothing
-        without a word (the near misses are in the report, which a user need not print)."""
+        left unchanged for attention it could not rewrite or kept, or for a graph break between a
+        cache's writes and its attention: DCP would otherwise save nothing without a word (the
+        reasons are in the report, which a user need not print)."""
         kept = [layer for layer in graph_report.layers if not layer.rewritten]
+        cut = graph_report.unchanged_reason.startswith(GRAPH_BREAK_AFTER_WRITES)
         if (self._warned_unchanged or not self.topology.enabled or self.topology.rank != 0
-                or not (graph_report.near_misses or kept) or any(g.rewritten for g in self.report.graphs)):
+                or not (graph_report.near_misses or kept or cut) or any(g.rewritten for g in self.report.graphs)):
             return
         self._warned_unchanged = True
-        if graph_report.near_misses:
+        more = 0
+        if cut:
+            why = graph_report.unchanged_reason
+        elif graph_report.near_misses:
             where, reason = graph_report.near_misses[0]
             why = f"the attention at {where} cannot be rewritten: {reason}"
             more = len(graph_report.near_misses) - 1
         else:  # attention was found, and its layers kept as they are
             why = f"{kept[0].layer} is {kept[0].detail}"
-            more = 0
         text = (f"dcp_pass: dcp_size={self.options.dcp_size} but graph {graph_report.graph_index} was left unchanged "
                 f"and no graph has been rewritten so far: {why}"
                 + (f" ({more} more near miss(es) in the report)" if more else "")

@@ -259,6 +259,87 @@ def gpt_neox_config(**overrides):
     return GPTNeoXConfig(**fields)
 
 
+def mistral_large4_config(**overrides):
+    """MistralLarge4Config (the text model of MistralLarge4ForConditionalGeneration, a one-block
+    vision tower beside it): MLA over a latent cache with DSA top-k 8, 3 layers: layer 1 reuses
+    layer 0's cache and top-k (KV sharing, indexer "shared"), layer 2 is NoPE with its own
+    cache and indexer; all MLPs dense."""
+    from transformers import MistralLarge4Config, MistralLarge4TextConfig
+
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        kv_lora_rank=KV_LORA_RANK,
+        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+        v_head_dim=V_HEAD_DIM,
+        head_dim=QK_ROPE_HEAD_DIM,
+        first_k_dense_replace=3,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        indexer_types=["full", "shared", "full"],
+        kv_source_layers=[0, 0, 2],
+        no_rope_layers=[1, 1, 0],
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    text.update(overrides)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                  patch_size=4, image_size=16)
+    return MistralLarge4Config(text_config=MistralLarge4TextConfig(**text).to_dict(), vision_config=vision,
+                               tie_word_embeddings=False)
+
+
+def glm5_next_config(**overrides):
+    """Glm5NextConfig (the text model of Glm5NextForConditionalGeneration, a one-block vision
+    tower beside it): layer 0 KDA (linear attention), layer 1 NoPE MLA over a latent cache with
+    a pooled DSA indexer (pools of 4, top-k 8), hyper-connections of width 2, MLPs dense."""
+    from transformers import Glm5NextConfig, Glm5NextTextConfig
+
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        kv_lora_rank=KV_LORA_RANK,
+        q_lora_rank=48,
+        qk_rope_head_dim=0,
+        qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+        v_head_dim=V_HEAD_DIM,
+        mlp_layer_types=["dense"] * LAYERS,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        indexer_types=["full"] * LAYERS,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_kpool=4,
+        linear_head_dim=16,
+        linear_num_heads=HEADS,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        max_position_embeddings=MAX_POSITIONS,
+        **_NO_SPECIAL_TOKENS,
+    )
+    text.update(overrides)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=HIDDEN,
+                  projection_intermediate_size=64, patch_size=4, image_size=16)
+    return Glm5NextConfig(text_config=Glm5NextTextConfig(**text).to_dict(), vision_config=vision)
+
+
 CONFIGS = {
     "deepseek_v3": deepseek_v3_config,
     "kimi_linear": kimi_linear_config,
@@ -270,6 +351,8 @@ CONFIGS = {
     "llama_mha": llama_mha_config,
     "phi3": phi3_config,
     "gpt_neox": gpt_neox_config,
+    "mistral_large4": mistral_large4_config,
+    "glm5_next": glm5_next_config,
 }
 
 
@@ -287,6 +370,8 @@ def model_class(name: str):
         "llama_mha": transformers.LlamaForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
         "gpt_neox": transformers.GPTNeoXForCausalLM,
+        "mistral_large4": transformers.MistralLarge4ForConditionalGeneration,
+        "glm5_next": transformers.Glm5NextForConditionalGeneration,
     }[name]
 
 
@@ -294,6 +379,8 @@ def tiny_model(name: str, attn_implementation: str = "sdpa", seed: int = 0, dtyp
     """A seeded tiny model `name` (a key of CONFIGS) in eval mode."""
     config = CONFIGS[name](**overrides)
     config._attn_implementation = attn_implementation
+    if getattr(config, "text_config", None) is not None:  # a multimodal model's language half
+        config.text_config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = model_class(name)(config).to(dtype).eval()
     with torch.no_grad():  # sink logits of a few units, different per head (their init is 0 or tiny)

@@ -182,6 +182,9 @@ class AllocatedCaches(GraphPass):
         return PassOutcome(len(state.allocated), notes)
 
 
+GRAPH_BREAK_AFTER_WRITES = "the cache written here is read after a graph break"
+
+
 class FindAttention(GraphPass):
     """Run every registered recogniser; near misses are reported (or raised when strict)."""
 
@@ -200,6 +203,7 @@ class FindAttention(GraphPass):
             raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
         state.buffers = {b for m in found.matches for b in m.buffers} | {
             b for b in found.writes if is_released(state.values[b.name])}
+        written = sorted({buffer_name(b) for b in [*found.writes, *state.allocated]})  # before any is put back
         dropped = {p for p in state.allocated if p not in state.buffers}  # no rewritten attention reads them
         for prefix in [p for p in state.prefixes if p.placeholders & dropped]:
             allocation.undo_prefix(state.graph, prefix)
@@ -213,6 +217,16 @@ class FindAttention(GraphPass):
             if found.near_misses:  # attention was found: say that none of it could be rewritten
                 count = len(found.near_misses)
                 reason = f"no attention in this graph that the pass can rewrite ({count} near miss(es))"
+            cut = fx_util.graph_break_site(state.original)
+            if cut is not None and written:
+                # the layer's attention runs in a later graph (or uncompiled, past Dynamo's
+                # recompile_limit), over keys and values handed across the break, not the cache
+                reason = (f"{GRAPH_BREAK_AFTER_WRITES} ({', '.join(written)}): Dynamo cut the graph at {cut}, so "
+                          f"the attention reads keys and values passed across the break, not the cache (in a later "
+                          f"graph, or uncompiled once torch._dynamo.config.recompile_limit is reached); remove the "
+                          f"graph break (TORCH_LOGS=graph_breaks lists them)")
+                if state.config.strict:
+                    raise DcpRewriteError(f"{reason} (strict=True)")
             state.stop(reason)
             state.report.unchanged_reason = reason
         return PassOutcome(len(found.matches), [f"{m.layer}: {m.family}" for m in found.matches] + found.notes)

@@ -5,8 +5,8 @@ erase that keeps deliberate in-place ops, static placeholders marked the way Dyn
 marks buffers, copying a Dynamo graph module without losing what aot_autograd reads
 from it, and the few Dynamo internals the pass and the cache guard rely on
 (`_dynamo_source`, `_dynamo_static_input_type`, the current fake mode, the eval-frame
-callback, the tracing compiler). When torch moves one of them, this is the one file
-to change.
+callback, the tracing compiler, the graph break a graph ends at). When torch moves one of
+them, this is the one file to change.
 """
 from __future__ import annotations
 
@@ -194,3 +194,28 @@ def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         if old is not None and hasattr(old, "_dynamo_source"):
             node._dynamo_source = old._dynamo_source
     return work
+
+
+def graph_break_site(gm: fx.GraphModule) -> Optional[str]:
+    """Where and why Dynamo cut `gm` short, in the user's terms, or None when the graph ends
+    where its frame returns: `model.py:1098 `x[:, keep]` (Dynamic shape operator: <Dynamo's
+    explanation>; Dynamo's hint: <its hint>)`. Dynamo records this on the graph module it
+    hands a backend (`compile_subgraph_reason`, a Dynamo internal)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    import os
+
+    stack = list(getattr(reason, "user_stack", None) or [])
+    frame = stack[-1] if stack else None
+    where = f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame is not None else "an unknown line"
+    if frame is not None and (frame.line or "").strip():
+        where += f" `{frame.line.strip()}`"
+    lines = [line.strip() for line in str(getattr(reason, "reason", "")).splitlines() if line.strip()]
+    parts = {line.split(":", 1)[0]: line.split(":", 1)[1].strip().rstrip(".") for line in lines[1:] if ":" in line}
+    why = lines[0].rstrip(".") if lines else ""
+    if "Explanation" in parts:
+        why += f": {parts['Explanation']}"
+    if "Hint" in parts:
+        why += f"; Dynamo's hint: {parts['Hint']}"
+    return f"{where} ({why})" if why else where

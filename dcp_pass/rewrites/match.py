@@ -221,6 +221,10 @@ class MatchContext:
 
     graph: fx.Graph
     writes: dict[fx.Node, list[CacheAccess]]
+    # outputs of the attention matched so far: each becomes the exact merged output, the same
+    # on every rank, so what is computed from it reads no rank's stripe (a later layer's query
+    # over the same cache, as in layers that share one cache)
+    merged_outputs: set[fx.Node] = field(default_factory=set)
     _cache_dependent: dict[fx.Node, bool] = field(default_factory=dict)
 
     def depends_on_cache(self, node: fx.Node) -> bool:
@@ -245,11 +249,11 @@ class MatchContext:
         return memo[node]
 
     def cache_tensors_under(self, node: fx.Node) -> set[fx.Node]:
-        """The cache tensors `node` is computed from."""
+        """The cache tensors `node` is computed from, other than through a matched attention's output."""
         found, seen, stack = set(), set(), [node]
         while stack:
             n = stack.pop()
-            if n in seen:
+            if n in seen or n in self.merged_outputs:
                 continue
             seen.add(n)
             if is_cache_tensor(n):
@@ -338,6 +342,7 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                 near.append((where_of(node), near_miss_text(NearMiss(GROWING_CACHE, grown) if grown else miss)))
                 continue
             claimed.update((match.anchor, match.output))
+            ctx.merged_outputs.add(match.output)
             ctx.writes.update(writes)
             match.writes = [w for buf in match.buffers for w in ctx.writes.get(buf, [])]
             matches.append(match)

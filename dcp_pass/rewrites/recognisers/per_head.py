@@ -406,7 +406,7 @@ class PerHeadMatch(MlaMatch):
                         **({"q_pos": cap} if cap is not None else {}))
             merged = merge_local_attention(graph, attn, self, plan)
         self.output.replace_all_uses_with(merged.result)
-        erase_dead_region(graph, [self.output] + self.keys.copies + self.values.copies)
+        erase_dead_region(graph, [self.output] + self.lse_outputs + self.keys.copies + self.values.copies)
         return merged
 
     def _rewrite_absorbed(self, graph: fx.Graph, plan, local_nodes: dict, ab: "Absorbed"):
@@ -452,7 +452,7 @@ class PerHeadMatch(MlaMatch):
                         **({"q_pos": cap} if cap is not None else {}))
             merged = merge_local_attention(graph, attn, self, plan, value_half)
         self.output.replace_all_uses_with(merged.result)
-        erase_dead_region(graph, [self.output] + self.keys.copies + self.values.copies)
+        erase_dead_region(graph, [self.output] + self.lse_outputs + self.keys.copies + self.values.copies)
         self.rewrite_notes.append(f"kv_b_proj absorbed ({flops_note(self, ab, local_nodes)})")
         return merged
 
@@ -625,6 +625,70 @@ class PerHeadSdpa(Recogniser):
                        kv_len, causal=args["is_causal"])
 
 
+class PerHeadFlex(Recogniser):
+    """`flex_attention(q, k, v, score_mod=..., block_mask=...)` over per-head K/V from static
+    caches (Hugging Face's flex path: a BlockMask whose mask_mod holds the causal, padding and
+    window conditions, a score_mod that adds a mask or returns the score). The mods become
+    one dense additive mask over global key positions, as in the MLA flex form
+    (recognisers/flex.py); where the model reads the call's LSE (return_lse, e.g. to fold a
+    sink in afterwards), it reads the merged LSE, so the sink counts once, after the merge."""
+
+    name = "per_head_flex"
+    priority = -1  # before the MLA flex form, which would report these calls as near misses
+
+    def anchors(self, graph: fx.Graph):
+        from dcp_pass.rewrites.recognisers.flex import _FLEX
+
+        if _FLEX is None:
+            return []
+        return [n for n in graph.nodes if n.op == "call_function" and n.target is _FLEX]
+
+    def match(self, node: fx.Node, ctx: MatchContext) -> PerHeadMatch:
+        from dcp_pass.rewrites.recognisers import flex
+
+        query, key, value, score_mod_node, block_mask, scale, _, score_buffers, mask_buffers = (
+            list(node.args) + [None] * 9)[:9]
+        if not all(isinstance(x, fx.Node) for x in (query, key, value)) or not _reads_static_cache(ctx, key, value):
+            raise NotAttention()
+        gm = node.graph.owning_module
+        score_mod = flex._submodule(gm, score_mod_node)
+        if score_mod is not None:
+            why = flex._score_is_biased(score_mod)
+            if why is not None:
+                raise NearMiss(why, node)
+            if not any(u.op == "call_function" for u in score_mod.graph.nodes):
+                score_mod = None  # the identity
+        mask_mod = flex._submodule(gm, block_mask[-1]) if isinstance(block_mask, tuple) and block_mask else None
+        outputs: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            if user.op != "call_function" or user.target is not operator.getitem or not isinstance(user.args[1], int):
+                raise NearMiss("flex_attention's outputs are used other than one by one", user)
+            outputs.setdefault(user.args[1], []).append(user)
+        if set(outputs) - {0, 1}:
+            raise NearMiss("flex_attention's row maxima (return_aux max_scores) are used by the model", node)
+        if len(outputs.get(0, [])) != 1:
+            raise NearMiss("flex_attention's attention output is not used once", node)
+        keys, values = trace_kv(key, node), trace_kv(value, node)
+        _check_query(query, keys, values, ctx)
+        kv_len = _check_operands(query, keys, values, node)
+        for buffers in (score_buffers, mask_buffers):  # tensors the mods read (a padding mask, positions)
+            for extra in buffers or ():
+                _check_mask(extra, keys, values, ctx)
+        scale = 1.0 / math.sqrt(axes.shape_of(query)[-1]) if scale is None else scale
+        if not isinstance(scale, (int, float)):
+            raise NearMiss("the scale is not a constant")
+        match = _record("per-head flex", node, outputs[0][0], query, keys, values, scale, [], kv_len)
+        # the LSE flex returns with return_lse: base 2, [B, H, S]; the model's uses read the merged LSE
+        match.lse_outputs, match.lse_roles, match.lse_out_base = outputs.get(1, []), [B, H, S], "2"
+        if score_mod is not None or mask_mod is not None:
+            device = axes.example_value(query).device
+            match.mask_builder = flex._dense_mask(score_mod, mask_mod, list(score_buffers or ()),
+                                                  list(mask_buffers or ()), match.value_cache,
+                                                  axes.shape_of(query)[1], device)
+            match.mask_per_head = flex._uses_heads(score_mod, 2) or flex._uses_heads(mask_mod, 1)
+        return match
+
+
 _ADDS = {operator.add, torch.add}
 _MULS = {operator.mul, torch.mul}
 _DIVS = {operator.truediv, torch.div}
@@ -749,3 +813,4 @@ class PerHeadEager(Recogniser):
 
 register(PerHeadEager())
 register(PerHeadSdpa())
+register(PerHeadFlex())
