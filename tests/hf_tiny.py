@@ -356,23 +356,26 @@ CONFIGS = {
 }
 
 
+MODEL_CLASSES = {  # name -> transformers' class, looked up when used (older releases lack the newest)
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+    "llama_gqa": "LlamaForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "hy_v4": "HYV4ForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
+    "llama_mha": "LlamaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "mistral_large4": "MistralLarge4ForConditionalGeneration",
+    "glm5_next": "Glm5NextForConditionalGeneration",
+}
+
+
 def model_class(name: str):
     import transformers
 
-    return {
-        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
-        "kimi_linear": transformers.KimiLinearForCausalLM,
-        "llama_gqa": transformers.LlamaForCausalLM,
-        "gpt_oss": transformers.GptOssForCausalLM,
-        "gemma3": transformers.Gemma3ForCausalLM,
-        "hy_v4": transformers.HYV4ForCausalLM,
-        "deepseek_v4": transformers.DeepseekV4ForCausalLM,
-        "llama_mha": transformers.LlamaForCausalLM,
-        "phi3": transformers.Phi3ForCausalLM,
-        "gpt_neox": transformers.GPTNeoXForCausalLM,
-        "mistral_large4": transformers.MistralLarge4ForConditionalGeneration,
-        "glm5_next": transformers.Glm5NextForConditionalGeneration,
-    }[name]
+    return getattr(transformers, MODEL_CLASSES[name])
 
 
 def tiny_model(name: str, attn_implementation: str = "sdpa", seed: int = 0, dtype=torch.float32, **overrides):
