@@ -103,9 +103,9 @@ def mla_local_attention(
         key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(),
                                env.mla_tuned(), env.fp8_read(), kv_format, host_lens is not None, tensors=inputs)
         return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
-                                                                lse_base, backend, 0, kv_format, host_lens))
+                                                                lse_base, backend, 0, kv_format, None, host_lens))
     return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                            kv_start, kv_format, host_lens, q_pos)[0]
+                            kv_start, kv_format, q_pos, host_lens)[0]
 
 
 def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
@@ -124,7 +124,7 @@ def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
 
 
 def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                     kv_start=0, kv_format="", host_lens=None, q_pos=None):
+                     kv_start=0, kv_format="", q_pos=None, host_lens=None):
     """((partial output, lse), whether the kernel that ran may be replayed)."""
     from dcp_pass.runtime.decode.backends import attend_with_kernel
     from dcp_pass.runtime.decode.call import AttentionCall
