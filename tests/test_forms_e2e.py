@@ -94,15 +94,14 @@ def _forms():
 
 # What CI runs (two cores, a budget of minutes; each form costs three to five compiles per
 # rank): one form per recogniser family at c = 2 under aot_eager (softmax: the window, whose
-# start has its own striping; SDPA: the unexpanded latent head with enable_gqa, and is_causal,
-# which reaches the kernels as a cap on key positions instead of a mask; flex), the
+# start has its own striping; SDPA: the unexpanded latent head with enable_gqa; flex), the
 # paged pool (its pages have their own striping, its attention is the softmax recogniser's)
 # at c = 4 under aot_eager and at c = 2 under inductor, and the sink (folded in after the
 # merge, the exchange returning its LSE) and flex_sink (the model folds its sink in from the
 # merged LSE flex_attention returns it) at c = 4 under aot_eager. The other forms' matches and
 # rewritten graphs are pinned without ranks (test_match_forms, test_graph_diff_forms).
 # DCP_TEST_FULL=1 runs every form at c = 2 and 4 under both inner compilers.
-C2_FORMS = ["window", "sdpa_gqa", "sdpa_causal", "flex"]
+C2_FORMS = ["window", "sdpa_gqa", "flex"]
 C4_FORMS = ["paged", "sink", "flex_sink"]
 INDUCTOR_FORMS = ["paged"]
 

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 import hf_tiny  # noqa: E402  (tests/hf_tiny.py, after the importorskip)
 from kit import hf  # noqa: E402
 
+from dcp_pass import env  # noqa: E402
 from dcp_pass.testing import run_ranks  # noqa: E402
 
 FLEX_LSE = "flex_lse_sinks"  # the attention implementation registered below
@@ -82,7 +83,10 @@ def _run(rank: int, world: int, runs: list):
     return results
 
 
-RUNS = [("llama_gqa", "flex_attention"), ("gpt_oss", FLEX_LSE)]
+# CI runs gpt-oss (the per-head flex rewrite with the model reading the merged LSE, a sink and a
+# window layer kept); Llama through HF's own flex path under DCP_TEST_FULL=1 (its match is pinned
+# without ranks below)
+RUNS = ([("llama_gqa", "flex_attention")] if env.full_tests() else []) + [("gpt_oss", FLEX_LSE)]
 
 
 @pytest.mark.slow

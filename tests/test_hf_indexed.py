@@ -13,7 +13,7 @@ generate(cache_implementation="static") under backend "dcp" on 2 gloo ranks.
   attention fall into different graphs. The report says so in one line that names the model's
   line and Dynamo's hint, rank 0 warns once, and the output equals eager (the prefill). With the hint
   followed (torch._dynamo.config.capture_dynamic_output_shape_ops = True) the layer is rewritten
-  and exact (4 steps; that second run under DCP_TEST_FULL=1).
+  and exact (4 steps). Under DCP_TEST_FULL=1: its graph breaks make ~30 graphs a rank.
 """
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def _mistral_large4(rank: int, world: int):
     return _run("mistral_large4", world, 8)
 
 
-def _glm5_next(rank: int, world: int, hint: bool):
-    return [_run("glm5_next", world, 1), _run("glm5_next", world, 4, capture_dynamic=True) if hint else None]
+def _glm5_next(rank: int, world: int):
+    return [_run("glm5_next", world, 1), _run("glm5_next", world, 4, capture_dynamic=True)]
 
 
 def _striped(entry: dict, c: int) -> bool:
@@ -86,9 +86,9 @@ def test_mistral_large4_shared_cache_and_nope_layers_c2():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not env.full_tests(), reason="DCP_TEST_FULL=1 (its graph breaks make ~30 graphs a rank)")
 def test_glm5_next_graph_break_reason_then_rewritten_c2():
-    hint = env.full_tests()  # the run with Dynamo's hint followed: DCP_TEST_FULL=1 (it compiles again)
-    for rank, (cut, whole) in enumerate(run_ranks(_glm5_next, 2, hint)):
+    for rank, (cut, whole) in enumerate(run_ranks(_glm5_next, 2)):
         assert cut["tokens_equal"] and cut["logits_err"] < 1e-5, cut
         assert not any(cut["rewritten"]), cut
         said = [why for why in cut["reasons"] if why.startswith("the cache written here is read after a graph break")]
@@ -96,8 +96,6 @@ def test_glm5_next_graph_break_reason_then_rewritten_c2():
         assert "pool_keys[:, keep]" in said[0] and "capture_dynamic_output_shape_ops = True" in said[0], said[0]
         assert cut["warnings"] == ([cut["warnings"][0]] if rank == 0 else []), cut["warnings"]  # rank 0, once
         assert rank or said[0] in cut["warnings"][0], cut["warnings"]
-        if whole is None:
-            continue
         # the hint followed: one graph a step, the MLA layer rewritten, its latent cache striped
         assert whole["tokens_equal"] and whole["logits_err"] < 1e-5, whole
         assert whole["graphs"] == 2 and whole["rewritten"] == [1, 1] and not whole["warnings"], whole
