@@ -131,8 +131,11 @@ def check_fold_is_at_least_as_exact_as_dequant():
         for read in ("fold", "fold_once"):
             with env.overridden("DCP_FP8_READ", read):
                 fold_out, fold_lse = _errors(call, kernel)
-            assert fold_out <= deq_out * 1.05 and fold_lse <= deq_lse, (kernel, read, fold_out, deq_out, fold_lse,
-                                                                        deq_lse)
+            # the outputs of both reads are stored in fp16: below its rounding (2^-11 of the largest
+            # output) the two errors are the output's rounding, not the read's, and either may be
+            # the larger on a given draw (fresh data each run); the LSE, kept in fp32, tells them apart
+            assert fold_out <= max(deq_out * 1.05, 2.0 ** -11) and fold_lse <= deq_lse, (
+                kernel, read, fold_out, deq_out, fold_lse, deq_lse)
             assert fold_lse < 1e-4, (kernel, read, fold_lse)
 
 
