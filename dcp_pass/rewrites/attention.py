@@ -159,25 +159,26 @@ def masks_to_add(match: MlaMatch) -> list[MaskTerm]:
     return list(match.masks) if match.causal else causal_masks.causal_splits(match.masks)[1]
 
 
+def _in_score_order(graph: fx.Graph, match: MlaMatch, mask: MaskTerm, node: fx.Node,
+                    name: Optional[str] = None) -> fx.Node:
+    """`node` (a mask term's tensor, or a function of it) with the scores' missing leading axes
+    added and its axes ordered [B, S, H, T]."""
+    missing = len(match.score_roles) - len(mask.roles)
+    if missing:
+        node = call(graph, operator.getitem, node, (None,) * missing + (Ellipsis,))
+    return to_canonical(graph, node, match.score_roles, CANON_SCORES, name=name)
+
+
 def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None) -> Optional[fx.Node]:
     """Sum of the score masks as one additive fp32 tensor in [B, S, H, T] order (global
     key positions: the op keeps this rank's columns); one boolean keep mask alone goes as it
     is, in that order (the op reads it in place: as fp32 it would be 4x its size)."""
     masks = masks_to_add(match)
     if match.mask_builder is None and len(masks) == 1 and masks[0].kind == "keep" and masks[0].multiplier == 1.0:
-        mask = masks[0]
-        value = axes.example_value(mask.node)
+        value = axes.example_value(masks[0].node)
         if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
-            node = mask.node
-            missing = len(match.score_roles) - len(mask.roles)
-            if missing:
-                node = call(graph, operator.getitem, node, (None,) * missing + (Ellipsis,))
-            return to_canonical(graph, node, match.score_roles, CANON_SCORES, name="mask_keep")
-    total = None
-    if match.mask_builder is not None:
-        built = match.mask_builder(graph, q_lat)
-        if built is not None:
-            total = built if total is None else call(graph, operator.add, total, built)
+            return _in_score_order(graph, match, masks[0], masks[0].node, name="mask_keep")
+    total = match.mask_builder(graph, q_lat) if match.mask_builder is not None else None
     for mask in masks:
         node = mask.node
         if mask.kind == "bool":
@@ -186,11 +187,7 @@ def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None
             node = call(graph, torch.where, node, 0.0, float("-inf"))
         if mask.multiplier != 1.0:
             node = call(graph, operator.mul, node, mask.multiplier)
-        missing = len(match.score_roles) - len(mask.roles)
-        if missing:
-            node = call(graph, operator.getitem, node, (None,) * missing + (Ellipsis,))
-        node = to_canonical(graph, node, match.score_roles, CANON_SCORES)
-        node = method(graph, "float", node, name="mask_f32")
+        node = method(graph, "float", _in_score_order(graph, match, mask, node), name="mask_f32")
         total = node if total is None else call(graph, operator.add, total, node)
     return total
 
