@@ -97,12 +97,37 @@ def _profile(model, prompts, args, label, rank):
             f.write(f"us of {what} time per step | calls per step | name\n")
             for k, (us, n) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:25]:
                 f.write(f"{us:10.1f} | {n:6.1f} | {k[:150]}\n")
+    _host_profile(model, prompts, args, tag)
     torch.cuda.memory._record_memory_history(max_entries=200000)
     _generate(model, prompts, 2)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     with open(os.path.join(args.profile_dir, f"prefill_peak_blocks_{tag}.txt"), "w") as f:
         f.write(_blocks_at_peak(snapshot))
+
+
+def _host_profile(model, prompts, args, tag):
+    """Host (Python) time per decode step by function: cProfile of a long generate minus a short
+    one, so the prefill and the loop's set-up cancel; the top functions by own and by total time."""
+    import cProfile
+    import pstats
+
+    stats = {}
+    for new in (2, args.steps + 2):
+        prof = cProfile.Profile()
+        prof.enable()
+        _generate(model, prompts, new)
+        torch.cuda.synchronize()
+        prof.disable()
+        stats[new] = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
+    short, long = stats[2], stats[args.steps + 2]
+    with open(os.path.join(args.profile_dir, f"decode_host_{tag}.txt"), "w") as f:
+        for column, what in ((2, "own"), (3, "total")):
+            per_step = {k: ((v[column] - short.get(k, (0, 0, 0, 0))[column]) / args.steps,
+                            (v[1] - short.get(k, (0, 0, 0, 0))[1]) / args.steps) for k, v in long.items()}
+            f.write(f"us of host {what} time per step | calls per step | function\n")
+            for (file, line, name), (s, n) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:40]:
+                f.write(f"{1e6 * s:10.1f} | {n:6.1f} | {'/'.join(file.split('/')[-2:])}:{line} {name}\n")
 
 
 def _blocks_at_peak(snapshot) -> str:

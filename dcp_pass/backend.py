@@ -102,20 +102,19 @@ def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpO
     allocated them: rewrites/allocation.py), new addresses each time."""
     patches = inner_config_patches(opts, _device_of(example_inputs), mode, host_counts)
     if patches.get("triton.cudagraphs") and opts.cudagraphs == "auto" and "triton.cudagraphs" not in opts.inner_options:
-        if allocates:
-            # as for the state below: the graph that creates a cache runs once per generation
-            log.info("dcp_pass: a graph allocates cache stripes: compiled without CUDA graphs")
-            patches["triton.cudagraphs"] = False
-            return _compile_with(gm, example_inputs, opts, patches)
+        # Both kinds of graph run once per generation. CUDA graphs allocate a graph's outputs
+        # in their private pool and reuse that memory at the next replay; state the model
+        # keeps (a lazily allocated cache, as a Hugging Face StaticCache is in the prefill,
+        # and its step counter) would be overwritten there.
         state = fx_util.state_built_in_graph(gm.graph)
-        if state:
-            # CUDA graphs allocate a graph's outputs in their private pool and reuse that
-            # memory at the next replay; state the model keeps (a lazily allocated cache,
-            # as a Hugging Face StaticCache is in the prefill) would be overwritten there.
-            log.info("dcp_pass: a graph builds state it returns (%s): compiled without CUDA graphs",
-                     ", ".join(state[:4]))
+        if allocates or state:
+            log.info("dcp_pass: a graph %s: compiled without CUDA graphs", "allocates cache stripes" if allocates
+                     else f"builds state it returns ({', '.join(state[:4])})")
             patches["triton.cudagraphs"] = False
-            return _marking_static(_compile_with(gm, example_inputs, opts, patches), _output_indices(gm, state))
+            compiled = _compile_with(gm, example_inputs, opts, patches)
+            # the state it returns is marked as the model marks it when made eagerly, or the
+            # decode graphs that update it (a step counter) run without their CUDA graphs
+            return _marking_static(compiled, _output_indices(gm, state)) if state else compiled
     return _compile_with(gm, example_inputs, opts, patches)
 
 

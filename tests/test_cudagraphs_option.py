@@ -176,3 +176,29 @@ def test_state_built_in_graph():
 
     graph = fx.symbolic_trace(lazy).graph
     assert state_built_in_graph(graph) == ["new_zeros", "to"]
+
+
+def test_prefill_that_allocates_stripes_marks_the_cache_counter_static(monkeypatch):
+    """Hugging Face's StaticCache (transformers >= 5.25) keeps a device step counter,
+    `cumulative_length`, made in the prefill and advanced in place by every decode step; the
+    model marks it static only when its prefill runs eagerly. The pass compiles the prefill
+    (it allocates the cache's stripes there), so it marks the counter itself: without that,
+    CUDA graph trees run every decode step eagerly (a decode graph that mutates an input
+    which is neither a parameter nor static is not captured)."""
+    import torch._dynamo
+    from hf_tiny import tiny_model
+    from transformers import StaticCache
+
+    _stub_inductor(monkeypatch, "cuda")
+    torch._dynamo.reset()
+    model = tiny_model("llama_gqa")
+    cache = StaticCache(config=model.config, max_cache_len=12)
+    if not hasattr(cache.layers[0], "cumulative_length"):
+        pytest.skip("this transformers' StaticCache keeps no device step counter")
+    fn = torch.compile(model, backend="dcp", options={"inner": "inductor", "dcp_size": 1, "fast_path": True})
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fn(input_ids=ids, past_key_values=cache, use_cache=True)
+    counters = [layer.cumulative_length for layer in cache.layers]
+    assert all(getattr(c, "_dynamo_static_input_type", None) == "unguarded" for c in counters), counters
+    torch._dynamo.reset()
