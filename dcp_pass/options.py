@@ -24,19 +24,6 @@ AUTO = "auto"
 AUTOMATIC = ("comm_backend", "replicate_q_proj", "lse_base", "static_positions", "complex_as_real",
              "project_before_merge", "kv_cache_dtype", "absorb_kv_b_proj")
 
-# Other spellings users reach for; each maps to one canonical key.
-ALIASES = {
-    "decode_context_parallel_size": "dcp_size",
-    "dcp": "dcp_size",
-    "tensor_parallel_size": "tp_size",
-    "tp": "tp_size",
-    "attention_data_parallel_size": "attn_dp_size",
-    "dp_attention_size": "attn_dp_size",
-    "dcp_comm_backend": "comm_backend",
-    "cuda_graphs": "cudagraphs",
-}
-
-
 class DcpOptionError(ValueError):
     """An option of the dcp backend is unknown, of the wrong type, or out of range."""
 
@@ -146,31 +133,21 @@ class DcpOptions:
 def _canonical_keys(options: Mapping[str, Any]) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(DcpOptions)}
     out: dict[str, Any] = {}
-    given_as: dict[str, str] = {}
     for key, value in options.items():
         if not isinstance(key, str):
             raise DcpOptionError(f"dcp option keys must be strings, got {key!r}")
-        name = ALIASES.get(key, key)
-        if name not in known:
-            valid = ", ".join(sorted(known | set(ALIASES)))
-            raise DcpOptionError(f"unknown dcp option {key!r}; valid options: {valid}")
-        value = _normalize(name, value)
-        if name in out and out[name] != value:
-            raise DcpOptionError(
-                f"options {given_as[name]!r}={out[name]!r} and {key!r}={value!r} disagree; "
-                f"they are the same setting, give one of them"
-            )
-        out[name] = value
-        given_as[name] = key
+        if key not in known:
+            raise DcpOptionError(f"unknown dcp option {key!r}; valid options: {', '.join(sorted(known))}")
+        out[key] = _normalize(key, value)
     return out
 
 
 def _normalize(name: str, value: Any) -> Any:
     if name in AUTOMATIC and isinstance(value, str) and value == AUTO:
         return None
-    # lse_base accepts the number 2 and a few spellings, stored as "e" / "2".
+    # lse_base accepts the number 2 as well as "2", stored as "e" / "2".
     if name == "lse_base" and value is not None:
-        spelled = {"e": "e", "2": "2", 2: "2", "base2": "2", "base_e": "e", "base-2": "2"}
+        spelled = {"e": "e", "2": "2", 2: "2"}
         if isinstance(value, bool) or value not in spelled:
             raise DcpOptionError(f"option 'lse_base' must be 'e', 2 or 'auto' (the attention kernel's), got {value!r}")
         return spelled[value]

@@ -26,7 +26,6 @@ def test_cudagraphs_option_validation():
     assert DcpOptions.from_mapping({}).cudagraphs == "auto"
     for value in ("auto", True, False):
         assert DcpOptions.from_mapping({"cudagraphs": value}).cudagraphs == value
-    assert DcpOptions.from_mapping({"cuda_graphs": False}).cudagraphs is False  # alias
     for bad in ("yes", 1, 0, None, "on"):
         with pytest.raises(DcpOptionError, match="'cudagraphs'"):
             DcpOptions.from_mapping({"cudagraphs": bad})
@@ -35,8 +34,6 @@ def test_cudagraphs_option_validation():
     DcpOptions.from_mapping({"cudagraphs": False, "inner": "eager"})  # off is fine anywhere
     with pytest.raises(DcpOptionError, match="disagree"):
         DcpOptions.from_mapping({"cudagraphs": True, "inner_options": {"triton.cudagraphs": False}})
-    with pytest.raises(DcpOptionError, match="disagree"):
-        DcpOptions.from_mapping({"cudagraphs": False, "cuda_graphs": True})
 
 
 def test_inner_config_patches():
@@ -85,7 +82,7 @@ def _stub_inductor(monkeypatch, device):
 @pytest.mark.parametrize("device,options,want", [
     ("cuda", {}, {"triton.cudagraphs": True}),
     ("cuda", {"cudagraphs": False}, {"triton.cudagraphs": False}),
-    ("cuda", {"cuda_graphs": True, "inner_options": {"max_autotune": True}},
+    ("cuda", {"cudagraphs": True, "inner_options": {"max_autotune": True}},
      {"triton.cudagraphs": True, "max_autotune": True}),
     ("cpu", {}, None),
     ("cpu", {"cudagraphs": "auto"}, None),

@@ -5,11 +5,10 @@ from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.topology import DcpTopologyError, all_dcp_groups, plan_topology
 
 
-def test_defaults_and_alias():
+def test_defaults_and_values():
     assert DcpOptions.from_mapping(None).dcp_size == 1
-    opts = DcpOptions.from_mapping({"decode_context_parallel_size": 4, "lse_base": 2, "inner": "eager"})
+    opts = DcpOptions.from_mapping({"dcp_size": 4, "lse_base": 2, "inner": "eager"})
     assert (opts.dcp_size, opts.lse_base, opts.inner) == (4, "2", "eager")
-    assert DcpOptions.from_mapping({"dcp_size": 2, "decode_context_parallel_size": 2}).dcp_size == 2
 
 
 @pytest.mark.parametrize("options, key", [
@@ -43,10 +42,6 @@ def test_auto_means_the_default(key):
         assert DcpOptions.from_mapping({key: None}) == default
 
 
-def test_auto_agrees_with_none_under_an_alias():
-    assert DcpOptions.from_mapping({"comm_backend": "auto", "dcp_comm_backend": None}) == DcpOptions()
-
-
 @pytest.mark.parametrize("key, bad", [
     ("comm_backend", "nccl"), ("replicate_q_proj", "yes"), ("static_positions", 1), ("complex_as_real", "on"),
     ("lse_base", 10), ("attn_backend", "cuda"), ("cudagraphs", "on"),
@@ -57,9 +52,17 @@ def test_bad_automatic_option_names_key_and_auto(key, bad):
     assert repr(bad) in str(caught.value)
 
 
-def test_alias_conflict_is_an_error():
-    with pytest.raises(DcpOptionError, match="decode_context_parallel_size"):
-        DcpOptions.from_mapping({"dcp_size": 2, "decode_context_parallel_size": 4})
+@pytest.mark.parametrize("key", ["decode_context_parallel_size", "dcp", "tp", "cuda_graphs", "dcp_comm_backend"])
+def test_other_spellings_are_unknown(key):
+    # one name per option: another engine's spelling is refused like any typo, naming the valid keys
+    with pytest.raises(DcpOptionError, match=rf"unknown dcp option '{key}'.*dcp_size"):
+        DcpOptions.from_mapping({key: 2})
+
+
+@pytest.mark.parametrize("spelling", ["base2", "base_e", "base-2"])
+def test_lse_base_takes_e_or_2(spelling):
+    with pytest.raises(DcpOptionError, match="'lse_base'"):
+        DcpOptions.from_mapping({"lse_base": spelling})
 
 
 def test_spec_example_tp64_dp4():
