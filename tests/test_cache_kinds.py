@@ -8,7 +8,7 @@ import pkgutil
 import pytest
 
 from dcp_pass.rewrites import cache_kinds
-from dcp_pass.rewrites.cache_reads import CacheKind, cache_kind
+from dcp_pass.rewrites.cache_reads import CacheKind
 from dcp_pass.rewrites.cache_reads import cache_kinds as table_read
 from dcp_pass.state import shards
 from dcp_pass.state.store import ShardKind
@@ -25,21 +25,32 @@ def test_each_kind_module_defines_one_record_and_the_table_holds_them_all():
     assert modules == ["flat", "paged", "static_cache"]
     assert set(cache_kinds.CACHE_KINDS) == set(defined) and len(cache_kinds.CACHE_KINDS) == len(defined)
     assert cache_kinds.CACHE_KINDS[0].name == "flat"  # a module buffer's own forms are tried first
-    assert table_read() == cache_kinds.CACHE_KINDS  # what the tracer and the rewrites read
+    assert table_read() is cache_kinds.CACHE_KINDS  # what the tracer and the rewrites read
 
 
 def test_records_are_frozen_and_name_their_run_time_half():
     for kind in cache_kinds.CACHE_KINDS:
-        assert cache_kind(kind.name) is kind
         assert isinstance(kind.shards, ShardKind) and kind.shards.name == kind.name
         with pytest.raises(dataclasses.FrozenInstanceError):
             kind.words = "changed"  # type: ignore[misc]
     assert {k.shards for k in cache_kinds.CACHE_KINDS} == {shards.FLAT, shards.PAGED, shards.STATIC_CACHE}
 
 
-def test_an_unknown_kind_is_an_error_not_flat():
-    with pytest.raises(KeyError, match="no cache kind 'ring'.*flat, paged, static_cache"):
-        cache_kind("ring")
+def test_records_are_passed_not_looked_up_by_name():
+    """Reads, writes and conversions hold the records themselves: no code outside the records'
+    own definitions names a kind by its string."""
+    assert cache_kinds.PAGED.write_conversions[0][0] is cache_kinds.FLAT
+    root = os.path.dirname(os.path.dirname(os.path.dirname(cache_kinds.__file__)))
+    own = (os.path.dirname(cache_kinds.__file__), shards.__file__)  # the records' compile- and run-time halves
+    for dirpath, _, names in os.walk(root):
+        if dirpath.startswith(own[0]) or "models" in dirpath.split(os.sep):
+            continue  # the model zoo's "paged" is a form of attention, not a kind
+        for name in names:
+            path = os.path.join(dirpath, name)
+            if name.endswith(".py") and path != own[1]:
+                text = open(path).read()
+                for quoted in ('"flat"', '"paged"', '"static_cache"', "CACHE_KINDS["):
+                    assert quoted not in text, (path, quoted)
 
 
 def test_what_each_kind_allows_at_run_time():

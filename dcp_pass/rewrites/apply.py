@@ -35,7 +35,7 @@ from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
 from dcp_pass.rewrites import allocation, axes, complex_product, fx_util, project_merge, q_replicate
 from dcp_pass.rewrites.attention import AttentionPlan, MergedOutput, rewrite_attention
 from dcp_pass.rewrites.axes import B, H, S
-from dcp_pass.rewrites.cache_reads import cache_kind, module_path, position_axis
+from dcp_pass.rewrites.cache_reads import module_path, position_axis
 from dcp_pass.rewrites.fp8_cache import Fp8Refused, fp8_layout_of, fp8_packed_write
 from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla, where_of
 from dcp_pass.state import shards
@@ -246,7 +246,7 @@ class StripedWrites(GraphPass):
         reads = {read.buffer: read for m in state.found.matches
                  for read in [t.cache for t in m.terms] + [m.value_cache]}
         for read in reads.values():
-            check = cache_kind(read.kind).stripe_check
+            check = read.kind.stripe_check
             why = check(read, plan.c) if check is not None else None
             if why is not None:
                 if is_released(state.values[read.buffer.name]):
@@ -259,7 +259,7 @@ class StripedWrites(GraphPass):
         allocated = {p: i for i, p in enumerate(state.allocated)}
         for index, buf in enumerate(sorted(state.buffers, key=lambda n: (allocated.get(n, -1), n.name))):
             # how the attention reads it, else (a striped cache only written here) how it is written
-            kind = cache_kind(reads[buf].kind if buf in reads else state.found.writes[buf][0].kind).shards
+            kind = (reads[buf].kind if buf in reads else state.found.writes[buf][0].kind).shards
             if buf in state.allocated:  # an example shard: the backend makes each call's
                 entry = _allocated_cache(state, buf, kind).shard()
             else:
@@ -329,7 +329,7 @@ class AttentionRewrite(GraphPass):
                 _striped_already(match, miss)
             kind = "decode" if _is_decode(match) else "multi-token"
             window = ", sliding window" if match.value_cache.windowed else ""
-            window += cache_kind(match.value_cache.kind).layer_note
+            window += match.value_cache.kind.layer_note
             kv_format = state.local_nodes[match.value_cache.buffer].meta.get("dcp_kv_format", "")
             window += f", kv cache {kv_format}" if kv_format else ""
             layer = LayerReport(

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from dcp_pass.rewrites import axes, causal_masks
 from dcp_pass.rewrites.axes import B, F, H, S, T
-from dcp_pass.rewrites.cache_reads import CacheRead, cache_kind
+from dcp_pass.rewrites.cache_reads import CacheRead
 from dcp_pass.rewrites.fx_util import call, erase_dead_region, method
 from dcp_pass.rewrites.match import MaskTerm, MlaMatch, NearMiss, ScoreTerm
 from dcp_pass.runtime.decode import comm
@@ -107,7 +107,7 @@ def layer_backend(match: MlaMatch, plan: AttentionPlan) -> str:
 def local_slice(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str, c: int = 1) -> fx.Node:
     """This rank's rows of a read from its shard `local`, as [batch, position, feature] (the
     read's cache kind says how)."""
-    kind = cache_kind(access.kind)
+    kind = access.kind
     if kind.local_read is None:
         raise NearMiss(f"a cache of kind {kind.name} ({kind.words}) is read only by its own recogniser's rewrite")
     return kind.local_read(graph, local, access, name, c)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -66,8 +66,9 @@ def module_path(source: Optional[str]) -> str:
 @dataclass(frozen=True)
 class CacheKind:
     """One kind of cache: how its tensors are found, read, written and striped. One record per
-    kind, each in its own module of rewrites/cache_kinds/, registered in that package's table
-    (`cache_kinds()`); the name is what CacheRead.kind and CacheAccess.kind say."""
+    kind, each in its own module of rewrites/cache_kinds/, listed in that package's table
+    (`cache_kinds()`); every read (CacheRead.kind) and write (CacheAccess.kind) holds its record.
+    Records are compared by identity: the name is for messages and tests."""
 
     name: str
     words: str  # the kind in a user's terms, for messages
@@ -86,45 +87,37 @@ class CacheKind:
     write_form: Optional[Callable[[fx.Node], Optional["CacheAccess"]]] = None
     # (the kind a write was matched as, how it reads as a write of this kind, or None where it
     # means something else here)
-    write_conversions: tuple[tuple[str, Callable[["CacheAccess"], Optional["CacheAccess"]]], ...] = ()
+    write_conversions: tuple[tuple["CacheKind", Callable[["CacheAccess"], Optional["CacheAccess"]]], ...] = ()
     # (a read of this kind, c) -> why it cannot be striped over c ranks, or None
     stripe_check: Optional[Callable[["CacheRead", int], Optional[str]]] = None
     layer_note: str = ""  # added to the report's line of a layer that reads it
 
 
-# The table of rewrites/cache_kinds/, handed over whole when that package loads (its kinds
-# build on this module, so this module cannot import them); match.py imports it.
-_CACHE_KINDS: list[CacheKind] = []
-
-
-def use_cache_kinds(kinds: tuple[CacheKind, ...]) -> None:
-    """Called once by rewrites/cache_kinds/: every cache kind, in the order they are tried."""
-    _CACHE_KINDS[:] = kinds
-
-
 def cache_kinds() -> tuple[CacheKind, ...]:
-    """Every cache kind, in the order their layouts and forms are tried (rewrites/cache_kinds/)."""
-    if not _CACHE_KINDS:
-        raise RuntimeError("dcp_pass.rewrites.cache_kinds is not imported: the cache kinds are unknown")
-    return tuple(_CACHE_KINDS)
+    """Every cache kind, in the order their layouts and forms are tried: rewrites/cache_kinds/'s
+    table (imported here when first read: the kinds build on this module)."""
+    from dcp_pass.rewrites.cache_kinds import CACHE_KINDS
+
+    return CACHE_KINDS
 
 
-def cache_kind(name: str) -> CacheKind:
-    """The kind called `name` (CacheRead.kind, CacheAccess.kind)."""
+def tensor_kind(node: Any) -> Optional[tuple[CacheKind, tuple[Optional[str], ...]]]:
+    """The kind whose layout knows the cache tensor placeholder `node` (the first that does) and
+    the axis roles it gives, or None when `node` is not one."""
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return None
     for kind in cache_kinds():
-        if kind.name == name:
-            return kind
-    raise KeyError(f"no cache kind {name!r} in rewrites/cache_kinds/ (the kinds: "
-                   f"{', '.join(k.name for k in cache_kinds())})")
+        layout = kind.layout(node) if kind.layout else None
+        if layout is not None:
+            return kind, layout
+    return None
 
 
 def cache_layout(node: Any) -> Optional[tuple[Optional[str], ...]]:
     """Axis roles of a cache tensor placeholder (as the first kind that knows it says), or None
     when `node` is not one."""
-    if not isinstance(node, fx.Node) or node.op != "placeholder":
-        return None
-    return next((lay for lay in (kind.layout(node) for kind in cache_kinds() if kind.layout) if lay is not None),
-                None)
+    found = tensor_kind(node)
+    return found[1] if found is not None else None
 
 
 def module_buffer_layout(node: fx.Node) -> Optional[tuple[Optional[str], ...]]:
@@ -186,11 +179,9 @@ class CacheRead:
     pages: Optional[fx.Node] = None  # a paged pool's block table (rows: requests, columns: pages)
     page_size: Optional[int] = None
     row0: SizeArg = 0  # the first batch row read
-
-    @property
-    def kind(self) -> str:
-        """The cache layout: "flat" (rows by position) or "paged" (a pool read through a block table)."""
-        return "paged" if self.pages is not None else "flat"
+    # how the read starts: the kind whose read base it starts at (a paged pool's gather), else
+    # the kind whose layout knows the cache tensor
+    kind: Optional[CacheKind] = None
 
     @property
     def width(self) -> int:
@@ -230,10 +221,11 @@ class _Piece:
     pages: Optional[fx.Node] = None
     page_size: Optional[int] = None
     merges: dict[tuple[int, int], int] = None  # (source a, source b) -> the source of the two axes merged
+    kind: Optional[CacheKind] = None  # the kind that makes the read's base (CacheRead.kind)
 
     def __post_init__(self):
         if not self.layout:
-            self.layout = cache_layout(self.buffer)
+            self.kind, self.layout = tensor_kind(self.buffer)
             self.shape = tuple(axes.shape_of(self.buffer))
         self.merges = self.merges or {}
 
@@ -498,9 +490,12 @@ def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
             raise ReadRefused("too many views between the cache tensor and the attention")
         if not isinstance(current, fx.Node):
             raise ReadRefused("a constant where a cache read was expected")
-        based = [p for p in (kind.read_base(current) for kind in cache_kinds() if kind.read_base) if p is not None]
-        if based:
-            pieces = based[:1]
+        based = next(((kind, p) for kind, p in ((k, k.read_base(current)) for k in cache_kinds() if k.read_base)
+                      if p is not None), None)
+        if based is not None:
+            kind, piece = based
+            piece.kind = kind
+            pieces = [piece]
             break
         cat = _cat_inputs(current)
         if cat is not None:
@@ -601,7 +596,11 @@ def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
     feat = None if (f0, f1) == (0, width) else (f0, f1)
     bsz = shape[b_axis] if b1 is None else b1
     end = shape[t_axis] if t1 is None else t1
-    return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols, piece.pages, piece.page_size, b0)
+    if piece.kind.local_read is None:  # e.g. a static cache, whose own attention forms read it whole
+        raise ReadRefused(f"{buffer_name(piece.buffer)} is {piece.kind.words}, read whole by its own attention "
+                          f"forms, not through views")
+    return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols, piece.pages, piece.page_size, b0,
+                     piece.kind)
 
 
 _ROLE_WORDS = {B: "batch", T: "position", F: "feature"}
@@ -665,20 +664,23 @@ class CacheAccess:
     positions: Optional[fx.Node] = None  # a LongTensor of positions, for `buffer[:b, pos] = v`
     rows: Optional[fx.Node] = None  # a LongTensor of batch rows, one per position
     row0: SizeArg = 0  # the first batch row written (a slice `buffer[row0:bsz]`)
-
-    kind: ClassVar[str] = "flat"  # the cache layout this write assumes (CacheRead.kind)
+    # the kind whose write form matched it (set by `cache_writes`), or that it was converted to
+    kind: Optional[CacheKind] = None
 
     def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
         """Replace this write by a striped write into the shard `local` (:func:`rewrite_write`)."""
         return rewrite_write(graph, self, local, entry)
 
-    def as_kind(self, kind: str) -> Optional["CacheAccess"]:
-        """This write read as a write into a cache of layout `kind` (how the attention reads it),
+    def as_kind(self, kind: CacheKind) -> Optional["CacheAccess"]:
+        """This write read as a write into a cache of kind `kind` (how the attention reads it),
         or None when it means something else there."""
-        if kind == self.kind:
+        if kind is self.kind:
             return self
-        convert = dict(cache_kind(kind).write_conversions).get(self.kind)
-        return convert(self) if convert is not None else None
+        convert = next((to for source, to in kind.write_conversions if source is self.kind), None)
+        converted = convert(self) if convert is not None else None
+        if converted is not None:
+            converted.kind = kind
+        return converted
 
     def describe(self) -> str:
         """The write's form, in the user's terms."""
@@ -776,11 +778,13 @@ def _index_vector(index: Any) -> bool:
 
 def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
     """Every write of a cache tensor in `graph`, by cache tensor (the first kind whose form matches)."""
-    forms = [kind.write_form for kind in cache_kinds() if kind.write_form]
+    kinds = [kind for kind in cache_kinds() if kind.write_form]
     writes: dict[fx.Node, list[CacheAccess]] = {}
     for node in graph.nodes:
-        access = next((a for a in (form(node) for form in forms) if a is not None), None)
-        if access is not None:
+        found = next(((k, a) for k, a in ((k, k.write_form(node)) for k in kinds) if a is not None), None)
+        if found is not None:
+            kind, access = found
+            access.kind = kind
             writes.setdefault(access.buffer, []).append(access)
     return writes
 

@@ -9,7 +9,7 @@ import dataclasses
 import torch.fx as fx
 
 from dcp_pass.rewrites import fx_util
-from dcp_pass.rewrites.cache_reads import CacheAccess, cache_kind
+from dcp_pass.rewrites.cache_reads import CacheAccess
 from dcp_pass.runtime.decode import kv_format as fp8
 
 
@@ -24,7 +24,7 @@ def fp8_layout_of(match, values: dict) -> "fp8.Fp8Layout":
     from dcp_pass.rewrites.attention import ordered_terms
 
     read = match.value_cache
-    kind = cache_kind(read.kind)
+    kind = read.kind
     if not kind.shards.takes_fp8_rows:
         raise Fp8Refused(f"its cache is {kind.words}; kv_cache_dtype fp8 takes caches with rows by position")
     buffer = values[read.buffer.name]

@@ -26,7 +26,6 @@ import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes
-from dcp_pass.rewrites import cache_kinds as _cache_kinds  # noqa: F401  (the kinds' table: cache_reads reads it)
 from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the record's vocabulary)
     BUFFER_SOURCE,
     GROWING_CACHE,
@@ -36,7 +35,6 @@ from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the rec
     as_cache_write,
     buffer_name,
     buffer_source,
-    cache_kind,
     cache_layout,
     cache_writes,
     growing_cache,
@@ -365,8 +363,8 @@ def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[Ca
             as_read = write.as_kind(kind)
             if as_read is None:
                 raise NearMiss(
-                    f"{buffer_name(buffer)} is written as {cache_kind(write.kind).words} "
-                    f"({write.describe()}) but read as {cache_kind(kind).words}: the write and the read "
+                    f"{buffer_name(buffer)} is written as {write.kind.words} "
+                    f"({write.describe()}) but read as {kind.words}: the write and the read "
                     f"disagree about the cache's layout; write and read it the same way", write.node)
             converted.append(as_read)
         found[buffer] = converted

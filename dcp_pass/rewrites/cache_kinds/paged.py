@@ -19,13 +19,14 @@ matched by whichever recogniser sees it (softmax, SDPA).
 from __future__ import annotations
 
 import operator
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
 from dcp_pass.rewrites import axes, cache_reads
 from dcp_pass.rewrites.axes import B, F, T
+from dcp_pass.rewrites.cache_kinds import flat
 from dcp_pass.rewrites.cache_reads import CacheAccess, CacheKind, _Axis, _Piece, cache_layout
 from dcp_pass.rewrites.fx_util import call, method, replace_node, set_example_value
 from dcp_pass.runtime.decode import layout
@@ -68,7 +69,6 @@ class PagedWrite(CacheAccess):
     `pool[pages, offsets] = value` (`page_offset`: the two index tensors)."""
 
     page_offset: Optional[tuple[fx.Node, fx.Node]] = None
-    kind: ClassVar[str] = "paged"
 
     def describe(self) -> str:
         if self.page_offset is not None:
@@ -151,5 +151,5 @@ def check_paged(read: cache_reads.CacheRead, c: int) -> Optional[str]:
 PAGED = CacheKind(
     "paged", "a paged pool read through a block table", shards.PAGED, local_pages,
     read_base=paged_base, write_form=paged_write,
-    write_conversions=(("flat", pages_and_offsets),),  # `cache[a, b] = v`: (page, offset) here
+    write_conversions=((flat.FLAT, pages_and_offsets),),  # `cache[a, b] = v`: (page, offset) here
     stripe_check=check_paged, layer_note=", paged pool")

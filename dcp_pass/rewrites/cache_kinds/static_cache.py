@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch.fx as fx
 
@@ -23,7 +23,6 @@ from dcp_pass.rewrites.fx_util import replace_node
 from dcp_pass.runtime.decode import layout
 from dcp_pass.state import shards
 
-KIND = "static_cache"  # the name CacheRead.kind and CacheAccess.kind give these caches
 POSITION_AXIS = shards.STATIC_CACHE_POSITION_AXIS  # [batch, kv heads, position, feature]
 
 # A Hugging Face static cache layer's tensors, as Dynamo names graph inputs reached through it
@@ -46,26 +45,16 @@ def is_static_cache(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "placeholder" and static_cache_layout(node) is not None
 
 
-@dataclass
-class StaticCacheRead(CacheRead):
+def whole_read(buffer: fx.Node, operand: fx.Node) -> CacheRead:
     """A whole static cache tensor read by the attention (every position; the mask hides the
     unwritten ones)."""
-
-    @property
-    def kind(self) -> str:
-        return KIND
-
-
-def whole_read(buffer: fx.Node, operand: fx.Node) -> StaticCacheRead:
     shape = axes.shape_of(buffer)
-    return StaticCacheRead(operand, buffer, shape[0], 0, shape[POSITION_AXIS], None, [B, H, T, F])
+    return CacheRead(operand, buffer, shape[0], 0, shape[POSITION_AXIS], None, [B, H, T, F], kind=STATIC_CACHE)
 
 
 @dataclass
 class IndexCopyWrite(CacheAccess):
     """`cache.index_copy_(2, positions, new)` (or `cache[:, :, positions] = new`)."""
-
-    kind: ClassVar[str] = KIND
 
     def describe(self) -> str:
         return "`index_copy_` along its position axis"
@@ -89,5 +78,5 @@ def index_copy_write(node: fx.Node) -> Optional[IndexCopyWrite]:
     return None
 
 
-STATIC_CACHE = CacheKind(KIND, "a Hugging Face static cache tensor", shards.STATIC_CACHE, None,
+STATIC_CACHE = CacheKind("static_cache", "a Hugging Face static cache tensor", shards.STATIC_CACHE, None,
                          layout=static_cache_layout, write_form=index_copy_write)
