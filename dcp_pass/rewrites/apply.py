@@ -4,11 +4,17 @@
           -> project_before_merge -> verify_buffers -> complex_as_real -> install_shards
           -> device_positions
 
-Each pass is a small class whose `run` does one step and returns what it matched
-(`PassOutcome`); the pipeline records every outcome in the graph's report (name, count,
-notes), and, when asked, hands the graph after each pass to an observer (the graph-diff
-helper `dcp_pass.testing.graph_stages` uses it), the way inductor's post-grad passes
-and vLLM's pass manager run named passes.
+Each pass is a small class whose `run(ctx, plan)` does one step over the graph of a
+`GraphContext` (the graph module, the example inputs, the options, the report) and hands
+the next pass a `GraphPlan`: one `LayerPlan` per matched attention (its match, its cache
+kind, the allocation stand-ins it reads, whether it is kept and why, its caches' shards, its
+query, what its rewrite left) and the graph's cache tensors, writes and shards. A pass
+declares the plan fields it reads and the ones it adds (`run_pass` refuses an undeclared
+one), so any pass runs alone on a graph with a plan made for it. The pipeline records every
+outcome (`PassOutcome`) in the graph's report (name, count, notes), and, when asked, hands
+the graph after each pass to an observer (the graph-diff helper
+`dcp_pass.testing.graph_stages` uses it), the way inductor's post-grad passes and vLLM's
+pass manager run named passes.
 
 The rewrite works on a copy of the graph. A pass that finds the graph cannot take DCP
 (no MLA) stops the rewrite: the original graph is kept and the reason reported. Decisions
@@ -24,9 +30,10 @@ when no graph of the step is symbolic).
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -35,9 +42,9 @@ from dcp_pass.report import GraphReport, LayerReport, PassRecord, log
 from dcp_pass.rewrites import allocation, axes, complex_product, fx_util, project_merge, q_replicate
 from dcp_pass.rewrites.attention import AttentionPlan, MergedOutput, rewrite_attention
 from dcp_pass.rewrites.axes import B, H, S
-from dcp_pass.rewrites.cache_reads import module_path, position_axis
+from dcp_pass.rewrites.cache_reads import CacheAccess, CacheKind, module_path, position_axis
 from dcp_pass.rewrites.fp8_cache import Fp8Refused, fp8_layout_of, fp8_packed_write
-from dcp_pass.rewrites.match import GraphMatches, MlaMatch, NearMiss, buffer_name, find_mla, where_of
+from dcp_pass.rewrites.match import MlaMatch, NearMiss, buffer_name, find_mla, where_of
 from dcp_pass.state import shards
 from dcp_pass.state.memory import unallocated
 from dcp_pass.state.store import LocalCache, ShardKind, is_released
@@ -87,42 +94,29 @@ class PassOutcome:
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass
-class RewrittenLayer:
-    """One attention the attention pass replaced: what the passes after it build on."""
-
-    match: MlaMatch
-    merged: MergedOutput
-    shape: tuple  # the merged output's sizes as [B, S, H, F] (H: the heads this rank ends with)
-    report: LayerReport
+# ----------------------------------------------------------------------------- the plan
 
 
 @dataclass
-class PassState:
-    """What the passes of one graph share."""
+class GraphContext:
+    """What is per graph and not a decision of the passes: the graph module being rewritten
+    (and the original, kept when the rewrite stops), each input's example value, the options
+    and the report. Passes edit `gm`'s graph and write the report; what they decide goes into
+    the plan."""
 
     original: fx.GraphModule
     gm: fx.GraphModule  # the working copy (the original once the rewrite stops)
     values: dict[str, Any]  # placeholder name -> example input
     config: PassConfig
     report: GraphReport
-    example_inputs: Sequence[Any] = ()
-    found: Optional[GraphMatches] = None
-    buffers: set[fx.Node] = field(default_factory=set)
-    entries: dict[fx.Node, LocalCache] = field(default_factory=dict)
-    local_nodes: dict[fx.Node, fx.Node] = field(default_factory=dict)
-    queries: dict[int, tuple[Any, str]] = field(default_factory=dict)  # id(match) -> (override, detail)
-    replicator: Optional[q_replicate.QueryReplicator] = None
-    rewritten: list[RewrittenLayer] = field(default_factory=list)
     stopped: Optional[str] = None  # why the DCP rewrite stopped (the original graph is kept)
-    caches: list[tuple[int, LocalCache]] = field(default_factory=list)  # (input index, shard)
-    position: Any = None
-    # layers left as they are (their caches used outside their attention) -> why, in the user's terms
-    kept_layers: dict[str, str] = field(default_factory=dict)
-    # inputs standing in for cache tensors the graph allocated (rewrites/allocation.py)
-    allocated: dict[fx.Node, allocation.StandIn] = field(default_factory=dict)
-    prefixes: list[allocation.CausalPrefix] = field(default_factory=list)  # causal prefixes over them
-    allocations: list[shards.AllocatedCache] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig,
+           report: GraphReport) -> "GraphContext":
+        """A context over a working copy of `gm`."""
+        return cls(gm, fx_util.copy_dynamo_graph_module(gm), fx_util.placeholder_values(gm, example_inputs),
+                   config, report)
 
     @property
     def graph(self) -> fx.Graph:
@@ -133,13 +127,82 @@ class PassState:
         self.gm = self.original
 
 
+@dataclass(frozen=True)
+class CacheShard:
+    """A cache tensor's shard on this rank: its state.store.LocalCache and the graph input
+    that carries it (whose meta says the shard's row format)."""
+
+    entry: LocalCache
+    node: fx.Node
+
+
+@dataclass(frozen=True)
+class RewrittenLayer:
+    """What the attention pass left where a layer's attention was: what the passes after it build on."""
+
+    merged: MergedOutput
+    shape: tuple  # the merged output's sizes as [B, S, H, F] (H: the heads this rank ends with)
+    report: LayerReport
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One matched attention and what the passes decided for it, each field set by one pass."""
+
+    match: MlaMatch
+    kind: CacheKind  # the kind of the cache its values are read from
+    stand_ins: tuple[allocation.StandIn, ...] = ()  # allocations among the caches it reads
+    kept: Optional[str] = None  # why it stays as it is (in the user's terms); None: it is rewritten
+    cache_shards: Mapping[fx.Node, CacheShard] = field(default_factory=dict)  # striped_writes: its caches'
+    query: Optional[tuple[Any, str]] = None  # query_replication: (the query it reads or None, how)
+    rewritten: Optional[RewrittenLayer] = None  # attention
+
+    @property
+    def layer(self) -> str:
+        return self.match.layer
+
+    @property
+    def local_nodes(self) -> dict[fx.Node, fx.Node]:
+        """Each cache tensor it reads -> the graph input of this rank's shard."""
+        return {buf: shard.node for buf, shard in self.cache_shards.items()}
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What the passes of one graph hand each other: each pass reads some fields and returns
+    the plan with the fields it adds (`GraphPass.reads`, `GraphPass.adds`)."""
+
+    kept_layers: Mapping[str, str] = field(default_factory=dict)  # layers to leave as they are -> why
+    stand_ins: Mapping[fx.Node, allocation.StandIn] = field(default_factory=dict)  # allocated caches
+    prefixes: tuple[allocation.CausalPrefix, ...] = ()  # causal prefixes over the stand-ins
+    layers: tuple[LayerPlan, ...] = ()  # every matched attention, rewritten or kept
+    writes: Mapping[fx.Node, list[CacheAccess]] = field(default_factory=dict)  # cache tensor -> its writes
+    buffers: frozenset[fx.Node] = frozenset()  # the cache tensors striped
+    cache_shards: Mapping[fx.Node, CacheShard] = field(default_factory=dict)  # each striped cache tensor's
+    replicator: Optional[q_replicate.QueryReplicator] = None  # the inputs query replication added
+    caches: tuple[tuple[int, LocalCache], ...] = ()  # (input index, shard) of each installed shard
+    allocations: tuple[shards.AllocatedCache, ...] = ()  # each stand-in's, in input order
+    position: Any = None  # how the backend feeds a step position moved to the device
+
+    @property
+    def rewritten(self) -> tuple[LayerPlan, ...]:
+        return tuple(layer for layer in self.layers if layer.kept is None)
+
+
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(GraphPlan))
+
+
 class GraphPass:
-    """One named step. `rewrite_only`: skipped once the DCP rewrite has stopped."""
+    """One named step: `run(ctx, plan)` returns the plan with the fields named in `adds` set
+    (`reads`: the fields it reads) and the outcome reported. `rewrite_only`: skipped once the
+    DCP rewrite has stopped."""
 
     name = "?"
     rewrite_only = True
+    reads: tuple[str, ...] = ()
+    adds: tuple[str, ...] = ()
 
-    def run(self, state: PassState) -> PassOutcome:
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
         raise NotImplementedError
 
 
@@ -151,26 +214,28 @@ class AllocatedCaches(GraphPass):
     stripe (rewrites/allocation.py); those no rewritten attention reads are put back by `match`."""
 
     name = "allocated_caches"
+    adds = ("stand_ins", "prefixes")
 
-    def run(self, state: PassState) -> PassOutcome:
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
         # at dcp_size=1 too: the stripe is the whole cache, but the prefill then attends over it
         # through the op (a causal cap, a boolean mask read in place), not through SDPA with an
         # [S, T] mask made 16-bit (8 GiB for a 64K-token prefill), and no decode step copies it
-        if state.config.kv_cache_dtype:
-            return PassOutcome(0, ["kv_cache_dtype: allocated caches are striped at their first decode step"])
+        if ctx.config.kv_cache_dtype:
+            return plan, PassOutcome(0, ["kv_cache_dtype: allocated caches are striped at their first decode step"])
         from dcp_pass.rewrites.match import load_recognisers
 
         load_recognisers()  # they register the allocation forms
         symbolic: list[str] = []
-        for stand_in in allocation.stand_in_allocations(state.graph, symbolic):
-            state.allocated[stand_in.placeholder] = stand_in
+        stand_ins: dict[fx.Node, allocation.StandIn] = {}
+        for stand_in in allocation.stand_in_allocations(ctx.graph, symbolic):
+            stand_ins[stand_in.placeholder] = stand_in
             example = fx_util.node_value(stand_in.placeholder)
-            state.values[stand_in.placeholder.name] = unallocated(example.shape, example.stride(),
-                                                                           example.dtype, example.device)
-        state.prefixes = allocation.causal_prefix_over_cache(state.graph, list(state.allocated.values()))
-        notes = [f"{buffer_name(p)} allocated in the graph" for p in state.allocated]
+            ctx.values[stand_in.placeholder.name] = unallocated(example.shape, example.stride(),
+                                                                example.dtype, example.device)
+        prefixes = allocation.causal_prefix_over_cache(ctx.graph, list(stand_ins.values()))
+        notes = [f"{buffer_name(p)} allocated in the graph" for p in stand_ins]
         notes += [f"{p.name}: causal attention over the first positions, as causal attention over the cache"
-                  for p in state.prefixes]
+                  for p in prefixes]
         if symbolic:
             # Dynamo compiled this graph for any cache length (a generate with a longer cache than
             # the one before): the stripe's size would be a run-time value
@@ -178,46 +243,58 @@ class AllocatedCaches(GraphPass):
                     f"size here (each rank keeps its stripe from the first decode step); keep the cache length "
                     f"fixed (generate's max_length, or a StaticCache made once) to allocate stripes only")
             notes.append(note)
-            state.report.notes.append(note)
-        return PassOutcome(len(state.allocated), notes)
+            ctx.report.notes.append(note)
+        plan = replace(plan, stand_ins=stand_ins, prefixes=tuple(prefixes))
+        return plan, PassOutcome(len(stand_ins), notes)
 
 
 GRAPH_BREAK_AFTER_WRITES = "the cache written here is read after a graph break"
 
 
 class FindAttention(GraphPass):
-    """Run every registered recogniser; near misses are reported (or raised when strict)."""
+    """Run every registered recogniser: one LayerPlan per attention found (those of
+    `kept_layers` kept); near misses are reported (or raised when strict). Stand-ins no
+    rewritten attention reads are put back."""
 
     name = "match"
+    reads = ("kept_layers", "stand_ins", "prefixes")
+    adds = ("layers", "writes", "buffers", "stand_ins", "prefixes")
 
-    def run(self, state: PassState) -> PassOutcome:
-        found = find_mla(state.graph)
-        kept = [m for m in found.matches if m.layer in state.kept_layers]
-        found.matches = [m for m in found.matches if m.layer not in state.kept_layers]
-        state.report.layers.extend(LayerReport(m.layer, False, state.kept_layers[m.layer]) for m in kept)
-        state.found = found
-        state.report.near_misses.extend(found.near_misses)
-        state.report.notes.extend(found.notes)  # attention that is not MLA, one line each
-        if state.config.strict and found.near_misses:
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+        found = find_mla(ctx.graph)
+        kept = [m for m in found.matches if m.layer in plan.kept_layers]
+        matches = [m for m in found.matches if m.layer not in plan.kept_layers]
+        ctx.report.layers.extend(LayerReport(m.layer, False, plan.kept_layers[m.layer]) for m in kept)
+        ctx.report.near_misses.extend(found.near_misses)
+        ctx.report.notes.extend(found.notes)  # attention that is not MLA, one line each
+        if ctx.config.strict and found.near_misses:
             where, reason = found.near_misses[0]
             raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
-        state.buffers = {b for m in found.matches for b in m.buffers} | {
-            b for b in found.writes if is_released(state.values[b.name])}
-        written = sorted({buffer_name(b) for b in [*found.writes, *state.allocated]})  # before any is put back
-        dropped = {p for p in state.allocated if p not in state.buffers}  # no rewritten attention reads them
-        for prefix in [p for p in state.prefixes if p.placeholders & dropped]:
-            allocation.undo_prefix(state.graph, prefix)
-            state.prefixes.remove(prefix)
+        buffers = {b for m in matches for b in m.buffers} | {
+            b for b in found.writes if is_released(ctx.values[b.name])}
+        written = sorted({buffer_name(b) for b in [*found.writes, *plan.stand_ins]})  # before any is put back
+        stand_ins = dict(plan.stand_ins)
+        prefixes = list(plan.prefixes)
+        dropped = {p for p in stand_ins if p not in buffers}  # no rewritten attention reads them
+        for prefix in [p for p in prefixes if p.placeholders & dropped]:
+            allocation.undo_prefix(ctx.graph, prefix)
+            prefixes.remove(prefix)
         for placeholder in dropped:
-            allocation.put_back(state.graph, state.allocated.pop(placeholder))
+            allocation.put_back(ctx.graph, stand_ins.pop(placeholder))
             found.writes.pop(placeholder, None)
-        if not state.buffers:
-            _refuse_released(state.graph, state.values, found.near_misses)
+        layers = tuple(
+            LayerPlan(m, m.value_cache.kind, tuple(stand_ins[b] for b in m.buffers if b in stand_ins),
+                      plan.kept_layers.get(m.layer))
+            for m in found.matches)
+        plan = replace(plan, layers=layers, writes=found.writes, buffers=frozenset(buffers), stand_ins=stand_ins,
+                       prefixes=tuple(prefixes))
+        if not buffers:
+            _refuse_released(ctx.graph, ctx.values, found.near_misses)
             reason = "no absorbed-MLA attention in this graph"
             if found.near_misses:  # attention was found: say that none of it could be rewritten
                 count = len(found.near_misses)
                 reason = f"no attention in this graph that the pass can rewrite ({count} near miss(es))"
-            cut = fx_util.graph_break_site(state.original)
+            cut = fx_util.graph_break_site(ctx.original)
             if cut is not None and written:
                 # the layer's attention runs in a later graph (or uncompiled, past Dynamo's
                 # recompile_limit), over keys and values handed across the break, not the cache
@@ -225,122 +302,138 @@ class FindAttention(GraphPass):
                           f"the attention reads keys and values passed across the break, not the cache (in a later "
                           f"graph, or uncompiled once torch._dynamo.config.recompile_limit is reached); remove the "
                           f"graph break (TORCH_LOGS=graph_breaks lists them)")
-                if state.config.strict:
+                if ctx.config.strict:
                     raise DcpRewriteError(f"{reason} (strict=True)")
-            state.stop(reason)
-            state.report.unchanged_reason = reason
-        return PassOutcome(len(found.matches), [f"{m.layer}: {m.family}" for m in found.matches] + found.notes)
+            ctx.stop(reason)
+            ctx.report.unchanged_reason = reason
+        return plan, PassOutcome(len(matches), [f"{m.layer}: {m.family}" for m in matches] + found.notes)
 
 
 class StripedWrites(GraphPass):
-    """Give every matched cache buffer its shard input and stripe the writes into it."""
+    """Give every cache tensor to stripe its shard input and stripe the writes into it."""
 
     name = "striped_writes"
+    reads = ("layers", "writes", "buffers", "stand_ins")
+    adds = ("layers", "cache_shards")
 
-    def run(self, state: PassState) -> PassOutcome:
-        plan = state.config.plan
-        for match in state.found.matches:
-            why = match.check_plan(plan)
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+        attn = ctx.config.plan
+        for layer in plan.rewritten:
+            why = layer.match.check_plan(attn)
             if why is not None:
                 raise DcpRewriteError(why)
-        reads = {read.buffer: read for m in state.found.matches
-                 for read in [t.cache for t in m.terms] + [m.value_cache]}
+        reads = {read.buffer: read for layer in plan.rewritten
+                 for read in [t.cache for t in layer.match.terms] + [layer.match.value_cache]}
         for read in reads.values():
             check = read.kind.stripe_check
-            why = check(read, plan.c) if check is not None else None
+            why = check(read, attn.c) if check is not None else None
             if why is not None:
-                if is_released(state.values[read.buffer.name]):
+                if is_released(ctx.values[read.buffer.name]):
                     raise DcpRewriteError(why)
-                state.stop(why)
-                state.report.unchanged_reason = why
-                return PassOutcome(0, [why])
-        formats = _fp8_formats(state) if state.config.kv_cache_dtype else {}
+                ctx.stop(why)
+                ctx.report.unchanged_reason = why
+                return plan, PassOutcome(0, [why])
+        formats = _fp8_formats(ctx, plan.rewritten) if ctx.config.kv_cache_dtype else {}
         # shards of allocated caches last, in the order of their inputs: the backend passes them so
-        allocated = {p: i for i, p in enumerate(state.allocated)}
-        for index, buf in enumerate(sorted(state.buffers, key=lambda n: (allocated.get(n, -1), n.name))):
+        allocated = {p: i for i, p in enumerate(plan.stand_ins)}
+        made: dict[fx.Node, CacheShard] = {}
+        for index, buf in enumerate(sorted(plan.buffers, key=lambda n: (allocated.get(n, -1), n.name))):
             # how the attention reads it, else (a striped cache only written here) how it is written
-            kind = (reads[buf].kind if buf in reads else state.found.writes[buf][0].kind).shards
-            if buf in state.allocated:  # an example shard: the backend makes each call's
-                entry = _allocated_cache(state, buf, kind).shard()
+            kind = (reads[buf].kind if buf in reads else plan.writes[buf][0].kind).shards
+            if buf in plan.stand_ins:  # an example shard: the backend makes each call's
+                entry = _allocated_cache(ctx, buf, kind).shard()
             else:
-                entry = shards.shard_for(state.values[buf.name], plan.c, plan.rank, buffer_name(buf), kind,
+                entry = shards.shard_for(ctx.values[buf.name], attn.c, attn.rank, buffer_name(buf), kind,
                                          formats.get(buf, ""))
-            state.entries[buf] = entry
-            state.local_nodes[buf] = fx_util.static_placeholder(state.graph, f"dcp_local_cache_{index}", entry.local)
-            # the attention rewrite reads the shard's row format from its input
-            state.local_nodes[buf].meta["dcp_kv_format"] = entry.kv_format
+            node = fx_util.static_placeholder(ctx.graph, f"dcp_local_cache_{index}", entry.local)
+            node.meta["dcp_kv_format"] = entry.kv_format  # the attention rewrite reads the shard's row format
+            made[buf] = CacheShard(entry, node)
         count = 0
-        for buf, writes in state.found.writes.items():
-            if buf in state.local_nodes:
+        for buf, writes in plan.writes.items():
+            if buf in made:
                 for write in writes:
                     feeding = list(write.node.all_input_nodes)
-                    entry = state.entries[buf]
+                    entry = made[buf].entry
                     if entry.kv_format:  # quantised in the graph: the striped write stores packed bytes
                         try:
-                            write = fp8_packed_write(state.graph, write, entry.kv_format, entry.name)
+                            write = fp8_packed_write(ctx.graph, write, entry.kv_format, entry.name)
                         except Fp8Refused as why:
                             raise DcpRewriteError(f"{_FP8_REFUSED}: {why}") from why
-                    write.rewrite_write(state.graph, state.local_nodes[buf], entry)
-                    fx_util.erase_dead_region(state.graph, feeding)  # e.g. the pool's flat view
+                    write.rewrite_write(ctx.graph, made[buf].node, entry)
+                    fx_util.erase_dead_region(ctx.graph, feeding)  # e.g. the pool's flat view
                     count += 1
+        layers = tuple(layer if layer.kept is not None else
+                       replace(layer, cache_shards={b: made[b] for b in layer.match.buffers}) for layer in plan.layers)
         notes = [f"{buffer_name(b)}: {f}" for b, f in sorted(formats.items(), key=lambda bf: bf[0].name)]
-        return PassOutcome(count, notes)
+        return replace(plan, layers=layers, cache_shards=made), PassOutcome(count, notes)
 
 
 class QueryReplication(GraphPass):
     """Per layer: replicated q-projection / w_kc (option replicate_q_proj), gathered or local queries."""
 
     name = "query_replication"
+    reads = ("layers",)
+    adds = ("layers", "replicator")
 
-    def run(self, state: PassState) -> PassOutcome:
-        state.replicator = q_replicate.QueryReplicator(state.gm, state.values, state.config.plan,
-                                                      state.config.replicate_q_proj)
-        count = 0
-        for match in state.found.matches:
-            try:
-                state.queries[id(match)] = state.replicator.queries_for(match)
-            except NearMiss as miss:
-                _striped_already(match, miss)
-            count += state.queries[id(match)][0] is not None
-        return PassOutcome(count)
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+        replicator = q_replicate.QueryReplicator(ctx.gm, ctx.values, ctx.config.plan, ctx.config.replicate_q_proj)
+        layers = []
+        for layer in plan.layers:
+            if layer.kept is None:
+                try:
+                    layer = replace(layer, query=replicator.queries_for(layer.match))
+                except NearMiss as miss:
+                    _striped_already(layer.match, miss)
+            layers.append(layer)
+        count = sum(layer.query is not None and layer.query[0] is not None for layer in layers)
+        return replace(plan, layers=tuple(layers), replicator=replicator), PassOutcome(count)
 
 
-def _rewrite(match: MlaMatch, gm: fx.GraphModule, plan, local_nodes, override) -> MergedOutput:
+def _rewrite(match: MlaMatch, gm: fx.GraphModule, attn: AttentionPlan, local_nodes, override) -> MergedOutput:
     """The match's own rewrite where its kind defines one (per-head attention), else the MLA one."""
     own = getattr(match, "rewrite", None)
     if own is not None:
-        return own(gm, plan, local_nodes, override)
-    return rewrite_attention(gm, match, plan, local_nodes, override)
+        return own(gm, attn, local_nodes, override)
+    return rewrite_attention(gm, match, attn, local_nodes, override)
 
 
 class AttentionRewrite(GraphPass):
     """Each match becomes shard-local attention + the exchange that merges the partials."""
 
     name = "attention"
+    reads = ("layers",)
+    adds = ("layers",)
 
-    def run(self, state: PassState) -> PassOutcome:
-        plan = state.config.plan
-        for match in state.found.matches:
-            override, q_detail = state.queries.get(id(match), (None, "all-gather"))
-            shape = _merged_shape(match)
-            try:
-                merged = _rewrite(match, state.gm, plan, state.local_nodes, override)
-            except NearMiss as miss:
-                _striped_already(match, miss)
-            kind = "decode" if _is_decode(match) else "multi-token"
-            window = ", sliding window" if match.value_cache.windowed else ""
-            window += match.value_cache.kind.layer_note
-            kv_format = state.local_nodes[match.value_cache.buffer].meta.get("dcp_kv_format", "")
-            window += f", kv cache {kv_format}" if kv_format else ""
-            layer = LayerReport(
-                match.layer, True,
-                f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "
-                f"comm {_comm_name(plan)}, lse base {plan.lse_base}, attention {plan.attn_backend}"
-                + "".join(f", {note}" for note in match.rewrite_notes),
-            )
-            state.report.layers.append(layer)
-            state.rewritten.append(RewrittenLayer(match, merged, shape, layer))
-        return PassOutcome(len(state.found.matches))
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+        layers = []
+        for layer in plan.layers:
+            if layer.kept is None:
+                layer = replace(layer, rewritten=self._rewrite(ctx, layer))
+            layers.append(layer)
+        return replace(plan, layers=tuple(layers)), PassOutcome(sum(layer.kept is None for layer in layers))
+
+    @staticmethod
+    def _rewrite(ctx: GraphContext, layer: LayerPlan) -> RewrittenLayer:
+        attn, match = ctx.config.plan, layer.match
+        override, q_detail = layer.query if layer.query is not None else (None, "all-gather")
+        shape = _merged_shape(match)
+        try:
+            merged = _rewrite(match, ctx.gm, attn, layer.local_nodes, override)
+        except NearMiss as miss:
+            _striped_already(match, miss)
+        kind = "decode" if _is_decode(match) else "multi-token"
+        window = ", sliding window" if match.value_cache.windowed else ""
+        window += layer.kind.layer_note
+        kv_format = layer.cache_shards[match.value_cache.buffer].node.meta.get("dcp_kv_format", "")
+        window += f", kv cache {kv_format}" if kv_format else ""
+        report = LayerReport(
+            match.layer, True,
+            f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "
+            f"comm {_comm_name(attn)}, lse base {attn.lse_base}, attention {attn.attn_backend}"
+            + "".join(f", {note}" for note in match.rewrite_notes),
+        )
+        ctx.report.layers.append(report)
+        return RewrittenLayer(merged, shape, report)
 
 
 class ProjectBeforeMerge(GraphPass):
@@ -349,78 +442,82 @@ class ProjectBeforeMerge(GraphPass):
     (rewrites/project_merge.py)."""
 
     name = "project_before_merge"
+    reads = ("layers", "replicator")
 
-    def run(self, state: PassState) -> PassOutcome:
-        requested = state.config.project_before_merge
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+        requested = ctx.config.project_before_merge
         if requested is False:
-            return PassOutcome(0, ["off"])
-        if state.config.plan.c == 1:  # the single-GPU fast path: nothing is exchanged
-            return PassOutcome(0, ["no exchange at dcp_size=1"])
+            return plan, PassOutcome(0, ["off"])
+        if ctx.config.plan.c == 1:  # the single-GPU fast path: nothing is exchanged
+            return plan, PassOutcome(0, ["no exchange at dcp_size=1"])
         count, notes = 0, []
-        for layer in state.rewritten:
+        for layer in plan.rewritten:
             try:
-                detail = self._project(state, layer)
+                detail = self._project(ctx, plan.replicator, layer.match, layer.rewritten)
                 count += 1
             except project_merge.NotProjected as why:
                 if requested:
                     raise DcpRewriteError(
-                        f"layer {layer.match.layer}: project_before_merge=True, but {why}; pass "
+                        f"layer {layer.layer}: project_before_merge=True, but {why}; pass "
                         f"project_before_merge='auto' to keep the projection after the merge where it cannot move"
                     ) from why
                 detail = f"v-projection after merge ({why})"
-            layer.report.detail += f", {detail}"
-            notes.append(f"{layer.match.layer}: {detail}")
-        return PassOutcome(count, notes)
+            layer.rewritten.report.detail += f", {detail}"
+            notes.append(f"{layer.layer}: {detail}")
+        return plan, PassOutcome(count, notes)
 
     @staticmethod
-    def _project(state: PassState, layer: RewrittenLayer) -> str:
-        plan = state.config.plan
-        graph = state.graph
-        exchange = layer.merged.exchange
-        if layer.match.lse_outputs:  # its exchange feeds the model's LSE too: it stays one exchange
+    def _project(ctx: GraphContext, replicator: q_replicate.QueryReplicator, match: MlaMatch,
+                 rewritten: RewrittenLayer) -> str:
+        attn = ctx.config.plan
+        graph = ctx.graph
+        exchange = rewritten.merged.exchange
+        if match.lse_outputs:  # its exchange feeds the model's LSE too: it stays one exchange
             raise project_merge.NotProjected("the model reads the attention's LSE from the same exchange")
-        found = project_merge.find_projection(exchange, layer.shape, q_replicate.is_parameter)
+        found = project_merge.find_projection(exchange, rewritten.shape, q_replicate.is_parameter)
         out_dtype = fx_util.node_value(found.node).dtype  # the projection's
-        in_dtype = layer.match.out_dtype  # the attention output the projection read
+        in_dtype = match.out_dtype  # the attention output the projection read
         project_merge.check_operand_dtypes(in_dtype, fx_util.node_value(found.weight).dtype)
-        query = fx_util.node_value(layer.match.terms[0].query)  # the local attention's output has its dtype
+        query = fx_util.node_value(match.terms[0].query)  # the local attention's output has its dtype
         partial_dtype = query.dtype if isinstance(query, torch.Tensor) else None
-        if plan.comm_backend == "fi_a2a" and plan.head_sharded and (found.v_dim * out_dtype.itemsize) % 16:
+        if attn.comm_backend == "fi_a2a" and attn.head_sharded and (found.v_dim * out_dtype.itemsize) % 16:
             raise project_merge.NotProjected(
                 f"FlashInfer's all-to-all moves rows of 16-byte multiples, and {found.v_dim} "
                 f"{str(out_dtype).replace('torch.', '')} columns are not")
-        if not plan.head_sharded:  # every rank holds every head: the local weight covers them
+        if not attn.head_sharded:  # every rank holds every head: the local weight covers them
             weights = [found.weight]
             for param in found.params:  # as the query weights: the same on every rank, checked
-                state.replicator.rely_on_same(param)
+                replicator.rely_on_same(param)
         else:
             # a fingerprint decides which parameters differ across the group (a fake test group
             # cannot tell: gather); the others are the same on every rank and shared
             sharded = [p for p in found.params
-                       if weights_differ(state.values[p.name], plan.group_name, plan.c, no_verdict=True)]
-            project_merge.check_gatherable(sharded, lambda p: state.values[p.name].dtype)
+                       if weights_differ(ctx.values[p.name], attn.group_name, attn.c, no_verdict=True)]
+            project_merge.check_gatherable(sharded, lambda p: ctx.values[p.name].dtype)
             for param in found.params:  # projected for the other ranks' chunks as this rank holds it
                 if param not in sharded:
-                    state.replicator.rely_on_same(param)
+                    replicator.rely_on_same(param)
             weights = [
-                found.weight if r == plan.rank or not sharded else project_merge.weight_for_rank(
+                found.weight if r == attn.rank or not sharded else project_merge.weight_for_rank(
                     graph, found, sharded,
-                    lambda p, r=r: state.replicator.weight_input(p, r, prefix="dcp_vc_weight"))
-                for r in range(plan.c)
+                    lambda p, r=r: replicator.weight_input(p, r, prefix="dcp_vc_weight"))
+                for r in range(attn.c)
             ]
         project_merge.emit_projection(graph, exchange, found, weights, in_dtype, partial_dtype, out_dtype)
-        return f"v-projection before merge (exchanges {found.v_dim} instead of {layer.shape[3]} columns per head)"
+        return f"v-projection before merge (exchanges {found.v_dim} instead of {rewritten.shape[3]} columns per head)"
 
 
 class VerifyBuffers(GraphPass):
-    """No node may read a full-size cache buffer any more; then the shards are installed."""
+    """No node may read a full-size cache buffer any more (else the layers whose caches are
+    used outside their attention are kept, starting again, or the graph is)."""
 
     name = "verify_buffers"
+    reads = ("layers", "buffers", "stand_ins")
 
-    def run(self, state: PassState) -> PassOutcome:
-        graph, values = state.graph, state.values
-        leftovers = [n for n in graph.nodes if n in state.buffers and n.users
-                     and not (n in state.allocated and allocation.only_returned(n))]
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+        graph, values = ctx.graph, ctx.values
+        leftovers = [n for n in graph.nodes if n in plan.buffers and n.users
+                     and not (n in plan.stand_ins and allocation.only_returned(n))]
         if leftovers:
             uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}" for n in leftovers)
             reason = f"cache buffers are used outside the matched attention ({uses})"
@@ -428,19 +525,19 @@ class VerifyBuffers(GraphPass):
             if len(rings) == len(leftovers):  # said once, in the model's terms
                 more = len(rings) - 1
                 reason = rings[0] + (f"; {more} more cache(s) of this graph are rings too" if more else "")
-            if any(is_released(values[n.name]) for n in leftovers) or state.config.strict:
+            if any(is_released(values[n.name]) for n in leftovers) or ctx.config.strict:
                 raise DcpRewriteError(reason)
-            kept = _layers_to_keep(state, leftovers)
-            if kept and len(kept) < len(state.found.matches):
+            kept = _layers_to_keep(plan.rewritten, leftovers)
+            if kept and len(kept) < len(plan.rewritten):
                 raise _KeepLayers(kept)  # apply_dcp starts again without them
-            state.report.layers = [layer if not layer.rewritten else LayerReport(
-                layer.layer, False, kept.get(layer.layer, reason)) for layer in state.report.layers]
-            state.report.unchanged_reason = reason
+            ctx.report.layers = [layer if not layer.rewritten else LayerReport(
+                layer.layer, False, kept.get(layer.layer, reason)) for layer in ctx.report.layers]
+            ctx.report.unchanged_reason = reason
             log.warning("dcp_pass: graph left unchanged: %s", reason)
-            state.stop(reason)
-            return PassOutcome(0, [reason])
+            ctx.stop(reason)
+            return plan, PassOutcome(0, [reason])
         _refuse_released(graph, values)  # e.g. a deferred buffer read next to a matched attention
-        return PassOutcome(len(state.buffers))
+        return plan, PassOutcome(len(plan.buffers))
 
 
 class ComplexAsReal(GraphPass):
@@ -449,47 +546,45 @@ class ComplexAsReal(GraphPass):
 
     name = "complex_as_real"
 
-    def run(self, state: PassState) -> PassOutcome:
-        if not state.config.complex_as_real:
-            return PassOutcome(0, ["off"])
-        count = complex_product.complex_products_as_real(state.graph)
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+        if not ctx.config.complex_as_real:
+            return plan, PassOutcome(0, ["off"])
+        count = complex_product.complex_products_as_real(ctx.graph)
         notes = [f"{count} complex product(s) (rotary) computed in real arithmetic"] if count else []
-        state.report.notes.extend(notes)
-        return PassOutcome(count, notes)
+        ctx.report.notes.extend(notes)
+        return plan, PassOutcome(count, notes)
 
 
 class InstallShards(GraphPass):
     """Release the full-size caches: from here on each rank holds only its stripe."""
 
     name = "install_shards"
+    reads = ("cache_shards", "stand_ins")
+    adds = ("caches", "allocations")
 
-    def run(self, state: PassState) -> PassOutcome:
-        plan = state.config.plan
-        for buf, entry in state.entries.items():
-            if buf in state.allocated:  # made anew by every call
-                continue
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+        attn = ctx.config.plan
+        kept = {buf: shard.entry for buf, shard in plan.cache_shards.items() if buf not in plan.stand_ins}
+        for buf, entry in kept.items():  # a stand-in's shard is made anew by every call
             if entry.kind.installed_at_first_call:
-                shards.install_at_first_call(state.values[buf.name], entry)
+                shards.install_at_first_call(ctx.values[buf.name], entry)
             else:
-                shards.install(state.values[buf.name], entry)
+                shards.install(ctx.values[buf.name], entry)
         siblings = 0
-        for buf, entry in state.entries.items():
-            if buf in state.allocated:
-                continue
+        for buf, entry in kept.items():
             # the same cache of the other layers a shared graph will be called with
-            for other, name in shards.sibling_buffers(state.values[buf.name]):
-                shards.local_for(other, plan.c, plan.rank, name, entry.kind, entry.kv_format)
+            for other, name in shards.sibling_buffers(ctx.values[buf.name]):
+                shards.local_for(other, attn.c, attn.rank, name, entry.kind, entry.kv_format)
                 siblings += 1
-        placeholders = fx_util.placeholders(state.graph)
-        state.caches = [(placeholders.index(buf), state.entries[buf]) for buf in state.local_nodes
-                        if buf not in state.allocated]
-        state.allocations = [_allocated_cache(state, buf, state.entries[buf].kind)
-                             for buf in placeholders if buf in state.allocated]
-        allocation.drop_factories(state.graph, list(state.allocated.values()))
-        state.graph.lint()
-        state.gm.recompile()
+        placeholders = fx_util.placeholders(ctx.graph)
+        caches = tuple((placeholders.index(buf), entry) for buf, entry in kept.items())
+        allocations = tuple(_allocated_cache(ctx, buf, plan.cache_shards[buf].entry.kind)
+                            for buf in placeholders if buf in plan.stand_ins)
+        allocation.drop_factories(ctx.graph, list(plan.stand_ins.values()))
+        ctx.graph.lint()
+        ctx.gm.recompile()
         notes = [f"{siblings} cache buffer(s) of other layers striped with them"] if siblings else []
-        return PassOutcome(len(state.entries), notes)
+        return replace(plan, caches=caches, allocations=allocations), PassOutcome(len(plan.cache_shards), notes)
 
 
 class DevicePositions(GraphPass):
@@ -497,21 +592,22 @@ class DevicePositions(GraphPass):
 
     name = "device_positions"
     rewrite_only = False
+    adds = ("position",)
 
-    def run(self, state: PassState) -> PassOutcome:
+    def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
         from dcp_pass.rewrites.positions import NotStatic, has_symbolic_input, positions_to_device
 
-        if not state.config.static_positions or not has_symbolic_input(state.gm.graph):
-            return PassOutcome(0)
+        if not ctx.config.static_positions or not has_symbolic_input(ctx.gm.graph):
+            return plan, PassOutcome(0)
         try:
-            state.gm, state.position = positions_to_device(state.gm)
+            ctx.gm, position = positions_to_device(ctx.gm)
         except NotStatic as why:
             note = f"int position kept (no static-shape decode graph): {why}"
-            state.report.notes.append(note)
-            return PassOutcome(0, [note])
+            ctx.report.notes.append(note)
+            return plan, PassOutcome(0, [note])
         note = "int step position moved to the device (static-shape graph)"
-        state.report.notes.append(note)
-        return PassOutcome(1, [note])
+        ctx.report.notes.append(note)
+        return replace(plan, position=position), PassOutcome(1, [note])
 
 
 DEFAULT_PASSES: tuple[GraphPass, ...] = (
@@ -522,18 +618,28 @@ DEFAULT_PASSES: tuple[GraphPass, ...] = (
 Observer = Callable[[str, fx.GraphModule], None]
 
 
-def run_passes(state: PassState, passes: Sequence[GraphPass] = DEFAULT_PASSES,
-               observer: Optional[Observer] = None) -> PassState:
-    """Run `passes` in order, recording each outcome in the report (and showing the graph
-    after each to `observer`)."""
+def run_pass(graph_pass: GraphPass, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
+    """One pass over `ctx`'s graph with `plan`; an error when it sets a plan field it does not declare."""
+    new, outcome = graph_pass.run(ctx, plan)
+    changed = [name for name in PLAN_FIELDS if getattr(new, name) is not getattr(plan, name)]
+    undeclared = [name for name in changed if name not in graph_pass.adds]
+    if undeclared:
+        raise AssertionError(f"pass {graph_pass.name} set {', '.join(undeclared)}, which it does not declare")
+    return new, outcome
+
+
+def run_passes(ctx: GraphContext, plan: GraphPlan, passes: Sequence[GraphPass] = DEFAULT_PASSES,
+               observer: Optional[Observer] = None) -> GraphPlan:
+    """Run `passes` in order, each handed the plan the one before returned, recording each
+    outcome in the report (and showing the graph after each to `observer`)."""
     for graph_pass in passes:
-        if graph_pass.rewrite_only and state.stopped is not None:
+        if graph_pass.rewrite_only and ctx.stopped is not None:
             continue
-        outcome = graph_pass.run(state)
-        state.report.passes.append(PassRecord(graph_pass.name, outcome.count, list(outcome.notes)))
+        plan, outcome = run_pass(graph_pass, ctx, plan)
+        ctx.report.passes.append(PassRecord(graph_pass.name, outcome.count, list(outcome.notes)))
         if observer is not None:
-            observer(graph_pass.name, state.gm)
-    return state
+            observer(graph_pass.name, ctx.gm)
+    return plan
 
 
 class _KeepLayers(Exception):
@@ -545,7 +651,7 @@ class _KeepLayers(Exception):
         self.layers = layers
 
 
-def _layers_to_keep(state: PassState, leftovers: list[fx.Node]) -> dict[str, str]:
+def _layers_to_keep(layers: Sequence[LayerPlan], leftovers: list[fx.Node]) -> dict[str, str]:
     """Layer -> why it stays as it is: every match reading a cache that is used outside the
     matched attention (and, through shared caches, every match reading the same cache)."""
     blocked = set(leftovers)
@@ -553,7 +659,7 @@ def _layers_to_keep(state: PassState, leftovers: list[fx.Node]) -> dict[str, str
     grew = True
     while grew:
         grew = False
-        for match in state.found.matches:
+        for match in (layer.match for layer in layers):
             if match.layer not in kept and blocked & set(match.buffers):
                 uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}"
                                  for n in match.buffers if n in leftovers)
@@ -572,43 +678,42 @@ def _layers_to_keep(state: PassState, leftovers: list[fx.Node]) -> dict[str, str
 def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport,
               observer: Optional[Observer] = None) -> DcpPassResult:
     """Rewrite every MLA attention of `gm` (see `DcpPassResult`)."""
-    values = fx_util.placeholder_values(gm, example_inputs)
     kept: dict[str, str] = {}
     while True:
-        state = PassState(gm, fx_util.copy_dynamo_graph_module(gm), values, config, report, example_inputs,
-                          kept_layers=dict(kept))
+        ctx = GraphContext.of(gm, example_inputs, config, report)
         try:
-            run_passes(state, observer=observer)
+            plan = run_passes(ctx, GraphPlan(kept_layers=dict(kept)), observer=observer)
             break
         except _KeepLayers as found:
             kept.update(found.layers)
             # the report restarts with the next attempt (the kept layers' lines are written again)
             report.reset()
-    if state.stopped is not None:
-        return DcpPassResult(state.gm, position=state.position)
-    replicator = state.replicator
-    return DcpPassResult(state.gm, state.caches, replicator.extra if replicator else [], state.position,
-                         replicator.checks if replicator else [], state.allocations)
+    if ctx.stopped is not None:
+        return DcpPassResult(ctx.gm, position=plan.position)
+    replicator = plan.replicator
+    return DcpPassResult(ctx.gm, list(plan.caches), replicator.extra if replicator else [], plan.position,
+                         replicator.checks if replicator else [], list(plan.allocations))
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _allocated_cache(state: PassState, buf: fx.Node, kind: ShardKind) -> shards.AllocatedCache:
-    plan = state.config.plan
-    return shards.AllocatedCache.of(state.values[buf.name], position_axis(buf), plan.c, plan.rank,
-                                      buffer_name(buf), kind, tuple(allocation.output_positions(state.graph, buf)))
+def _allocated_cache(ctx: GraphContext, buf: fx.Node, kind: ShardKind) -> shards.AllocatedCache:
+    attn = ctx.config.plan
+    return shards.AllocatedCache.of(ctx.values[buf.name], position_axis(buf), attn.c, attn.rank,
+                                    buffer_name(buf), kind, tuple(allocation.output_positions(ctx.graph, buf)))
+
 
 _FP8_REFUSED = "kv_cache_dtype='fp8_e4m3' cannot store this graph's cache as fp8"
 
 
-def _fp8_formats(state: PassState) -> dict:
-    """Buffer node -> the packed fp8 layout spec of every latent cache of the graph's matches
+def _fp8_formats(ctx: GraphContext, layers: Sequence[LayerPlan]) -> dict:
+    """Buffer node -> the packed fp8 layout spec of every latent cache of the layers' matches
     (the same for every layer reading it); DcpRewriteError naming the layer where one cannot be."""
     formats: dict = {}
-    for match in state.found.matches:
+    for match in (layer.match for layer in layers):
         try:
-            spec = fp8_layout_of(match, state.values).spec()
+            spec = fp8_layout_of(match, ctx.values).spec()
         except Fp8Refused as why:
             raise DcpRewriteError(f"{_FP8_REFUSED}: layer {match.layer}: {why}; pass kv_cache_dtype=None to "
                                   f"keep the model's cache dtype") from why
@@ -616,7 +721,6 @@ def _fp8_formats(state: PassState) -> dict:
         if formats.setdefault(buf, spec) != spec:
             raise DcpRewriteError(f"{_FP8_REFUSED}: layers read {buffer_name(buf)} as {formats[buf]} and {spec}")
     return formats
-
 
 
 def _striped_already(match: MlaMatch, miss: NearMiss):

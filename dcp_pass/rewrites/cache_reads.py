@@ -570,6 +570,9 @@ def _cat_pieces(node: fx.Node, tensors: list, dim: int, depth: int) -> list[_Pie
 
 
 def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
+    if piece.kind.local_read is None:  # e.g. a static cache, whose own attention forms read it whole
+        raise ReadRefused(f"{buffer_name(piece.buffer)} is {piece.kind.words}, read whole by its own attention "
+                          f"forms, not through views")
     layout, shape = piece.layout, piece.shape
     roles = [None if d.source is None else layout[d.source] for d in piece.dims]
     seen = {d.source for d in piece.dims if d.source is not None}
@@ -596,9 +599,6 @@ def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
     feat = None if (f0, f1) == (0, width) else (f0, f1)
     bsz = shape[b_axis] if b1 is None else b1
     end = shape[t_axis] if t1 is None else t1
-    if piece.kind.local_read is None:  # e.g. a static cache, whose own attention forms read it whole
-        raise ReadRefused(f"{buffer_name(piece.buffer)} is {piece.kind.words}, read whole by its own attention "
-                          f"forms, not through views")
     return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols, piece.pages, piece.page_size, b0,
                      piece.kind)
 
