@@ -149,10 +149,12 @@ def _compile_with(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
     if opts.inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
-        return aot_eager(gm, example_inputs)
+        return aot_eager(gm, list(example_inputs))
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+    assert callable(compiled)  # a Dynamo graph compiles to its forward (the other results are for AOT export)
+    return compiled
 
 
 def inner_config_patches(opts: DcpOptions, device: torch.device, mode: Optional[str],
@@ -409,7 +411,7 @@ class DcpBackend:
         reasons are in the report, which a user need not print)."""
         kept = [layer for layer in graph_report.layers if not layer.rewritten]
         cut = graph_report.unchanged_reason.startswith(GRAPH_BREAK_AFTER_WRITES)
-        if (self._warned_unchanged or not self.topology.enabled or self.topology.rank != 0
+        if (self._warned_unchanged or self.topology is None or not self.topology.enabled or self.topology.rank != 0
                 or not (graph_report.near_misses or kept or cut) or any(g.rewritten for g in self.report.graphs)):
             return
         self._warned_unchanged = True

@@ -111,7 +111,9 @@ class _DeferMode(TorchFunctionMode):
             for alias in memory.aliases_of(live):
                 if is_deferred(alias):
                     continue
-                memory.move_onto(alias, self._memory_for(alias.untyped_storage()._cdata))
+                backing = self._memory_for(alias.untyped_storage()._cdata)
+                if backing is not None:  # an alias of one of our shells: it has memory now
+                    memory.move_onto(alias, backing)
         self.pending.clear()
         self.backed.clear()
 
@@ -135,12 +137,12 @@ def deferred_caches(min_bytes: int = 1 << 20) -> Iterator[None]:
             if ours:
                 guards.defer(tensor, f"{type(module).__name__}.{name}", fill, module)
 
-    torch.nn.Module.register_buffer = register_buffer
+    setattr(torch.nn.Module, "register_buffer", register_buffer)
     try:
         with mode:
             yield
     finally:
-        torch.nn.Module.register_buffer = original
+        setattr(torch.nn.Module, "register_buffer", original)
         mode.back_all()
 
 
@@ -163,5 +165,6 @@ def materialize(model: torch.nn.Module, dcp_size: int, rank: Optional[int] = Non
         if dcp_size == 1:
             guards.materialize_full(buffer)
         else:
+            assert rank is not None  # refused above when dcp_size > 1
             shards.install(buffer, shards.shard_for(buffer, dcp_size, rank, name, shards.FLAT))
     return model

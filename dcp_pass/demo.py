@@ -34,11 +34,14 @@ def _rank(rank: int, world: int, opts: dict):
     model = build_model(_model_args(opts["context"], opts["tp"], opts["dtype"]), rank=rank if opts["tp"] > 1 else 0)
     options = {"dcp_size": world, "tp_size": opts["tp"], "comm_backend": opts["comm"], "inner": opts["inner"]}
     compiled = torch.compile(model, backend="dcp", options=options)  # found by entry point, no import
+    assert isinstance(compiled, torch.nn.Module)  # a compiled module stays a module
     start = time.perf_counter()
     tokens, _ = greedy_generate(compiled, opts["prompts"], opts["steps"])
     elapsed = time.perf_counter() - start
-    report = last_report()
-    diffs = last_backend().diffs
+    report, backend = last_report(), last_backend()
+    if report is None or backend is None:
+        raise RuntimeError("the dcp backend compiled no graph of the demo model")
+    diffs = backend.diffs
     return {"tokens": tokens, "report": str(report), "seconds": elapsed, "diff": diffs[-1] if diffs else "",
             "layers": report.layer_paths(model), "kv_full": report.kv_bytes_full,
             "kv_local": report.kv_bytes_local}

@@ -240,7 +240,7 @@ class DcpReport:
         later buffer can have (a renewed cache's stays, for its successor to take)."""
         if self._keys.get(ident) == key:
             del self._keys[ident]
-        if key[0] == "buffer":
+        if isinstance(key, tuple) and key[0] == "buffer":
             token = ("dead", object())
             if key in self.caches:
                 self.caches[token] = self.caches.pop(key)

@@ -203,9 +203,9 @@ def guard(buffer: torch.Tensor, owners: list) -> None:
     ref = weakref.ref(buffer)  # no reference cycle: a deleted model frees its buffers at once
     for method in _CONVERSIONS:
         setattr(buffer, method, functools.partial(_convert, ref, method))
-    buffer.__deepcopy__ = functools.partial(_deepcopy, ref)
-    buffer.__reduce_ex__ = functools.partial(_refuse, ref, "pickle (torch.save) the")
-    buffer.share_memory_ = functools.partial(_refuse, ref, "share_memory_() the")
+    setattr(buffer, "__deepcopy__", functools.partial(_deepcopy, ref))
+    setattr(buffer, "__reduce_ex__", functools.partial(_refuse, ref, "pickle (torch.save) the"))
+    setattr(buffer, "share_memory_", functools.partial(_refuse, ref, "share_memory_() the"))
     for module in owners:
         _guard_owner(module)
 
@@ -365,7 +365,7 @@ def _tracing_backend() -> tuple[Optional[str], Any]:
     while fn is not None and not any(fn is s for s in seen):
         seen.append(fn)
         if isinstance(fn, backend_class):
-            return "dcp", _striping_size(fn.options)
+            return "dcp", _striping_size(getattr(fn, "options"))  # a DcpBackend's (fn is not None here)
         if fn is entry:
             return "dcp", _striping_size(DcpOptions.from_mapping(options))
         name = getattr(fn, "compiler_name", name)

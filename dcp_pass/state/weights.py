@@ -159,9 +159,9 @@ def check_same_unchanged(weight: torch.Tensor, group_name: str, c: int, name: st
 def _gather(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]:
     """Every DCP rank's shard of `weight` (an eager all-gather; collective over the group)."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    group = _resolve_process_group(group_name)
+    group = _resolve_process_group(GroupName(group_name))
     local = weight.detach().contiguous()
     if dist.get_backend(group) == "gloo":
         # gloo lacks half-precision (and int16) all-gathers: move the raw bytes instead
@@ -253,9 +253,9 @@ def weights_differ(weight: torch.Tensor, group_name: str, c: int, no_verdict: bo
     size is gathered or kept.
     `no_verdict`: the answer on a fake (test) process group, which cannot tell."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    group = _resolve_process_group(group_name)
+    group = _resolve_process_group(GroupName(group_name))
     if dist.get_backend(group) == "fake":  # test process groups return garbage: no verdict
         return no_verdict
     flat = weight.detach().reshape(-1).float()

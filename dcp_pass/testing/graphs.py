@@ -116,7 +116,7 @@ def graph_stages(model: torch.nn.Module, calls: Sequence[Sequence[Any]], options
     return stages
 
 
-def run_compiled(model: torch.nn.Module, backend, calls: Sequence[tuple]) -> None:
+def run_compiled(model: torch.nn.Module, backend, calls: Sequence[Sequence[Any]]) -> None:
     """Compile `model` with `backend` and make each call of `calls` under no_grad, between two
     Dynamo resets (so neither earlier nor later compiles see this one's graphs)."""
     torch._dynamo.reset()

@@ -66,9 +66,9 @@ def _lens(prefix_lens: Lens, batch: int) -> torch.Tensor:
 
 def _resolve_group(group: Group) -> Optional[dist.ProcessGroup]:
     if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-        return _resolve_process_group(group)
+        return _resolve_process_group(GroupName(group))
     return group
 
 

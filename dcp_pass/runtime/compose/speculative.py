@@ -177,7 +177,7 @@ def verify_attention(call: AttentionCall, k_tokens: int, zero_tail: bool = True,
             idx = page_table.long().to(kv.device)
             kv = _rows(call.kv, idx).flatten(1, 2)
             pe = call.pe[idx].flatten(1, 2) if call.pe is not None else None
-            ks = call.kv_scale[idx].flatten(1, 2) if ks is not None else None
+            ks = ks[idx].flatten(1, 2) if ks is not None else None
             assert kv.shape[1] == idx.shape[1] * call.kv.shape[1]
         if zero_tail:
             local_lens = local_length(kv_len, c, rank)

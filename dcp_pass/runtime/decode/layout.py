@@ -13,7 +13,7 @@ SymInt would install a guard and checking a tensor would force a device sync.
 from __future__ import annotations
 
 import heapq
-from typing import Hashable, Optional, Union
+from typing import Hashable, Optional, TypeVar, Union
 
 import torch
 
@@ -34,6 +34,8 @@ __all__ = [
 ]
 
 IntLike = Union[int, torch.SymInt, torch.Tensor]
+# the position helpers return what they are given: an int for ints, a tensor (elementwise) for tensors
+Positions = TypeVar("Positions", int, torch.SymInt, torch.Tensor)
 
 
 class CacheCapacityError(ValueError):
@@ -83,19 +85,19 @@ def _check_non_negative(name: str, value: IntLike) -> None:
 # ------------------------------------------------------------------ scalar layout math
 
 
-def owner(v: IntLike, c: int) -> IntLike:
+def owner(v: Positions, c: int) -> Positions:
     """DCP rank that stores virtual position ``v``."""
     _check_group_size(c)
     return v % c
 
 
-def physical(v: IntLike, c: int) -> IntLike:
+def physical(v: Positions, c: int) -> Positions:
     """Row of the owner's physical pool that holds virtual position ``v``."""
     _check_group_size(c)
     return v // c
 
 
-def local_length(L: IntLike, c: int, r: IntLike) -> IntLike:
+def local_length(L: Positions, c: int, r: IntLike) -> Positions:
     """Number of positions in ``[0, L)`` owned by rank ``r``: ``L // c + (r < L % c)``.
 
     Computed as ``(L + c - 1 - r) // c``, which equals the spec formula for every
@@ -107,7 +109,7 @@ def local_length(L: IntLike, c: int, r: IntLike) -> IntLike:
     return (L + (c - 1 - r)) // c
 
 
-def local_capacity(virtual_tokens: IntLike, c: int) -> IntLike:
+def local_capacity(virtual_tokens: Positions, c: int) -> Positions:
     """Physical rows one rank needs so that any rank can hold ``virtual_tokens``: ceil(T / c)."""
     _check_group_size(c)
     _check_non_negative("virtual_tokens", virtual_tokens)
