@@ -12,11 +12,14 @@ import dataclasses
 import operator
 
 import pytest
+import torch
 import torch.fx as fx
 from kit.graphs import TinyMLA, tiny_inputs
 
 from dcp_pass.report import GraphReport
 from dcp_pass.rewrites.apply import (
+    AttentionRewrite,
+    CacheShard,
     FindAttention,
     GraphContext,
     GraphPass,
@@ -30,8 +33,10 @@ from dcp_pass.rewrites.apply import (
 from dcp_pass.rewrites.attention import AttentionPlan
 from dcp_pass.rewrites.cache_kinds import FLAT
 from dcp_pass.rewrites.cache_reads import buffer_name
+from dcp_pass.rewrites.fx_util import static_placeholder
 from dcp_pass.rewrites.match import find_mla
 from dcp_pass.runtime.decode.layout import write_owned_tokens_
+from dcp_pass.state import shards
 from dcp_pass.testing.graphs import run_compiled
 
 C = 2
@@ -121,6 +126,36 @@ def test_striped_writes_alone_on_a_plan_made_by_hand():
         assert targets.count(write_owned_tokens_) == 2 and targets.count(operator.setitem) == setitems - 2
         assert any(n.op == "call_method" and n.target == "softmax" for n in ctx.graph.nodes)  # not rewritten here
         ctx.graph.lint()
+
+    _on_decode_graph(check)
+
+
+def test_attention_alone_on_shards_made_by_hand():
+    """The attention pass given shard inputs made here (not by striped_writes): it replaces
+    the softmax attention by the local attention op and the exchange, reports the layer, and
+    leaves the cache writes as they were (striping them is another pass's)."""
+
+    def check(gm, example_inputs):
+        ctx = GraphContext.of(gm, example_inputs, CONFIG, GraphReport(0))
+        (match,) = find_mla(ctx.graph).matches
+        made = {}
+        for index, buf in enumerate(match.buffers):
+            entry = shards.shard_for(ctx.values[buf.name], C, 0, buffer_name(buf), FLAT.shards)
+            node = static_placeholder(ctx.graph, f"shard_{index}", entry.local)
+            node.meta["dcp_kv_format"] = ""
+            made[buf] = CacheShard(entry, node)
+        plan = GraphPlan(layers=(LayerPlan(match, FLAT, cache_shards=made),))
+        setitems = _targets(ctx.graph).count(operator.setitem)
+        done, outcome = run_pass(AttentionRewrite(), ctx, plan)
+        assert _changed(plan, done) == {"layers"} and outcome.count == 1
+        (layer,) = done.layers
+        assert layer.rewritten is not None and layer.rewritten.shape == (2, 1, 4, 8)  # [B, S, H, latent]
+        assert layer.rewritten.report in ctx.report.layers and "decode, softmax form" in layer.rewritten.report.detail
+        targets = _targets(ctx.graph)
+        assert torch.ops.dcp.mla_local_attention.default in targets
+        assert layer.rewritten.merged.exchange.target in targets
+        assert not any(n.op == "call_method" and n.target == "softmax" for n in ctx.graph.nodes)
+        assert targets.count(operator.setitem) == setitems and write_owned_tokens_ not in targets
 
     _on_decode_graph(check)
 
