@@ -2,13 +2,16 @@
 dcp_pass/rewrites/cache_kinds/, all in one table that the pass reads."""
 import dataclasses
 import importlib
+import operator
 import os
 import pkgutil
 
 import pytest
+import torch
+import torch.fx as fx
 
 from dcp_pass.rewrites import cache_kinds
-from dcp_pass.rewrites.cache_reads import CacheKind
+from dcp_pass.rewrites.cache_reads import CacheKind, ReadRefused, trace_cache_read
 from dcp_pass.rewrites.cache_reads import cache_kinds as table_read
 from dcp_pass.state import shards
 from dcp_pass.state.store import ShardKind
@@ -70,3 +73,24 @@ def test_no_module_registers_a_kind_behind_the_tables_back():
                 for gone in ("READ_BASES", "WRITE_FORMS", "CACHE_LAYOUTS", "WRITE_CONVERSIONS", "LOCAL_READS",
                              "STRIPE_CHECKS", "SHARD_MAKERS"):
                     assert gone not in text, (name, gone)
+
+
+def _graph_reading(source: str, shape: tuple, index: tuple):
+    """A graph whose input (named by Dynamo's `source`) is read through `input[index]`."""
+    graph = fx.Graph()
+    cache = graph.placeholder("cache")
+    cache.meta.update(dcp_source=source, example_value=torch.zeros(shape))
+    read = graph.call_function(operator.getitem, (cache, index))
+    read.meta["example_value"] = torch.zeros(shape)[index]
+    return read
+
+
+def test_a_traced_read_holds_the_record_of_the_kind_that_knows_its_tensor():
+    (read,) = trace_cache_read(_graph_reading("L['self']._buffers['kv_cache']", (2, 16, 8), (slice(None, 2),)))
+    assert read.kind is cache_kinds.FLAT
+    # a static cache tensor with one kv head has the layout of a flat cache with a head axis, but
+    # its kind has no rank-local view read (its own per-head forms read it whole): refused, named
+    source = "L['kwargs']['cache'].layers[0].keys"
+    with pytest.raises(ReadRefused, match=r"cache\.layers\.0\.keys is a Hugging Face static cache tensor, read "
+                                          r"whole by its own attention forms"):
+        trace_cache_read(_graph_reading(source, (2, 1, 16, 8), (slice(None), 0)))
