@@ -310,7 +310,7 @@ class FindAttention(GraphPass):
 
 
 class StripedWrites(GraphPass):
-    """Give every cache tensor to stripe its shard input and stripe the writes into it."""
+    """Give each cache tensor of the plan its shard input, and stripe the writes into it."""
 
     name = "striped_writes"
     reads = ("layers", "writes", "buffers", "stand_ins")
