@@ -17,6 +17,16 @@ def fake_world():
         dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """Tests that drive a model in this process turn autograd off as a user's inference
+    script does (`torch.set_grad_enabled(False)`); the next test in the same worker gets
+    the mode it started with."""
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Files holding multi-process (``slow``) tests run first. Under pytest-xdist
     (``-n 2 --dist loadfile``, the README's command) a worker takes whole files in this
