@@ -1,8 +1,10 @@
 """Hugging Face generate(cache_implementation="static") under backend "dcp", against HF's own.
 
 Every rank builds the same random model (dense layers), compiles it in place and times greedy
-decode: the time of a generate of `--steps` + 2 new tokens minus one of 2 new tokens, per step
-(prefill and compiles excluded: both lengths are warmed first). Families: `deepseek_v3`
+decode: per step, from the second new token's stopping check to the end of a generate of
+`--steps` + 2 new tokens (prefill and compiles excluded: both lengths are warmed first); the
+older measure, a long generate minus a short one, is kept beside it (it carries the prefill's
+run-to-run spread: at 16K tokens a prefill's few ms of noise are a whole decode step). Families: `deepseek_v3`
 (DeepseekV3ForCausalLM, MLA at DeepSeek-V3's attention widths, `--heads` query heads) and
 `llama` (LlamaForCausalLM, GQA: `--heads` query heads over `--kv-heads`, head dim 128).
 
@@ -53,10 +55,30 @@ def config(args):
                             bos_token_id=None, eos_token_id=None, pad_token_id=None, **sizes)
 
 
-def _generate(model, prompts, new):
+def _generate(model, prompts, new, stopping_criteria=None):
     with torch.no_grad():
         return model.generate(prompts, max_new_tokens=new, do_sample=False, cache_implementation="static",
-                              return_dict_in_generate=True)
+                              return_dict_in_generate=True, stopping_criteria=stopping_criteria)
+
+
+def _stamped(model, prompts, new, device):
+    """Decode time per step without the prefill: `generate` asks its stopping criteria once per
+    new token, so the host clock at the second token's check starts the clock and the end of the
+    generate (device synchronised) stops it; (new - 2) steps lie between. A long minus a short
+    generate (`_timed`) also cancels the prefill, but carries its run-to-run spread."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    out = _generate(model, prompts, new, StoppingCriteriaList([Stamp()]))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - stamps[1]) / (new - 2), out
 
 
 def _timed(model, prompts, new, device):
@@ -248,6 +270,7 @@ def _rank(rank: int, world: int, args):
                     f.write(gm.code)
         short, _ = _timed(model, prompts, 2, device)
         long, out = _timed(model, prompts, args.steps + 2, device)
+        stamped, _ = _stamped(model, prompts, args.steps + 2, device)
         cache_bytes = 0
         cache = getattr(out, "cache", None) or out.past_key_values  # transformers 5.17 names it past_key_values
         for layer in cache.layers:
@@ -257,7 +280,8 @@ def _rank(rank: int, world: int, args):
                 cache_bytes += held_nbytes(t) + (held_nbytes(entry.local) if entry else 0)
         if reference is None:
             reference = out.sequences
-        rows.append(dict(variant=label, step_ms=1e3 * (long - short) / args.steps, cache_bytes_per_rank=cache_bytes,
+        rows.append(dict(variant=label, step_ms=1e3 * stamped, step_ms_long_minus_short=1e3 * (long - short) / args.steps,
+                         cache_bytes_per_rank=cache_bytes,
                          tokens_equal_first=bool(torch.equal(out.sequences, reference)),
                          graphs=len(backend.graphs) if backend else 0,
                          compiled_while_timed=len(backend.graphs) - warmed if backend else 0,
@@ -302,7 +326,8 @@ def main():
     backend = args.comm or ("nccl" if args.device == "cuda" else "gloo")
     results = run_ranks(_rank, args.world, args, backend=backend, timeout=3000)
     for row in results[0] if not args.cap_gib else []:
-        print(f"{row['variant']:>16}: {row['step_ms']:8.2f} ms/step, cache {row['cache_bytes_per_rank'] / 2**20:8.2f} "
+        print(f"{row['variant']:>16}: {row['step_ms']:8.2f} ms/step ({row['step_ms_long_minus_short']:.2f} long minus "
+              f"short), cache {row['cache_bytes_per_rank'] / 2**20:8.2f} "
               f"MiB/rank, tokens == first: {row['tokens_equal_first']}, graphs {row['graphs']} "
               f"({row['compiled_while_timed']} while timed), peak {row['peak_gib']:.2f} GiB, prefill + 1 step "
               f"{row['prefill_and_one_step_ms']:.0f} ms at {row['prefill_peak_above_model_gib']:.2f} GiB above the "
