@@ -93,12 +93,23 @@ class CacheKind:
     layer_note: str = ""  # added to the report's line of a layer that reads it
 
 
-def cache_kinds() -> tuple[CacheKind, ...]:
-    """Every cache kind, in the order their layouts and forms are tried: rewrites/cache_kinds/'s
-    table (imported here when first read: the kinds build on this module)."""
-    from dcp_pass.rewrites.cache_kinds import CACHE_KINDS
+_KINDS: tuple[CacheKind, ...] = ()
 
-    return CACHE_KINDS
+
+def install_kinds(kinds: tuple[CacheKind, ...]) -> None:
+    """Hand the tracer the kinds' table (rewrites/cache_kinds/ does, as it is imported: the
+    kinds build on this module, so this module cannot import them)."""
+    global _KINDS
+    _KINDS = tuple(kinds)
+
+
+def cache_kinds() -> tuple[CacheKind, ...]:
+    """Every cache kind, in the order their layouts and forms are tried (rewrites/cache_kinds/'s
+    table, installed when the rewrites package is imported)."""
+    if not _KINDS:
+        raise RuntimeError("dcp_pass.rewrites.cache_reads: no cache kinds installed (dcp_pass.rewrites.cache_kinds "
+                           "installs them when imported)")
+    return _KINDS
 
 
 def tensor_kind(node: Any) -> Optional[tuple[CacheKind, tuple[Optional[str], ...]]]:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dcp_pass.rewrites.cache_kinds.flat import FLAT
 from dcp_pass.rewrites.cache_kinds.paged import PAGED
 from dcp_pass.rewrites.cache_kinds.static_cache import STATIC_CACHE
+from dcp_pass.rewrites.cache_reads import install_kinds
 
 # in the order their layouts and forms are tried: a module buffer's own form first
 CACHE_KINDS = (FLAT, PAGED, STATIC_CACHE)
+# the tracer (cache_reads) dispatches over the table; the kinds build on it, so it is handed over
+install_kinds(CACHE_KINDS)
