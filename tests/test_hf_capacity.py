@@ -284,3 +284,46 @@ def test_padded_prefill_with_a_causal_cap_is_exact():
         # the prefill's attention takes the cap; the decode steps (one token) keep their mask row
         assert r["caps"][0] and not any(r["caps"][1:]), r
         assert r["prefill_float_masks"] == 0, r
+
+
+def _run_user_cache(rank: int, world: int, _):
+    """Chunked prefill of a GQA model into a StaticCache the caller made: its tensors are made
+    lazily, inside the compiled first chunk, so only the stripes are ever allocated."""
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import StaticCache
+
+    from dcp_pass.backend import DcpBackend
+
+    ids, mask = _batch(RAGGED)
+
+    def generate(model):
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + NEW_TOKENS - 1)
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  return_dict_in_generate=True, pad_token_id=PAD, past_key_values=cache,
+                                  prefill_chunk_size=4)
+
+    torch._dynamo.reset()
+    want = generate(hf_tiny.tiny_model("llama_gqa", "sdpa"))
+    model = hf_tiny.tiny_model("llama_gqa", "sdpa")
+    backend = DcpBackend(dcp_size=world, tp_size=1, inner="eager")
+    model.compile(backend=backend)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = generate(model)
+    _, _, sizes = _cache_bytes(got.cache)
+    return dict(tokens_equal=torch.equal(got.sequences, want.sequences),
+                full_tensor_allocations=[n for n in _allocations(prof) if n in set(sizes)],
+                rewritten=[g.rewritten for g in backend.report.graphs])
+
+
+@pytest.mark.slow
+def test_chunked_prefill_into_a_cache_made_by_the_caller_allocates_only_the_stripe():
+    """Hugging Face initialises the cache it makes for `prefill_chunk_size` eagerly, before the
+    first chunk (`StaticCache.early_initialization`, outside any graph: every rank holds the
+    whole cache until the first graph reads it); a StaticCache passed in is made in the first
+    chunk's graph, which allocates the rank's stripe only (the route usage.md gives)."""
+    for r in run_ranks(_run_user_cache, 2, None):
+        assert r["tokens_equal"], r
+        assert all(n > 0 for n in r["rewritten"]), r
+        assert r["full_tensor_allocations"] == [], r
