@@ -130,8 +130,8 @@ DECORATED_CONFIGS = [
     dict(decorated=True, requires_grad=False, ctx="grad", dcp=2, inner="inductor"),
     # parameters that require grad, called in grad mode: the decorator alone turns grad off
     dict(decorated=True, requires_grad=True, ctx="grad", dcp=2, inner="aot_eager"),
-    dict(decorated=True, requires_grad=False, ctx="grad", dcp=2, inner="eager"),
-] + ([dict(decorated=True, requires_grad=False, ctx="grad", dcp=1, inner="inductor")]
+] + ([dict(decorated=True, requires_grad=False, ctx="grad", dcp=1, inner="inductor"),
+      dict(decorated=True, requires_grad=False, ctx="grad", dcp=2, inner="eager")]
      if env.full_tests() else [])
 
 
