@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from kit.graphs import PinCase, init_fake_world, render
 
 from dcp_pass import env
 from dcp_pass.models import deepseek_v4 as v4
@@ -157,15 +158,24 @@ def test_compile_equals_eager():
 
 # ----------------------------------------------------------------------------- under DCP
 
+# requests: a prompt of 30 (9 CSA and 2 HCA entries once decoded: an entry on each rank at c = 2),
+# one of 1 (no entry for its first steps: a context shorter than c entries); 9 decode steps each
+PROMPTS, STEPS = [30, 1], 9
+
 
 def _dcp_rank(rank: int, world: int, inner: str, prompts: list[int], steps: int):
     """The unmodified model compiled with backend="dcp" (tp_size 1) against eager, over several
-    requests (one shorter than the DCP group); what the report says; the warning rank 0 gives."""
+    requests; what the report says; the warnings; whether each striped buffer's shard holds the
+    ring whole and entries e % world == rank, as the eager model's buffer holds them."""
     import dcp_pass
+    from dcp_pass.state.store import lookup_local_cache
 
     torch.set_grad_enabled(False)
     torch._dynamo.reset()
-    eager, model = build_model(ModelArgs()), build_model(ModelArgs())
+    # the ring's write `kv_cache[:bsz, start_pos % win]` makes Dynamo guard on the slot: a graph per slot
+    torch._dynamo.config.recompile_limit = 64
+    args = ModelArgs()
+    eager, model = build_model(args), build_model(args)
     compiled = torch.compile(model, backend="dcp", options={"dcp_size": world, "tp_size": 1, "inner": inner})
     rel, tokens_equal = 0.0, True
     with warnings.catch_warnings(record=True) as caught:
@@ -175,6 +185,17 @@ def _dcp_rank(rank: int, world: int, inner: str, prompts: list[int], steps: int)
             for got, want in zip(_generate(compiled, tokens, prompt), _generate(eager, tokens, prompt)):
                 rel = max(rel, _rel(got, want))
                 tokens_equal &= torch.equal(got.argmax(-1), want.argmax(-1))
+    shards_hold = {}
+    win = args.window_size
+    for i, ratio in enumerate(args.compress_ratios):
+        entry = lookup_local_cache(model.layers[i].attn.kv_cache)
+        if entry is None:
+            continue
+        full = eager.layers[i].attn.kv_cache
+        owned = full[:, win + rank::world]
+        shards_hold[i] = (entry.ring_rows == win and torch.equal(entry.local[:, :win], full[:, :win])
+                          and torch.equal(entry.local[:, win:win + owned.shape[1]], owned)
+                          and not entry.local[:, win + owned.shape[1]:].any().item())
     report = dcp_pass.last_report()
     torch._dynamo.reset()
     decode = [g for g in report.graphs if g.layers]
@@ -182,34 +203,97 @@ def _dcp_rank(rank: int, world: int, inner: str, prompts: list[int], steps: int)
         "rel": rel, "tokens_equal": tokens_equal, "rewritten": report.layers_rewritten,
         "decode_graphs": len(decode), "graphs": len(report.graphs),
         "near_misses": [m for g in report.graphs for m in g.near_misses],
-        "reasons": {g.unchanged_reason for g in decode},
-        "kept": sorted({layer.layer for g in decode for layer in g.layers if not layer.rewritten}),
+        "kept": {layer.layer: layer.detail for g in decode for layer in g.layers if not layer.rewritten},
+        "rewrote": {layer.layer: layer.detail for g in decode for layer in g.layers if layer.rewritten},
+        "shards_hold": shards_hold,
         "warnings": [str(w.message) for w in caught if "dcp_pass" in str(w.message)],
         "summary": str(report),
     }
 
 
 @pytest.mark.slow
-# CI: inner "eager" (every layer is kept, so the inner compiler sees the graph Dynamo made; the
-# ring's write makes a graph per ring slot, each an aot trace under aot_eager); the rest under
-# DCP_TEST_FULL=1
+# CI: inner "eager" at c = 2; the rest under DCP_TEST_FULL=1 (the ring's write makes a graph per
+# ring slot, each an aot trace under aot_eager and a compile under inductor)
 @pytest.mark.parametrize("world, inner", [(2, "eager")] + (
-    [(2, "aot_eager"), (4, "aot_eager"), (2, "inductor"), (4, "inductor")] if env.full_tests() else []))
-def test_under_dcp_unchanged_exact_with_one_reason(world, inner):
-    """Each attention's buffer is a window ring (written at start_pos % window) followed by the
-    compressed entries: the pass keeps every layer as it is, exact, and says why once per graph
-    in the model's terms (the ring's source line); the hyper-connections' Sinkhorn softmax and
-    the compressors' pooling softmax are not attention near misses; rank 0 warns once."""
-    for rank, r in enumerate(run_ranks(_dcp_rank, world, inner, [6, 1], 2, timeout=1500)):
-        assert r["rel"] < RTOL and r["tokens_equal"], r["rel"]
-        assert r["rewritten"] == 0 and r["decode_graphs"] > 0, r["summary"]
+    [(4, "eager"), (2, "aot_eager"), (4, "aot_eager"), (2, "inductor"), (4, "inductor")] if env.full_tests() else []))
+def test_under_dcp_compressed_entries_striped_exact(world, inner):
+    """The CSA and HCA layers' buffers are split: the window ring whole on every rank, the
+    compressed entries striped by entry index (entry e on rank e % c), the compressor's
+    entry written on its owner only, the indexer replicated and its choice mapped to the
+    rank's rows, the sink once after the merge. Exact against eager (fp32: greedy tokens and
+    logits) over two requests and 9 decode steps each; the window-only layer (all ring) is
+    kept whole with the ring's reason; the report gives the striped entries' bytes."""
+    for rank, r in enumerate(run_ranks(_dcp_rank, world, inner, PROMPTS, STEPS, timeout=1500)):
+        assert r["rel"] < 2e-6 and r["tokens_equal"], r["rel"]
+        assert r["rewritten"] == 2 and sorted(r["rewrote"]) == ["layers.1.attn", "layers.2.attn"], r["summary"]
         assert r["near_misses"] == [], r["summary"]
-        assert r["kept"] == ["layers.0.attn", "layers.1.attn", "layers.2.attn"], r["summary"]
-        assert len(r["reasons"]) == 1, r["reasons"]
-        reason = r["reasons"].pop()
+        for detail in r["rewrote"].values():
+            assert "window ring + striped entries" in detail and "sink after the merge" in detail, detail
+        assert list(r["kept"]) == ["layers.0.attn"], r["summary"]
+        reason = r["kept"]["layers.0.attn"]
         assert "layers.0.attn.kv_cache is written as a ring of 8 rows" in reason, reason
         assert "deepseek_v4.py" in reason and "start_pos % win" in reason, reason
-        assert len(r["warnings"]) == (1 if rank == 0 else 0), r["warnings"]
+        assert r["shards_hold"] == {1: True, 2: True}, r["shards_hold"]
+        assert r["warnings"] == [], r["warnings"]
+        # entries of 32 fp32 columns: 128 B per entry row without DCP; with it the rank's share of
+        # a 4-request buffer's rows (16 CSA, 4 HCA entries) and its spare row
+        local = {2: (9 * 128 / 16 + 3 * 128 / 4) / 2, 4: (5 * 128 / 16 + 2 * 128 / 4) / 2}[world]
+        assert f"striped cache bytes per token per layer: 128 without DCP -> {local:.4g} on this rank" \
+            in r["summary"], r["summary"]
+
+
+class RewrittenLayerPin(PinCase):
+    """The rewritten graph of an HCA layer's window-closing decode step, pinned (fake group of 2), and
+    traced by AOT autograd (inner "aot_eager": symbolic start position, the mask over the shard's rows)."""
+
+    def test_hca_decode_step(self):
+        from dcp_pass.backend import DcpBackend
+
+        init_fake_world(2)
+        torch._dynamo.reset()
+        args = ModelArgs(n_layers=1, compress_ratios=(8,), max_seq_len=32)
+        model = build_model(args)
+        be = DcpBackend(dcp_size=2, tp_size=1, inner="aot_eager")  # the inner compiler traces the rewrite
+        compiled = torch.compile(model, backend=be)
+        try:
+            with torch.no_grad():
+                compiled(_tokens(2, 7), 0)
+                compiled(_tokens(2, 1), 7)  # (7 + 1) % 8 == 0: the compressor writes entry 0
+        finally:
+            torch._dynamo.reset()
+        gm = next(g for g in be.graphs if "mla_local_attention" in g.code)
+        lines = [line.strip() for line in render(gm).splitlines()]
+        first = next(i for i, line in enumerate(lines) if "ring_write = " in line)
+        last = next(i for i, line in enumerate(lines) if line.startswith("merged_sink"))
+        # the shard's writes, then from its rows read to the sink: the mask over its rows, the
+        # local attention and the merge
+        read = next(i for i, line in enumerate(lines) if line.startswith("kv_local"))
+        writes = [line for line in lines[first:read]
+                  if "ring_write = " in line or line.startswith(("entry_rows", "written_entry", "striped_write"))]
+        attention = writes + [line for line in lines[read:last + 1] if not line.startswith(("sink", "view", "expand"))]
+        self.assertExpectedInline("\n".join(attention), """\
+dcp_local_cache_0[(slice(None, 2, None), mod)] = squeeze;  ring_write = dcp_local_cache_0
+entry_rows = dcp_local_cache_0[(slice(None, None, None), slice(8, None, None))]
+written_entry = squeeze_3.unsqueeze(1)
+striped_write = dcp_pass_runtime_decode_layout_write_owned_tokens_(entry_rows, written_entry, floordiv_1, 2, 0, 4, 0)
+kv_local = dcp_local_cache_0[(slice(None, 2, None),)]
+mask_f32 = unsqueeze_5.float()
+mask_padded = torch.nn.functional.pad(mask_f32, (0, 1), value = -inf)
+shard_row = torch.arange(11, device = device(type='cpu'))
+mul = shard_row * 2
+buffer_row = mul + -8
+lt = buffer_row < 12
+where = torch.where(lt, buffer_row, 12)
+lt_2 = shard_row < 8
+mask_column = torch.where(lt_2, shard_row, where)
+mask_shard = mask_padded.index_select(-1, mask_column)
+local_attention = torch.ops.dcp.mla_local_attention.default(float_10, None, kv_local, None, kv_len = 11, c = 1, rank = 0, v_dim = 32, scale = 0.1767766952966369, mask = mask_shard, lse_base = 'e', backend = 'auto')
+partial_out = local_attention[0]
+partial_lse = local_attention[1]
+merged_both = dcp_pass_runtime_decode_comm_exchange_replicated(partial_out, partial_lse, '0', 2, method = 'a2a', base = 'e', out_dtype = torch.float32, return_lse = True)
+merged = merged_both[0]
+merged_lse = merged_both[1]
+merged_sink = dcp_pass_runtime_decode_merge_fold_sink(merged, merged_lse, sink_bsh, 'e', torch.float32)""")
 
 
 # ----------------------------------------------------------------------------- transformers' V4

@@ -169,15 +169,22 @@ def _in_score_order(graph: fx.Graph, match: MlaMatch, mask: MaskTerm, node: fx.N
     return to_canonical(graph, node, match.score_roles, CANON_SCORES, name=name)
 
 
+def _boolean_mask(match: MlaMatch) -> bool:
+    """Whether `score_mask` gives the match's one boolean keep mask as it is."""
+    masks = masks_to_add(match)
+    if match.mask_builder is None and len(masks) == 1 and masks[0].kind == "keep" and masks[0].multiplier == 1.0:
+        value = axes.example_value(masks[0].node)
+        return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+    return False
+
+
 def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None) -> Optional[fx.Node]:
     """Sum of the score masks as one additive fp32 tensor in [B, S, H, T] order (global
     key positions: the op keeps this rank's columns); one boolean keep mask alone goes as it
     is, in that order (the op reads it in place: as fp32 it would be 4x its size)."""
     masks = masks_to_add(match)
-    if match.mask_builder is None and len(masks) == 1 and masks[0].kind == "keep" and masks[0].multiplier == 1.0:
-        value = axes.example_value(masks[0].node)
-        if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
-            return _in_score_order(graph, match, masks[0], masks[0].node, name="mask_keep")
+    if _boolean_mask(match):
+        return _in_score_order(graph, match, masks[0], masks[0].node, name="mask_keep")
     total = match.mask_builder(graph, q_lat) if match.mask_builder is not None else None
     for mask in masks:
         node = mask.node
@@ -328,6 +335,13 @@ def rewrite_attention(
                 d_lat = latent.cache.width
                 q_lat, q_rope = gather_queries(graph, q_lat, q_rope, plan, d_lat)
         mask = score_mask(graph, match, q_lat)
+        kv_len, c, rank = match.value_cache.end, plan.c, plan.rank
+        shard_mask = match.value_cache.kind.shard_mask
+        if shard_mask is not None:  # rows not striped by position: the op attends the shard's rows as given
+            if any(t.cache.kind is not match.value_cache.kind for t in match.terms):
+                raise NearMiss("score terms read caches of different kinds")
+            mask, kv_len = shard_mask(graph, mask, match.value_cache, plan.c, plan.rank, _boolean_mask(match))
+            c, rank = 1, 0
         window = {"kv_start": match.value_cache.start} if match.value_cache.windowed else {}
         q_pos = causal_positions(graph, match, q_lat)
         if q_pos is not None:
@@ -335,7 +349,7 @@ def rewrite_attention(
         if kv_format:
             window["kv_format"] = kv_format
         attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
-                     kv_len=match.value_cache.end, c=plan.c, rank=plan.rank, v_dim=match.v_dim,
+                     kv_len=kv_len, c=c, rank=rank, v_dim=match.v_dim,
                      scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
                      backend=backend, name="local_attention", **window)
         merged = merge_local_attention(graph, attn, match, plan)

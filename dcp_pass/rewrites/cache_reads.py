@@ -91,6 +91,12 @@ class CacheKind:
     # (a read of this kind, c) -> why it cannot be striped over c ranks, or None
     stripe_check: Optional[Callable[["CacheRead", int], Optional[str]]] = None
     layer_note: str = ""  # added to the report's line of a layer that reads it
+    # a kind whose shard rows are not striped by position (a window ring kept whole, then
+    # striped entries): (graph, the score mask over the read's rows or None, the read, c, rank,
+    # whether the mask is boolean) -> (the mask over the shard's rows, their count); the local
+    # attention then attends the shard's rows as they are. None: rows by position (the op keeps
+    # the rank's stripe of the global mask)
+    shard_mask: Optional[Callable[..., tuple[fx.Node, int]]] = None
 
 
 _KINDS: tuple[CacheKind, ...] = ()

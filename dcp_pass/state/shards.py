@@ -26,6 +26,7 @@ from dcp_pass.state.memory import storage_nbytes, unallocated
 from dcp_pass.state.store import (
     DEFERRED,
     PENDING,
+    RING_ROWS,
     STRIPED,
     DcpCacheError,
     LocalCache,
@@ -111,6 +112,33 @@ def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packed: None
 # a pool of pages [pages, P, D] read through a block table (its axis 0 is pages, not the batch)
 PAGED = ShardKind("paged", paged_shard, takes_fp8_rows=False, batch_reorderable=False, resettable=False,
                   installed_at_first_call=False)
+
+
+def ring_entries_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packed: None = None) -> LocalCache:
+    """This rank's shard of a buffer `[batch, ring + entries, D]` that holds a window ring and
+    then compressed entries (rewrites/cache_kinds/ring_entries.py): the ring whole (bounded, the
+    same on every rank), then entries e % c == rank compacted, plus one spare row. Rows already
+    written are kept."""
+    ring = RING_ROWS.get(buffer)
+    if ring is None:
+        raise DcpCacheError(f"cache {name}: no graph has shown the size of its window ring, so it cannot be split "
+                            f"into the ring and its striped entries")
+    batch, rows, width = buffer.shape
+    entries = rows - ring
+    local = torch.zeros((batch, ring + layout.local_capacity(entries, c) + 1, width), dtype=buffer.dtype,
+                        device=buffer.device)
+    if not is_released(buffer):
+        whole = buffer.detach()
+        local[:, :ring] = whole[:, :ring]
+        owned = whole[:, ring + rank::c]
+        local[:, ring:ring + owned.shape[1]] = owned
+    full_nbytes = batch * entries * width * buffer.element_size()  # the ring is kept whole: not counted
+    return LocalCache(local, entries, c, rank, full_nbytes, name, RING_ENTRIES, ring_rows=ring)
+
+
+# a window ring then compressed entries [batch, ring + entries, D] (DeepSeek-V4's attention buffer)
+RING_ENTRIES = ShardKind("ring_entries", ring_entries_shard, takes_fp8_rows=False, batch_reorderable=True,
+                         resettable=False, installed_at_first_call=False)
 
 
 STATIC_CACHE_POSITION_AXIS = 2  # of a static cache tensor [batch, kv heads, position, feature]

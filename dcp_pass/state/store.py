@@ -58,10 +58,15 @@ class LocalCache:
     # "" (the buffer's dtype) or a packed fp8 layout's spec (runtime/decode/kv_format.py): then
     # `local` is uint8 [..., row_bytes], one packed row per owned position
     kv_format: str = ""
+    # leading rows every rank keeps whole (a window ring before compressed entries,
+    # state/shards.py's `ring_entries_shard`): bounded, so neither striped nor counted
+    ring_rows: int = 0
 
     @property
     def local_nbytes(self) -> int:
-        return self.local.numel() * self.local.element_size()
+        """Bytes of the rank's striped rows (its rows kept whole, a ring's, not counted)."""
+        ring = self.local.shape[0] * self.ring_rows * self.local.shape[-1] if self.ring_rows else 0
+        return (self.local.numel() - ring) * self.local.element_size()
 
     @property
     def token_rows(self) -> Optional[int]:
@@ -87,6 +92,9 @@ STRIPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 DEFERRED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # buffer -> its LocalCache, made at compile and installed at the graph's first call
 PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# buffer -> the rows of its window ring, for a buffer that holds a ring and then compressed
+# entries (rewrites/cache_kinds/ring_entries.py records it where a graph shows the ring)
+RING_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def lookup_local_cache(buffer: torch.Tensor) -> Optional[LocalCache]:
