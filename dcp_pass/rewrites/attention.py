@@ -8,7 +8,10 @@ Emitted (before the softmax, in this order):
   dcp.mla_local_attention(global key count, c, rank) -> (partial output, lse)
 Nothing emitted has a rank-dependent shape or symbolic expression: the op takes the
 global key count and the unstriped mask and keeps its stripe itself, so every rank's
-graph guards on the same things and recompiles at the same calls.
+graph guards on the same things and recompiles at the same calls. (A cache kind whose
+shard rows are not striped by position, a window ring then entries, maps the mask to its
+shard's rows itself, `CacheKind.shard_mask`: a shape the same on every rank, the rank only
+in constants; the op then attends the rows as given.)
   exchange             exchange_a2a | exchange_ag_rs | exchange_replicated | exchange_fi_a2a
   sink                 fold_sink(merged fp32, merged LSE, sink logits): a per-head sink logit counted
                        once, after the merge (each rank's partial leaves it out)
