@@ -25,9 +25,10 @@ def test_each_kind_module_defines_one_record_and_the_table_holds_them_all():
         own = [v for v in vars(module).values() if isinstance(v, CacheKind)]
         assert len(own) == 1, (name, own)
         defined.append(own[0])
-    assert modules == ["flat", "paged", "static_cache"]
+    assert modules == ["flat", "paged", "ring_entries", "static_cache"]
     assert set(cache_kinds.CACHE_KINDS) == set(defined) and len(cache_kinds.CACHE_KINDS) == len(defined)
-    assert cache_kinds.CACHE_KINDS[0].name == "flat"  # a module buffer's own forms are tried first
+    # a module buffer's own forms are tried first: a window ring then entries before rows by position
+    assert [k.name for k in cache_kinds.CACHE_KINDS[:2]] == ["ring_entries", "flat"]
     assert table_read() is cache_kinds.CACHE_KINDS  # what the tracer and the rewrites read
 
 
@@ -36,7 +37,8 @@ def test_records_are_frozen_and_name_their_run_time_half():
         assert isinstance(kind.shards, ShardKind) and kind.shards.name == kind.name
         with pytest.raises(dataclasses.FrozenInstanceError):
             kind.words = "changed"  # type: ignore[misc]
-    assert {k.shards for k in cache_kinds.CACHE_KINDS} == {shards.FLAT, shards.PAGED, shards.STATIC_CACHE}
+    assert {k.shards for k in cache_kinds.CACHE_KINDS} == {shards.FLAT, shards.PAGED, shards.STATIC_CACHE,
+                                                           shards.RING_ENTRIES}
 
 
 def test_records_are_passed_not_looked_up_by_name():
@@ -52,7 +54,7 @@ def test_records_are_passed_not_looked_up_by_name():
             path = os.path.join(dirpath, name)
             if name.endswith(".py") and path != own[1]:
                 text = open(path).read()
-                for quoted in ('"flat"', '"paged"', '"static_cache"', "CACHE_KINDS["):
+                for quoted in ('"flat"', '"paged"', '"static_cache"', '"ring_entries"', "CACHE_KINDS["):
                     assert quoted not in text, (path, quoted)
 
 
@@ -60,7 +62,7 @@ def test_what_each_kind_allows_at_run_time():
     allows = {k.name: (k.shards.takes_fp8_rows, k.shards.batch_reorderable, k.shards.resettable,
                        k.shards.installed_at_first_call) for k in cache_kinds.CACHE_KINDS}
     assert allows == {"flat": (True, True, False, False), "paged": (False, False, False, False),
-                      "static_cache": (False, True, True, True)}
+                      "static_cache": (False, True, True, True), "ring_entries": (False, True, False, False)}
 
 
 def test_no_module_registers_a_kind_behind_the_tables_back():
