@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F_nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.axes import B, F, T
@@ -131,17 +132,34 @@ def _batch_rows(index: Any) -> Optional[Any]:
     return None
 
 
+def _modulo_ring(index: Any, ring: int) -> bool:
+    """Whether `index` is `x % ring` in the graph (a value in [0, ring))."""
+    return (isinstance(index, fx.Node) and index.op == "call_function" and index.target in _MODULO
+            and len(index.args) == 2 and index.args[1] == ring)
+
+
+def _bound_in_ring(bound: Any, ring: int) -> bool:
+    """Whether a slice bound lies in [0, ring]: an int, `x % ring`, or a size the trace's
+    guards keep there (a prefill's `[:seqlen]` under `if seqlen <= window`)."""
+    if isinstance(bound, int):
+        return 0 <= bound <= ring
+    if _modulo_ring(bound, ring):
+        return True
+    value = node_value(bound)
+    return isinstance(value, torch.SymInt) and statically_known_true(value >= 0) and statically_known_true(
+        value <= ring)
+
+
 def _in_ring(index: Any, ring: int) -> bool:
     """Whether a position index addresses rows of the ring only: `pos % ring`, an int below
-    it, or a slice within it."""
+    it, or a slice whose bounds lie within it (a prefill's last `ring` keys, split at
+    `seqlen % ring`)."""
     if isinstance(index, int):
         return 0 <= index < ring
     if isinstance(index, slice):
         lo = 0 if index.start is None else index.start
-        hi = index.stop
-        return (index.step in (None, 1) and isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= ring)
-    return (isinstance(index, fx.Node) and index.op == "call_function" and index.target in _MODULO
-            and len(index.args) == 2 and index.args[1] == ring)
+        return index.step in (None, 1) and _bound_in_ring(lo, ring) and _bound_in_ring(index.stop, ring)
+    return _modulo_ring(index, ring)
 
 
 @dataclass
@@ -173,7 +191,7 @@ class EntriesWrite(CacheAccess):
             rows = call(graph, operator.getitem, local, (slice(None), slice(self.ring, None)), name="entry_rows")
             value = method(graph, "unsqueeze", self.value, 1, name="written_entry") if self.one else self.value
             for node in (rows, value):  # later passes (device positions) read their shapes
-                if node.meta.get("example_value") is None and node_value(node.args[0]) is not None:
+                if node_value(node) is None:
                     set_example_value(node)
         args = (rows, value, self.start, entry.c, entry.rank, entry.virtual_capacity, 0)
         return replace_node(graph, self.node, layout.write_owned_tokens_, args, name="striped_write")
