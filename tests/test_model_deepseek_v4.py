@@ -235,6 +235,47 @@ def test_ring_entries_shard_holds_the_ring_then_the_rank_entries():
         assert entry.token_rows == 2 * 8
 
 
+class _RingWrittenPastItsRing(torch.nn.Module):
+    """A ring of 4 rows then 4 rows more, the rows past the ring written directly (not through a
+    view past the ring): the write cannot be mapped to a rank's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kv_cache", torch.zeros(2, 8, 8))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, pos: int) -> torch.Tensor:
+        self.kv_cache[:2, pos % 4] = k
+        self.kv_cache[:2, 4 + pos // 2] = k
+        scores = torch.einsum("bshd,btd->bsht", q, self.kv_cache[:2]) * 0.3
+        return torch.einsum("bsht,btd->bshd", scores.softmax(-1), self.kv_cache[:2])
+
+
+def test_a_write_past_the_ring_outside_the_entries_view_is_a_near_miss():
+    from dcp_pass.rewrites.match import find_mla
+
+    found = []
+
+    def record(gm, example_inputs):
+        found.append(find_mla(gm.graph))
+        return gm.forward
+
+    model = _RingWrittenPastItsRing()
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 2, 8, generator=g), torch.randn(2, 8, generator=g)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=record)
+        with torch.no_grad():
+            for pos in (5, 6):  # the second graph takes the position as a symbol: `pos % 4` is in it
+                compiled(q, k, pos)
+    finally:
+        torch._dynamo.reset()
+    last = found[-1]
+    assert not last.matches and len(last.near_misses) == 1, last
+    where, reason = last.near_misses[0]
+    assert "holds a window ring of 4 rows" in reason and "4 + pos // 2" in reason, reason
+
+
 @pytest.mark.slow
 # CI: inner "eager" at c = 2; the rest under DCP_TEST_FULL=1 (the ring's write makes a graph per
 # ring slot, each an aot trace under aot_eager and a compile under inductor)

@@ -204,13 +204,21 @@ class UnmappedWrite(CacheAccess):
     def describe(self) -> str:
         return "rows that are neither its window ring nor its entries"
 
+    def why(self, ring: int) -> str:
+        return (f"{buffer_name(self.buffer)} holds a window ring of {ring} rows and then compressed entries; this "
+                f"write addresses neither ring rows (`[:b, pos % {ring}]`) nor entries (through the view past the "
+                f"ring), so DCP cannot map it to a rank's rows")
+
+    def as_kind(self, kind: str) -> Optional[CacheAccess]:
+        """A near miss of the attention that reads the buffer (named at this write)."""
+        from dcp_pass.rewrites.match import NearMiss
+
+        raise NearMiss(self.why(ring_rows(self.buffer)), self.node)
+
     def rewrite_write(self, graph: fx.Graph, local: fx.Node, entry) -> fx.Node:
         from dcp_pass.rewrites.match import where_of
 
-        raise DcpCacheError(f"{buffer_name(self.buffer)} holds a window ring of {entry.ring_rows} rows and then "
-                            f"compressed entries striped by DCP; the write at {where_of(self.node)} addresses neither "
-                            f"ring rows (`[:b, pos % {entry.ring_rows}]`) nor entries (through the view past the "
-                            f"ring), so it cannot be mapped to the rank's rows")
+        raise DcpCacheError(f"{self.why(entry.ring_rows)} (at {where_of(self.node)}); its storage is striped already")
 
 
 def ring_entries_write(node: fx.Node) -> Optional[CacheAccess]:
