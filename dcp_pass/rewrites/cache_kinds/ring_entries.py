@@ -209,7 +209,7 @@ class UnmappedWrite(CacheAccess):
                 f"write addresses neither ring rows (`[:b, pos % {ring}]`) nor entries (through the view past the "
                 f"ring), so DCP cannot map it to a rank's rows")
 
-    def as_kind(self, kind: str) -> Optional[CacheAccess]:
+    def as_kind(self, kind: CacheKind) -> Optional[CacheAccess]:
         """A near miss of the attention that reads the buffer (named at this write)."""
         from dcp_pass.rewrites.match import NearMiss
 
