@@ -60,6 +60,20 @@ class TensorPositionRotary(nn.Module):
         return torch.view_as_real(f * xc).flatten(-2)
 
 
+class InverseRotary(nn.Module):
+    """Rotary back by the conjugate (`freqs_cis.conj()`, DeepSeek-V4's output rotation): the
+    complex operand is a conjugate view, whose `view_as_real` fails at run time."""
+
+    def __init__(self, rope=8, max_seq=64):
+        super().__init__()
+        self.register_buffer("freqs_cis", freqs(rope, max_seq), persistent=False)
+
+    def forward(self, x, start_pos: int):
+        f = self.freqs_cis[start_pos:start_pos + x.size(1)].conj()
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * f.view(1, xc.size(1), 1, xc.size(-1))).flatten(3)
+
+
 class Captured:
     """A Dynamo backend that rewrites each graph, keeps it, and runs it with `inner`."""
 
@@ -136,6 +150,14 @@ to_3 = flatten_1.to(torch.float32)""")
 
     def test_int_position_equals_eager_fp64(self):
         self._check_equal(IntPositionRotary(dtype=torch.complex128), self._int_inputs, torch.float64)
+
+    def test_conjugate_operand_equals_eager(self):
+        """real(conj(z)) is (re, -im) of real(z): the product is rewritten and runs (a view_as_real of
+        the conjugate view would fail at run time)."""
+        be = self._check_equal(InverseRotary(), lambda step, dtype: (torch.randn(2, 1, 4, 8, dtype=dtype), step),
+                               torch.float32)
+        self.assertEqual(be.counts, [1])
+        self.assertEqual(complex_ops(be.graphs[-1]), [])
 
     def test_int_position_under_inductor(self):
         from torch._inductor.compile_fx import compile_fx

@@ -86,6 +86,7 @@ class _RealViews:
     real(z[index]) (no Ellipsis) = real(z)[index]
     real(index_select(z, d, i))  = index_select(real(z), d', i)   (d' = d - 1 if d < 0)
     real(unsqueeze(z, d))        = unsqueeze(real(z), d')
+    real(conj(z))                = cat(real(z)[..., :1], -real(z)[..., 1:])
     real(anything else)          = view_as_real(z)
 
     The real dimension is the last one, so indexing and views of the leading (complex)
@@ -108,8 +109,21 @@ class _RealViews:
     def _new(self, after: fx.Node, op: str, target: Any, args: tuple, name: str) -> fx.Node:
         with self.graph.inserting_after(after):
             new = self.graph.create_node(op, target, args, {}, name=f"{name}_real")
-        fx_util.set_example_value(new)
+        try:
+            fx_util.set_example_value(new)
+        except Exception:
+            self.graph.erase_node(new)  # a node that cannot be traced is not left behind
+            raise
         return new
+
+    def _conjugate(self, node: fx.Node, base: fx.Node) -> fx.Node:
+        """real(conj(z)) = (re, -im) of real(z): `view_as_real` of a conjugate view fails at run time."""
+        base_real = self.of(base, node)
+        after = base_real if _is_input(base) else node
+        re = self._new(after, "call_function", operator.getitem, (base_real, (Ellipsis, slice(None, 1))), node.name)
+        im = self._new(re, "call_function", operator.getitem, (base_real, (Ellipsis, slice(1, None))), node.name)
+        neg = self._new(im, "call_function", operator.neg, (im,), node.name)
+        return self._new(neg, "call_function", torch.cat, ([re, neg], -1), node.name)
 
     def _build(self, node: fx.Node, site: fx.Node) -> fx.Node:
         args, base = node.args, node.args[0] if node.args else None
@@ -135,6 +149,8 @@ class _RealViews:
         elif (is_method(node, "unsqueeze") or is_function(node, torch.unsqueeze)) and len(args) == 2 and isinstance(
                 args[1], int):
             return derived(node.op, node.target, _shift(args[1]))
+        elif (is_method(node, "conj") or is_function(node, torch.conj)) and len(args) == 1:
+            return self._conjugate(node, base)
         return self._new(node, "call_function", torch.view_as_real, (node,), node.name)
 
 
