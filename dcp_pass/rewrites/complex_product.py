@@ -119,8 +119,8 @@ class _RealViews:
     def _conjugate(self, node: fx.Node, base: fx.Node) -> fx.Node:
         """real(conj(z)) = (re, -im) of real(z): `view_as_real` of a conjugate view fails at run time."""
         base_real = self.of(base, node)
-        after = base_real if _is_input(base) else node
-        re = self._new(after, "call_function", operator.getitem, (base_real, (Ellipsis, slice(None, 1))), node.name)
+        first = (base_real, (Ellipsis, slice(None, 1)))
+        re = self._new(_later(base_real, node), "call_function", operator.getitem, first, node.name)
         im = self._new(re, "call_function", operator.getitem, (base_real, (Ellipsis, slice(1, None))), node.name)
         neg = self._new(im, "call_function", operator.neg, (im,), node.name)
         return self._new(neg, "call_function", torch.cat, ([re, neg], -1), node.name)
@@ -134,8 +134,7 @@ class _RealViews:
 
         def derived(target_op: str, target: Any, *rest: Any) -> fx.Node:
             base_real = self.of(base, node)
-            after = base_real if _is_input(base) else node
-            return self._new(after, target_op, target, (base_real, *rest), node.name)
+            return self._new(_later(base_real, node), target_op, target, (base_real, *rest), node.name)
 
         if is_method(node, "view", "reshape") and len(args) >= 2:
             shape = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
@@ -152,6 +151,18 @@ class _RealViews:
         elif (is_method(node, "conj") or is_function(node, torch.conj)) and len(args) == 1:
             return self._conjugate(node, base)
         return self._new(node, "call_function", torch.view_as_real, (node,), node.name)
+
+
+def _later(a: fx.Node, b: fx.Node) -> fx.Node:
+    """Whichever of `a` and `b` comes later in their graph: a node derived from both goes after
+    it (an input's real view sits after its first use, which may come before or after `b`, whose
+    own arguments, a step position's arithmetic, may come after that first use)."""
+    node = a.next
+    while node.op != "root":
+        if node is b:
+            return b
+        node = node.next
+    return a
 
 
 def _is_input(node: fx.Node) -> bool:
