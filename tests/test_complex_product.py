@@ -74,21 +74,6 @@ class InverseRotary(nn.Module):
         return torch.view_as_real(xc * f.view(1, xc.size(1), 1, xc.size(-1))).flatten(3)
 
 
-class LateIndexRotary(nn.Module):
-    """Two rotaries from one `freqs_cis`, the second at a position computed after the first
-    (DeepSeek-V4's compressor rotates its entry at `start_pos + 1 - ratio`): the buffer's real
-    view sits at the first use, before that position exists."""
-
-    def __init__(self, rope=8, max_seq=64):
-        super().__init__()
-        self.register_buffer("freqs_cis", freqs(rope, max_seq), persistent=False)
-        self.entry_freqs = self.freqs_cis  # a plain attribute, as the compressor holds it
-
-    def forward(self, x, start_pos: int):
-        y = rotate(x, self.freqs_cis[start_pos:start_pos + x.size(1)])
-        return rotate(y, self.entry_freqs[start_pos + 1 - 4].unsqueeze(0))
-
-
 class Captured:
     """A Dynamo backend that rewrites each graph, keeps it, and runs it with `inner`."""
 
@@ -173,11 +158,6 @@ to_3 = flatten_1.to(torch.float32)""")
                                torch.float32)
         self.assertEqual(be.counts, [1])
         self.assertEqual(complex_ops(be.graphs[-1]), [])
-
-    def test_position_computed_after_the_first_use_equals_eager(self):
-        be = self._check_equal(LateIndexRotary(), lambda step, dtype: (torch.randn(2, 1, 4, 8, dtype=dtype), step),
-                               torch.float32)
-        self.assertEqual(be.counts, [2])
 
     def test_int_position_under_inductor(self):
         from torch._inductor.compile_fx import compile_fx
