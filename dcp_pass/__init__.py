@@ -1,13 +1,25 @@
 """dcp_pass: decode context parallelism for MLA attention as a torch.compile backend.
 
-    model = torch.compile(model, backend="dcp", options={"dcp_size": 2})
+model = torch.compile(model, backend="dcp", options={"dcp_size": 2})
 """
+
 from dcp_pass.options import DcpOptionError, DcpOptions
 from dcp_pass.topology import DcpTopology, DcpTopologyError, plan_topology
 
-__all__ = ["DcpOptions", "DcpOptionError", "DcpTopology", "DcpTopologyError", "plan_topology",
-           "DcpBackend", "last_report", "deferred_caches", "materialize", "DcpCacheError",
-           "refresh_weights", "DcpWeightsError"]
+__all__ = [
+    "DcpOptions",
+    "DcpOptionError",
+    "DcpTopology",
+    "DcpTopologyError",
+    "plan_topology",
+    "DcpBackend",
+    "last_report",
+    "deferred_caches",
+    "materialize",
+    "DcpCacheError",
+    "refresh_weights",
+    "DcpWeightsError",
+]
 
 
 def __getattr__(name):

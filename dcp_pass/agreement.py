@@ -11,6 +11,7 @@ The store, not a collective: a rank whose options say dcp_size=1 must still take
 (it cannot know that a peer says 2), and a store read times out by itself when a rank
 never compiles, instead of blocking a collective that later collectives queue behind.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -6,6 +6,7 @@ Found through the `torch_dynamo_backends` entry point (pyproject.toml), so no im
 is needed. `DcpBackend` is the same thing as an object, for users and tests that
 want the report and the rewritten graphs.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -47,8 +48,12 @@ def inference_mode_block(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.Node]
     if len(marks) != 2:
         return None
     enter, leave = marks
-    if not (enter.target is _ENTER_INFERENCE and enter.args[:1] == (True,)
-            and leave.target is _EXIT_INFERENCE and leave.args[:1] == (enter,)):
+    if not (
+        enter.target is _ENTER_INFERENCE
+        and enter.args[:1] == (True,)
+        and leave.target is _EXIT_INFERENCE
+        and leave.args[:1] == (enter,)
+    ):
         return None
     outside, inside = set(), False
     for node in gm.graph.nodes:
@@ -62,8 +67,14 @@ def inference_mode_block(gm: fx.GraphModule) -> Optional[tuple[fx.Node, fx.Node]
     return enter, leave
 
 
-def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str],
-                  host_counts: bool = False, allocates: bool = False) -> Callable:
+def compile_inner(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    opts: DcpOptions,
+    mode: Optional[str],
+    host_counts: bool = False,
+    allocates: bool = False,
+) -> Callable:
     """Hand the (rewritten) graph to the compiler named by `opts.inner`.
 
     A graph that is one inference-mode block (pytorch#180823: AOT autograd fails on it
@@ -96,8 +107,14 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
     return run
 
 
-def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, mode: Optional[str],
-                   host_counts: bool = False, allocates: bool = False) -> Callable:
+def _compile_inner(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    opts: DcpOptions,
+    mode: Optional[str],
+    host_counts: bool = False,
+    allocates: bool = False,
+) -> Callable:
     """`allocates`: the backend makes cache shards for every call of the graph (the graph
     allocated them: rewrites/allocation.py), new addresses each time."""
     patches = inner_config_patches(opts, _device_of(example_inputs), mode, host_counts)
@@ -108,8 +125,10 @@ def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpO
         # and its step counter) would be overwritten there.
         state = fx_util.state_built_in_graph(gm.graph)
         if allocates or state:
-            log.info("dcp_pass: a graph %s: compiled without CUDA graphs", "allocates cache stripes" if allocates
-                     else f"builds state it returns ({', '.join(state[:4])})")
+            log.info(
+                "dcp_pass: a graph %s: compiled without CUDA graphs",
+                "allocates cache stripes" if allocates else f"builds state it returns ({', '.join(state[:4])})",
+            )
             patches["triton.cudagraphs"] = False
             compiled = _compile_with(gm, example_inputs, opts, patches)
             # the state it returns is marked as the model marks it when made eagerly, or the
@@ -142,8 +161,9 @@ def _marking_static(compiled: Callable, indices: list[int]) -> Callable:
     return run
 
 
-def _compile_with(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions,
-                  patches: dict[str, Any]) -> Callable:
+def _compile_with(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOptions, patches: dict[str, Any]
+) -> Callable:
     if opts.inner == "eager":
         return gm.forward
     if opts.inner == "aot_eager":
@@ -157,8 +177,9 @@ def _compile_with(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DcpOp
     return compiled
 
 
-def inner_config_patches(opts: DcpOptions, device: torch.device, mode: Optional[str],
-                         host_counts: bool = False) -> dict[str, Any]:
+def inner_config_patches(
+    opts: DcpOptions, device: torch.device, mode: Optional[str], host_counts: bool = False
+) -> dict[str, Any]:
     """Inductor config patches of the inner compile: `mode`'s options (when a DcpBackend is
     given a mode), then option 'cudagraphs', then 'inner_options' (which win).
 
@@ -218,8 +239,11 @@ def check_attn_backend(requested: str, device: torch.device) -> str:
         raise DcpOptionError(f"option 'attn_backend' must be one of {names}; got {requested!r}")
     reason = ATTENTION_BACKENDS[requested].available(torch.device(device), None)
     if reason is not None:
-        here = [AUTO] + [n for n, b in ATTENTION_BACKENDS.items()
-                         if n != requested and b.available(torch.device(device), None) is None]
+        here = [AUTO] + [
+            n
+            for n, b in ATTENTION_BACKENDS.items()
+            if n != requested and b.available(torch.device(device), None) is None
+        ]
         choices = ", ".join(map(repr, here[:-1])) + f" or {here[-1]!r}"
         raise DcpOptionError(f"option 'attn_backend'={requested!r} {reason}; use {choices}")
     return requested
@@ -290,8 +314,16 @@ def resolve_plan(opts: DcpOptions, topo: DcpTopology, example_inputs: Sequence[A
     comm_backend = comm.select_comm_backend(opts.comm_backend, device, group)
     attn_backend = check_attn_backend(opts.attn_backend, device)
     lse_base = opts.lse_base or attention_lse_base(attn_backend)
-    return AttentionPlan(topo.dcp_size, topo.dcp_rank, group.group_name, comm_backend, topo.head_sharded,
-                         lse_base, attn_backend, opts.absorb_kv_b_proj)
+    return AttentionPlan(
+        topo.dcp_size,
+        topo.dcp_rank,
+        group.group_name,
+        comm_backend,
+        topo.head_sharded,
+        lse_base,
+        attn_backend,
+        opts.absorb_kv_b_proj,
+    )
 
 
 def single_rank_plan(opts: DcpOptions, example_inputs: Sequence[Any]) -> AttentionPlan:
@@ -299,8 +331,9 @@ def single_rank_plan(opts: DcpOptions, example_inputs: Sequence[Any]) -> Attenti
     from dcp_pass.runtime.decode.backends import attention_lse_base
 
     attn_backend = check_attn_backend(opts.attn_backend, _device_of(example_inputs))
-    return AttentionPlan(1, 0, "", "none", False, opts.lse_base or attention_lse_base(attn_backend), attn_backend,
-                         opts.absorb_kv_b_proj)
+    return AttentionPlan(
+        1, 0, "", "none", False, opts.lse_base or attention_lse_base(attn_backend), attn_backend, opts.absorb_kv_b_proj
+    )
 
 
 def pass_config(opts: DcpOptions, plan: AttentionPlan, example_inputs: Sequence[Any]) -> PassConfig:
@@ -308,10 +341,18 @@ def pass_config(opts: DcpOptions, plan: AttentionPlan, example_inputs: Sequence[
     complex_as_real = opts.complex_as_real if opts.complex_as_real is not None else opts.inner == "inductor"
     # every graph of a DCP model, with MLA or not: one symbolic graph would keep the step
     # from replaying as CUDA graphs
-    static_positions = (opts.static_positions if opts.static_positions is not None
-                        else _device_of(example_inputs).type == "cuda")
-    return PassConfig(plan, opts.replicate_q_proj, opts.strict, complex_as_real, static_positions,
-                      opts.project_before_merge, opts.kv_cache_dtype)
+    static_positions = (
+        opts.static_positions if opts.static_positions is not None else _device_of(example_inputs).type == "cuda"
+    )
+    return PassConfig(
+        plan,
+        opts.replicate_q_proj,
+        opts.strict,
+        complex_as_real,
+        static_positions,
+        opts.project_before_merge,
+        opts.kv_cache_dtype,
+    )
 
 
 def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str:
@@ -321,29 +362,58 @@ def graph_diff(before: fx.GraphModule, after: fx.GraphModule, index: int) -> str
     def lines(gm):
         return [line.split(";  ")[0].rstrip() for line in gm.code.splitlines() if line.strip()]
 
-    return "\n".join(difflib.unified_diff(lines(before), lines(after), f"graph {index} (captured)",
-                                           f"graph {index} (dcp)", lineterm="", n=0))
+    return "\n".join(
+        difflib.unified_diff(
+            lines(before), lines(after), f"graph {index} (captured)", f"graph {index} (dcp)", lineterm="", n=0
+        )
+    )
 
 
-def compile_with_feeder(gm, example_inputs, caches, weights, opts: DcpOptions, mode, report: DcpReport,
-                        position=None, layers: Optional[Sequence[Optional[str]]] = None, checks=(),
-                        allocations=(), allocation_layers: Optional[Sequence[Optional[str]]] = None,
-                        attention_layers: Sequence[str] = ()) -> CallFeeder:
+def compile_with_feeder(
+    gm,
+    example_inputs,
+    caches,
+    weights,
+    opts: DcpOptions,
+    mode,
+    report: DcpReport,
+    position=None,
+    layers: Optional[Sequence[Optional[str]]] = None,
+    checks=(),
+    allocations=(),
+    allocation_layers: Optional[Sequence[Optional[str]]] = None,
+    attention_layers: Sequence[str] = (),
+) -> CallFeeder:
     """Compile `gm`, which takes the local shards, the graph's allocated caches, replicated
     weights and (with `position`) the device step position as trailing inputs, and return
     the feeder that resolves them per call (state/feeder.py says what each argument is)."""
     # static-shape fakes: Dynamo never saw the shards, inner fakification would give them
     # symbolic sizes that Dynamo cannot turn into guards
     made = [a.make() for a in allocations]  # examples of each call's: their fakes are compiled for
-    held = ([shell for shell, _ in made] + [entry.local for _, entry in caches] + [entry.local for _, entry in made]
-            + [w.example for w in weights])
+    held = (
+        [shell for shell, _ in made]
+        + [entry.local for _, entry in caches]
+        + [entry.local for _, entry in made]
+        + [w.example for w in weights]
+    )
     trailing = [fx_util.static_fake(t) for t in held + ([position.buffer] if position is not None else [])]
     del made
     examples = list(example_inputs) if position is None else position.example_inputs(example_inputs)
     host_counts = position is not None and position.holds_count
     compiled = compile_inner(gm, plain_inputs(examples) + trailing, opts, mode, host_counts, bool(allocations))
-    return CallFeeder(compiled, report, caches, weights, checks, allocations, position, host_counts, layers,
-                      allocation_layers, attention_layers)
+    return CallFeeder(
+        compiled,
+        report,
+        caches,
+        weights,
+        checks,
+        allocations,
+        position,
+        host_counts,
+        layers,
+        allocation_layers,
+        attention_layers,
+    )
 
 
 class DcpBackend:
@@ -374,20 +444,30 @@ class DcpBackend:
             graph_report.unchanged_reason = "dcp_size=1"
             out, caches, weights = gm, [], []
         else:
-            plan = resolve_plan(opts, self.topology, example_inputs) if self.topology.enabled else single_rank_plan(
-                opts, example_inputs)
-            result = apply_dcp(gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report,
-                               observer=self.observer)
+            plan = (
+                resolve_plan(opts, self.topology, example_inputs)
+                if self.topology.enabled
+                else single_rank_plan(opts, example_inputs)
+            )
+            result = apply_dcp(
+                gm, example_inputs, pass_config(opts, plan, example_inputs), graph_report, observer=self.observer
+            )
             out, caches, weights, position = result.graph_module, result.caches, result.weights, result.position
             checks, allocations = result.checks, result.allocations
             check_inference_only(out, example_inputs, graph_report)
             named = cache_layers(graph_report, [entry.name for _, entry in caches] + [a.name for a in allocations])
-            layers, allocation_layers = named[:len(caches)], named[len(caches):]
+            layers, allocation_layers = named[: len(caches)], named[len(caches) :]
             self.report.add_uncached_layers(graph_report, named)
             for (index, entry), layer in zip(caches, layers):
-                key = self.report.add_cache(example_inputs[index], entry.name, entry.full_nbytes, entry.local_nbytes,
-                                            layer, renewed=entry.kind.installed_at_first_call,
-                                            token_rows=entry.token_rows)
+                key = self.report.add_cache(
+                    example_inputs[index],
+                    entry.name,
+                    entry.full_nbytes,
+                    entry.local_nbytes,
+                    layer,
+                    renewed=entry.kind.installed_at_first_call,
+                    token_rows=entry.token_rows,
+                )
                 if key is not None:
                     new_caches.append(key)
             if caches or allocations:
@@ -396,9 +476,21 @@ class DcpBackend:
         log.info("%s", self.report.graph_log(graph_report, new_caches))
         self._warn_if_nothing_rewritten(graph_report)
         if caches or allocations or position is not None:
-            return compile_with_feeder(out, example_inputs, caches, weights, opts, mode, self.report, position,
-                                       layers, checks, allocations, allocation_layers,
-                                       [layer.layer for layer in graph_report.layers if layer.rewritten])
+            return compile_with_feeder(
+                out,
+                example_inputs,
+                caches,
+                weights,
+                opts,
+                mode,
+                self.report,
+                position,
+                layers,
+                checks,
+                allocations,
+                allocation_layers,
+                [layer.layer for layer in graph_report.layers if layer.rewritten],
+            )
         if has_striped(example_inputs):  # a graph that takes a striped buffer without reading it
             compiled = compile_inner(out, plain_inputs(example_inputs), opts, mode)
             return lambda *args: compiled(*plain_inputs(args))
@@ -411,8 +503,14 @@ class DcpBackend:
         reasons are in the report, which a user need not print)."""
         kept = [layer for layer in graph_report.layers if not layer.rewritten]
         cut = graph_report.unchanged_reason.startswith(GRAPH_BREAK_AFTER_WRITES)
-        if (self._warned_unchanged or self.topology is None or not self.topology.enabled or self.topology.rank != 0
-                or not (graph_report.near_misses or kept or cut) or any(g.rewritten for g in self.report.graphs)):
+        if (
+            self._warned_unchanged
+            or self.topology is None
+            or not self.topology.enabled
+            or self.topology.rank != 0
+            or not (graph_report.near_misses or kept or cut)
+            or any(g.rewritten for g in self.report.graphs)
+        ):
             return
         self._warned_unchanged = True
         more = 0
@@ -424,10 +522,12 @@ class DcpBackend:
             more = len(graph_report.near_misses) - 1
         else:  # attention was found, and its layers kept as they are
             why = f"{kept[0].layer} is {kept[0].detail}"
-        text = (f"dcp_pass: dcp_size={self.options.dcp_size} but graph {graph_report.graph_index} was left unchanged "
-                f"and no graph has been rewritten so far: {why}"
-                + (f" ({more} more near miss(es) in the report)" if more else "")
-                + "; strict=True raises this instead, and the backend's report lists every graph")
+        text = (
+            f"dcp_pass: dcp_size={self.options.dcp_size} but graph {graph_report.graph_index} was left unchanged "
+            f"and no graph has been rewritten so far: {why}"
+            + (f" ({more} more near miss(es) in the report)" if more else "")
+            + "; strict=True raises this instead, and the backend's report lists every graph"
+        )
         warnings.warn(text, UserWarning, stacklevel=2)
         log.warning("%s", text)
 
@@ -451,8 +551,13 @@ def _compile_call_owner() -> Optional[object]:
         return None
 
 
-def dcp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[Mapping[str, Any]] = None,
-                mode: Optional[str] = None, **kwargs: Any):
+def dcp_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Optional[Mapping[str, Any]] = None,
+    mode: Optional[str] = None,
+    **kwargs: Any,
+):
     """Entry point of `backend="dcp"`; one DcpBackend per torch.compile call (shared by its
     recompiles, freed with the compiled model). Called outside Dynamo: a new one per call."""
     owner = _compile_call_owner()

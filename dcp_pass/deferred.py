@@ -19,6 +19,7 @@ a DCP graph reads outside an attention the pass rewrites is refused by the pass.
 or deep-copying the model keeps it deferred (there is nothing to copy). Code that reads
 the tensor object itself (`buf.sum()`) is not intercepted: it reads a null storage.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,10 +35,25 @@ from dcp_pass.state.store import DcpCacheError, describe, is_deferred
 _FACTORIES = {torch.zeros: 0.0, torch.empty: None}  # factory -> fill
 # Calls that read only metadata: they leave a tensor without memory (nn.Linear's init reads
 # weight.shape before it writes the weight, and we read storages to find our tensors).
-_METADATA = {getattr(torch.Tensor, m) for m in ("untyped_storage", "size", "dim", "stride", "numel", "element_size",
-                                                 "storage_offset", "is_contiguous", "is_floating_point", "is_complex")}
-_METADATA |= {getattr(torch.Tensor, p).__get__ for p in ("shape", "dtype", "device", "layout", "ndim", "requires_grad",
-                                                         "is_cuda", "is_meta", "grad_fn", "is_leaf")}
+_METADATA = {
+    getattr(torch.Tensor, m)
+    for m in (
+        "untyped_storage",
+        "size",
+        "dim",
+        "stride",
+        "numel",
+        "element_size",
+        "storage_offset",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+    )
+}
+_METADATA |= {
+    getattr(torch.Tensor, p).__get__
+    for p in ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_cuda", "is_meta", "grad_fn", "is_leaf")
+}
 
 
 class _DeferMode(TorchFunctionMode):
@@ -81,10 +97,16 @@ class _DeferMode(TorchFunctionMode):
         """Before a torch call reads or writes `t`: move it onto memory if it is on one of our shells."""
         if is_deferred(t):
             name, _ = describe(t)
-            raise DcpCacheError(f"dcp_pass: deferred cache buffer {name} was used while the model is built "
-                                      f"under dcp_pass.deferred_caches(); it has no memory until DCP stripes it")
-        if (self.pending or self.backed) and t.layout == torch.strided and t.device.type != "meta" \
-                and not memory.has_memory(t):
+            raise DcpCacheError(
+                f"dcp_pass: deferred cache buffer {name} was used while the model is built "
+                f"under dcp_pass.deferred_caches(); it has no memory until DCP stripes it"
+            )
+        if (
+            (self.pending or self.backed)
+            and t.layout == torch.strided
+            and t.device.type != "meta"
+            and not memory.has_memory(t)
+        ):
             backing = self._memory_for(t.untyped_storage()._cdata)
             if backing is not None:  # every alias that reaches a torch call moves onto the same memory
                 memory.move_onto(t, backing)
@@ -105,8 +127,9 @@ class _DeferMode(TorchFunctionMode):
     def back_all(self) -> None:
         """At exit: every tensor still on one of our shells (but deferred caches) gets its memory."""
         # Each shell is referenced here once; more means a tensor still uses it.
-        live = {key: entry for key, entry in {**self.pending, **self.backed}.items()
-                if torch._C._storage_Use_Count(key) > 1}
+        live = {
+            key: entry for key, entry in {**self.pending, **self.backed}.items() if torch._C._storage_Use_Count(key) > 1
+        }
         if live:
             for alias in memory.aliases_of(live):
                 if is_deferred(alias):
@@ -129,8 +152,9 @@ def deferred_caches(min_bytes: int = 1 << 20) -> Iterator[None]:
     mode = _DeferMode(min_bytes)
     original = torch.nn.Module.register_buffer
 
-    def register_buffer(module: torch.nn.Module, name: str, tensor: Optional[torch.Tensor],
-                        persistent: bool = True) -> None:
+    def register_buffer(
+        module: torch.nn.Module, name: str, tensor: Optional[torch.Tensor], persistent: bool = True
+    ) -> None:
         original(module, name, tensor, persistent)
         if tensor is not None and not persistent:
             ours, fill = mode.claim(tensor)
@@ -146,8 +170,9 @@ def deferred_caches(min_bytes: int = 1 << 20) -> Iterator[None]:
         mode.back_all()
 
 
-def materialize(model: torch.nn.Module, dcp_size: int, rank: Optional[int] = None,
-                device: Any = None) -> torch.nn.Module:
+def materialize(
+    model: torch.nn.Module, dcp_size: int, rank: Optional[int] = None, device: Any = None
+) -> torch.nn.Module:
     """Give every deferred cache of `model` its storage now, instead of at the first DCP compile.
 
     dcp_size > 1: only this rank's stripe (the shard the DCP backend will use; `rank` is

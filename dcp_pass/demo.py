@@ -8,6 +8,7 @@ prints the layers the pass rewrote (by module path), the KV cache bytes per rank
 without DCP, and whether the tokens equal the same model's run uncompiled in one process.
 `--report` adds the pass's report, `--graph` the code diff of the last rewritten graph.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,15 @@ def _rank(rank: int, world: int, opts: dict):
     if report is None or backend is None:
         raise RuntimeError("the dcp backend compiled no graph of the demo model")
     diffs = backend.diffs
-    return {"tokens": tokens, "report": str(report), "seconds": elapsed, "diff": diffs[-1] if diffs else "",
-            "layers": report.layer_paths(model), "kv_full": report.kv_bytes_full,
-            "kv_local": report.kv_bytes_local}
+    return {
+        "tokens": tokens,
+        "report": str(report),
+        "seconds": elapsed,
+        "diff": diffs[-1] if diffs else "",
+        "layers": report.layer_paths(model),
+        "kv_full": report.kv_bytes_full,
+        "kv_local": report.kv_bytes_local,
+    }
 
 
 def main(argv=None) -> int:
@@ -70,10 +77,19 @@ def main(argv=None) -> int:
     if max(map(len, prompts)) + args.steps > args.context:
         parser.error(f"--context must be at least {max(map(len, prompts)) + args.steps}")
     tp = 1 if args.unsharded else args.c
-    opts = dict(context=args.context, tp=tp, comm=args.comm, steps=args.steps, inner=args.inner,
-                dtype=args.dtype, prompts=prompts)
-    print(f"dcp_pass demo: {args.c} CPU ranks (gloo), DCP={args.c}, TP={tp}, context {args.context}, "
-          f"comm {args.comm or 'auto'}, inner {args.inner}, {args.dtype}")
+    opts = dict(
+        context=args.context,
+        tp=tp,
+        comm=args.comm,
+        steps=args.steps,
+        inner=args.inner,
+        dtype=args.dtype,
+        prompts=prompts,
+    )
+    print(
+        f"dcp_pass demo: {args.c} CPU ranks (gloo), DCP={args.c}, TP={tp}, context {args.context}, "
+        f"comm {args.comm or 'auto'}, inner {args.inner}, {args.dtype}"
+    )
     results = run_ranks(_rank, args.c, opts, timeout=600, threads_per_rank=1)
 
     torch.set_grad_enabled(False)
@@ -85,8 +101,10 @@ def main(argv=None) -> int:
     full, local = first["kv_full"], first["kv_local"]
     print(f"KV cache bytes per rank: {full} without DCP -> {local} with DCP ({full / max(local, 1):.2f}x less)")
     same = all(r["tokens"] == ref_tokens for r in results)
-    print(f"tokens match the uncompiled model: {'YES' if same else 'NO'} "
-          f"({len(prompts)} prompts, {args.steps} tokens each, every rank)")
+    print(
+        f"tokens match the uncompiled model: {'YES' if same else 'NO'} "
+        f"({len(prompts)} prompts, {args.steps} tokens each, every rank)"
+    )
     for prompt, got, want in zip(prompts, first["tokens"], ref_tokens):
         print(f"  prompt {prompt}: dcp {got[:8]}... reference {want[:8]}...")
     print(f"decode time on rank 0: {first['seconds']:.1f}s (compile included)")

@@ -1,5 +1,6 @@
 """What Dynamo is doing in this thread: its eval-frame callback, the compiler of the frame it
 traces, the backends it knows. These read Dynamo internals; each says so where it does."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -51,6 +51,7 @@ variable                        default     meaning
 ``attn_backend`` picks the backend, and the registry, runtime/decode/kernels/registry.py,
 the kernel.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,9 +59,23 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
-__all__ = ["VARIABLES", "Variable", "agreement_timeout_s", "flashinfer_mla_backend", "flashinfer_workspace_mb",
-           "fp8_read", "full_tests", "logs_level", "mla_gluon", "mla_tuned", "mla_wide", "overridden", "ranks_start",
-           "read", "replay_enabled"]
+__all__ = [
+    "VARIABLES",
+    "Variable",
+    "agreement_timeout_s",
+    "flashinfer_mla_backend",
+    "flashinfer_workspace_mb",
+    "fp8_read",
+    "full_tests",
+    "logs_level",
+    "mla_gluon",
+    "mla_tuned",
+    "mla_wide",
+    "overridden",
+    "ranks_start",
+    "read",
+    "replay_enabled",
+]
 
 
 @dataclass(frozen=True)
@@ -71,22 +86,34 @@ class Variable:
     choices: Optional[Tuple[str, ...]] = None  # the values it takes ('' = unset), None: any
 
 
-VARIABLES = {v.name: v for v in (
-    Variable("DCP_LOGS", "", "log level of the 'dcp_pass' logger: info, debug"),
-    Variable("DCP_AGREEMENT_TIMEOUT_S", "120", "seconds a rank waits for the others' options at its first compile"),
-    Variable("DCP_REPLAY", "", "0 turns the attention op's launch replay off"),
-    Variable("DCP_MLA_WIDE", "", "0: never offer the two-GEMM kernel; 1: send every call it can run to it"),
-    Variable("DCP_MLA_GLUON", "", "0: never offer the Gluon kernels"),
-    Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
-    Variable("DCP_FP8_READ", "", "how the Triton kernels read an fp8 latent: unset (each kernel's faster read), "
-             "dequant, fold, fold_qdtype or fold_once", ("", "dequant", "fold", "fold_qdtype", "fold_once")),
-    Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
-    Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
-    Variable("DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")),
-    Variable("DCP_TRACE_ASSERTS", "1", "0: Dynamo breaks graphs at tensor asserts with run-time messages", ("0", "1")),
-    Variable("DCP_TEST_START", "", "spawn: run_ranks spawns its ranks everywhere"),
-    Variable("DCP_TEST_FULL", "", "1: the tests run their whole matrix", ("", "0", "1")),
-)}
+VARIABLES = {
+    v.name: v
+    for v in (
+        Variable("DCP_LOGS", "", "log level of the 'dcp_pass' logger: info, debug"),
+        Variable("DCP_AGREEMENT_TIMEOUT_S", "120", "seconds a rank waits for the others' options at its first compile"),
+        Variable("DCP_REPLAY", "", "0 turns the attention op's launch replay off"),
+        Variable("DCP_MLA_WIDE", "", "0: never offer the two-GEMM kernel; 1: send every call it can run to it"),
+        Variable("DCP_MLA_GLUON", "", "0: never offer the Gluon kernels"),
+        Variable("DCP_MLA_TUNED", "", "JSON file replacing the split kernel's tuned tiles"),
+        Variable(
+            "DCP_FP8_READ",
+            "",
+            "how the Triton kernels read an fp8 latent: unset (each kernel's faster read), "
+            "dequant, fold, fold_qdtype or fold_once",
+            ("", "dequant", "fold", "fold_qdtype", "fold_once"),
+        ),
+        Variable("DCP_FLASHINFER_MLA_BACKEND", "auto", "FlashInfer's MLA implementation", ("auto", "fa2", "fa3")),
+        Variable("DCP_FLASHINFER_WORKSPACE_MB", "128", "FlashInfer's float workspace per device, MiB"),
+        Variable(
+            "DCP_TRACE_BROADCAST", "1", "0: Dynamo breaks graphs at dist.broadcast as without dcp_pass", ("0", "1")
+        ),
+        Variable(
+            "DCP_TRACE_ASSERTS", "1", "0: Dynamo breaks graphs at tensor asserts with run-time messages", ("0", "1")
+        ),
+        Variable("DCP_TEST_START", "", "spawn: run_ranks spawns its ranks everywhere"),
+        Variable("DCP_TEST_FULL", "", "1: the tests run their whole matrix", ("", "0", "1")),
+    )
+}
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@
 `DcpOptions.from_mapping`. Every mistake is reported with the key that caused it,
 before anything is compiled: a typo must never silently fall back to a default.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,17 @@ LSE_BASES = ("e", "2")
 KV_CACHE_DTYPES = ("fp8_e4m3",)
 AUTO = "auto"
 # options whose default (None) is decided at compile time; "auto" is accepted for it
-AUTOMATIC = ("comm_backend", "replicate_q_proj", "lse_base", "static_positions", "complex_as_real",
-             "project_before_merge", "kv_cache_dtype", "absorb_kv_b_proj")
+AUTOMATIC = (
+    "comm_backend",
+    "replicate_q_proj",
+    "lse_base",
+    "static_positions",
+    "complex_as_real",
+    "project_before_merge",
+    "kv_cache_dtype",
+    "absorb_kv_b_proj",
+)
+
 
 class DcpOptionError(ValueError):
     """An option of the dcp backend is unknown, of the wrong type, or out of range."""
@@ -118,12 +128,14 @@ class DcpOptions:
         if self.cudagraphs is True and self.inner != "inductor":
             raise DcpOptionError(
                 f"option 'cudagraphs'=True needs inner='inductor' (CUDA graphs are inductor's), "
-                f"got inner={self.inner!r}")
+                f"got inner={self.inner!r}"
+            )
         given = self.inner_options.get("triton.cudagraphs")
         if isinstance(self.cudagraphs, bool) and given is not None and bool(given) != self.cudagraphs:
             raise DcpOptionError(
                 f"options 'cudagraphs'={self.cudagraphs!r} and 'inner_options'['triton.cudagraphs']={given!r} "
-                f"disagree; give one of them")
+                f"disagree; give one of them"
+            )
         if self.group is not None and not _looks_like_process_group(self.group):
             raise DcpOptionError(
                 f"option 'group' must be a torch.distributed ProcessGroup, got {type(self.group).__name__}"
@@ -183,15 +195,21 @@ def _check_kv_cache_dtype(opts: "DcpOptions") -> None:
     if value is None:
         return
     if value not in KV_CACHE_DTYPES:
-        raise DcpOptionError(f"option 'kv_cache_dtype' must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} or "
-                             f"{AUTO!r} (the model's cache dtype); got {value!r}")
+        raise DcpOptionError(
+            f"option 'kv_cache_dtype' must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} or "
+            f"{AUTO!r} (the model's cache dtype); got {value!r}"
+        )
     if opts.dcp_size == 1 and not opts.fast_path:
-        raise DcpOptionError(f"option 'kv_cache_dtype'={value!r} needs the pass to stripe the cache: dcp_size=1 "
-                             f"leaves every graph unchanged; pass dcp_size > 1, or fast_path=True for one rank")
+        raise DcpOptionError(
+            f"option 'kv_cache_dtype'={value!r} needs the pass to stripe the cache: dcp_size=1 "
+            f"leaves every graph unchanged; pass dcp_size > 1, or fast_path=True for one rank"
+        )
     readers = _backends.fp8_backends()
     if opts.attn_backend not in (None, AUTO) + readers:
-        raise DcpOptionError(f"option 'kv_cache_dtype'={value!r}: attn_backend={opts.attn_backend!r} reads 16-bit "
-                             f"caches only; use attn_backend {', '.join(map(repr, (AUTO,) + readers))}")
+        raise DcpOptionError(
+            f"option 'kv_cache_dtype'={value!r}: attn_backend={opts.attn_backend!r} reads 16-bit "
+            f"caches only; use attn_backend {', '.join(map(repr, (AUTO,) + readers))}"
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

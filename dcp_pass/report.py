@@ -8,6 +8,7 @@ lists every graph on its own.
 Logged through the logger "dcp_pass" (enable with DCP_LOGS=info or DCP_LOGS=debug):
 each graph's lines once, when it compiles.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,14 +77,17 @@ class GraphReport:
         """Back to what a new report of this graph holds (a rewrite starting again writes it anew)."""
         self.__dict__.update(type(self)(self.graph_index).__dict__)
 
-    def detail_lines(self, other_fields: bool = True,
-                     kernel_of: Optional[Callable[[LayerReport], str]] = None) -> list[str]:
+    def detail_lines(
+        self, other_fields: bool = True, kernel_of: Optional[Callable[[LayerReport], str]] = None
+    ) -> list[str]:
         """What happened in this graph, one line each (without the graph's head line);
         `other_fields`: also the fields added to GraphReport that this renderer does not name;
         `kernel_of`: what a rewritten layer's attention runs on, appended to its line."""
-        lines = [f"{'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}"
-                 + (f"; {kernel_of(layer)}" if kernel_of is not None and layer.rewritten else "")
-                 for layer in self.layers]
+        lines = [
+            f"{'rewrote' if layer.rewritten else 'kept   '} {layer.layer}: {layer.detail}"
+            + (f"; {kernel_of(layer)}" if kernel_of is not None and layer.rewritten else "")
+            for layer in self.layers
+        ]
         lines += [f"near miss at {where}: {reason}" for where, reason in self.near_misses]
         lines += list(self.notes)
         if other_fields:
@@ -204,8 +208,16 @@ class DcpReport:
         """Whether `buffer` (alive) is recorded."""
         return id(buffer) in self._keys
 
-    def add_cache(self, buffer: Any, name: str, full: int, local: int, layer: Optional[str] = None,
-                  renewed: bool = False, token_rows: Optional[int] = None) -> Optional[Hashable]:
+    def add_cache(
+        self,
+        buffer: Any,
+        name: str,
+        full: int,
+        local: int,
+        layer: Optional[str] = None,
+        renewed: bool = False,
+        token_rows: Optional[int] = None,
+    ) -> Optional[Hashable]:
         """Record a cache buffer (`layer`: the layer it identifies); its cache's key when the
         cache is new to the report, else None.
 
@@ -231,8 +243,12 @@ class DcpReport:
             pass
         if layer is not None and key not in self.layers_seen:
             self.layers_seen[key] = layer
-            log.debug("rank %d: MLA layer %s seen with new caches (%s so far)", self.rank, layer,
-                      _plural(len(self.layers_seen), "layer"))
+            log.debug(
+                "rank %d: MLA layer %s seen with new caches (%s so far)",
+                self.rank,
+                layer,
+                _plural(len(self.layers_seen), "layer"),
+            )
         return None if known else key
 
     def _forget(self, ident: int, key: Hashable) -> None:
@@ -295,8 +311,10 @@ class DcpReport:
             sums[1] += local / rows
         if not per_layer:
             return None
-        return (sum(f for f, _ in per_layer.values()) / len(per_layer),
-                sum(loc for _, loc in per_layer.values()) / len(per_layer))
+        return (
+            sum(f for f, _ in per_layer.values()) / len(per_layer),
+            sum(loc for _, loc in per_layer.values()) / len(per_layer),
+        )
 
     @property
     def layers_rewritten(self) -> int:
@@ -318,12 +336,15 @@ class DcpReport:
         full, local = self.kv_bytes_full, max(self.kv_bytes_local, 1)
         # at dcp_size=1 (option fast_path) a shard's spare row makes it a little larger
         ratio = f"{full / local:.2f}x less" if full >= local else f"{local / max(full, 1):.2f}x more: no DCP"
-        lines = [f"KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP "
-                 f"({ratio})"]
+        lines = [
+            f"KV cache bytes on this rank: {self.kv_bytes_full} without DCP -> {self.kv_bytes_local} with DCP ({ratio})"
+        ]
         per_token = self.bytes_per_token_per_layer
         if per_token is not None:
-            lines.append(f"striped cache bytes per token per layer: {per_token[0]:.4g} without DCP -> "
-                         f"{per_token[1]:.4g} on this rank")
+            lines.append(
+                f"striped cache bytes per token per layer: {per_token[0]:.4g} without DCP -> "
+                f"{per_token[1]:.4g} on this rank"
+            )
         return lines + [f"striped, not to be read outside compiled graphs: {', '.join(names)}"]
 
     def summary(self) -> str:
@@ -343,15 +364,19 @@ class DcpReport:
             full = sum(self.caches[k][1] for k in new_caches)
             local = sum(self.caches[k][2] for k in new_caches)
             names = ", ".join(sorted({self.caches[k][0] for k in new_caches}))
-            lines.append(f"  striped {names}: {full} -> {local} bytes on this rank "
-                         f"(all caches so far: {self.kv_bytes_full} -> {self.kv_bytes_local})")
+            lines.append(
+                f"  striped {names}: {full} -> {local} bytes on this rank "
+                f"(all caches so far: {self.kv_bytes_full} -> {self.kv_bytes_local})"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         layers = self.layers_rewritten
         used = [g for g in self.graphs if g.rewritten]
-        head = (f"dcp_pass report (dcp_size={self.dcp_size}, rank {self.rank}): "
-                f"{_plural(layers, 'MLA layer')} rewritten, in {len(used)} of {_plural(len(self.graphs), 'graph')}")
+        head = (
+            f"dcp_pass report (dcp_size={self.dcp_size}, rank {self.rank}): "
+            f"{_plural(layers, 'MLA layer')} rewritten, in {len(used)} of {_plural(len(self.graphs), 'graph')}"
+        )
         lines = [head]
         if self.layers_seen:
             counts = Counter(self.layers_seen.values())
@@ -376,5 +401,7 @@ class DcpReport:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"<DcpReport dcp_size={self.dcp_size} rank={self.rank}: {_plural(len(self.graphs), 'graph')}, "
-                f"{_plural(self.layers_rewritten, 'MLA layer')} rewritten, {_plural(len(self.caches), 'cache')}>")
+        return (
+            f"<DcpReport dcp_size={self.dcp_size} rank={self.rank}: {_plural(len(self.graphs), 'graph')}, "
+            f"{_plural(self.layers_rewritten, 'MLA layer')} rewritten, {_plural(len(self.caches), 'cache')}>"
+        )

@@ -12,6 +12,7 @@ When `tp_size == 1` the model is not head-sharded: every rank holds all heads an
 DCP groups are blocks of `dcp_size` replicas that each hold 1/c of the cache
 ("head-replicated" mode, every rank ends with all heads after the merge).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,8 +60,7 @@ def plan_topology(
     tp = world_size if tp_size is None else tp_size
     if world_size % tp != 0:
         raise DcpTopologyError(
-            f"tp_size={tp} does not divide the world size {world_size}; valid tp_size values: "
-            f"{_divisors(world_size)}"
+            f"tp_size={tp} does not divide the world size {world_size}; valid tp_size values: {_divisors(world_size)}"
         )
     if tp % attn_dp_size != 0:
         raise DcpTopologyError(
@@ -81,8 +81,9 @@ def plan_topology(
     dcp_rank = attn_tp_rank % dcp_size
     first = rank - dcp_rank
     group = tuple(range(first, first + dcp_size))
-    topo = DcpTopology(world_size, rank, tp, attn_dp_size, dcp_size, attn_tp, attn_tp_rank,
-                       attn_dp_rank, dcp_rank, group)
+    topo = DcpTopology(
+        world_size, rank, tp, attn_dp_size, dcp_size, attn_tp, attn_tp_rank, attn_dp_rank, dcp_rank, group
+    )
     check_containment(topo)
     return topo
 
@@ -98,8 +99,7 @@ def _plan_head_replicated(world_size: int, rank: int, dcp_size: int, attn_dp_siz
         )
     dcp_rank = rank % dcp_size
     first = rank - dcp_rank
-    return DcpTopology(world_size, rank, 1, 1, dcp_size, 1, 0, 0, dcp_rank,
-                       tuple(range(first, first + dcp_size)))
+    return DcpTopology(world_size, rank, 1, 1, dcp_size, 1, 0, 0, dcp_rank, tuple(range(first, first + dcp_size)))
 
 
 def check_containment(topo: DcpTopology) -> None:

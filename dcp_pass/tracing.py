@@ -22,6 +22,7 @@ traced graphs compute what the model does. `DCP_TRACE_BROADCAST=0` / `DCP_TRACE_
 leave Dynamo as it is. Both use Dynamo internals (the other files that do are
 rewrites/fx_util.py and dynamo_frames.py); if they moved, nothing is installed and a debug line says so.
 """
+
 from __future__ import annotations
 
 import operator
@@ -85,7 +86,7 @@ def install_traced_asserts() -> bool:
         insts, ip = self.instructions, self.instruction_pointer
         if ip >= len(insts) or insts[ip].opname != "LOAD_ASSERTION_ERROR":
             return False
-        for inst in insts[ip + 1:]:  # up to the raise, with no jump: the message's own code
+        for inst in insts[ip + 1 :]:  # up to the raise, with no jump: the message's own code
             if inst.opname == "RAISE_VARARGS":
                 where = f"{os.path.basename(self.f_code.co_filename)}:{self.lineno}"
                 self.push(VariableTracker.build(self, f"assertion failed at {where} (traced by dcp_pass)"))
@@ -103,8 +104,10 @@ def install() -> dict[str, bool]:
     """Install both (once), unless switched off by their environment variables."""
     if _INSTALLED:
         return _INSTALLED
-    for name, var, fn in (("broadcast", "DCP_TRACE_BROADCAST", install_traced_broadcast),
-                          ("asserts", "DCP_TRACE_ASSERTS", install_traced_asserts)):
+    for name, var, fn in (
+        ("broadcast", "DCP_TRACE_BROADCAST", install_traced_broadcast),
+        ("asserts", "DCP_TRACE_ASSERTS", install_traced_asserts),
+    ):
         if env.read(var) == "0":
             _INSTALLED[name] = False
             continue

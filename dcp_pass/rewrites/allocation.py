@@ -32,6 +32,7 @@ Which factory calls are cache allocations is for the recognisers to say: each en
 `ALLOCATION_FORMS` takes a factory node and returns the source name of the cache tensor
 it creates, or None.
 """
+
 from __future__ import annotations
 
 import operator
@@ -62,8 +63,12 @@ class StandIn:
 
 def is_factory(node: fx.Node) -> bool:
     """`torch.zeros` / `torch.empty` / `x.new_zeros` / `x.new_empty` of a strided tensor."""
-    if not (node.op == "call_function" and node.target in _FACTORIES
-            or node.op == "call_method" and node.target in _FACTORY_METHODS):
+    if not (
+        node.op == "call_function"
+        and node.target in _FACTORIES
+        or node.op == "call_method"
+        and node.target in _FACTORY_METHODS
+    ):
         return False
     value = axes.example_value(node)
     return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.requires_grad
@@ -195,8 +200,13 @@ def causal_prefix_over_cache(graph: fx.Graph, stand_ins: list[StandIn]) -> list[
             continue
         args = sdpa_arguments(node)
         q_shape = axes.shape_of(args["query"])
-        if args["is_causal"] is not True or args["attn_mask"] is not None or q_shape is None or len(q_shape) != 4 \
-                or not isinstance(q_shape[2], int):
+        if (
+            args["is_causal"] is not True
+            or args["attn_mask"] is not None
+            or q_shape is None
+            or len(q_shape) != 4
+            or not isinstance(q_shape[2], int)
+        ):
             continue
         n = q_shape[2]
         key, value = _prefix_of(args["key"], n), _prefix_of(args["value"], n)
@@ -213,12 +223,14 @@ def causal_prefix_over_cache(graph: fx.Graph, stand_ins: list[StandIn]) -> list[
             # a stand-in read as it is (GQA through enable_gqa): read through a view at the
             # attention, after the graph's write into it, as the slice read it
             key, value = (_read_here(graph, x) if x in placeholders else x for x in (key, value))
-            new = graph.create_node("call_function", node.target, (args["query"], key, value), kwargs,
-                                    name=f"{node.name}_over_cache")
+            new = graph.create_node(
+                "call_function", node.target, (args["query"], key, value), kwargs, name=f"{node.name}_over_cache"
+            )
         new.meta = dict(node.meta)
         slices = {i: (a.args[0], a.args[1]) for i, a in ((1, args["key"]), (2, args["value"]))}
-        done.append(CausalPrefix(new, node.target, node.args, dict(node.kwargs), slices, node.name,
-                                 dict(node.meta), under))
+        done.append(
+            CausalPrefix(new, node.target, node.args, dict(node.kwargs), slices, node.name, dict(node.meta), under)
+        )
         node.replace_all_uses_with(new)
         old_slices = [args["key"], args["value"]]
         graph.erase_node(node)

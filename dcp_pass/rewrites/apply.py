@@ -28,6 +28,7 @@ position pass runs on whichever graph is kept: every graph of a DCP model, with 
 not, takes its step position as device data where possible (CUDA graphs replay only
 when no graph of the step is symbolic).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -112,11 +113,13 @@ class GraphContext:
     stopped: Optional[str] = None  # why the DCP rewrite stopped (the original graph is kept)
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig,
-           report: GraphReport) -> "GraphContext":
+    def of(
+        cls, gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport
+    ) -> "GraphContext":
         """A context over a working copy of `gm`."""
-        return cls(gm, fx_util.copy_dynamo_graph_module(gm), fx_util.placeholder_values(gm, example_inputs),
-                   config, report)
+        return cls(
+            gm, fx_util.copy_dynamo_graph_module(gm), fx_util.placeholder_values(gm, example_inputs), config, report
+        )
 
     @property
     def graph(self) -> fx.Graph:
@@ -230,18 +233,22 @@ class AllocatedCaches(GraphPass):
         for stand_in in allocation.stand_in_allocations(ctx.graph, symbolic):
             stand_ins[stand_in.placeholder] = stand_in
             example = fx_util.node_value(stand_in.placeholder)
-            ctx.values[stand_in.placeholder.name] = unallocated(example.shape, example.stride(),
-                                                                example.dtype, example.device)
+            ctx.values[stand_in.placeholder.name] = unallocated(
+                example.shape, example.stride(), example.dtype, example.device
+            )
         prefixes = allocation.causal_prefix_over_cache(ctx.graph, list(stand_ins.values()))
         notes = [f"{buffer_name(p)} allocated in the graph" for p in stand_ins]
-        notes += [f"{p.name}: causal attention over the first positions, as causal attention over the cache"
-                  for p in prefixes]
+        notes += [
+            f"{p.name}: causal attention over the first positions, as causal attention over the cache" for p in prefixes
+        ]
         if symbolic:
             # Dynamo compiled this graph for any cache length (a generate with a longer cache than
             # the one before): the stripe's size would be a run-time value
-            note = (f"{', '.join(module_path(s) for s in symbolic)}: allocated with a symbolic size, so at full "
-                    f"size here (each rank keeps its stripe from the first decode step); keep the cache length "
-                    f"fixed (generate's max_length, or a StaticCache made once) to allocate stripes only")
+            note = (
+                f"{', '.join(module_path(s) for s in symbolic)}: allocated with a symbolic size, so at full "
+                f"size here (each rank keeps its stripe from the first decode step); keep the cache length "
+                f"fixed (generate's max_length, or a StaticCache made once) to allocate stripes only"
+            )
             notes.append(note)
             ctx.report.notes.append(note)
         plan = replace(plan, stand_ins=stand_ins, prefixes=tuple(prefixes))
@@ -270,8 +277,7 @@ class FindAttention(GraphPass):
         if ctx.config.strict and found.near_misses:
             where, reason = found.near_misses[0]
             raise DcpRewriteError(f"near-miss MLA pattern at {where}: {reason} (strict=True)")
-        buffers = {b for m in matches for b in m.buffers} | {
-            b for b in found.writes if is_released(ctx.values[b.name])}
+        buffers = {b for m in matches for b in m.buffers} | {b for b in found.writes if is_released(ctx.values[b.name])}
         written = sorted({buffer_name(b) for b in [*found.writes, *plan.stand_ins]})  # before any is put back
         stand_ins = dict(plan.stand_ins)
         prefixes = list(plan.prefixes)
@@ -283,11 +289,22 @@ class FindAttention(GraphPass):
             allocation.put_back(ctx.graph, stand_ins.pop(placeholder))
             found.writes.pop(placeholder, None)
         layers = tuple(
-            LayerPlan(m, m.value_cache.kind, tuple(stand_ins[b] for b in m.buffers if b in stand_ins),
-                      plan.kept_layers.get(m.layer))
-            for m in found.matches)
-        plan = replace(plan, layers=layers, writes=found.writes, buffers=frozenset(buffers), stand_ins=stand_ins,
-                       prefixes=tuple(prefixes))
+            LayerPlan(
+                m,
+                m.value_cache.kind,
+                tuple(stand_ins[b] for b in m.buffers if b in stand_ins),
+                plan.kept_layers.get(m.layer),
+            )
+            for m in found.matches
+        )
+        plan = replace(
+            plan,
+            layers=layers,
+            writes=found.writes,
+            buffers=frozenset(buffers),
+            stand_ins=stand_ins,
+            prefixes=tuple(prefixes),
+        )
         if not buffers:
             _refuse_released(ctx.graph, ctx.values, found.near_misses)
             reason = "no absorbed-MLA attention in this graph"
@@ -298,10 +315,12 @@ class FindAttention(GraphPass):
             if cut is not None and written:
                 # the layer's attention runs in a later graph (or uncompiled, past Dynamo's
                 # recompile_limit), over keys and values handed across the break, not the cache
-                reason = (f"{GRAPH_BREAK_AFTER_WRITES} ({', '.join(written)}): Dynamo cut the graph at {cut}, so "
-                          f"the attention reads keys and values passed across the break, not the cache (in a later "
-                          f"graph, or uncompiled once torch._dynamo.config.recompile_limit is reached); remove the "
-                          f"graph break (TORCH_LOGS=graph_breaks lists them)")
+                reason = (
+                    f"{GRAPH_BREAK_AFTER_WRITES} ({', '.join(written)}): Dynamo cut the graph at {cut}, so "
+                    f"the attention reads keys and values passed across the break, not the cache (in a later "
+                    f"graph, or uncompiled once torch._dynamo.config.recompile_limit is reached); remove the "
+                    f"graph break (TORCH_LOGS=graph_breaks lists them)"
+                )
                 if ctx.config.strict:
                     raise DcpRewriteError(f"{reason} (strict=True)")
             ctx.stop(reason)
@@ -322,8 +341,11 @@ class StripedWrites(GraphPass):
             why = layer.match.check_plan(attn)
             if why is not None:
                 raise DcpRewriteError(why)
-        reads = {read.buffer: read for layer in plan.rewritten
-                 for read in [t.cache for t in layer.match.terms] + [layer.match.value_cache]}
+        reads = {
+            read.buffer: read
+            for layer in plan.rewritten
+            for read in [t.cache for t in layer.match.terms] + [layer.match.value_cache]
+        }
         for read in reads.values():
             check = read.kind.stripe_check
             why = check(read, attn.c) if check is not None else None
@@ -343,8 +365,9 @@ class StripedWrites(GraphPass):
             if buf in plan.stand_ins:  # an example shard: the backend makes each call's
                 entry = _allocated_cache(ctx, buf, kind).shard()
             else:
-                entry = shards.shard_for(ctx.values[buf.name], attn.c, attn.rank, buffer_name(buf), kind,
-                                         formats.get(buf, ""))
+                entry = shards.shard_for(
+                    ctx.values[buf.name], attn.c, attn.rank, buffer_name(buf), kind, formats.get(buf, "")
+                )
             node = fx_util.static_placeholder(ctx.graph, f"dcp_local_cache_{index}", entry.local)
             node.meta["dcp_kv_format"] = entry.kv_format  # the attention rewrite reads the shard's row format
             made[buf] = CacheShard(entry, node)
@@ -362,8 +385,10 @@ class StripedWrites(GraphPass):
                     write.rewrite_write(ctx.graph, made[buf].node, entry)
                     fx_util.erase_dead_region(ctx.graph, feeding)  # e.g. the pool's flat view
                     count += 1
-        layers = tuple(layer if layer.kept is not None else
-                       replace(layer, cache_shards={b: made[b] for b in layer.match.buffers}) for layer in plan.layers)
+        layers = tuple(
+            layer if layer.kept is not None else replace(layer, cache_shards={b: made[b] for b in layer.match.buffers})
+            for layer in plan.layers
+        )
         notes = [f"{buffer_name(b)}: {f}" for b, f in sorted(formats.items(), key=lambda bf: bf[0].name)]
         return replace(plan, layers=layers, cache_shards=made), PassOutcome(count, notes)
 
@@ -427,7 +452,8 @@ class AttentionRewrite(GraphPass):
         kv_format = layer.cache_shards[match.value_cache.buffer].node.meta.get("dcp_kv_format", "")
         window += f", kv cache {kv_format}" if kv_format else ""
         report = LayerReport(
-            match.layer, True,
+            match.layer,
+            True,
             f"{kind}{window}, {match.family} form, {len(match.terms)} score term(s), q {q_detail}, "
             f"comm {_comm_name(attn)}, lse base {attn.lse_base}, attention {attn.attn_backend}"
             + "".join(f", {note}" for note in match.rewrite_notes),
@@ -467,8 +493,9 @@ class ProjectBeforeMerge(GraphPass):
         return plan, PassOutcome(count, notes)
 
     @staticmethod
-    def _project(ctx: GraphContext, replicator: q_replicate.QueryReplicator, match: MlaMatch,
-                 rewritten: RewrittenLayer) -> str:
+    def _project(
+        ctx: GraphContext, replicator: q_replicate.QueryReplicator, match: MlaMatch, rewritten: RewrittenLayer
+    ) -> str:
         attn = ctx.config.plan
         graph = ctx.graph
         exchange = rewritten.merged.exchange
@@ -483,7 +510,8 @@ class ProjectBeforeMerge(GraphPass):
         if attn.comm_backend == "fi_a2a" and attn.head_sharded and (found.v_dim * out_dtype.itemsize) % 16:
             raise project_merge.NotProjected(
                 f"FlashInfer's all-to-all moves rows of 16-byte multiples, and {found.v_dim} "
-                f"{str(out_dtype).replace('torch.', '')} columns are not")
+                f"{str(out_dtype).replace('torch.', '')} columns are not"
+            )
         if not attn.head_sharded:  # every rank holds every head: the local weight covers them
             weights = [found.weight]
             for param in found.params:  # as the query weights: the same on every rank, checked
@@ -491,16 +519,19 @@ class ProjectBeforeMerge(GraphPass):
         else:
             # a fingerprint decides which parameters differ across the group (a fake test group
             # cannot tell: gather); the others are the same on every rank and shared
-            sharded = [p for p in found.params
-                       if weights_differ(ctx.values[p.name], attn.group_name, attn.c, no_verdict=True)]
+            sharded = [
+                p for p in found.params if weights_differ(ctx.values[p.name], attn.group_name, attn.c, no_verdict=True)
+            ]
             project_merge.check_gatherable(sharded, lambda p: ctx.values[p.name].dtype)
             for param in found.params:  # projected for the other ranks' chunks as this rank holds it
                 if param not in sharded:
                     replicator.rely_on_same(param)
             weights = [
-                found.weight if r == attn.rank or not sharded else project_merge.weight_for_rank(
-                    graph, found, sharded,
-                    lambda p, r=r: replicator.weight_input(p, r, prefix="dcp_vc_weight"))
+                found.weight
+                if r == attn.rank or not sharded
+                else project_merge.weight_for_rank(
+                    graph, found, sharded, lambda p, r=r: replicator.weight_input(p, r, prefix="dcp_vc_weight")
+                )
                 for r in range(attn.c)
             ]
         project_merge.emit_projection(graph, exchange, found, weights, in_dtype, partial_dtype, out_dtype)
@@ -516,8 +547,11 @@ class VerifyBuffers(GraphPass):
 
     def run(self, ctx: GraphContext, plan: GraphPlan) -> tuple[GraphPlan, PassOutcome]:
         graph, values = ctx.graph, ctx.values
-        leftovers = [n for n in graph.nodes if n in plan.buffers and n.users
-                     and not (n in plan.stand_ins and allocation.only_returned(n))]
+        leftovers = [
+            n
+            for n in graph.nodes
+            if n in plan.buffers and n.users and not (n in plan.stand_ins and allocation.only_returned(n))
+        ]
         if leftovers:
             uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}" for n in leftovers)
             reason = f"cache buffers are used outside the matched attention ({uses})"
@@ -530,8 +564,10 @@ class VerifyBuffers(GraphPass):
             kept = _layers_to_keep(plan.rewritten, leftovers)
             if kept and len(kept) < len(plan.rewritten):
                 raise _KeepLayers(kept)  # apply_dcp starts again without them
-            ctx.report.layers = [layer if not layer.rewritten else LayerReport(
-                layer.layer, False, kept.get(layer.layer, reason)) for layer in ctx.report.layers]
+            ctx.report.layers = [
+                layer if not layer.rewritten else LayerReport(layer.layer, False, kept.get(layer.layer, reason))
+                for layer in ctx.report.layers
+            ]
             ctx.report.unchanged_reason = reason
             log.warning("dcp_pass: graph left unchanged: %s", reason)
             ctx.stop(reason)
@@ -578,8 +614,11 @@ class InstallShards(GraphPass):
                 siblings += 1
         placeholders = fx_util.placeholders(ctx.graph)
         caches = tuple((placeholders.index(buf), entry) for buf, entry in kept.items())
-        allocations = tuple(_allocated_cache(ctx, buf, plan.cache_shards[buf].entry.kind)
-                            for buf in placeholders if buf in plan.stand_ins)
+        allocations = tuple(
+            _allocated_cache(ctx, buf, plan.cache_shards[buf].entry.kind)
+            for buf in placeholders
+            if buf in plan.stand_ins
+        )
         allocation.drop_factories(ctx.graph, list(plan.stand_ins.values()))
         ctx.graph.lint()
         ctx.gm.recompile()
@@ -611,8 +650,16 @@ class DevicePositions(GraphPass):
 
 
 DEFAULT_PASSES: tuple[GraphPass, ...] = (
-    AllocatedCaches(), FindAttention(), StripedWrites(), QueryReplication(), AttentionRewrite(), ProjectBeforeMerge(),
-    VerifyBuffers(), ComplexAsReal(), InstallShards(), DevicePositions(),
+    AllocatedCaches(),
+    FindAttention(),
+    StripedWrites(),
+    QueryReplication(),
+    AttentionRewrite(),
+    ProjectBeforeMerge(),
+    VerifyBuffers(),
+    ComplexAsReal(),
+    InstallShards(),
+    DevicePositions(),
 )
 
 Observer = Callable[[str, fx.GraphModule], None]
@@ -628,8 +675,12 @@ def run_pass(graph_pass: GraphPass, ctx: GraphContext, plan: GraphPlan) -> tuple
     return new, outcome
 
 
-def run_passes(ctx: GraphContext, plan: GraphPlan, passes: Sequence[GraphPass] = DEFAULT_PASSES,
-               observer: Optional[Observer] = None) -> GraphPlan:
+def run_passes(
+    ctx: GraphContext,
+    plan: GraphPlan,
+    passes: Sequence[GraphPass] = DEFAULT_PASSES,
+    observer: Optional[Observer] = None,
+) -> GraphPlan:
     """Run `passes` in order, each handed the plan the one before returned, recording each
     outcome in the report (and showing the graph after each to `observer`)."""
     for graph_pass in passes:
@@ -661,22 +712,32 @@ def _layers_to_keep(layers: Sequence[LayerPlan], leftovers: list[fx.Node]) -> di
         grew = False
         for match in (layer.match for layer in layers):
             if match.layer not in kept and blocked & set(match.buffers):
-                uses = "; ".join(f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}"
-                                 for n in match.buffers if n in leftovers)
+                uses = "; ".join(
+                    f"{buffer_name(n)}: {', '.join(_describe_use(u) for u in n.users)}"
+                    for n in match.buffers
+                    if n in leftovers
+                )
                 ring = next((r for r in map(_ring_write, match.buffers) if r), None)
                 if ring:
                     kept[match.layer] = f"left as it is: {ring}; every rank keeps it whole"
                 else:
                     what = "a rolling (sliding-window) cache, used" if "roll" in uses else "its cache is used"
-                    kept[match.layer] = (f"left as it is: {what} outside the attention "
-                                         f"({uses or 'shared with a layer left as it is'}); every rank keeps it whole")
+                    kept[match.layer] = (
+                        f"left as it is: {what} outside the attention "
+                        f"({uses or 'shared with a layer left as it is'}); every rank keeps it whole"
+                    )
                 blocked |= set(match.buffers)
                 grew = True
     return kept
 
 
-def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassConfig, report: GraphReport,
-              observer: Optional[Observer] = None) -> DcpPassResult:
+def apply_dcp(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: PassConfig,
+    report: GraphReport,
+    observer: Optional[Observer] = None,
+) -> DcpPassResult:
     """Rewrite every MLA attention of `gm` (see `DcpPassResult`)."""
     kept: dict[str, str] = {}
     while True:
@@ -691,8 +752,14 @@ def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassCon
     if ctx.stopped is not None:
         return DcpPassResult(ctx.gm, position=plan.position)
     replicator = plan.replicator
-    return DcpPassResult(ctx.gm, list(plan.caches), replicator.extra if replicator else [], plan.position,
-                         replicator.checks if replicator else [], list(plan.allocations))
+    return DcpPassResult(
+        ctx.gm,
+        list(plan.caches),
+        replicator.extra if replicator else [],
+        plan.position,
+        replicator.checks if replicator else [],
+        list(plan.allocations),
+    )
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -700,8 +767,15 @@ def apply_dcp(gm: fx.GraphModule, example_inputs: Sequence[Any], config: PassCon
 
 def _allocated_cache(ctx: GraphContext, buf: fx.Node, kind: ShardKind) -> shards.AllocatedCache:
     attn = ctx.config.plan
-    return shards.AllocatedCache.of(ctx.values[buf.name], position_axis(buf), attn.c, attn.rank,
-                                    buffer_name(buf), kind, tuple(allocation.output_positions(ctx.graph, buf)))
+    return shards.AllocatedCache.of(
+        ctx.values[buf.name],
+        position_axis(buf),
+        attn.c,
+        attn.rank,
+        buffer_name(buf),
+        kind,
+        tuple(allocation.output_positions(ctx.graph, buf)),
+    )
 
 
 _FP8_REFUSED = "kv_cache_dtype='fp8_e4m3' cannot store this graph's cache as fp8"
@@ -715,8 +789,9 @@ def _fp8_formats(ctx: GraphContext, layers: Sequence[LayerPlan]) -> dict:
         try:
             spec = fp8_layout_of(match, ctx.values).spec()
         except Fp8Refused as why:
-            raise DcpRewriteError(f"{_FP8_REFUSED}: layer {match.layer}: {why}; pass kv_cache_dtype=None to "
-                                  f"keep the model's cache dtype") from why
+            raise DcpRewriteError(
+                f"{_FP8_REFUSED}: layer {match.layer}: {why}; pass kv_cache_dtype=None to keep the model's cache dtype"
+            ) from why
         buf = match.value_cache.buffer
         if formats.setdefault(buf, spec) != spec:
             raise DcpRewriteError(f"{_FP8_REFUSED}: layers read {buffer_name(buf)} as {formats[buf]} and {spec}")
@@ -731,8 +806,11 @@ def _striped_already(match: MlaMatch, miss: NearMiss):
 
 def _released_buffers_used(graph: fx.Graph, values: dict[str, Any]) -> list[fx.Node]:
     return [
-        n for n in graph.nodes
-        if n.op == "placeholder" and n.users and isinstance(values.get(n.name), torch.Tensor)
+        n
+        for n in graph.nodes
+        if n.op == "placeholder"
+        and n.users
+        and isinstance(values.get(n.name), torch.Tensor)
         and is_released(values[n.name])
     ]
 
@@ -754,9 +832,11 @@ def _ring_write(buffer: fx.Node) -> Optional[str]:
         if not (isinstance(ring, fx.Node) and ring.op == "call_function" and ring.target in _MODULO):
             continue
         size = ring.args[1] if len(ring.args) > 1 and isinstance(ring.args[1], int) else "a size"
-        return (f"{buffer_name(buffer)} is written as a ring of {size} rows (at {where_of(use)}): its rows are "
-                f"ring slots, not token positions, and DCP stripes only rows that are positions (a ring is bounded "
-                f"by its size and costs the same on every rank)")
+        return (
+            f"{buffer_name(buffer)} is written as a ring of {size} rows (at {where_of(use)}): its rows are "
+            f"ring slots, not token positions, and DCP stripes only rows that are positions (a ring is bounded "
+            f"by its size and costs the same on every rank)"
+        )
     return None
 
 

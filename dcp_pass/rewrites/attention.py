@@ -22,6 +22,7 @@ The value contraction's users then read the merged output; the old nodes die. (T
 pass, rewrites/project_merge.py, may move the value up-projection that follows before the
 exchange.)
 """
+
 from __future__ import annotations
 
 import math
@@ -72,8 +73,11 @@ class MergedOutput:
 def ordered_terms(match: MlaMatch):
     """(latent term, rotary term or None): the latent term reads the value columns."""
     value = match.value_cache
-    latent = [t for t in match.terms
-              if t.cache.buffer is value.buffer and (t.cache.feat or (0,))[0] == (value.feat or (0,))[0]]
+    latent = [
+        t
+        for t in match.terms
+        if t.cache.buffer is value.buffer and (t.cache.feat or (0,))[0] == (value.feat or (0,))[0]
+    ]
     if len(latent) != 1:
         raise NearMiss("cannot tell the latent score term from the rotary one")
     rope = [t for t in match.terms if t is not latent[0]]
@@ -90,7 +94,8 @@ def check_mask_heads(match: MlaMatch, plan: AttentionPlan) -> None:
         shape = axes.shape_of(mask.node)
         if H in mask.roles and not axes.known_equal(shape[mask.roles.index(H)], 1):
             raise NearMiss(
-                "the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask")
+                "the attention mask differs per head; DCP with head-sharded queries needs a head-broadcast mask"
+            )
 
 
 def layer_backend(match: MlaMatch, plan: AttentionPlan) -> str:
@@ -124,8 +129,9 @@ def canonical_query(graph: fx.Graph, node: fx.Node, term: ScoreTerm, name: Optio
     return call(graph, operator.getitem, q, (Ellipsis, slice(*term.query_cols)), name=name)
 
 
-def to_canonical(graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], canonical: list[str],
-                 name: Optional[str] = None) -> fx.Node:
+def to_canonical(
+    graph: fx.Graph, node: fx.Node, roles: list[Optional[str]], canonical: list[str], name: Optional[str] = None
+) -> fx.Node:
     perm = axes.permutation_to(roles, canonical)
     if perm is None:
         raise NearMiss(f"{node.name} has axes {roles}, cannot order them as {canonical}")
@@ -162,8 +168,9 @@ def masks_to_add(match: MlaMatch) -> list[MaskTerm]:
     return list(match.masks) if match.causal else causal_masks.causal_splits(match.masks)[1]
 
 
-def _in_score_order(graph: fx.Graph, match: MlaMatch, mask: MaskTerm, node: fx.Node,
-                    name: Optional[str] = None) -> fx.Node:
+def _in_score_order(
+    graph: fx.Graph, match: MlaMatch, mask: MaskTerm, node: fx.Node, name: Optional[str] = None
+) -> fx.Node:
     """`node` (a mask term's tensor, or a function of it) with the scores' missing leading axes
     added and its axes ordered [B, S, H, T]."""
     missing = len(match.score_roles) - len(mask.roles)
@@ -202,8 +209,13 @@ def score_mask(graph: fx.Graph, match: MlaMatch, q_lat: Optional[fx.Node] = None
     return total
 
 
-def merge_local_attention(graph: fx.Graph, attn: fx.Node, match: MlaMatch, plan: AttentionPlan,
-                          project: Optional[Callable[[fx.Node], fx.Node]] = None) -> MergedOutput:
+def merge_local_attention(
+    graph: fx.Graph,
+    attn: fx.Node,
+    match: MlaMatch,
+    plan: AttentionPlan,
+    project: Optional[Callable[[fx.Node], fx.Node]] = None,
+) -> MergedOutput:
     """The tail of every rewritten attention: the partial output and LSE of the local attention
     op `attn`, exchanged and merged across the DCP group ([B, S, H, F], `emit_exchange`), mapped
     by `project` when given (absorbed MLA's value half), back in the model's layout."""
@@ -235,32 +247,61 @@ def emit_exchange(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, 
             return merged
         if "sink after the merge" not in match.rewrite_notes:
             match.rewrite_notes.append("sink after the merge")
-        return call(graph, fold_sink, merged, merged_lse, sink_logits(graph, match), plan.lse_base,
-                    match.out_dtype, name="merged_sink")
+        return call(
+            graph,
+            fold_sink,
+            merged,
+            merged_lse,
+            sink_logits(graph, match),
+            plan.lse_base,
+            match.out_dtype,
+            name="merged_sink",
+        )
     if plan.c == 1:  # one rank holds every key (the single-GPU fast path): its partial is the output
         return method(graph, "to", out, match.out_dtype, name="merged")
     common = dict(base=plan.lse_base, out_dtype=match.out_dtype)
     backend = COMM_BACKENDS[plan.comm_backend]
     if not plan.head_sharded:
-        return call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c,
-                     method=backend.replicated_method, name="merged", **common)
+        return call(
+            graph,
+            comm.exchange_replicated,
+            out,
+            lse,
+            plan.group_name,
+            plan.c,
+            method=backend.replicated_method,
+            name="merged",
+            **common,
+        )
     return call(graph, backend.exchange, out, lse, plan.group_name, plan.c, name="merged", **common)
 
 
-def emit_exchange_with_lse(graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan,
-                           out_dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
+def emit_exchange_with_lse(
+    graph: fx.Graph, out: fx.Node, lse: fx.Node, match: MlaMatch, plan: AttentionPlan, out_dtype: torch.dtype
+) -> tuple[fx.Node, fx.Node]:
     """(merged output [B, S, H, F] in `out_dtype`, merged LSE [B, S, H] in the plan's base)."""
     if plan.c == 1:
         return method(graph, "to", out, out_dtype, name="merged"), lse
     common = dict(base=plan.lse_base, out_dtype=out_dtype, return_lse=True)
     backend = COMM_BACKENDS[plan.comm_backend]
     if not plan.head_sharded:
-        both = call(graph, comm.exchange_replicated, out, lse, plan.group_name, plan.c,
-                    method=backend.replicated_method, name="merged_both", **common)
+        both = call(
+            graph,
+            comm.exchange_replicated,
+            out,
+            lse,
+            plan.group_name,
+            plan.c,
+            method=backend.replicated_method,
+            name="merged_both",
+            **common,
+        )
     else:
         both = call(graph, backend.exchange, out, lse, plan.group_name, plan.c, name="merged_both", **common)
-    return (call(graph, operator.getitem, both, 0, name="merged"),
-            call(graph, operator.getitem, both, 1, name="merged_lse"))
+    return (
+        call(graph, operator.getitem, both, 0, name="merged"),
+        call(graph, operator.getitem, both, 1, name="merged_lse"),
+    )
 
 
 def lse_for_model(graph: fx.Graph, merged_lse: fx.Node, match: MlaMatch, plan: AttentionPlan) -> fx.Node:
@@ -268,8 +309,13 @@ def lse_for_model(graph: fx.Graph, merged_lse: fx.Node, match: MlaMatch, plan: A
     base, layout and dtype."""
     node = merged_lse
     if plan.lse_base != match.lse_out_base:  # log2(x) = ln(x) * log2(e)
-        node = call(graph, operator.mul, node, math.log2(math.e) if match.lse_out_base == "2" else math.log(2.0),
-                    name="merged_lse_base")
+        node = call(
+            graph,
+            operator.mul,
+            node,
+            math.log2(math.e) if match.lse_out_base == "2" else math.log(2.0),
+            name="merged_lse_base",
+        )
     perm = [CANON_SCORES.index(r) for r in match.lse_roles]
     if perm != sorted(perm):
         node = method(graph, "permute", node, *perm, name="merged_lse_layout")
@@ -324,8 +370,11 @@ def rewrite_attention(
         if kv_format:  # packed fp8 rows, read whole (the op takes latent, scales and packed rope apart)
             kv = local_slice(graph, kv_local, replace(latent.cache, feat=None), "kv_local", plan.c)
             rope_packed = rope is not None and rope.cache.buffer is latent.cache.buffer
-            pe = None if rope is None or rope_packed else local_slice(
-                graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local", plan.c)
+            pe = (
+                None
+                if rope is None or rope_packed
+                else local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local", plan.c)
+            )
         else:
             kv = local_slice(graph, kv_local, latent.cache, "kv_local", plan.c)
             pe = local_slice(graph, local_nodes[rope.cache.buffer], rope.cache, "pe_local", plan.c) if rope else None
@@ -351,10 +400,24 @@ def rewrite_attention(
             window["q_pos"] = q_pos
         if kv_format:
             window["kv_format"] = kv_format
-        attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
-                     kv_len=kv_len, c=c, rank=rank, v_dim=match.v_dim,
-                     scale=float(match.scale), mask=mask, lse_base=plan.lse_base,
-                     backend=backend, name="local_attention", **window)
+        attn = call(
+            graph,
+            torch.ops.dcp.mla_local_attention.default,
+            q_lat,
+            q_rope,
+            kv,
+            pe,
+            kv_len=kv_len,
+            c=c,
+            rank=rank,
+            v_dim=match.v_dim,
+            scale=float(match.scale),
+            mask=mask,
+            lse_base=plan.lse_base,
+            backend=backend,
+            name="local_attention",
+            **window,
+        )
         merged = merge_local_attention(graph, attn, match, plan)
     value_node.replace_all_uses_with(merged.result)
     erase_dead_region(graph, [value_node] + match.lse_outputs)

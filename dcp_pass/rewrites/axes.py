@@ -6,6 +6,7 @@ Roles come from the one place they are certain, the cache buffer ([batch, positi
 feature]), and are carried through pure axis-moving ops (permute, transpose,
 unsqueeze, dtype casts) and through contractions by their labels.
 """
+
 from __future__ import annotations
 
 import operator
@@ -72,8 +73,10 @@ def axis_moving_step(node: fx.Node) -> Optional[tuple[fx.Node, list[Optional[int
     if is_dtype_cast(node):
         return src, list(range(src_rank))
     target = node.target
-    if node.op == "call_method" and target in ("transpose", "swapaxes") or (
-        node.op == "call_function" and target in (torch.transpose, torch.swapaxes)
+    if (
+        node.op == "call_method"
+        and target in ("transpose", "swapaxes")
+        or (node.op == "call_function" and target in (torch.transpose, torch.swapaxes))
     ):
         d0, d1 = (normalize_dim(d, src_rank) for d in node.args[1:3])
         swapped = list(range(src_rank))
@@ -182,8 +185,8 @@ def _matmul_contraction(node: fx.Node) -> Optional[Contraction]:
         return None
     nbatch = max(len(ls), len(rs)) - 2
     batch = [f"n{i}" for i in range(nbatch)]
-    lhs_labels = batch[nbatch - (len(ls) - 2):] + ["i", "k"]
-    rhs_labels = batch[nbatch - (len(rs) - 2):] + ["k", "j"]
+    lhs_labels = batch[nbatch - (len(ls) - 2) :] + ["i", "k"]
+    rhs_labels = batch[nbatch - (len(rs) - 2) :] + ["k", "j"]
     return Contraction(node, lhs, rhs, lhs_labels, rhs_labels, batch + ["i", "j"], "matmul")
 
 
@@ -219,9 +222,11 @@ def flatten_source(node: Any) -> Optional[tuple[fx.Node, int]]:
         shape, src_shape = shape_of(node), shape_of(src)
         if shape is not None and src_shape is not None and len(src_shape) == len(shape) + 1:
             for a in range(len(shape)):
-                if (all(known_equal(shape[i], src_shape[i]) for i in range(a))
-                        and known_equal(shape[a], src_shape[a] * src_shape[a + 1])
-                        and all(known_equal(shape[i], src_shape[i + 1]) for i in range(a + 1, len(shape)))):
+                if (
+                    all(known_equal(shape[i], src_shape[i]) for i in range(a))
+                    and known_equal(shape[a], src_shape[a] * src_shape[a + 1])
+                    and all(known_equal(shape[i], src_shape[i + 1]) for i in range(a + 1, len(shape)))
+                ):
                     return src, a
     return None
 
@@ -238,7 +243,8 @@ def split_axes(view: fx.Node, src: fx.Node) -> list[int]:
     if shape is None or src_shape is None or len(shape) != len(src_shape) + 1:
         return []
     return [
-        a for a in range(len(src_shape))
+        a
+        for a in range(len(src_shape))
         if all(known_equal(shape[i], src_shape[i]) for i in range(a))
         and known_equal(shape[a] * shape[a + 1], src_shape[a])
         and all(known_equal(shape[i + 1], src_shape[i]) for i in range(a + 1, len(src_shape)))
@@ -258,7 +264,7 @@ def unflatten_contraction(contraction: Contraction, out_axis: int, node: fx.Node
         if flat is None or flat[1] != labels.index(label):
             return None
         i = labels.index(label)
-        operands.append((flat[0], labels[:i] + halves + labels[i + 1:]))
-    out = contraction.out_labels[:out_axis] + halves + contraction.out_labels[out_axis + 1:]
+        operands.append((flat[0], labels[:i] + halves + labels[i + 1 :]))
+    out = contraction.out_labels[:out_axis] + halves + contraction.out_labels[out_axis + 1 :]
     (lhs, lhs_labels), (rhs, rhs_labels) = operands
     return Contraction(node, lhs, rhs, lhs_labels, rhs_labels, out, contraction.family)

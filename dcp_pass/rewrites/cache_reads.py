@@ -15,6 +15,7 @@ tracer replays the chain from the cache tensor forward, so the result does not d
 on the order in which the model wrote its views: what it keeps is the cache tensor,
 the rows, positions and columns read, and the role of each axis of the operand.
 """
+
 from __future__ import annotations
 
 import operator
@@ -54,7 +55,7 @@ def module_path(source: Optional[str]) -> str:
     keys = re.findall(r"\['([^']*)'\]", source)
     # attributes and list indices after the last subscript: a graph input reached through
     # an object (`L['kwargs']['cache'].layers[0].keys`, a Hugging Face cache) -> cache.layers.0.keys
-    tail = source[source.rfind("']") + 2:] if "']" in source else ""
+    tail = source[source.rfind("']") + 2 :] if "']" in source else ""
     attrs = re.findall(r"\.(\w+)|\[(\d+)\]", tail)
     if attrs and keys:
         keys = [k for k in keys if k not in ("kwargs", "args")] + [a or i for a, i in attrs]
@@ -113,8 +114,10 @@ def cache_kinds() -> tuple[CacheKind, ...]:
     """Every cache kind, in the order their layouts and forms are tried (rewrites/cache_kinds/'s
     table, installed when the rewrites package is imported)."""
     if not _KINDS:
-        raise RuntimeError("dcp_pass.rewrites.cache_reads: no cache kinds installed (dcp_pass.rewrites.cache_kinds "
-                           "installs them when imported)")
+        raise RuntimeError(
+            "dcp_pass.rewrites.cache_reads: no cache kinds installed (dcp_pass.rewrites.cache_kinds "
+            "installs them when imported)"
+        )
     return _KINDS
 
 
@@ -328,7 +331,7 @@ def _index_entries(index: Any, rank: int) -> list[Any]:
     real = sum(1 for e in entries if e is not None and e is not Ellipsis)
     if Ellipsis in entries:
         at = entries.index(Ellipsis)
-        entries[at:at + 1] = [slice(None)] * (rank - real)
+        entries[at : at + 1] = [slice(None)] * (rank - real)
     return entries + [slice(None)] * (rank - sum(1 for e in entries if e is not None))
 
 
@@ -363,10 +366,12 @@ class _Replay:
             if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
                 dims = tuple(dims[0])
             dims = [axes.normalize_dim(d, len(src_shape)) for d in dims] or [
-                i for i in range(len(src_shape)) if axes.known_equal(src_shape[i], 1)]
+                i for i in range(len(src_shape)) if axes.known_equal(src_shape[i], 1)
+            ]
             for piece in self.pieces:
-                piece.dims = [d for i, d in enumerate(piece.dims)
-                              if not (i in dims and axes.known_equal(src_shape[i], 1))]
+                piece.dims = [
+                    d for i, d in enumerate(piece.dims) if not (i in dims and axes.known_equal(src_shape[i], 1))
+                ]
             return
         if axes.is_method(node, "select") or axes.is_function(node, torch.select):
             dim, index = node.args[1:3]
@@ -445,7 +450,7 @@ class _Replay:
             merged = piece.merges.get((a, b))
             if merged is None:
                 raise ReadRefused("a view that merges two axes of a cache read")
-            piece.dims[dim:dim + 2] = [_Axis(merged)]
+            piece.dims[dim : dim + 2] = [_Axis(merged)]
 
     def _singleton_view(self, src_shape: tuple, shape: tuple) -> None:
         """A view that only adds or drops axes of size 1 (`view(b, 1, t, d)` of `[b, t, d]`)."""
@@ -463,8 +468,9 @@ class _Replay:
             for a, b in zip(kept, new):
                 dims[b] = piece.dims[a]
             for seg in range(len(bounds_src) - 1):
-                src_ones = [i for i in range(bounds_src[seg] + 1, bounds_src[seg + 1])
-                            if piece.dims[i].source is not None]
+                src_ones = [
+                    i for i in range(bounds_src[seg] + 1, bounds_src[seg + 1]) if piece.dims[i].source is not None
+                ]
                 dst_ones = list(range(bounds_dst[seg] + 1, bounds_dst[seg + 1]))
                 for i, j in zip(src_ones, dst_ones):
                     dims[j] = piece.dims[i]
@@ -477,15 +483,41 @@ def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-_CHAIN_METHODS = {"permute", "transpose", "swapaxes", "unsqueeze", "expand", "expand_as", "view", "reshape",
-                  "squeeze", "select", "narrow", "mT", "t", "unflatten", "flatten"} | axes.DTYPE_CASTS
-_CHAIN_FUNCTIONS = {operator.getitem, torch.permute, torch.transpose, torch.swapaxes, torch.unsqueeze,
-                    torch.squeeze, torch.select, torch.narrow, torch.reshape, torch.flatten}
+_CHAIN_METHODS = {
+    "permute",
+    "transpose",
+    "swapaxes",
+    "unsqueeze",
+    "expand",
+    "expand_as",
+    "view",
+    "reshape",
+    "squeeze",
+    "select",
+    "narrow",
+    "mT",
+    "t",
+    "unflatten",
+    "flatten",
+} | axes.DTYPE_CASTS
+_CHAIN_FUNCTIONS = {
+    operator.getitem,
+    torch.permute,
+    torch.transpose,
+    torch.swapaxes,
+    torch.unsqueeze,
+    torch.squeeze,
+    torch.select,
+    torch.narrow,
+    torch.reshape,
+    torch.flatten,
+}
 
 
 def _is_chain_op(node: fx.Node) -> bool:
     return (node.op == "call_method" and node.target in _CHAIN_METHODS) or (
-        node.op == "call_function" and node.target in _CHAIN_FUNCTIONS)
+        node.op == "call_function" and node.target in _CHAIN_FUNCTIONS
+    )
 
 
 def _cat_inputs(node: fx.Node) -> Optional[tuple[list, int]]:
@@ -507,8 +539,14 @@ def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
             raise ReadRefused("too many views between the cache tensor and the attention")
         if not isinstance(current, fx.Node):
             raise ReadRefused("a constant where a cache read was expected")
-        based = next(((kind, p) for kind, p in ((k, k.read_base(current)) for k in cache_kinds() if k.read_base)
-                      if p is not None), None)
+        based = next(
+            (
+                (kind, p)
+                for kind, p in ((k, k.read_base(current)) for k in cache_kinds() if k.read_base)
+                if p is not None
+            ),
+            None,
+        )
         if based is not None:
             kind, piece = based
             piece.kind = kind
@@ -520,8 +558,11 @@ def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
             pieces = _cat_pieces(current, tensors, dim, depth)
             break
         if not _is_chain_op(current) or not current.args or not isinstance(current.args[0], fx.Node):
-            raise ReadRefused("not a view of a cache tensor" if not chain else
-                              f"`{_op_name(current)}` between a cache tensor and the attention")
+            raise ReadRefused(
+                "not a view of a cache tensor"
+                if not chain
+                else f"`{_op_name(current)}` between a cache tensor and the attention"
+            )
         chain.append(current)
         current = current.args[0]
     else:
@@ -537,9 +578,11 @@ def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
 
 # A cache that is a graph input concatenated with new rows along its token axis: the cache
 # has no fixed size, so its stripes would differ in length across ranks and calls.
-GROWING_CACHE = ("the cache grows by torch.cat along its token axis at every step (Hugging Face's default "
-                 "DynamicCache, and the offloaded and quantized caches built on it): DCP stripes caches of a "
-                 "fixed size; pass cache_implementation=\"static\" to generate(), or a StaticCache")
+GROWING_CACHE = (
+    "the cache grows by torch.cat along its token axis at every step (Hugging Face's default "
+    "DynamicCache, and the offloaded and quantized caches built on it): DCP stripes caches of a "
+    'fixed size; pass cache_implementation="static" to generate(), or a StaticCache'
+)
 
 
 def growing_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
@@ -559,7 +602,8 @@ def growing_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
                 if cat is not None and shape is not None:
                     tensors, dim = cat
                     if axes.normalize_dim(dim, len(shape)) == len(shape) - 2 and any(
-                            isinstance(t, fx.Node) and fx_util.view_base(t).op == "placeholder" for t in tensors):
+                        isinstance(t, fx.Node) and fx_util.view_base(t).op == "placeholder" for t in tensors
+                    ):
                         return i
                 nxt.append(i)
         frontier = nxt
@@ -588,8 +632,10 @@ def _cat_pieces(node: fx.Node, tensors: list, dim: int, depth: int) -> list[_Pie
 
 def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
     if piece.kind.local_read is None:  # e.g. a static cache, whose own attention forms read it whole
-        raise ReadRefused(f"{buffer_name(piece.buffer)} is {piece.kind.words}, read whole by its own attention "
-                          f"forms, not through views")
+        raise ReadRefused(
+            f"{buffer_name(piece.buffer)} is {piece.kind.words}, read whole by its own attention "
+            f"forms, not through views"
+        )
     layout, shape = piece.layout, piece.shape
     roles = [None if d.source is None else layout[d.source] for d in piece.dims]
     seen = {d.source for d in piece.dims if d.source is not None}
@@ -616,8 +662,9 @@ def _read_of(node: fx.Node, piece: _Piece) -> CacheRead:
     feat = None if (f0, f1) == (0, width) else (f0, f1)
     bsz = shape[b_axis] if b1 is None else b1
     end = shape[t_axis] if t1 is None else t1
-    return CacheRead(node, piece.buffer, bsz, t0, end, feat, roles, piece.cols, piece.pages, piece.page_size, b0,
-                     piece.kind)
+    return CacheRead(
+        node, piece.buffer, bsz, t0, end, feat, roles, piece.cols, piece.pages, piece.page_size, b0, piece.kind
+    )
 
 
 _ROLE_WORDS = {B: "batch", T: "position", F: "feature"}
@@ -634,8 +681,12 @@ def trace_cache_read(node: Any) -> list[CacheRead]:
     for other in reads[1:]:
         if other.roles != first.roles:
             raise ReadRefused("concatenated cache reads have different layouts")
-        if not (_same(other.bsz, first.bsz) and _same(other.row0, first.row0) and _same(other.start, first.start)
-                and _same(other.end, first.end)):
+        if not (
+            _same(other.bsz, first.bsz)
+            and _same(other.row0, first.row0)
+            and _same(other.start, first.start)
+            and _same(other.end, first.end)
+        ):
             raise ReadRefused("concatenated cache reads cover different rows or positions")
     return reads
 
@@ -721,8 +772,9 @@ def _batch_rows(index: Any) -> Optional[SizeArg]:
     return bounds[1] if bounds is not None and bounds[0] == 0 else None
 
 
-def parse_cache_index(buffer: fx.Node, index: Any
-                      ) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]], SizeArg]]:
+def parse_cache_index(
+    buffer: fx.Node, index: Any
+) -> Optional[tuple[SizeArg, SizeArg, SizeArg, Optional[tuple[int, int]], SizeArg]]:
     """(bsz, start, end, feat, row0) for `buffer[row0:bsz, start:end(, f0:f1)]`, else None.
 
     One index entry per cache axis in the cache's layout (missing trailing entries are
@@ -771,17 +823,29 @@ def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
         if parsed is not None:
             bsz, start, end, feat, row0 = parsed
             return CacheAccess(node, buffer, bsz, start, end, feat, value=value, row0=row0)
-        if cache_layout(buffer) == (B, T, F) and isinstance(index, tuple) and len(index) == 2 \
-                and all(_index_vector(i) for i in index):
+        if (
+            cache_layout(buffer) == (B, T, F)
+            and isinstance(index, tuple)
+            and len(index) == 2
+            and all(_index_vector(i) for i in index)
+        ):
             # `buffer[rows, positions] = v`: request rows[i] at position positions[i] (per-request decode)
             return CacheAccess(node, buffer, None, None, None, None, value=value, positions=index[1], rows=index[0])
         # `buffer[:b, positions] = v` with a position tensor (static-shape decode)
-        if cache_layout(buffer) == (B, T, F) and isinstance(index, tuple) and len(index) == 2 \
-                and isinstance(index[1], fx.Node):
+        if (
+            cache_layout(buffer) == (B, T, F)
+            and isinstance(index, tuple)
+            and len(index) == 2
+            and isinstance(index[1], fx.Node)
+        ):
             bsz = _batch_rows(index[0])
             positions = axes.example_value(index[1])
-            if (bsz is not None and isinstance(positions, torch.Tensor)
-                    and positions.dim() == 1 and not positions.is_floating_point()):
+            if (
+                bsz is not None
+                and isinstance(positions, torch.Tensor)
+                and positions.dim() == 1
+                and not positions.is_floating_point()
+            ):
                 return CacheAccess(node, buffer, bsz, None, None, None, value=value, positions=index[1])
     return None
 
@@ -789,8 +853,12 @@ def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
 def _index_vector(index: Any) -> bool:
     """Whether `index` is a 1-D integer tensor."""
     value = axes.example_value(index) if isinstance(index, fx.Node) else None
-    return (isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point()
-            and value.dtype != torch.bool)
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 1
+        and not value.is_floating_point()
+        and value.dtype != torch.bool
+    )
 
 
 def cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheAccess]]:
@@ -818,8 +886,16 @@ def rewrite_write(graph: fx.Graph, write: CacheAccess, local: fx.Node, entry) ->
     shard's state.store.LocalCache (its c, rank and virtual capacity).
     """
     if write.rows is not None:
-        args = (local, write.value, write.rows, write.positions, entry.c, entry.rank, entry.virtual_capacity,
-                write.feat[0] if write.feat else 0)
+        args = (
+            local,
+            write.value,
+            write.rows,
+            write.positions,
+            entry.c,
+            entry.rank,
+            entry.virtual_capacity,
+            write.feat[0] if write.feat else 0,
+        )
         return fx_util.replace_node(graph, write.node, layout.write_request_tokens_at_, args, name="striped_write")
     if write.positions is not None:
         fn, where = layout.write_tokens_at_, write.positions

@@ -22,6 +22,7 @@ comparison either way round (`kv <= q`, `q >= kv`), terms joined by `&` (an all-
 value among them), views that only add or keep axes, `to` that keeps the dtype, and an
 `expand`. Anything else leaves the mask as it is.
 """
+
 from __future__ import annotations
 
 import operator
@@ -72,7 +73,7 @@ def _same_values(node: fx.Node) -> bool:
 def _all_true(node: fx.Node) -> bool:
     """A boolean tensor of ones (`x.new_ones((), dtype=torch.bool)`): a factor that keeps everything."""
     value = axes.example_value(node)
-    return (_is(node, {"new_ones", torch.ones}) and isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+    return _is(node, {"new_ones", torch.ones}) and isinstance(value, torch.Tensor) and value.dtype == torch.bool
 
 
 def _through_views(node: Any) -> Any:
@@ -154,7 +155,7 @@ def split_causal(term: MaskTerm) -> Optional[CausalSplit]:
         value = axes.example_value(factor)
         if shape is None or not isinstance(value, torch.Tensor) or value.dtype != torch.bool or len(shape) > len(roles):
             return None
-        rest.append(MaskTerm(factor, "keep", 1.0, list(roles[len(roles) - len(shape):])))
+        rest.append(MaskTerm(factor, "keep", 1.0, list(roles[len(roles) - len(shape) :])))
     if found is None:
         return None
     return CausalSplit(term, found[0], found[1], rest)
@@ -184,5 +185,5 @@ def causal_splits(masks: list[MaskTerm]) -> tuple[Optional[CausalSplit], list[Ma
     for i, term in enumerate(masks):
         split = split_causal(term)
         if split is not None:
-            return split, list(masks[:i]) + split.rest + list(masks[i + 1:])
+            return split, list(masks[:i]) + split.rest + list(masks[i + 1 :])
     return None, list(masks)

@@ -24,6 +24,7 @@ complex multiply computes up to the rounding of its own formula. Pure graph surg
 on Dynamo's torch-level graph; every new node gets its example value, so the passes
 after this one (positions) read it like any other node.
 """
+
 from __future__ import annotations
 
 import operator
@@ -139,14 +140,18 @@ class _RealViews:
         if is_method(node, "view", "reshape") and len(args) >= 2:
             shape = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
             if all(isinstance(s, (int, fx.Node)) and not isinstance(s, bool) for s in shape) and not any(
-                    isinstance(s, fx.Node) and not isinstance(example_value(s), (int, torch.SymInt)) for s in shape):
+                isinstance(s, fx.Node) and not isinstance(example_value(s), (int, torch.SymInt)) for s in shape
+            ):
                 return derived("call_method", node.target, *shape, 2)
         elif is_function(node, operator.getitem) and len(args) == 2 and _keeps_last_dim(args[1]):
             return derived("call_function", operator.getitem, args[1])
         elif is_function(node, torch.index_select) and len(args) == 3 and isinstance(args[1], int):
             return derived("call_function", torch.index_select, _shift(args[1]), args[2])
-        elif (is_method(node, "unsqueeze") or is_function(node, torch.unsqueeze)) and len(args) == 2 and isinstance(
-                args[1], int):
+        elif (
+            (is_method(node, "unsqueeze") or is_function(node, torch.unsqueeze))
+            and len(args) == 2
+            and isinstance(args[1], int)
+        ):
             return derived(node.op, node.target, _shift(args[1]))
         elif (is_method(node, "conj") or is_function(node, torch.conj)) and len(args) == 1:
             return self._conjugate(node, base)
@@ -199,8 +204,11 @@ def complex_products_as_real(graph: fx.Graph) -> int:
             new[0].name = f"{product.name}_as_real"
             fx_util.set_example_value(new[0])
             vnew, vold = example_value(new[0]), example_value(node)
-            same = vnew.dtype == vold.dtype and vnew.dim() == vold.dim() and all(
-                known_equal(a, b) for a, b in zip(vnew.shape, vold.shape))
+            same = (
+                vnew.dtype == vold.dtype
+                and vnew.dim() == vold.dim()
+                and all(known_equal(a, b) for a, b in zip(vnew.shape, vold.shape))
+            )
         except Exception as why:  # noqa: BLE001 - an unforeseen view or index: keep the complex form
             log.info("dcp_pass: %s kept complex: %s", node.name, why)
             same = False

@@ -2,6 +2,7 @@
 layout a layer's cache takes, and its writes as the packed bytes the striped write stores.
 The row format itself is runtime/decode/kv_format.py; the shards, state/shards.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,10 @@ def fp8_layout_of(match, values: dict) -> "fp8.Fp8Layout":
     elif not fused_term and L != width:
         raise Fp8Refused(f"its latent cache has {width} columns and the attention reads {L} of them")
     if match.v_dim > L or L % 4:
-        raise Fp8Refused(f"{L} latent columns ({match.v_dim} values): fp8 needs values within the latent and a "
-                         f"multiple of 4 latent columns")
+        raise Fp8Refused(
+            f"{L} latent columns ({match.v_dim} values): fp8 needs values within the latent and a "
+            f"multiple of 4 latent columns"
+        )
     return fp8.Fp8Layout(L, width - L, buffer.dtype)
 
 
@@ -62,15 +65,18 @@ def fp8_packed_write(graph: fx.Graph, write: CacheAccess, kv_format: str, name: 
     cols = (feat_start, feat_start + width)
     with graph.inserting_before(write.node):
         if cols in ((0, spec.latent), (0, spec.columns)):
-            packed = fx_util.call(graph, fp8.pack_columns, write.value, spec.latent, spec.rope, spec.rope_dtype,
-                                  name="fp8_rows")
+            packed = fx_util.call(
+                graph, fp8.pack_columns, write.value, spec.latent, spec.rope, spec.rope_dtype, name="fp8_rows"
+            )
             offset = 0
         elif spec.rope and cols == (spec.latent, spec.columns):
             packed = fx_util.call(graph, fp8.rope_bytes_of, write.value, spec.rope_dtype, name="rope_bytes")
             offset = spec.rope_offset
         else:
-            raise Fp8Refused(f"a write of columns [{cols[0]}, {cols[1]}) of {name}: an fp8 cache is written "
-                             f"whole latent rows (columns [0, {spec.latent})) or its rotary columns")
+            raise Fp8Refused(
+                f"a write of columns [{cols[0]}, {cols[1]}) of {name}: an fp8 cache is written "
+                f"whole latent rows (columns [0, {spec.latent})) or its rotary columns"
+            )
     fx_util.set_example_value(packed)
     nbytes = fx_util.node_value(packed).shape[-1]
     return dataclasses.replace(write, value=packed, feat=(offset, offset + nbytes))

@@ -8,6 +8,7 @@ from it, and the few Dynamo internals the pass and the cache guard rely on
 callback, the tracing compiler, the graph break a graph ends at). When torch moves one of
 them, this is the one file to change.
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,6 +43,7 @@ def replace_node(graph: fx.Graph, old: fx.Node, target, args: tuple, name: Optio
 def set_example_value(node: fx.Node) -> None:
     """Give a new node its `example_value` by running its target on its inputs' example
     values (fake tensors and SymInts of the trace), as Dynamo would have recorded it."""
+
     def value(arg):
         v = node_value(arg)
         if v is None:
@@ -85,14 +87,31 @@ def mutates_input(node: fx.Node) -> bool:
     return node.target in INPLACE_FUNCTIONS or node.target is operator.setitem
 
 
-_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "narrow", "select", "unsqueeze", "squeeze",
-                 "expand", "as_strided", "__getitem__", "t", "flatten", "unflatten"}
+_VIEW_METHODS = {
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "narrow",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "as_strided",
+    "__getitem__",
+    "t",
+    "flatten",
+    "unflatten",
+}
 
 
 def view_base(node: Any) -> Any:
     """The tensor `node` is a view of, through getitem and the view methods (itself if none)."""
-    while isinstance(node, fx.Node) and node.args and (
-            node.target is operator.getitem or (node.op == "call_method" and node.target in _VIEW_METHODS)):
+    while (
+        isinstance(node, fx.Node)
+        and node.args
+        and (node.target is operator.getitem or (node.op == "call_method" and node.target in _VIEW_METHODS))
+    ):
         node = node.args[0]
     return node
 

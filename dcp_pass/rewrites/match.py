@@ -14,6 +14,7 @@ MoE gate's softmax) and `NearMiss` for cache-backed attention it cannot rewrite
 exactly; a near miss is reported in the user's terms (the source line and the operand
 that blocked), never as an FX node.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -174,8 +175,11 @@ def source_of(node: Any) -> Optional[str]:
     lines = trace.splitlines()
     # the innermost frame outside this package's rewrites and state (a striped cache's
     # __torch_function__, which Dynamo traces through, is not where the user read it)
-    frames = [i for i, line in enumerate(lines)
-              if line.strip().startswith("File ") and not any(own in line for own in _OWN_FRAMES)]
+    frames = [
+        i
+        for i, line in enumerate(lines)
+        if line.strip().startswith("File ") and not any(own in line for own in _OWN_FRAMES)
+    ]
     if not frames:
         return None
     at = frames[-1]
@@ -365,7 +369,9 @@ def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[Ca
                 raise NearMiss(
                     f"{buffer_name(buffer)} is written as {write.kind.words} "
                     f"({write.describe()}) but read as {kind.words}: the write and the read "
-                    f"disagree about the cache's layout; write and read it the same way", write.node)
+                    f"disagree about the cache's layout; write and read it the same way",
+                    write.node,
+                )
             converted.append(as_read)
         found[buffer] = converted
     return found
@@ -396,5 +402,8 @@ def _check_no_write_between_reads(match: MlaMatch, ctx: MatchContext, order: dic
     for buffer in match.buffers:
         for write in ctx.writes.get(buffer, []):
             if first < order.get(write.node, -1) < last:
-                raise NearMiss(f"{buffer_name(buffer)} is written between its reads by this attention (its scores "
-                               f"and its values would see different contents)", write.node)
+                raise NearMiss(
+                    f"{buffer_name(buffer)} is written between its reads by this attention (its scores "
+                    f"and its values would see different contents)",
+                    write.node,
+                )

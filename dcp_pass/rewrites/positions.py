@@ -27,6 +27,7 @@ is one of these (no tensor shape depends on it): otherwise the graph stays as it
 (correct, just without replayable CUDA graphs) and the reason is reported. Pure
 graph surgery; the runtime functions it calls know nothing of graphs.
 """
+
 from __future__ import annotations
 
 import operator
@@ -40,8 +41,12 @@ from dcp_pass.rewrites import fx_util
 from dcp_pass.runtime.decode import layout
 from dcp_pass.runtime.decode.step_count import STEP_COUNT
 
-_ARITH = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.mul,
-          operator.floordiv: torch.floor_divide}
+_ARITH = {
+    operator.add: torch.add,
+    operator.sub: torch.sub,
+    operator.mul: torch.mul,
+    operator.floordiv: torch.floor_divide,
+}
 
 
 class NotStatic(Exception):
@@ -161,8 +166,15 @@ def find_position_input(graph: fx.Graph) -> tuple[fx.Node, list[fx.Node], list[f
 
 
 class _Rewriter:
-    def __init__(self, graph: fx.Graph, start: fx.Node, start_t: fx.Node, device: torch.device,
-                 end_t: Optional[fx.Node] = None, count_offset: int = 0):
+    def __init__(
+        self,
+        graph: fx.Graph,
+        start: fx.Node,
+        start_t: fx.Node,
+        device: torch.device,
+        end_t: Optional[fx.Node] = None,
+        count_offset: int = 0,
+    ):
         self.graph, self.start, self.device = graph, start, device
         self.tensor_of: dict[fx.Node, fx.Node] = {start: start_t}  # SymInt node -> int64 [1] node
         self.offset_of: dict[fx.Node, int] = {start: 0}  # SymInt node == start + offset (when known)
@@ -209,8 +221,7 @@ class _Rewriter:
         elif target is layout.write_owned_tokens_:
             shard, values, start, c, r, capacity, *rest = user.args
             seq = _value(values).shape[1]
-            new = self.call(layout.write_tokens_at_, shard, values, self.positions(start, seq), c, r, capacity,
-                            *rest)
+            new = self.call(layout.write_tokens_at_, shard, values, self.positions(start, seq), c, r, capacity, *rest)
             new.name = user.name
             user.replace_all_uses_with(new)
             self.graph.erase_node(user)
@@ -224,7 +235,9 @@ class _Rewriter:
         elif target is operator.getitem and isinstance(user.args[0], fx.Node) and _is_tensor(user.args[0]):
             self.rewrite_slice(user)
         elif target in (torch._check, torch._check_is_size) or getattr(target, "__name__", "") in (
-                "_assert_scalar", "sym_constrain_range_for_size"):
+            "_assert_scalar",
+            "sym_constrain_range_for_size",
+        ):
             # bounds of the position (checked by the writes' own device assertion instead)
             self.graph.erase_node(user)
         elif target is torch.arange and len(user.args) == 2 and not set(user.kwargs) - {"device", "dtype"}:
@@ -267,8 +280,11 @@ class _Rewriter:
         dim, first, length = gathered
         # Integer items before the slice drop a dimension of the result.
         dim -= sum(1 for item in index[:dim] if isinstance(item, int) or _is_symint(item))
-        base = self.call(operator.getitem, source, tuple(new_index)) if any(
-            not (isinstance(i, slice) and i == slice(None)) for i in new_index) else source
+        base = (
+            self.call(operator.getitem, source, tuple(new_index))
+            if any(not (isinstance(i, slice) and i == slice(None)) for i in new_index)
+            else source
+        )
         new = self.call(torch.index_select, base, dim, self.positions(first, length))
         user.replace_all_uses_with(new)
         self.graph.erase_node(user)
@@ -325,8 +341,9 @@ def positions_to_device(gm: fx.GraphModule) -> tuple[fx.GraphModule, DevicePosit
         raise NotStatic(f"{leftover[0].format_node()} still has a symbolic value")
     graph.lint()
     work.recompile()
-    return work, DevicePosition(placeholders.index(start), buffer,
-                                tuple(placeholders.index(n) for n in unused), restaged, offset)
+    return work, DevicePosition(
+        placeholders.index(start), buffer, tuple(placeholders.index(n) for n in unused), restaged, offset
+    )
 
 
 def shared_count_offset(graph: fx.Graph, start: fx.Node) -> int:

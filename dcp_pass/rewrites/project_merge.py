@@ -42,6 +42,7 @@ the projection's users read it. An attention sink folded in after the merge (`fo
 scales each head's row by one number, so it commutes with the projection as well: it is
 folded into the merged projected output (the exchange then returns its LSE too).
 """
+
 from __future__ import annotations
 
 import operator
@@ -160,9 +161,10 @@ def layout_step(node: fx.Node, src: fx.Node, roles: list[Axis], sizes: dict[str,
     dims = _flatten_dims(node, len(roles))
     if dims is not None:  # the merged axis keeps its size-1 roles: flatten(0, 1) of [B, 1, ...] holds (B, S)
         start, end = dims
-        return roles[:start] + [sum(roles[start:end + 1], ())] + roles[end + 1:]
+        return roles[:start] + [sum(roles[start : end + 1], ())] + roles[end + 1 :]
     if (node.op == "call_method" and target in _RESHAPE_METHODS) or (
-            node.op == "call_function" and target in _RESHAPE_FUNCTIONS):
+        node.op == "call_function" and target in _RESHAPE_FUNCTIONS
+    ):
         shape = axes.shape_of(node)
         out = _reshaped(roles, shape, sizes) if shape is not None else None
         if out is None:
@@ -227,8 +229,10 @@ def weight_region(weight: fx.Node, is_parameter: Callable[[fx.Node], bool]) -> t
             if not is_parameter(node):
                 from dcp_pass.rewrites.match import buffer_source, module_path
 
-                raise NotProjected(f"the projection weight is computed from {module_path(buffer_source(node))}, "
-                                   f"not only from module parameters")
+                raise NotProjected(
+                    f"the projection weight is computed from {module_path(buffer_source(node))}, "
+                    f"not only from module parameters"
+                )
             continue
         if node.op == "get_attr":
             continue
@@ -253,8 +257,10 @@ def check_gatherable(params: Sequence[fx.Node], dtype_of: Callable[[fx.Node], to
             from dcp_pass.rewrites.match import buffer_source, module_path
 
             names = "/".join(str(d).replace("torch.", "") for d in GATHERABLE_DTYPES)
-            raise NotProjected(f"the projection weight {module_path(buffer_source(param))} is "
-                               f"{str(dtype).replace('torch.', '')}; the weight gather takes {names} only")
+            raise NotProjected(
+                f"the projection weight {module_path(buffer_source(param))} is "
+                f"{str(dtype).replace('torch.', '')}; the weight gather takes {names} only"
+            )
 
 
 # ----------------------------------------------------------------------------- finding
@@ -288,8 +294,14 @@ def find_projection(start: fx.Node, shape: Sequence[Any], is_parameter: Callable
     return _projection(contraction, node, roles, sizes, chain, is_parameter)
 
 
-def _projection(con: axes.Contraction, src: fx.Node, roles: list[Axis], sizes: dict[str, Any],
-                chain: list[fx.Node], is_parameter: Callable[[fx.Node], bool]) -> ValueProjection:
+def _projection(
+    con: axes.Contraction,
+    src: fx.Node,
+    roles: list[Axis],
+    sizes: dict[str, Any],
+    chain: list[fx.Node],
+    is_parameter: Callable[[fx.Node], bool],
+) -> ValueProjection:
     if con.lhs is src and con.rhs is src:
         raise NotProjected("the projection multiplies the attention output by itself")
     if src not in (con.lhs, con.rhs):
@@ -342,16 +354,20 @@ def _projection(con: axes.Contraction, src: fx.Node, roles: list[Axis], sizes: d
 # ----------------------------------------------------------------------------- emitting
 
 
-def weight_for_rank(graph: fx.Graph, projection: ValueProjection, sharded: Sequence[fx.Node],
-                    shard_input: Callable[[fx.Node], fx.Node]) -> fx.Node:
+def weight_for_rank(
+    graph: fx.Graph, projection: ValueProjection, sharded: Sequence[fx.Node], shard_input: Callable[[fx.Node], fx.Node]
+) -> fx.Node:
     """The weight expression recomputed from another rank's shards of `sharded` (each
     `shard_input(param)`), before the projection; the other nodes are shared."""
     env: dict[fx.Node, fx.Node] = {p: shard_input(p) for p in sharded}
     tainted = set(sharded)
     with graph.inserting_before(projection.node):
         for node in list(graph.nodes):  # topological: tainted when an input is
-            if (node in projection.region and node.op != "placeholder"
-                    and any(i in tainted for i in node.all_input_nodes)):
+            if (
+                node in projection.region
+                and node.op != "placeholder"
+                and any(i in tainted for i in node.all_input_nodes)
+            ):
                 tainted.add(node)
                 env[node] = graph.node_copy(node, lambda n: env.get(n, n))
     return env.get(projection.weight, projection.weight)
@@ -382,12 +398,21 @@ def check_operand_dtypes(in_dtype: torch.dtype, weight_dtype: torch.dtype) -> No
     """The moved contraction joins the attention output and the weight as the model's did:
     torch's contractions take operands of one dtype, so they must agree."""
     if in_dtype != weight_dtype:
-        raise NotProjected(f"the projection multiplies a {str(in_dtype).replace('torch.', '')} attention output "
-                           f"by a {str(weight_dtype).replace('torch.', '')} weight")
+        raise NotProjected(
+            f"the projection multiplies a {str(in_dtype).replace('torch.', '')} attention output "
+            f"by a {str(weight_dtype).replace('torch.', '')} weight"
+        )
 
 
-def emit_projection(graph: fx.Graph, exchange: fx.Node, projection: ValueProjection, weights: Sequence[fx.Node],
-                    in_dtype: torch.dtype, partial_dtype: Optional[torch.dtype], out_dtype: torch.dtype) -> fx.Node:
+def emit_projection(
+    graph: fx.Graph,
+    exchange: fx.Node,
+    projection: ValueProjection,
+    weights: Sequence[fx.Node],
+    in_dtype: torch.dtype,
+    partial_dtype: Optional[torch.dtype],
+    out_dtype: torch.dtype,
+) -> fx.Node:
     """Project the partial output before `exchange` and merge the projected partials.
 
     `weights`: one per DCP rank in rank order (head-sharded: head chunk r is projected by
@@ -414,12 +439,19 @@ def emit_projection(graph: fx.Graph, exchange: fx.Node, projection: ValueProject
         else:
             projected = call(graph, torch.einsum, projection.equation, partial, weights[0], name="partial_proj")
         kwargs = dict(exchange.kwargs, out_dtype=out_dtype if sink is None else torch.float32)
-        merged = graph.create_node("call_function", exchange.target, (projected, lse) + tuple(exchange.args[2:]),
-                                   kwargs, name="merged_proj")
+        merged = graph.create_node(
+            "call_function", exchange.target, (projected, lse) + tuple(exchange.args[2:]), kwargs, name="merged_proj"
+        )
         if sink is not None:  # the sink rescales each head's row: it commutes with the projection
-            merged = call(graph, fold_sink, call(graph, operator.getitem, merged, 0, name="merged_proj_out"),
-                          call(graph, operator.getitem, merged, 1, name="merged_proj_lse"), *sink.args[2:4],
-                          out_dtype, name="merged_proj_sink")
+            merged = call(
+                graph,
+                fold_sink,
+                call(graph, operator.getitem, merged, 0, name="merged_proj_out"),
+                call(graph, operator.getitem, merged, 1, name="merged_proj_lse"),
+                *sink.args[2:4],
+                out_dtype,
+                name="merged_proj_sink",
+            )
         result = _laid_out(graph, merged, projection.out_roles)
     projection.node.replace_all_uses_with(result)
     erase_dead_region(graph, [projection.node])

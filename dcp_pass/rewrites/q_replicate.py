@@ -15,6 +15,7 @@ Like the cache shards, the gathered weights are resolved per call from the weigh
 tensor actually passed (one compiled graph can serve several layers): the graph's extra
 inputs refer to the weight store, dcp_pass/state/weights.py.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -37,12 +38,10 @@ from dcp_pass.state.weights import (
 REPLICABLE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-
 def is_parameter(node: fx.Node) -> bool:
     """Whether a placeholder is a module parameter (by its Dynamo source)."""
     name = buffer_source(node) if node.op == "placeholder" else None
     return bool(name and "_parameters[" in name)
-
 
 
 def _parameters(region: set[fx.Node]) -> list[fx.Node]:
@@ -58,16 +57,24 @@ def _mutators(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """For each node, the in-place ops that later overwrite it (`x.copy_(...)`, `x.add_(...)`)."""
     found: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
-        if (node.op in ("call_function", "call_method") and fx_util.mutates_input(node)
-                and isinstance(node.args[0], fx.Node)):
+        if (
+            node.op in ("call_function", "call_method")
+            and fx_util.mutates_input(node)
+            and isinstance(node.args[0], fx.Node)
+        ):
             found.setdefault(node.args[0], []).append(node)
     return found
 
 
 def _collective_copy(node: fx.Node) -> bool:
     """`x.copy_(wait_tensor(all_reduce(x)))`: Dynamo's form of an in-place dist.all_reduce."""
-    return (node.op == "call_method" and node.target == "copy_" and len(node.args) > 1
-            and isinstance(node.args[1], fx.Node) and _is_collective(node.args[1]))
+    return (
+        node.op == "call_method"
+        and node.target == "copy_"
+        and len(node.args) > 1
+        and isinstance(node.args[1], fx.Node)
+        and _is_collective(node.args[1])
+    )
 
 
 class ReplicationRefused(Exception):

@@ -13,6 +13,7 @@ ignores, so it is read through (with or without a sink). The sink itself becomes
 match's `SinkTerm`: the rewrite attends over the keys alone and counts the sink once, after
 the merge (`attention.emit_exchange`).
 """
+
 from __future__ import annotations
 
 import operator
@@ -86,17 +87,30 @@ def split_sink(node: Any, depends_on_cache: Callable[[fx.Node], bool]) -> tuple[
     tensors = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
     shape = axes.shape_of(node)
-    if (not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not all(isinstance(t, fx.Node) for t in tensors)
-            or shape is None or not isinstance(dim, int) or axes.normalize_dim(dim, len(shape)) != len(shape) - 1):
+    if (
+        not isinstance(tensors, (list, tuple))
+        or len(tensors) != 2
+        or not all(isinstance(t, fx.Node) for t in tensors)
+        or shape is None
+        or not isinstance(dim, int)
+        or axes.normalize_dim(dim, len(shape)) != len(shape) - 1
+    ):
         return node, None, None
     first, last = tensors
     for scores, sink, side in ((first, last, "last"), (last, first, "first")):
         sink_shape = axes.shape_of(sink)
-        if (depends_on_cache(scores) and sink_shape is not None and len(sink_shape) == len(shape)
-                and axes.known_equal(sink_shape[-1], 1)):
+        if (
+            depends_on_cache(scores)
+            and sink_shape is not None
+            and len(sink_shape) == len(shape)
+            and axes.known_equal(sink_shape[-1], 1)
+        ):
             if depends_on_cache(sink):
-                raise NearMiss("a column concatenated to the attention scores is computed from a cache (a sink "
-                               "logit is rewritten only when it depends on no cache)", sink)
+                raise NearMiss(
+                    "a column concatenated to the attention scores is computed from a cache (a sink "
+                    "logit is rewritten only when it depends on no cache)",
+                    sink,
+                )
             return scores, sink, side
     return node, None, None
 
@@ -120,4 +134,4 @@ def drops_sink_column(node: fx.Node, probs: fx.Node, side: str) -> bool:
 
 def sink_roles(sink: fx.Node, score_roles: list) -> list:
     """The sink's axis roles: right-aligned with the scores it is concatenated to."""
-    return list(score_roles[len(score_roles) - len(axes.shape_of(sink)):])
+    return list(score_roles[len(score_roles) - len(axes.shape_of(sink)) :])

@@ -8,6 +8,7 @@ tensors actually passed. The feeder holds no shard or weight itself: Dynamo keep
 functions after ``torch._dynamo.reset()``, and whatever they hold strongly would outlive the
 model.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
@@ -67,23 +68,34 @@ class CallFeeder:
     the kernel choices of each call are kept under their sites for the report.
     """
 
-    def __init__(self, compiled: Callable, report: DcpReport, caches: Sequence[tuple[int, LocalCache]],
-                 weights: Sequence[ExtraInput] = (), checks: Sequence[WeightCheck] = (),
-                 allocations: Sequence[AllocatedCache] = (), position: Any = None, host_counts: bool = False,
-                 layers: Optional[Sequence[Optional[str]]] = None,
-                 allocation_layers: Optional[Sequence[Optional[str]]] = None,
-                 attention_layers: Sequence[str] = ()):
+    def __init__(
+        self,
+        compiled: Callable,
+        report: DcpReport,
+        caches: Sequence[tuple[int, LocalCache]],
+        weights: Sequence[ExtraInput] = (),
+        checks: Sequence[WeightCheck] = (),
+        allocations: Sequence[AllocatedCache] = (),
+        position: Any = None,
+        host_counts: bool = False,
+        layers: Optional[Sequence[Optional[str]]] = None,
+        allocation_layers: Optional[Sequence[Optional[str]]] = None,
+        attention_layers: Sequence[str] = (),
+    ):
         self.compiled = compiled
         self.report = report
         layers = list(layers) if layers is not None else [None] * len(caches)
         # what each shard is looked up by: no shard itself (a feeder outlives the model)
-        self.specs = [(index, entry.c, entry.rank, entry.name, entry.kind, entry.kv_format, layer)
-                      for (index, entry), layer in zip(caches, layers)]
+        self.specs = [
+            (index, entry.c, entry.rank, entry.name, entry.kind, entry.kv_format, layer)
+            for (index, entry), layer in zip(caches, layers)
+        ]
         self.weights = list(weights)
         self.checks = list(checks)
         self.allocations = list(allocations)
-        self.allocation_layers = (list(allocation_layers) if allocation_layers is not None
-                                  else [None] * len(self.allocations))
+        self.allocation_layers = (
+            list(allocation_layers) if allocation_layers is not None else [None] * len(self.allocations)
+        )
         self.position = position
         self.plans = step_count.HostPlans() if host_counts else None
         self.sites = [report.site(layer) for layer in attention_layers]
@@ -97,8 +109,9 @@ class CallFeeder:
         out = self._call_graph(args, shells, [entry.local for _, entry in fresh])
         for a, (shell, entry), layer in zip(self.allocations, fresh, self.allocation_layers):
             install_allocated(shell, entry)
-            self.report.add_cache(shell, a.name, entry.full_nbytes, entry.local_nbytes, layer, renewed=True,
-                                  token_rows=entry.token_rows)
+            self.report.add_cache(
+                shell, a.name, entry.full_nbytes, entry.local_nbytes, layer, renewed=True, token_rows=entry.token_rows
+            )
         return _returning(out, self.allocations, shells) if self.allocations else out
 
     def _call_graph(self, args, shells, made_shards):
@@ -107,8 +120,15 @@ class CallFeeder:
             buffer = args[index]
             entry = local_for(buffer, c, rank, name, kind, kv_format)
             if not self.report.knows(buffer):  # a layer first seen at run time (one graph, several layers)
-                self.report.add_cache(buffer, name, entry.full_nbytes, entry.local_nbytes, layer,
-                                      renewed=kind.installed_at_first_call, token_rows=entry.token_rows)
+                self.report.add_cache(
+                    buffer,
+                    name,
+                    entry.full_nbytes,
+                    entry.local_nbytes,
+                    layer,
+                    renewed=kind.installed_at_first_call,
+                    token_rows=entry.token_rows,
+                )
             shards.append(entry.local)
         for check in self.checks:
             check.check(args[check.index])

@@ -6,6 +6,7 @@ owning module, another backend compiling it, state_dict save/load) raise `DcpCac
 naming the buffer instead of copying garbage or crashing; see `guard` below. A striped
 buffer's class becomes `StripedCacheTensor`, which refuses eager torch calls on its data.
 """
+
 from __future__ import annotations
 
 import functools
@@ -84,16 +85,26 @@ def _reorder_batch(what: str, touched: torch.Tensor, entry: LocalCache, args, kw
     given.update({k: v for k, v in kwargs.items() if k in names})
     dim, index, source = given.get("dim"), given.get("index"), given.get("source")
     name, _ = describe(touched)
-    where = (f"dcp_pass: eager code called {what} on cache buffer {name} (striped by DCP): only reorders of "
-             f"the batch axis (dim 0) by an integer index")
-    if not entry.kind.batch_reorderable or not isinstance(dim, int) or dim not in (0, -touched.dim()) \
-            or not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
+    where = (
+        f"dcp_pass: eager code called {what} on cache buffer {name} (striped by DCP): only reorders of "
+        f"the batch axis (dim 0) by an integer index"
+    )
+    if (
+        not entry.kind.batch_reorderable
+        or not isinstance(dim, int)
+        or dim not in (0, -touched.dim())
+        or not isinstance(index, torch.Tensor)
+        or index.dim() != 1
+        or index.is_floating_point()
+    ):
         raise DcpCacheError(f"{where} run on its shard; call the compiled model for anything else")
     index = index.to(entry.local.device)
     if what == "index_select":
         if index.shape[0] != touched.shape[0]:
-            raise DcpCacheError(f"{where} that keep the batch size ({touched.shape[0]}) run on its shard; this one "
-                                f"selects {index.shape[0]} rows")
+            raise DcpCacheError(
+                f"{where} that keep the batch size ({touched.shape[0]}) run on its shard; this one "
+                f"selects {index.shape[0]} rows"
+            )
         entry.local.copy_(entry.local.index_select(0, index))
         return touched
     other = lookup_local_cache(source) if isinstance(source, torch.Tensor) else None
@@ -103,15 +114,71 @@ def _reorder_batch(what: str, touched: torch.Tensor, entry: LocalCache, args, kw
     return touched
 
 
-_METADATA_CALLS = {"size", "dim", "stride", "storage_offset", "numel", "element_size", "is_contiguous",
-                   "untyped_storage", "data_ptr", "__len__", "__hash__",
-                   "is_floating_point", "is_complex", "get_device", "nelement", "__reduce_ex__", "__deepcopy__",
-                   "__setstate__", "requires_grad_", "_is_view", "__dlpack_device__", "is_inference", "is_pinned",
-                   "is_shared", "is_signed", "is_set_to", "_is_zerotensor", "is_conj", "is_neg", "_nnz"}
-_METADATA_PROPERTIES = {"shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "requires_grad",
-                        "layout", "names", "grad_fn", "is_leaf", "grad", "is_sparse", "is_quantized", "_base",
-                        "itemsize", "nbytes", "is_nested", "__class__", "__dict__", "_version", "is_mps", "is_xpu",
-                        "is_mkldnn", "is_vulkan", "is_ipu", "is_xla", "is_mtia", "is_maia", "is_sparse_csr"}
+_METADATA_CALLS = {
+    "size",
+    "dim",
+    "stride",
+    "storage_offset",
+    "numel",
+    "element_size",
+    "is_contiguous",
+    "untyped_storage",
+    "data_ptr",
+    "__len__",
+    "__hash__",
+    "is_floating_point",
+    "is_complex",
+    "get_device",
+    "nelement",
+    "__reduce_ex__",
+    "__deepcopy__",
+    "__setstate__",
+    "requires_grad_",
+    "_is_view",
+    "__dlpack_device__",
+    "is_inference",
+    "is_pinned",
+    "is_shared",
+    "is_signed",
+    "is_set_to",
+    "_is_zerotensor",
+    "is_conj",
+    "is_neg",
+    "_nnz",
+}
+_METADATA_PROPERTIES = {
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "is_cuda",
+    "is_cpu",
+    "is_meta",
+    "requires_grad",
+    "layout",
+    "names",
+    "grad_fn",
+    "is_leaf",
+    "grad",
+    "is_sparse",
+    "is_quantized",
+    "_base",
+    "itemsize",
+    "nbytes",
+    "is_nested",
+    "__class__",
+    "__dict__",
+    "_version",
+    "is_mps",
+    "is_xpu",
+    "is_mkldnn",
+    "is_vulkan",
+    "is_ipu",
+    "is_xla",
+    "is_mtia",
+    "is_maia",
+    "is_sparse_csr",
+}
 
 
 def _is_metadata(func) -> bool:
@@ -171,8 +238,11 @@ _GUARDED_ATTRS = _CONVERSIONS + ("__deepcopy__", "__reduce_ex__", "share_memory_
 def _refuse(ref, what: str, *args: Any, **kwargs: Any):
     buffer = ref()
     name, why = describe(buffer)
-    fix = ("Build the model without dcp_pass.deferred_caches() to do this" if buffer in DEFERRED else
-           "Do it before compiling the model with backend='dcp', or build a new model")
+    fix = (
+        "Build the model without dcp_pass.deferred_caches() to do this"
+        if buffer in DEFERRED
+        else "Do it before compiling the model with backend='dcp', or build a new model"
+    )
     raise DcpCacheError(f"dcp_pass: cannot {what} cache buffer {name}: {why}. {fix}.")
 
 
@@ -278,8 +348,11 @@ def _owners_by_gc(buffer: torch.Tensor) -> list:
         elif isinstance(r, dict) and any(r.get("_buffers") is d for d in dicts):
             instance_dicts.append(r)  # a module whose __dict__ is a separate dict object
     if instance_dicts:
-        owners += [m for m in gc.get_referrers(*instance_dicts)
-                   if isinstance(m, torch.nn.Module) and any(m.__dict__ is d for d in instance_dicts)]
+        owners += [
+            m
+            for m in gc.get_referrers(*instance_dicts)
+            if isinstance(m, torch.nn.Module) and any(m.__dict__ is d for d in instance_dicts)
+        ]
     return owners
 
 
@@ -324,11 +397,13 @@ def _owner_pre_hook(module: torch.nn.Module, args: Any) -> None:
         return None
     described = [describe(b) for b in buffers]
     names = ", ".join(name for name, _ in described)
-    msg = (f"dcp_pass: {type(module).__name__} ran eagerly, but its cache buffer(s) {names} hold no full-size "
-           f"data ({described[0][1]}). It can only run inside a graph compiled with backend='dcp'. Either the "
-           f"original module was called instead of the one torch.compile returned, or Dynamo fell back to eager "
-           f"for this frame (recompile limit reached: see TORCH_LOGS=recompiles and raise "
-           f"torch._dynamo.config.recompile_limit; or a compile error hidden by suppress_errors).")
+    msg = (
+        f"dcp_pass: {type(module).__name__} ran eagerly, but its cache buffer(s) {names} hold no full-size "
+        f"data ({described[0][1]}). It can only run inside a graph compiled with backend='dcp'. Either the "
+        f"original module was called instead of the one torch.compile returned, or Dynamo fell back to eager "
+        f"for this frame (recompile limit reached: see TORCH_LOGS=recompiles and raise "
+        f"torch._dynamo.config.recompile_limit; or a compile error hidden by suppress_errors)."
+    )
     if any(b in DEFERRED for b in buffers):
         msg += " To run it without DCP, call dcp_pass.materialize(model, dcp_size=1) first."
     raise DcpCacheError(msg)

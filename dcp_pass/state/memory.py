@@ -4,6 +4,7 @@ A cache built under `dcp_pass.deferred_caches()`, the stand-in the compiled grap
 a striped buffer, and the full-shape tensor of a cache a graph allocates all have the full
 buffer's shape, stride, dtype and device (what Dynamo fakeifies and guards) and no memory.
 """
+
 from __future__ import annotations
 
 import gc

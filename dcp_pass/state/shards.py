@@ -9,6 +9,7 @@ trailing static input, resolved per call from the buffer passed (`feeder.CallFee
 A buffer built under `dcp_pass.deferred_caches()` never had full-size storage: it is
 created without memory (`memory.unallocated`) and gets only its shard.
 """
+
 from __future__ import annotations
 
 import sys
@@ -37,8 +38,7 @@ from dcp_pass.state.store import (
 )
 
 
-def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: ShardKind,
-              kv_format: str = "") -> LocalCache:
+def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: ShardKind, kv_format: str = "") -> LocalCache:
     """This rank's shard of `buffer`: the one installed earlier, or a new copy (nothing released yet).
 
     `kv_format` (a packed fp8 layout's spec): the shard is allocated as packed fp8 rows
@@ -48,8 +48,10 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: ShardKin
     entry = lookup_local_cache(buffer) or PENDING.get(buffer)
     if entry is None:
         if kv_format and not kind.takes_fp8_rows:
-            raise DcpCacheError(f"cache {name}: kv_cache_dtype fp8 takes caches with rows by position, not a "
-                                f"{kind.name} pool; pass kv_cache_dtype=None")
+            raise DcpCacheError(
+                f"cache {name}: kv_cache_dtype fp8 takes caches with rows by position, not a "
+                f"{kind.name} pool; pass kv_cache_dtype=None"
+            )
         return kind.make(buffer, c, rank, name, fp8.Fp8Layout.parse(kv_format) if kv_format else None)
     if (entry.c, entry.rank) != (c, rank):
         raise DcpCacheError(
@@ -65,14 +67,16 @@ def shard_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: ShardKin
     return entry
 
 
-def flat_shard(buffer: torch.Tensor, c: int, rank: int, name: str,
-               packed: Optional[fp8.Fp8Layout] = None) -> LocalCache:
+def flat_shard(
+    buffer: torch.Tensor, c: int, rank: int, name: str, packed: Optional[fp8.Fp8Layout] = None
+) -> LocalCache:
     """A new shard of a cache with rows by position: the rank's rows in the buffer's dtype, or,
     with a `packed` fp8 layout, as packed rows (uint8 [..., row_bytes]); rows already written
     are copied (quantised) into it."""
     if packed is not None and buffer.shape[-1] != packed.columns:
-        raise DcpCacheError(f"cache {name} has {buffer.shape[-1]} columns; its fp8 layout {packed.spec()} stores "
-                            f"{packed.columns}")
+        raise DcpCacheError(
+            f"cache {name} has {buffer.shape[-1]} columns; its fp8 layout {packed.spec()} stores {packed.columns}"
+        )
     axis = 1 if buffer.dim() == 3 or buffer.shape[1] != 1 else 2  # the position axis (cache_reads.cache_layout)
     tokens = buffer.shape[axis]
     # One spare row: a windowed write (symbolic start) may touch row (start + n) // c,
@@ -90,8 +94,9 @@ def flat_shard(buffer: torch.Tensor, c: int, rank: int, name: str,
 
 
 # a module buffer [batch, position, feature] (or with a head axis of size 1): rows by position
-FLAT = ShardKind("flat", flat_shard, takes_fp8_rows=True, batch_reorderable=True, resettable=False,
-                 installed_at_first_call=False)
+FLAT = ShardKind(
+    "flat", flat_shard, takes_fp8_rows=True, batch_reorderable=True, resettable=False, installed_at_first_call=False
+)
 
 
 def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packed: None = None) -> LocalCache:
@@ -101,7 +106,8 @@ def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packed: None
     if page % c:
         raise DcpCacheError(
             f"paged cache {name} has pages of {page} slots, not a multiple of dcp_size={c}: a page cannot be split "
-            f"evenly across the DCP ranks; use a page size that is a multiple of {c}")
+            f"evenly across the DCP ranks; use a page size that is a multiple of {c}"
+        )
     local = torch.zeros((pages * (page // c) + 1, width), dtype=buffer.dtype, device=buffer.device)
     if not is_deferred(buffer):
         owned = buffer.detach().reshape(-1, width)[rank::c]
@@ -110,8 +116,9 @@ def paged_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packed: None
 
 
 # a pool of pages [pages, P, D] read through a block table (its axis 0 is pages, not the batch)
-PAGED = ShardKind("paged", paged_shard, takes_fp8_rows=False, batch_reorderable=False, resettable=False,
-                  installed_at_first_call=False)
+PAGED = ShardKind(
+    "paged", paged_shard, takes_fp8_rows=False, batch_reorderable=False, resettable=False, installed_at_first_call=False
+)
 
 
 def ring_entries_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packed: None = None) -> LocalCache:
@@ -121,24 +128,33 @@ def ring_entries_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packe
     written are kept."""
     ring = RING_ROWS.get(buffer)
     if ring is None:
-        raise DcpCacheError(f"cache {name}: no graph has shown the size of its window ring, so it cannot be split "
-                            f"into the ring and its striped entries")
+        raise DcpCacheError(
+            f"cache {name}: no graph has shown the size of its window ring, so it cannot be split "
+            f"into the ring and its striped entries"
+        )
     batch, rows, width = buffer.shape
     entries = rows - ring
-    local = torch.zeros((batch, ring + layout.local_capacity(entries, c) + 1, width), dtype=buffer.dtype,
-                        device=buffer.device)
+    local = torch.zeros(
+        (batch, ring + layout.local_capacity(entries, c) + 1, width), dtype=buffer.dtype, device=buffer.device
+    )
     if not is_released(buffer):
         whole = buffer.detach()
         local[:, :ring] = whole[:, :ring]
-        owned = whole[:, ring + rank::c]
-        local[:, ring:ring + owned.shape[1]] = owned
+        owned = whole[:, ring + rank :: c]
+        local[:, ring : ring + owned.shape[1]] = owned
     full_nbytes = batch * entries * width * buffer.element_size()  # the ring is kept whole: not counted
     return LocalCache(local, entries, c, rank, full_nbytes, name, RING_ENTRIES, ring_rows=ring)
 
 
 # a window ring then compressed entries [batch, ring + entries, D] (DeepSeek-V4's attention buffer)
-RING_ENTRIES = ShardKind("ring_entries", ring_entries_shard, takes_fp8_rows=False, batch_reorderable=True,
-                         resettable=False, installed_at_first_call=False)
+RING_ENTRIES = ShardKind(
+    "ring_entries",
+    ring_entries_shard,
+    takes_fp8_rows=False,
+    batch_reorderable=True,
+    resettable=False,
+    installed_at_first_call=False,
+)
 
 
 STATIC_CACHE_POSITION_AXIS = 2  # of a static cache tensor [batch, kv heads, position, feature]
@@ -161,8 +177,14 @@ def static_cache_shard(buffer: torch.Tensor, c: int, rank: int, name: str, packe
 
 # a Hugging Face static cache tensor [batch, kv heads, position, feature], held by a Cache object
 # made anew for every generate and zeroed by Cache.reset()
-STATIC_CACHE = ShardKind("static_cache", static_cache_shard, takes_fp8_rows=False, batch_reorderable=True,
-                         resettable=True, installed_at_first_call=True)
+STATIC_CACHE = ShardKind(
+    "static_cache",
+    static_cache_shard,
+    takes_fp8_rows=False,
+    batch_reorderable=True,
+    resettable=True,
+    installed_at_first_call=True,
+)
 
 
 def install(buffer: torch.Tensor, entry: LocalCache) -> None:
@@ -181,14 +203,17 @@ def install(buffer: torch.Tensor, entry: LocalCache) -> None:
         # every byte of it: release it, so that any other view of it (a pool's) fails at its
         # next use instead of writing rows no graph reads any more.
         buffer.untyped_storage().resize_(0)
-        log.info("dcp_pass: %s and the caches sharing its allocation are striped: the allocation is released",
-                 entry.name)
+        log.info(
+            "dcp_pass: %s and the caches sharing its allocation are striped: the allocation is released", entry.name
+        )
     else:
         # The storage also backs tensors the pass has not striped (yet): releasing it would
         # destroy them. Keep it; only this buffer's rows move to the shard.
-        log.warning("dcp_pass: %s shares its storage with other tensors, so its full-size memory is kept; "
-                    "a write through another view of that storage does not reach this rank's shard",
-                    entry.name)
+        log.warning(
+            "dcp_pass: %s shares its storage with other tensors, so its full-size memory is kept; "
+            "a write through another view of that storage does not reach this rank's shard",
+            entry.name,
+        )
         entry.full_nbytes = entry.local_nbytes  # report no saving that did not happen
     STRIPED[buffer] = entry
     # A kind installed at first call is a graph input held by a Cache object, never a module
@@ -208,8 +233,11 @@ def _striped_cover_storage(buffer: torch.Tensor) -> bool:
     not counted: an address can be reused."""
     storage = buffer.untyped_storage()
     key = storage.data_ptr()
-    held = [ref for ref in _SHARING.get(key, ()) if (t := ref()) is not None and t is not buffer
-            and t.untyped_storage().data_ptr() == key]
+    held = [
+        ref
+        for ref in _SHARING.get(key, ())
+        if (t := ref()) is not None and t is not buffer and t.untyped_storage().data_ptr() == key
+    ]
     held.append(weakref.ref(buffer))
     nbytes = sum(t.numel() * t.element_size() for t in (ref() for ref in held))
     if nbytes >= storage.nbytes():
@@ -225,8 +253,7 @@ def owns_storage(buffer: torch.Tensor) -> bool:
     return buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() * buffer.element_size()
 
 
-def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: ShardKind,
-              kv_format: str = "") -> LocalCache:
+def local_for(buffer: torch.Tensor, c: int, rank: int, name: str, kind: ShardKind, kv_format: str = "") -> LocalCache:
     """The shard to pass for `buffer` on this call; installs one on first sight.
 
     One compiled graph serves every layer whose module shares the code (Dynamo passes
@@ -264,10 +291,28 @@ class AllocatedCache:
     outputs: tuple[int, ...]  # where the graph's output returns the tensor
 
     @classmethod
-    def of(cls, example: torch.Tensor, axis: int, c: int, rank: int, name: str, kind: ShardKind,
-           outputs: tuple[int, ...] = ()) -> "AllocatedCache":
-        return cls(tuple(int(s) for s in example.shape), tuple(int(s) for s in example.stride()), example.dtype,
-                   example.device, axis, c, rank, name, kind, outputs)
+    def of(
+        cls,
+        example: torch.Tensor,
+        axis: int,
+        c: int,
+        rank: int,
+        name: str,
+        kind: ShardKind,
+        outputs: tuple[int, ...] = (),
+    ) -> "AllocatedCache":
+        return cls(
+            tuple(int(s) for s in example.shape),
+            tuple(int(s) for s in example.stride()),
+            example.dtype,
+            example.device,
+            axis,
+            c,
+            rank,
+            name,
+            kind,
+            outputs,
+        )
 
     def shell(self) -> torch.Tensor:
         return unallocated(self.shape, self.stride, self.dtype, self.device)
@@ -311,8 +356,13 @@ def sibling_buffers(buffer: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
         for path, module in root.named_modules():
             for cls, key in names:
                 other = module._buffers.get(key) if type(module) is cls else None
-                if (other is not None and other is not buffer and not is_released(other)
-                        and other.shape == buffer.shape and other.dtype == buffer.dtype
-                        and other.device == buffer.device):
+                if (
+                    other is not None
+                    and other is not buffer
+                    and not is_released(other)
+                    and other.shape == buffer.shape
+                    and other.dtype == buffer.dtype
+                    and other.device == buffer.device
+                ):
                     found.setdefault(id(other), (other, f"{path}.{key}" if path else key))
     return list(found.values())

@@ -4,6 +4,7 @@ Keyed weakly by the tensor object: when a model (or a Hugging Face Cache object)
 its shards go with it. `shards.py` fills the store, `guards.py` reads it to refuse eager use
 of a tensor without full-size data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -114,10 +115,15 @@ def describe(buffer: torch.Tensor) -> tuple[str, str]:
     """(name, why it has no full-size data) for messages."""
     entry = STRIPED.get(buffer)
     if entry is not None:
-        kept = (f"its window ring of {entry.ring_rows} rows and only the entries e after it with e % {entry.c} == "
-                f"{entry.rank}" if entry.ring_rows else f"only positions p with p % {entry.c} == {entry.rank}")
-        return entry.name, (f"DCP striped it (dcp_size={entry.c}): this rank keeps {kept} and its full-size "
-                            f"storage was released")
+        kept = (
+            f"its window ring of {entry.ring_rows} rows and only the entries e after it with e % {entry.c} == "
+            f"{entry.rank}"
+            if entry.ring_rows
+            else f"only positions p with p % {entry.c} == {entry.rank}"
+        )
+        return entry.name, (
+            f"DCP striped it (dcp_size={entry.c}): this rank keeps {kept} and its full-size storage was released"
+        )
     info = DEFERRED.get(buffer)
     if info is not None:
         return info.name, "it was built under dcp_pass.deferred_caches() and was never allocated"

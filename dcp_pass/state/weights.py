@@ -7,6 +7,7 @@ actually passed (one compiled graph can serve several layers). The store is keye
 the weight: a dead model's gathered shards go with it. A weight changed after the gather
 raises :class:`DcpWeightsError`; :func:`refresh_weights` gathers again.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -141,8 +142,9 @@ def remember_same(weight: torch.Tensor, group_name: str, c: int) -> None:
     _GATHERED.get(weight, {}).pop((group_name, c), None)  # a graph compiled before the weight changed
 
 
-def check_same_unchanged(weight: torch.Tensor, group_name: str, c: int, name: str,
-                         stamp: Optional[_Stamp] = None) -> None:
+def check_same_unchanged(
+    weight: torch.Tensor, group_name: str, c: int, name: str, stamp: Optional[_Stamp] = None
+) -> None:
     """DcpWeightsError when `weight`, which the graph takes as the same on every rank, was
     written in place or given new storage since that was checked (`stamp`: its entry, when
     the caller has it)."""
@@ -153,7 +155,8 @@ def check_same_unchanged(weight: torch.Tensor, group_name: str, c: int, name: st
             f"{name} was the same on every DCP rank when the graph was compiled, and the graph computes the "
             f"other ranks' heads with this rank's copy of it; it changed since (written in place or given new "
             f"storage): call dcp_pass.refresh_weights(model) on every rank after updating the weights, which "
-            f"checks that it is still the same on every rank")
+            f"checks that it is still the same on every rank"
+        )
 
 
 def _gather(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]:
@@ -191,8 +194,14 @@ def _gather(weight: torch.Tensor, group_name: str, c: int) -> list[torch.Tensor]
     return held.shards
 
 
-def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "a q weight",
-                    compiling: bool = False, held: Optional[_Held] = None) -> list[torch.Tensor]:
+def gathered_shards(
+    weight: torch.Tensor,
+    group_name: str,
+    c: int,
+    name: str = "a q weight",
+    compiling: bool = False,
+    held: Optional[_Held] = None,
+) -> list[torch.Tensor]:
     """Every DCP rank's shard of `weight`: gathered on first use (collective), then cached.
     `compiling`: a compile, where every rank gathers together: a changed weight is gathered
     again there.
@@ -214,7 +223,8 @@ def gathered_shards(weight: torch.Tensor, group_name: str, c: int, name: str = "
             f"{name} changed after the first compiled call (written in place or given new storage), and "
             f"this rank holds the other DCP ranks' shards of it as they were then: call "
             f"dcp_pass.refresh_weights(model) on every rank after updating the weights (or compile with "
-            f"replicate_q_proj=False and project_before_merge=False, which gather nothing)")
+            f"replicate_q_proj=False and project_before_merge=False, which gather nothing)"
+        )
     return held.shards
 
 
@@ -241,7 +251,8 @@ def refresh_weights(model: torch.nn.Module) -> int:
                 raise DcpWeightsError(
                     f"the weight {name} was the same on every DCP rank when the graph was compiled, and differs "
                     f"across them now: the compiled graph computes the other ranks' heads with this rank's copy; "
-                    f"compile again after loading the weights (torch._dynamo.reset(), then torch.compile)")
+                    f"compile again after loading the weights (torch._dynamo.reset(), then torch.compile)"
+                )
             remember_same(param, group_name, c)
             count += 1
     return count
@@ -265,8 +276,9 @@ def weights_differ(weight: torch.Tensor, group_name: str, c: int, no_verdict: bo
     table = flat.reshape(weight.shape[0], -1) if weight.dim() and flat.numel() else flat.reshape(1, -1)
     rows = (table.sum(1) * torch.arange(1, table.shape[0] + 1, device=flat.device)).sum()
     cols = (table.sum(0) * torch.arange(1, table.shape[1] + 1, device=flat.device)).sum()
-    stats = torch.stack([flat.sum(), (flat * flat).sum(), flat.abs().max() if flat.numel() else flat.new_zeros(()),
-                         rows, cols])
+    stats = torch.stack(
+        [flat.sum(), (flat * flat).sum(), flat.abs().max() if flat.numel() else flat.new_zeros(()), rows, cols]
+    )
     fingerprint = torch.cat([torch.tensor([float(flat.numel())], device=flat.device), stats, head])
     parts = [torch.empty_like(fingerprint) for _ in range(c)]
     dist.all_gather(parts, fingerprint, group=group)

@@ -1,5 +1,6 @@
 """Helpers for tests of DCP: real multi-process groups (`run_ranks`), and graph-diff
 pins of a model's rewrite (`graph_stages`, `readable_code`)."""
+
 from dcp_pass.testing.multiproc import Checks, run_ranks
 
 

@@ -16,6 +16,7 @@ input names shortened (`l_self_modules_attn_buffers_kv_cache_` -> `attn_kv_cache
 liveness comments and alias lines dropped, so it is stable from run to run and reads
 like the model. The model you pass is left as it is: its caches are not striped.
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,7 +34,7 @@ _NAME = re.compile(r"\b[lL]_(\w+?)_\b")
 def _short_name(m: re.Match) -> str:
     name = m.group(1)
     if name.startswith("self_"):
-        name = re.sub(r"(?:modules|parameters|buffers)_", "", name[len("self_"):])
+        name = re.sub(r"(?:modules|parameters|buffers)_", "", name[len("self_") :])
     return name
 
 
@@ -49,7 +50,7 @@ def readable_code(gm_or_code: Any) -> str:
         if not line:
             continue
         if line.startswith("def forward("):
-            params = line[len("def forward("):-2].split(", ")
+            params = line[len("def forward(") : -2].split(", ")
             line = "def forward(" + ", ".join(p.split(" : ")[0] for p in params) + "):"
         elif re.fullmatch(r"\s+l_\w+_ = L_\w+_", line):
             continue
@@ -71,8 +72,10 @@ class fake_process_group:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         if dist.is_initialized():
-            raise RuntimeError("graph_stages needs to create its own fake process group, but one is already "
-                               "initialised; call it from a process without torch.distributed set up")
+            raise RuntimeError(
+                "graph_stages needs to create its own fake process group, but one is already "
+                "initialised; call it from a process without torch.distributed set up"
+            )
         dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
         return self
 
@@ -84,8 +87,14 @@ class fake_process_group:
         return False
 
 
-def graph_stages(model: torch.nn.Module, calls: Sequence[Sequence[Any]], options: Optional[Mapping[str, Any]] = None,
-                 *, rank: int = 0, inner: str = "eager") -> list[dict[str, str]]:
+def graph_stages(
+    model: torch.nn.Module,
+    calls: Sequence[Sequence[Any]],
+    options: Optional[Mapping[str, Any]] = None,
+    *,
+    rank: int = 0,
+    inner: str = "eager",
+) -> list[dict[str, str]]:
     """For every graph compiled while calling (a copy of) `model` with each argument tuple of
     `calls`: {"captured": code, <pass name>: code after that pass, ...}, in pipeline order.
 

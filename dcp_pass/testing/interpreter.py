@@ -16,6 +16,7 @@ In a test module::
     if __name__ == "__main__" and "--worker" in sys.argv:
         interpreter.worker_main(globals(), ROOT)
 """
+
 from __future__ import annotations
 
 import json
@@ -61,9 +62,15 @@ def run_worker(test_file: str, root: str, unset: tuple[str, ...] = ("DCP_MLA_WID
     env.setdefault("OMP_NUM_THREADS", "1")
     for name in unset:
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, os.path.abspath(test_file), "--worker"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(test_file), "--worker"],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)), None)
     if line is None:
         pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(line[len(MARKER):])
+    return json.loads(line[len(MARKER) :])

@@ -10,6 +10,7 @@ other ranks are terminated instead of hanging in a collective. A rank that dies
 without a word (``os._exit``, a signal, a segfault) is noticed from its exit code
 while the parent waits, not at the timeout.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -68,8 +69,7 @@ def _context(backend: str):
     the server's copies date from its own start. Where CUDA is present (or for NCCL) ranks
     are spawned as before: a process that forked after its parent touched the CUDA driver
     cannot use the device. DCP_TEST_START=spawn spawns everywhere."""
-    if (backend != "gloo" or dcp_env.ranks_start() == "spawn"
-            or "forkserver" not in mp.get_all_start_methods()):
+    if backend != "gloo" or dcp_env.ranks_start() == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     import torch
 
@@ -98,9 +98,7 @@ def _rank_main(payload, rank, world_size, backend, init_file, threads, env, out_
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
-        )
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # The result goes out before the group is torn down: tearing down NCCL
         # communicators that captured CUDA graphs still reference can block for minutes
@@ -132,8 +130,7 @@ def _failure_report(procs, errors: dict[int, str], results: dict[int, Any]) -> s
     """Every failed rank: first those that died without reporting (most likely the cause,
     their peers then fail in a collective), then tracebacks in the order they came."""
     silent = [
-        f"rank {r} {_exit_text(p.exitcode)} before returning a result (no traceback: "
-        f"os._exit, a signal or a crash)"
+        f"rank {r} {_exit_text(p.exitcode)} before returning a result (no traceback: os._exit, a signal or a crash)"
         for r, p in enumerate(procs)
         if r not in errors and r not in results and p.exitcode is not None
     ]
@@ -165,8 +162,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(payload, r, world_size, backend, init_file, threads_per_rank, (environ, list(sys.path)),
-                      out_q),
+                args=(payload, r, world_size, backend, init_file, threads_per_rank, (environ, list(sys.path)), out_q),
                 daemon=False,
             )
             for r in range(world_size)
@@ -188,8 +184,7 @@ def run_ranks(
             return True
 
         def silent_deaths() -> list[int]:
-            return [r for r, p in enumerate(procs)
-                    if p.exitcode is not None and r not in results and r not in errors]
+            return [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results and r not in errors]
 
         deadline = time.monotonic() + timeout
         try:

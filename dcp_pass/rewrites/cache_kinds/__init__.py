@@ -5,6 +5,7 @@ reads start and writes look, how a rank reads its shard, whether a read can be s
 c ranks, and (its `shards`, state/shards.py) how the shard is made and what eager code may do
 with a striped tensor. A new kind is a new module here and an entry below.
 """
+
 from __future__ import annotations
 
 from dcp_pass.rewrites.cache_kinds.flat import FLAT

@@ -5,6 +5,7 @@ Written by slices, position tensors or one position per request (`cache_reads.as
 the striped write is `cache_reads.rewrite_write`); each rank's shard holds the rows of the
 positions it owns (state/shards.py's `flat_shard`, also as packed fp8 rows).
 """
+
 from __future__ import annotations
 
 import operator
@@ -34,5 +35,6 @@ def local_rows(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str, c:
     return call(graph, operator.getitem, local, tuple(index), name=name)
 
 
-FLAT = CacheKind("flat", "rows by position", shards.FLAT, local_rows, layout=module_buffer_layout,
-                 write_form=as_cache_write)
+FLAT = CacheKind(
+    "flat", "rows by position", shards.FLAT, local_rows, layout=module_buffer_layout, write_form=as_cache_write
+)

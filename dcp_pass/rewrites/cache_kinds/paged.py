@@ -16,6 +16,7 @@ shard) and writes only the slots it owns (the others go to one spare slot no rea
 pages split evenly, and its shard (state/shards.py's `paged_shard`); the attention itself is
 matched by whichever recogniser sees it (softmax, SDPA).
 """
+
 from __future__ import annotations
 
 import operator
@@ -44,8 +45,12 @@ def _pool(node: Any) -> bool:
 
 def _int_tensor(node: Any, rank: Optional[int] = None) -> bool:
     value = axes.example_value(node)
-    return (isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool
-            and (rank is None or value.dim() == rank))
+    return (
+        isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and value.dtype != torch.bool
+        and (rank is None or value.dim() == rank)
+    )
 
 
 def paged_base(node: fx.Node) -> Optional[_Piece]:
@@ -60,8 +65,17 @@ def paged_base(node: fx.Node) -> Optional[_Piece]:
     pool, table = node.args[0], index
     rows, cols = axes.shape_of(table)
     _, page, width = axes.shape_of(pool)
-    return _Piece(pool, [_Axis(0), _Axis(1), _Axis(2), _Axis(3)], {}, None, layout=PAGE_LAYOUT,
-                  shape=(rows, cols, page, width, cols * page), pages=table, page_size=int(page), merges={(1, 2): 4})
+    return _Piece(
+        pool,
+        [_Axis(0), _Axis(1), _Axis(2), _Axis(3)],
+        {},
+        None,
+        layout=PAGE_LAYOUT,
+        shape=(rows, cols, page, width, cols * page),
+        pages=table,
+        page_size=int(page),
+        merges={(1, 2): 4},
+    )
 
 
 class PagedWrite(CacheAccess):
@@ -143,13 +157,21 @@ def local_pages(graph: fx.Graph, local: fx.Node, read: cache_reads.CacheRead, na
 def check_paged(read: cache_reads.CacheRead, c: int) -> Optional[str]:
     """Why a paged read cannot be striped over `c` ranks (None when it can)."""
     if read.page_size % c:
-        return (f"the paged pool {cache_reads.buffer_name(read.buffer)} has pages of {read.page_size} slots, not a "
-                f"multiple of dcp_size={c}")
+        return (
+            f"the paged pool {cache_reads.buffer_name(read.buffer)} has pages of {read.page_size} slots, not a "
+            f"multiple of dcp_size={c}"
+        )
     return None
 
 
 PAGED = CacheKind(
-    "paged", "a paged pool read through a block table", shards.PAGED, local_pages,
-    read_base=paged_base, write_form=paged_write,
+    "paged",
+    "a paged pool read through a block table",
+    shards.PAGED,
+    local_pages,
+    read_base=paged_base,
+    write_form=paged_write,
     write_conversions=((flat.FLAT, pages_and_offsets),),  # `cache[a, b] = v`: (page, offset) here
-    stripe_check=check_paged, layer_note=", paged pool")
+    stripe_check=check_paged,
+    layer_note=", paged pool",
+)

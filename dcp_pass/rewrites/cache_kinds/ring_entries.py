@@ -21,6 +21,7 @@ rows (a decode step's ring write); the size is remembered for the buffer
 buffer whose rows are all ring (a sliding-window layer) is a flat cache written as a ring,
 which the pass leaves whole.
 """
+
 from __future__ import annotations
 
 import operator
@@ -69,8 +70,13 @@ def _ring_write_size(buffer: fx.Node) -> Optional[int]:
         if not (isinstance(index, tuple) and len(index) == 2 and isinstance(index[0], slice)):
             continue
         slot = index[1]
-        if (isinstance(slot, fx.Node) and slot.op == "call_function" and slot.target in _MODULO
-                and len(slot.args) == 2 and isinstance(slot.args[1], int)):
+        if (
+            isinstance(slot, fx.Node)
+            and slot.op == "call_function"
+            and slot.target in _MODULO
+            and len(slot.args) == 2
+            and isinstance(slot.args[1], int)
+        ):
             return slot.args[1]
     return None
 
@@ -118,9 +124,11 @@ def entries_view(node: Any) -> Optional[tuple[fx.Node, int]]:
         if ring_entries_layout(other) is None:
             continue
         ring = RING_ROWS[base]
-        if (tuple(view.shape) == (base.shape[0], base.shape[1] - ring, base.shape[2])
-                and view.stride() == base.stride()
-                and view.storage_offset() == base.storage_offset() + ring * base.stride(1)):
+        if (
+            tuple(view.shape) == (base.shape[0], base.shape[1] - ring, base.shape[2])
+            and view.stride() == base.stride()
+            and view.storage_offset() == base.storage_offset() + ring * base.stride(1)
+        ):
             return other, ring
     return None
 
@@ -134,8 +142,13 @@ def _batch_rows(index: Any) -> Optional[Any]:
 
 def _modulo_ring(index: Any, ring: int) -> bool:
     """Whether `index` is `x % ring` in the graph (a value in [0, ring))."""
-    return (isinstance(index, fx.Node) and index.op == "call_function" and index.target in _MODULO
-            and len(index.args) == 2 and index.args[1] == ring)
+    return (
+        isinstance(index, fx.Node)
+        and index.op == "call_function"
+        and index.target in _MODULO
+        and len(index.args) == 2
+        and index.args[1] == ring
+    )
 
 
 def _bound_in_ring(bound: Any, ring: int) -> bool:
@@ -146,8 +159,9 @@ def _bound_in_ring(bound: Any, ring: int) -> bool:
     if _modulo_ring(bound, ring):
         return True
     value = node_value(bound)
-    return isinstance(value, torch.SymInt) and statically_known_true(value >= 0) and statically_known_true(
-        value <= ring)
+    return (
+        isinstance(value, torch.SymInt) and statically_known_true(value >= 0) and statically_known_true(value <= ring)
+    )
 
 
 def _in_ring(index: Any, ring: int) -> bool:
@@ -205,9 +219,11 @@ class UnmappedWrite(CacheAccess):
         return "rows that are neither its window ring nor its entries"
 
     def why(self, ring: int) -> str:
-        return (f"{buffer_name(self.buffer)} holds a window ring of {ring} rows and then compressed entries; this "
-                f"write addresses neither ring rows (`[:b, pos % {ring}]`) nor entries (through the view past the "
-                f"ring), so DCP cannot map it to a rank's rows")
+        return (
+            f"{buffer_name(self.buffer)} holds a window ring of {ring} rows and then compressed entries; this "
+            f"write addresses neither ring rows (`[:b, pos % {ring}]`) nor entries (through the view past the "
+            f"ring), so DCP cannot map it to a rank's rows"
+        )
 
     def as_kind(self, kind: CacheKind) -> Optional[CacheAccess]:
         """A near miss of the attention that reads the buffer (named at this write)."""
@@ -243,8 +259,9 @@ def ring_entries_write(node: fx.Node) -> Optional[CacheAccess]:
     if bsz is not None and isinstance(slot, slice) and slot.step in (None, 1):
         start = 0 if slot.start is None else slot.start
         return EntriesWrite(node, buffer, bsz, start, slot.stop, None, value=value, ring=ring)
-    if bsz is not None and (isinstance(slot, int) or isinstance(slot, fx.Node)
-                            and not isinstance(node_value(slot), torch.Tensor)):
+    if bsz is not None and (
+        isinstance(slot, int) or isinstance(slot, fx.Node) and not isinstance(node_value(slot), torch.Tensor)
+    ):
         return EntriesWrite(node, buffer, bsz, slot, None, None, value=value, ring=ring, one=True)
     return UnmappedWrite(node, buffer, None, None, None, None, value=value)
 
@@ -258,15 +275,17 @@ def local_rows(graph: fx.Graph, local: fx.Node, access: CacheRead, name: str, c:
 def check_whole_read(read: CacheRead, c: int) -> Optional[str]:
     """A read of this kind is mapped to the shard only whole (the ring and every entry)."""
     rows = axes.shape_of(read.buffer)[1]
-    if not (isinstance(read.start, int) and read.start == 0 and axes.known_equal(read.end, rows)
-            and read.feat is None):
-        return (f"{buffer_name(read.buffer)} (a window ring, then compressed entries) is read in part "
-                f"(rows {read.start}:{read.end} of {rows}); DCP maps whole reads of it to the rank's rows only")
+    if not (isinstance(read.start, int) and read.start == 0 and axes.known_equal(read.end, rows) and read.feat is None):
+        return (
+            f"{buffer_name(read.buffer)} (a window ring, then compressed entries) is read in part "
+            f"(rows {read.start}:{read.end} of {rows}); DCP maps whole reads of it to the rank's rows only"
+        )
     return None
 
 
-def shard_mask(graph: fx.Graph, mask: Optional[fx.Node], read: CacheRead, c: int, rank: int,
-               boolean: bool) -> tuple[fx.Node, int]:
+def shard_mask(
+    graph: fx.Graph, mask: Optional[fx.Node], read: CacheRead, c: int, rank: int, boolean: bool
+) -> tuple[fx.Node, int]:
     """(the mask over the shard's rows [B, S, H, rows], the rows): the model's mask over the
     buffer's rows (`mask`, [B, S, H, ring + entries] or broadcastable, additive unless
     `boolean`; None: every row visible) taken at each shard row's row of the buffer. Ring rows
@@ -291,6 +310,13 @@ def shard_mask(graph: fx.Graph, mask: Optional[fx.Node], read: CacheRead, c: int
 
 
 RING_ENTRIES = CacheKind(
-    KIND, "a window ring then compressed entries", shards.RING_ENTRIES, local_rows, layout=ring_entries_layout,
-    write_form=ring_entries_write, stripe_check=check_whole_read, layer_note=", window ring + striped entries",
-    shard_mask=shard_mask)
+    KIND,
+    "a window ring then compressed entries",
+    shards.RING_ENTRIES,
+    local_rows,
+    layout=ring_entries_layout,
+    write_form=ring_entries_write,
+    stripe_check=check_whole_read,
+    layer_note=", window ring + striped entries",
+    shard_mask=shard_mask,
+)

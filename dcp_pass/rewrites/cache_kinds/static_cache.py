@@ -7,6 +7,7 @@ and read whole (the mask hides unwritten positions). `STATIC_CACHE` is the kind'
 layout and write form, and their shard (state/shards.py's `static_cache_shard`); the attention
 over them, and its reads of their shards, are recognisers/per_head.py's.
 """
+
 from __future__ import annotations
 
 import operator
@@ -67,16 +68,31 @@ class IndexCopyWrite(CacheAccess):
 def index_copy_write(node: fx.Node) -> Optional[IndexCopyWrite]:
     if axes.is_method(node, "index_copy_") and is_static_cache(node.args[0]):
         buffer, dim, positions, value = (list(node.args) + [None] * 4)[:4]
-        if isinstance(dim, int) and axes.normalize_dim(dim, 4) == POSITION_AXIS and isinstance(positions, fx.Node) \
-                and isinstance(value, fx.Node):
+        if (
+            isinstance(dim, int)
+            and axes.normalize_dim(dim, 4) == POSITION_AXIS
+            and isinstance(positions, fx.Node)
+            and isinstance(value, fx.Node)
+        ):
             return IndexCopyWrite(node, buffer, axes.shape_of(buffer)[0], None, None, None, value, positions)
     if node.op == "call_function" and node.target is operator.setitem and is_static_cache(node.args[0]):
         buffer, index, value = node.args
-        if (isinstance(index, tuple) and len(index) == 3 and index[:2] == (slice(None),) * 2
-                and isinstance(index[2], fx.Node) and isinstance(value, fx.Node)):
+        if (
+            isinstance(index, tuple)
+            and len(index) == 3
+            and index[:2] == (slice(None),) * 2
+            and isinstance(index[2], fx.Node)
+            and isinstance(value, fx.Node)
+        ):
             return IndexCopyWrite(node, buffer, axes.shape_of(buffer)[0], None, None, None, value, index[2])
     return None
 
 
-STATIC_CACHE = CacheKind("static_cache", "a Hugging Face static cache tensor", shards.STATIC_CACHE, None,
-                         layout=static_cache_layout, write_form=index_copy_write)
+STATIC_CACHE = CacheKind(
+    "static_cache",
+    "a Hugging Face static cache tensor",
+    shards.STATIC_CACHE,
+    None,
+    layout=static_cache_layout,
+    write_form=index_copy_write,
+)

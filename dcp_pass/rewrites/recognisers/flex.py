@@ -15,6 +15,7 @@ the score (tanh soft-capping, a product with the score) cannot be expressed as a
 near miss names that op and its source line. Where the model reads the call's LSE
 (`return_lse=True`, e.g. to fold an attention sink in afterwards), it reads the merged LSE.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,14 +81,22 @@ def _score_is_biased(score_mod: fx.GraphModule) -> Optional[str]:
             kind[node] = "score"
         elif node.op == "call_function" and target in _SUBS and plain and inputs[:2] == ["score", "free"]:
             kind[node] = "score"
-        elif (node.op == "call_function" and target in _WHERES and len(node.args) == 3 and inputs[0] == "free"
-              and set(inputs[1:3]) <= {"score", "-inf"}):
+        elif (
+            node.op == "call_function"
+            and target in _WHERES
+            and len(node.args) == 3
+            and inputs[0] == "free"
+            and set(inputs[1:3]) <= {"score", "-inf"}
+        ):
             kind[node] = "score"
         else:
             what = getattr(target, "__name__", str(target)) if node.op == "call_function" else f".{target}()"
             where = source_of(node)
-            return f"score_mod applies `{what}` to the score" + (f" (at {where})" if where else "") + \
-                ": only a bias added to the score or a -inf mask can be striped"
+            return (
+                f"score_mod applies `{what}` to the score"
+                + (f" (at {where})" if where else "")
+                + ": only a bias added to the score or a -inf mask can be striped"
+            )
     return "score_mod has no output"
 
 
@@ -118,6 +127,7 @@ def _uses_heads(mod: Optional[fx.GraphModule], head_arg: int) -> bool:
 def _dense_mask(score_mod, mask_mod, score_buffers, mask_buffers, read, heads: int, device):
     """A builder of the additive [B, S, H, T] mask (each axis possibly 1) that score_mod and
     mask_mod amount to, over the keys `read` reads and the call's queries."""
+
     def build(graph: fx.Graph, q_lat: fx.Node) -> Optional[fx.Node]:
         keys = read.end if not read.windowed else call(graph, operator.sub, read.end, read.start, name="flex_keys")
         rows = method(graph, "size", q_lat, 1, name="flex_query_rows")
@@ -128,8 +138,11 @@ def _dense_mask(score_mod, mask_mod, score_buffers, mask_buffers, read, heads: i
             idx = call(graph, torch.arange, size, dtype=torch.int32, device=device, name=f"flex_{name}")
             return method(graph, "view", idx, *shape, name=f"flex_{name}_4d")
 
-        batch = read.bsz if isinstance(read.row0, int) and read.row0 == 0 else call(
-            graph, operator.sub, read.bsz, read.row0, name="flex_batch")
+        batch = (
+            read.bsz
+            if isinstance(read.row0, int) and read.row0 == 0
+            else call(graph, operator.sub, read.bsz, read.row0, name="flex_batch")
+        )
         indices = [index(batch, 0, "b"), index(heads, 1, "h"), index(rows, 2, "q"), index(keys, 3, "kv")]
         total = None
         if score_mod is not None:
@@ -143,6 +156,7 @@ def _dense_mask(score_mod, mask_mod, score_buffers, mask_buffers, read, heads: i
         if total is None:
             return None
         return method(graph, "permute", total, 0, 2, 1, 3, name="flex_mask_bshd")  # [B, H, S, T] -> [B, S, H, T]
+
     return build
 
 
@@ -156,12 +170,15 @@ class FlexRecogniser(Recogniser):
 
     def match(self, node: fx.Node, ctx: MatchContext) -> MlaMatch:
         query, key, value, score_mod_node, block_mask, scale, kernel_options, score_buffers, mask_buffers = (
-            list(node.args) + [None] * 9)[:9]
+            list(node.args) + [None] * 9
+        )[:9]
         if not all(isinstance(x, fx.Node) for x in (query, key, value)):
             raise NotAttention()
         if not ctx.depends_on_cache(key) and not ctx.depends_on_cache(value):
-            raise NotAttention("flex_attention over keys and values computed in the graph, not read from a cache "
-                               "(MHA/GQA over per-head K/V): not MLA decode, left unchanged")
+            raise NotAttention(
+                "flex_attention over keys and values computed in the graph, not read from a cache "
+                "(MHA/GQA over per-head K/V): not MLA decode, left unchanged"
+            )
         gm = node.graph.owning_module
         score_mod = _submodule(gm, score_mod_node)
         if score_mod is not None:
@@ -195,14 +212,27 @@ class FlexRecogniser(Recogniser):
         if scale is None:
             scale = 1.0 / math.sqrt(q_shape[-1])
         device = axes.example_value(query).device
-        match = MlaMatch(buffer_name(keys[0].buffer).rsplit(".", 1)[0], self.name, node, users[0], terms, values[0],
-                         v_width, float(scale), [], SCORE_ROLES, [B, H, S, F], axes.example_value(users[0]).dtype)
+        match = MlaMatch(
+            buffer_name(keys[0].buffer).rsplit(".", 1)[0],
+            self.name,
+            node,
+            users[0],
+            terms,
+            values[0],
+            v_width,
+            float(scale),
+            [],
+            SCORE_ROLES,
+            [B, H, S, F],
+            axes.example_value(users[0]).dtype,
+        )
         # the LSE flex returns with return_lse: base 2 (the public function scales it by ln 2
         # after the call), [B, H, S]; the model's uses of it read the merged LSE
         match.lse_outputs, match.lse_roles, match.lse_out_base = outputs.get(1, []), [B, H, S], "2"
         if score_mod is not None or mask_mod is not None:
-            match.mask_builder = _dense_mask(score_mod, mask_mod, list(score_buffers or ()), list(mask_buffers or ()),
-                                             values[0], q_shape[1], device)
+            match.mask_builder = _dense_mask(
+                score_mod, mask_mod, list(score_buffers or ()), list(mask_buffers or ()), values[0], q_shape[1], device
+            )
             match.mask_per_head = _uses_heads(score_mod, 2) or _uses_heads(mask_mod, 1)
         return match
 

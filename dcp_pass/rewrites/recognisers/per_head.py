@@ -37,6 +37,7 @@ becomes `StripedCacheTensor`. Only the cache's `keys` / `values` tensors are cac
 linear-attention layer's conv and recurrent states (Kimi's KDA) are other graph inputs, left
 as they are.
 """
+
 from __future__ import annotations
 
 import math
@@ -137,10 +138,10 @@ def _new_head_axis(node: Any) -> Optional[fx.Node]:
         entries = list(index) if isinstance(index, tuple) else [index]
         if Ellipsis in entries:
             at = entries.index(Ellipsis)
-            if Ellipsis in entries[at + 1:]:
+            if Ellipsis in entries[at + 1 :]:
                 return None
             real = sum(1 for e in entries if e is not None and e is not Ellipsis)
-            entries[at:at + 1] = [slice(None)] * (4 - real)
+            entries[at : at + 1] = [slice(None)] * (4 - real)
         entries += [slice(None)] * (5 - len(entries))
         ok = len(entries) == 5 and entries[2] is None and all(_whole(e) for i, e in enumerate(entries) if i != 2)
         return base if ok else None
@@ -163,13 +164,23 @@ def _repeat_kv_base(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
         shape = axes.shape_of(base) if isinstance(base, fx.Node) else None
-        if shape is None or len(shape) != 4 or not isinstance(repeats, int) or not isinstance(dim, int) \
-                or axes.normalize_dim(dim, 4) != 1:
+        if (
+            shape is None
+            or len(shape) != 4
+            or not isinstance(repeats, int)
+            or not isinstance(dim, int)
+            or axes.normalize_dim(dim, 4) != 1
+        ):
             return None
         return base, repeats
-    merged = axes.is_method(node, "reshape", "view") or axes.is_function(node, torch.reshape) or (
-        (axes.is_method(node, "flatten") or axes.is_function(node, torch.flatten))
-        and tuple(node.args[1:3]) == (1, 2))
+    merged = (
+        axes.is_method(node, "reshape", "view")
+        or axes.is_function(node, torch.reshape)
+        or (
+            (axes.is_method(node, "flatten") or axes.is_function(node, torch.flatten))
+            and tuple(node.args[1:3]) == (1, 2)
+        )
+    )
     if not merged or not isinstance(node.args[0], fx.Node):
         return None
     expand = node.args[0]
@@ -183,8 +194,10 @@ def _repeat_kv_base(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
         return None
     repeat = int(big[2])
     # the kv-head and repeat axes merged, in that order: query head h reads kv head h // repeat
-    if not (axes.known_equal(out[1], shape[1] * repeat) and all(axes.known_equal(a, b) for a, b in
-                                                               zip((out[0], *out[2:]), (shape[0], *shape[2:])))):
+    if not (
+        axes.known_equal(out[1], shape[1] * repeat)
+        and all(axes.known_equal(a, b) for a, b in zip((out[0], *out[2:]), (shape[0], *shape[2:])))
+    ):
         return None
     return base, repeat
 
@@ -196,8 +209,13 @@ def _column_range(node: fx.Node) -> Optional[tuple[fx.Node, tuple[int, int]]]:
     src, index = node.args
     if not isinstance(src, fx.Node):
         return None
-    if isinstance(index, int) and src.op == "call_function" and src.target in (torch.split, torch.functional.split) \
-            or isinstance(index, int) and axes.is_method(src, "split"):
+    if (
+        isinstance(index, int)
+        and src.op == "call_function"
+        and src.target in (torch.split, torch.functional.split)
+        or isinstance(index, int)
+        and axes.is_method(src, "split")
+    ):
         x = src.args[0]
         sizes = src.args[1] if len(src.args) > 1 else src.kwargs.get("split_size_or_sections")
         dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
@@ -224,14 +242,19 @@ def _projection(node: fx.Node) -> Optional[tuple[fx.Node, Projection]]:
     """`linear(cache, w, b).view(b, t, h, d).transpose(1, 2)` ([batch, heads, position, d])
     -> (cache, projection over all d columns)."""
     if not axes.is_method(node, "transpose") or tuple(axes.normalize_dim(d, 4) for d in node.args[1:3]) not in (
-            (1, 2), (2, 1)):
+        (1, 2),
+        (2, 1),
+    ):
         return None
     view = node.args[0]
     if not isinstance(view, fx.Node) or not axes.is_method(view, "view", "reshape"):
         return None
     linear = view.args[0]
-    if not (isinstance(linear, fx.Node) and linear.op == "call_function"
-            and linear.target in (torch._C._nn.linear, torch.nn.functional.linear)):
+    if not (
+        isinstance(linear, fx.Node)
+        and linear.op == "call_function"
+        and linear.target in (torch._C._nn.linear, torch.nn.functional.linear)
+    ):
         return None
     cache = linear.args[0]
     weight = linear.args[1]
@@ -241,8 +264,11 @@ def _projection(node: fx.Node) -> Optional[tuple[fx.Node, Projection]]:
     if not _is_param(weight) or (bias is not None and not _is_param(bias)):
         raise NearMiss("the latent cache is projected by a weight that is not a module parameter", linear)
     cache_shape, out = axes.shape_of(cache), axes.shape_of(view)
-    if out is None or len(out) != 4 or not (axes.known_equal(out[0], cache_shape[0])
-                                            and axes.known_equal(out[1], cache_shape[POSITION_AXIS])):
+    if (
+        out is None
+        or len(out) != 4
+        or not (axes.known_equal(out[0], cache_shape[0]) and axes.known_equal(out[1], cache_shape[POSITION_AXIS]))
+    ):
         raise NearMiss("the projected latent cache is not viewed as [batch, position, heads, head_dim]", view)
     heads, head_dim = int(out[2]), int(out[3])
     if heads * head_dim != axes.shape_of(weight)[0]:
@@ -275,14 +301,18 @@ def _trace_piece(node: fx.Node, cols: tuple[int, int]) -> Piece:
     found = _projection(node)
     if found is not None:
         return Piece(cols, found[0], None, found[1], broadcast)
-    raise NearMiss("a key or value is computed from a cache by ops that are not position-wise projections, "
-                   "column slices and head broadcasts", node)
+    raise NearMiss(
+        "a key or value is computed from a cache by ops that are not position-wise projections, "
+        "column slices and head broadcasts",
+        node,
+    )
 
 
 def _filled_pieces(node: fx.Node, reader: fx.Node) -> Optional[tuple[list[Piece], list[fx.Node]]]:
     """`k = x.new_empty(...); k[..., a:b].copy_(p1); k[..., b:c].copy_(p2)` read by `reader`."""
     if not axes.is_method(node, "new_empty", "empty_like", "zeros_like") and not (
-            node.op == "call_function" and node.target in (torch.empty, torch.zeros)):
+        node.op == "call_function" and node.target in (torch.empty, torch.zeros)
+    ):
         return None
     width = axes.shape_of(node)[-1]
     pieces, copies = [], []
@@ -364,10 +394,12 @@ class PerHeadMatch(MlaMatch):
             elif plan.absorb_kv_b_proj or self._has_projection():  # "auto" says nothing where nothing is projected
                 self.rewrite_notes.append(f"kv_b_proj not absorbed ({found})")
         if plan.head_sharded:
-            return (f"layer {self.layer}: attention over per-head keys and values ({self.family} form) with "
-                    f"tp_size > 1: the pass would all-gather the query heads of the DCP group, but this model's "
-                    f"heads are not sharded across ranks (a Hugging Face model holds every head on every rank). "
-                    f"Pass options={{'tp_size': 1}} (tp_size defaults to the world size)")
+            return (
+                f"layer {self.layer}: attention over per-head keys and values ({self.family} form) with "
+                f"tp_size > 1: the pass would all-gather the query heads of the DCP group, but this model's "
+                f"heads are not sharded across ranks (a Hugging Face model holds every head on every rank). "
+                f"Pass options={{'tp_size': 1}} (tp_size defaults to the world size)"
+            )
         return None
 
     def _absorb_auto(self, found: "Absorbed"):
@@ -382,8 +414,7 @@ class PerHeadMatch(MlaMatch):
     def _has_projection(self) -> bool:
         return any(p.projection is not None for p in self.keys.pieces + self.values.pieces)
 
-    def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node],
-                query_override=None):
+    def rewrite(self, gm: fx.GraphModule, plan, local_nodes: dict[fx.Node, fx.Node], query_override=None):
         from dcp_pass.rewrites.attention import causal_positions, merge_local_attention, score_mask
 
         if query_override is not None:
@@ -401,9 +432,22 @@ class PerHeadMatch(MlaMatch):
             q = method(graph, "transpose", self.query, 1, 2, name="q_bshd")
             mask = score_mask(graph, self, q)
             cap = causal_positions(graph, self, q)
-            attn = call(graph, torch.ops.dcp.local_attention.default, q, k, v, self.kv_len, plan.c, plan.rank,
-                        float(self.scale), mask, plan.lse_base, plan.attn_backend, name="local_attention",
-                        **({"q_pos": cap} if cap is not None else {}))
+            attn = call(
+                graph,
+                torch.ops.dcp.local_attention.default,
+                q,
+                k,
+                v,
+                self.kv_len,
+                plan.c,
+                plan.rank,
+                float(self.scale),
+                mask,
+                plan.lse_base,
+                plan.attn_backend,
+                name="local_attention",
+                **({"q_pos": cap} if cap is not None else {}),
+            )
             merged = merge_local_attention(graph, attn, self, plan)
         self.output.replace_all_uses_with(merged.result)
         erase_dead_region(graph, [self.output] + self.lse_outputs + self.keys.copies + self.values.copies)
@@ -423,7 +467,8 @@ class PerHeadMatch(MlaMatch):
             result = call(graph, torch.einsum, "bshr,hvr->bshv", merged, w_v, name="merged_v")
             # [B, S, H, v]: the model's attention output, reordered (project_before_merge reads it)
             result.meta["example_value"] = axes.example_value(self.output).permute(
-                *[self.out_roles.index(r) for r in CANON_Q])
+                *[self.out_roles.index(r) for r in CANON_Q]
+            )
             if proj.bias is not None:
                 b = method(graph, "view", proj.bias, proj.heads, proj.head_dim)
                 b_v = call(graph, operator.getitem, b, (slice(None), slice(nope, nope + v)), name="b_v")
@@ -446,10 +491,24 @@ class PerHeadMatch(MlaMatch):
             pe = call(graph, operator.getitem, local_nodes[ab.rotary], (slice(None), 0), name="pe_local")
             mask = score_mask(graph, self, q_lat)
             cap = causal_positions(graph, self, q_lat)
-            attn = call(graph, torch.ops.dcp.mla_local_attention.default, q_lat, q_rope, kv, pe,
-                        kv_len=self.kv_len, c=plan.c, rank=plan.rank, v_dim=ab.rank, scale=float(self.scale),
-                        mask=mask, lse_base=plan.lse_base, backend=plan.attn_backend, name="local_attention",
-                        **({"q_pos": cap} if cap is not None else {}))
+            attn = call(
+                graph,
+                torch.ops.dcp.mla_local_attention.default,
+                q_lat,
+                q_rope,
+                kv,
+                pe,
+                kv_len=self.kv_len,
+                c=plan.c,
+                rank=plan.rank,
+                v_dim=ab.rank,
+                scale=float(self.scale),
+                mask=mask,
+                lse_base=plan.lse_base,
+                backend=plan.attn_backend,
+                name="local_attention",
+                **({"q_pos": cap} if cap is not None else {}),
+            )
             merged = merge_local_attention(graph, attn, self, plan, value_half)
         self.output.replace_all_uses_with(merged.result)
         erase_dead_region(graph, [self.output] + self.lse_outputs + self.keys.copies + self.values.copies)
@@ -573,11 +632,21 @@ def _mask_term(mask: Any, kv_len: int, kind: Optional[str] = None) -> list[MaskT
         raise NearMiss("the attention mask does not cover the cache's positions", mask)
     if kind is None:
         kind = "keep" if axes.example_value(mask).dtype == torch.bool else "additive"
-    return [MaskTerm(mask, kind, 1.0, SCORE_ROLES[4 - len(shape):])]
+    return [MaskTerm(mask, kind, 1.0, SCORE_ROLES[4 - len(shape) :])]
 
 
-def _record(family: str, anchor: fx.Node, output: fx.Node, query: fx.Node, keys: KvOperand, values: KvOperand,
-            scale: float, masks: list[MaskTerm], kv_len: int, causal: bool = False) -> PerHeadMatch:
+def _record(
+    family: str,
+    anchor: fx.Node,
+    output: fx.Node,
+    query: fx.Node,
+    keys: KvOperand,
+    values: KvOperand,
+    scale: float,
+    masks: list[MaskTerm],
+    kv_len: int,
+    causal: bool = False,
+) -> PerHeadMatch:
     buffers = []
     for piece in keys.pieces + values.pieces:
         if piece.buffer not in buffers:
@@ -585,14 +654,29 @@ def _record(family: str, anchor: fx.Node, output: fx.Node, query: fx.Node, keys:
     terms = [ScoreTerm(query, QUERY_ROLES, whole_read(b, keys.node)) for b in buffers]
     value_read = whole_read(values.pieces[0].buffer, values.node)
     out = axes.example_value(output)
-    return PerHeadMatch(_layer_of([keys]), family, anchor, output, terms, value_read, values.width, float(scale),
-                        masks, SCORE_ROLES, [B, H, S, F], out.dtype, causal=causal, query=query, keys=keys,
-                        values=values, kv_len=kv_len)
+    return PerHeadMatch(
+        _layer_of([keys]),
+        family,
+        anchor,
+        output,
+        terms,
+        value_read,
+        values.width,
+        float(scale),
+        masks,
+        SCORE_ROLES,
+        [B, H, S, F],
+        out.dtype,
+        causal=causal,
+        query=query,
+        keys=keys,
+        values=values,
+        kv_len=kv_len,
+    )
 
 
 def _reads_static_cache(ctx: MatchContext, *nodes: Any) -> bool:
-    return any(isinstance(n, fx.Node) and any(is_static_cache(c) for c in ctx.cache_tensors_under(n))
-               for n in nodes)
+    return any(isinstance(n, fx.Node) and any(is_static_cache(c) for c in ctx.cache_tensors_under(n)) for n in nodes)
 
 
 class PerHeadSdpa(Recogniser):
@@ -621,8 +705,18 @@ class PerHeadSdpa(Recogniser):
         scale = 1.0 / math.sqrt(axes.shape_of(query)[-1]) if scale is None else scale
         if not isinstance(scale, (int, float)):
             raise NearMiss("the scale is not a constant")
-        return _record("per-head sdpa", node, node, query, keys, values, scale, _mask_term(args["attn_mask"], kv_len),
-                       kv_len, causal=args["is_causal"])
+        return _record(
+            "per-head sdpa",
+            node,
+            node,
+            query,
+            keys,
+            values,
+            scale,
+            _mask_term(args["attn_mask"], kv_len),
+            kv_len,
+            causal=args["is_causal"],
+        )
 
 
 class PerHeadFlex(Recogniser):
@@ -647,7 +741,8 @@ class PerHeadFlex(Recogniser):
         from dcp_pass.rewrites.recognisers import flex
 
         query, key, value, score_mod_node, block_mask, scale, _, score_buffers, mask_buffers = (
-            list(node.args) + [None] * 9)[:9]
+            list(node.args) + [None] * 9
+        )[:9]
         if not all(isinstance(x, fx.Node) for x in (query, key, value)) or not _reads_static_cache(ctx, key, value):
             raise NotAttention()
         gm = node.graph.owning_module
@@ -682,9 +777,15 @@ class PerHeadFlex(Recogniser):
         match.lse_outputs, match.lse_roles, match.lse_out_base = outputs.get(1, []), [B, H, S], "2"
         if score_mod is not None or mask_mod is not None:
             device = axes.example_value(query).device
-            match.mask_builder = flex._dense_mask(score_mod, mask_mod, list(score_buffers or ()),
-                                                  list(mask_buffers or ()), match.value_cache,
-                                                  axes.shape_of(query)[1], device)
+            match.mask_builder = flex._dense_mask(
+                score_mod,
+                mask_mod,
+                list(score_buffers or ()),
+                list(mask_buffers or ()),
+                match.value_cache,
+                axes.shape_of(query)[1],
+                device,
+            )
             match.mask_per_head = flex._uses_heads(score_mod, 2) or flex._uses_heads(mask_mod, 1)
         return match
 
@@ -707,8 +808,9 @@ def _scores(node: fx.Node, ctx: MatchContext) -> tuple[fx.Node, float, Optional[
             # a mask may depend on other caches (a sparse-attention index mask from an indexer's
             # cache, or from an earlier layer's); `_check_mask` refuses one that reads this
             # attention's own caches
-            scores, mask = (a, b) if _is_score_product(a) or not _is_score_product(b) and ctx.depends_on_cache(a) \
-                else (b, a)
+            scores, mask = (
+                (a, b) if _is_score_product(a) or not _is_score_product(b) and ctx.depends_on_cache(a) else (b, a)
+            )
             node = scores
     scale = 1.0
     if node.op == "call_function" and node.target in _MULS | _DIVS and len(node.args) == 2:
@@ -726,8 +828,12 @@ def _scores(node: fx.Node, ctx: MatchContext) -> tuple[fx.Node, float, Optional[
 
 def _is_score_product(node: Any) -> bool:
     """`matmul(q, k^T)`, or it scaled by a constant."""
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _MULS | _DIVS \
-            and len(node.args) == 2:
+    if (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target in _MULS | _DIVS
+        and len(node.args) == 2
+    ):
         tensors = [x for x in node.args if isinstance(x, fx.Node)]
         if len(tensors) == 1 and any(_number(x) for x in node.args):
             node = tensors[0]
@@ -756,8 +862,11 @@ def _value_matmul(softmax: fx.Node, sink_side: Optional[str] = None) -> fx.Node:
     if sink_side is not None:
         users = list(node.users)
         if len(users) != 1 or not sinks.drops_sink_column(users[0], node, sink_side):
-            raise NearMiss("the softmax over the scores and a sink column is not followed by dropping that "
-                           "column (`probs[..., :-1]`)", users[0] if len(users) == 1 else node)
+            raise NearMiss(
+                "the softmax over the scores and a sink column is not followed by dropping that "
+                "column (`probs[..., :-1]`)",
+                users[0] if len(users) == 1 else node,
+            )
         node = users[0]
     for _ in range(4):
         users = list(node.users)

@@ -16,6 +16,7 @@ top-left causal mask; the scale defaults to 1/sqrt(query feature size), as in SD
 SDPA over keys and values that are not cache reads (MHA prefill over the chunk's own
 per-head K/V) is not MLA decode: it is left unchanged, said once in the report.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,8 +64,7 @@ def _reads(operand: Any, what: str) -> list[CacheRead]:
     except ReadRefused as why:
         raise NearMiss(f"the {what} are not a cache read ({why})", operand if isinstance(operand, fx.Node) else None)
     if reads[0].roles != KV_ROLES:
-        raise NearMiss(f"the {what} are not laid out as [batch, one head, position, feature] over the cache",
-                       operand)
+        raise NearMiss(f"the {what} are not laid out as [batch, one head, position, feature] over the cache", operand)
     return reads
 
 
@@ -111,7 +111,7 @@ def _mask(node: Any) -> list[MaskTerm]:
     if shape is None or len(shape) > 4:
         raise NearMiss("attn_mask does not broadcast against the [batch, head, query, key] scores", node)
     kind = "keep" if dtype == torch.bool else "additive"
-    return [MaskTerm(node, kind, 1.0, SCORE_ROLES[4 - len(shape):])]
+    return [MaskTerm(node, kind, 1.0, SCORE_ROLES[4 - len(shape) :])]
 
 
 class SdpaRecogniser(Recogniser):
@@ -126,8 +126,10 @@ class SdpaRecogniser(Recogniser):
         if not all(isinstance(x, fx.Node) for x in (query, key, value)):
             raise NotAttention()
         if not ctx.depends_on_cache(key) and not ctx.depends_on_cache(value):
-            raise NotAttention("scaled_dot_product_attention over keys and values computed in the graph, not read "
-                               "from a cache (MHA/GQA over per-head K/V): not MLA decode, left unchanged")
+            raise NotAttention(
+                "scaled_dot_product_attention over keys and values computed in the graph, not read "
+                "from a cache (MHA/GQA over per-head K/V): not MLA decode, left unchanged"
+            )
         if args["dropout_p"] not in (0, 0.0):
             raise NearMiss(f"dropout_p={args['dropout_p']!r}: attention dropout is not decode")
         if not isinstance(args["is_causal"], bool):
@@ -150,8 +152,21 @@ class SdpaRecogniser(Recogniser):
             raise NearMiss("the scale is not a constant")
         out = axes.example_value(node)
         layer = buffer_name(keys[0].buffer).rsplit(".", 1)[0]
-        return MlaMatch(layer, self.name, node, node, terms, values, v_width, float(scale), _mask(args["attn_mask"]),
-                        SCORE_ROLES, [B, H, S, F], out.dtype, causal=args["is_causal"])
+        return MlaMatch(
+            layer,
+            self.name,
+            node,
+            node,
+            terms,
+            values,
+            v_width,
+            float(scale),
+            _mask(args["attn_mask"]),
+            SCORE_ROLES,
+            [B, H, S, F],
+            out.dtype,
+            causal=args["is_causal"],
+        )
 
 
 register(SdpaRecogniser())

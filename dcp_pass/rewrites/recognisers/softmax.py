@@ -15,6 +15,7 @@ column concatenated to the scores (and dropped from the probabilities) becomes t
 A softmax whose input touches no cache is not attention over a cache (an MoE gate, or
 attention over per-head K/V computed in the graph); the latter is said once in the report.
 """
+
 from __future__ import annotations
 
 import operator
@@ -42,7 +43,8 @@ from dcp_pass.rewrites.match import (
 
 def softmax_dim(node: fx.Node) -> Optional[Any]:
     if axes.is_method(node, "softmax") or axes.is_function(
-            node, torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
+        node, torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax
+    ):
         return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
     return None
 
@@ -63,11 +65,22 @@ def _is_number(x: Any) -> bool:
 
 def _binary(node: fx.Node) -> Optional[tuple[str, Any, Any]]:
     if node.op == "call_function":
-        kind = ("add" if node.target in ADDS else "mul" if node.target in MULS
-                else "div" if node.target in DIVS else None)
+        kind = (
+            "add" if node.target in ADDS else "mul" if node.target in MULS else "div" if node.target in DIVS else None
+        )
     elif node.op == "call_method":
-        kind = {"add": "add", "add_": "add", "__add__": "add", "__iadd__": "add", "mul": "mul", "mul_": "mul",
-                "__mul__": "mul", "div": "div", "div_": "div", "__truediv__": "div"}.get(node.target)
+        kind = {
+            "add": "add",
+            "add_": "add",
+            "__add__": "add",
+            "__iadd__": "add",
+            "mul": "mul",
+            "mul_": "mul",
+            "__mul__": "mul",
+            "div": "div",
+            "div_": "div",
+            "__truediv__": "div",
+        }.get(node.target)
     else:
         kind = None
     if kind is None or len(node.args) != 2 or set(node.kwargs) - {"out"}:
@@ -118,21 +131,35 @@ class ScoreParser:
             fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
             # the fill as the softmax sees it, after the scales applied to it later
             if not _is_number(fill) or fill > MASK_FILL_FLOOR or fill * mult > MASK_FILL_FLOOR:
-                raise NearMiss(f"masked_fill with value {fill!r} on the attention scores"
-                               + (f", scaled by {mult!r} before the softmax" if _is_number(fill) and mult != 1.0
-                                  else "") + " (only -inf-like fills are exact)", node)
+                raise NearMiss(
+                    f"masked_fill with value {fill!r} on the attention scores"
+                    + (f", scaled by {mult!r} before the softmax" if _is_number(fill) and mult != 1.0 else "")
+                    + " (only -inf-like fills are exact)",
+                    node,
+                )
             self.parse(node.args[0], mult)
             self.masks.append((node.args[1], "bool", 1.0))
             return
         binary = _binary(node)
         if binary is None:
             if split is None:
-                self.maybe_masks.append((node, mult, NearMiss(
-                    f"`{_op(node)}` between the score contractions and the softmax (only sums, constant scales "
-                    f"and masks are understood)", node)))
+                self.maybe_masks.append(
+                    (
+                        node,
+                        mult,
+                        NearMiss(
+                            f"`{_op(node)}` between the score contractions and the softmax (only sums, constant scales "
+                            f"and masks are understood)",
+                            node,
+                        ),
+                    )
+                )
                 return
-            raise NearMiss(f"`{_op(node)}` between the score contractions and the softmax (only sums, constant "
-                           f"scales and masks are understood)", node)
+            raise NearMiss(
+                f"`{_op(node)}` between the score contractions and the softmax (only sums, constant "
+                f"scales and masks are understood)",
+                node,
+            )
         kind, a, b = binary
         if kind == "add":
             self.parse(a, mult, split)
@@ -153,8 +180,9 @@ def _op(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def assign_query_roles(query: fx.Node, labels: list[str], label_role: dict[str, str],
-                       query_len: Optional[Any]) -> list[str]:
+def assign_query_roles(
+    query: fx.Node, labels: list[str], label_role: dict[str, str], query_len: Optional[Any]
+) -> list[str]:
     """Roles of the query axes: B and F come from the cache labels, S vs H from sizes or layout."""
     roles: list[Optional[str]] = [label_role.get(label) for label in labels]
     unknown = [i for i, r in enumerate(roles) if r is None]
@@ -212,8 +240,9 @@ def _score_terms_of(contraction: axes.Contraction, ctx: MatchContext) -> tuple[l
     if role_label[F] in contraction.out_labels or role_label[T] not in contraction.out_labels:
         raise NearMiss("a score contraction does not contract the cache's features into key positions", node)
     query = contraction.other(cache_operand)
-    q_roles = assign_query_roles(query, contraction.operand_labels(query), label_role,
-                                 ctx.query_len_of(reads[0].buffer))
+    q_roles = assign_query_roles(
+        query, contraction.operand_labels(query), label_role, ctx.query_len_of(reads[0].buffer)
+    )
     terms = [ScoreTerm(query, q_roles, read, read.cols) for read in reads]
     known = dict(zip(contraction.operand_labels(query), q_roles))
     known.update(label_role)
@@ -224,7 +253,7 @@ def _mask_roles(mask: fx.Node, score_roles: list[str]) -> list[Optional[str]]:
     shape = axes.shape_of(mask)
     if shape is None or len(shape) > len(score_roles):
         raise NearMiss("a mask does not broadcast against the scores", mask)
-    return score_roles[len(score_roles) - len(shape):]
+    return score_roles[len(score_roles) - len(shape) :]
 
 
 def _flattened_value_contraction(probs: fx.Node, flat: fx.Node) -> Optional[axes.Contraction]:
@@ -249,8 +278,11 @@ def _value_contraction(softmax: fx.Node, sink_side: Optional[str] = None) -> tup
     if sink_side is not None:
         users = list(probs.users)
         if len(users) != 1 or not sinks.drops_sink_column(users[0], probs, sink_side):
-            raise NearMiss("the softmax over the scores and a sink column is not followed by dropping that "
-                           "column (`probs[..., :-1]`)", users[0] if len(users) == 1 else probs)
+            raise NearMiss(
+                "the softmax over the scores and a sink column is not followed by dropping that "
+                "column (`probs[..., :-1]`)",
+                users[0] if len(users) == 1 else probs,
+            )
         probs = users[0]
     while len(probs.users) == 1 and axes.is_dtype_cast(next(iter(probs.users))):
         probs = next(iter(probs.users))
@@ -261,8 +293,9 @@ def _value_contraction(softmax: fx.Node, sink_side: Optional[str] = None) -> tup
     if value is None:
         value = _flattened_value_contraction(probs, value_node)
     if value is None or (value.lhs is not probs and value.rhs is not probs):
-        raise NearMiss(f"the attention probabilities feed `{_op(value_node)}`, not a product with the values",
-                       value_node)
+        raise NearMiss(
+            f"the attention probabilities feed `{_op(value_node)}`, not a product with the values", value_node
+        )
     return probs, value_node, value
 
 
@@ -280,27 +313,32 @@ def _value_read(probs: fx.Node, value: axes.Contraction, score_roles: list[str])
     for label, role in zip(value.operand_labels(operand), read.roles):
         if role is not None:
             if role in (B, T) and known.get(label) != role:
-                raise NearMiss("the value product does not pair the batch and key axes of scores and values",
-                               value.node)
+                raise NearMiss(
+                    "the value product does not pair the batch and key axes of scores and values", value.node
+                )
             known[label] = role
     out_roles = [known.get(label) for label in value.out_labels]
     if sorted(map(str, out_roles)) != sorted([B, S, H, F]):
-        raise NearMiss("the value product's output is not [batch, query position, head, feature] in some order",
-                       value.node)
+        raise NearMiss(
+            "the value product's output is not [batch, query position, head, feature] in some order", value.node
+        )
     return read, out_roles
 
 
 def check_value_read(terms: list[ScoreTerm], value: CacheRead) -> int:
     """The values must be the leading latent columns over the scores' rows; returns their width."""
-    latent = [t for t in terms if t.cache.buffer is value.buffer
-              and (t.cache.feat or (0,))[0] == (value.feat or (0,))[0]]
+    latent = [
+        t for t in terms if t.cache.buffer is value.buffer and (t.cache.feat or (0,))[0] == (value.feat or (0,))[0]
+    ]
     if not latent:
         raise NearMiss("the values are not the leading columns of the latent cache the scores read", value.node)
     for term in terms:
-        same_rows = (axes.known_equal(term.cache.bsz, value.bsz) or term.cache.bsz is value.bsz) and (
-            axes.known_equal(term.cache.row0, value.row0) or term.cache.row0 is value.row0) and (
-            axes.known_equal(term.cache.end, value.end) or term.cache.end is value.end) and (
-            axes.known_equal(term.cache.start, value.start) or term.cache.start is value.start)
+        same_rows = (
+            (axes.known_equal(term.cache.bsz, value.bsz) or term.cache.bsz is value.bsz)
+            and (axes.known_equal(term.cache.row0, value.row0) or term.cache.row0 is value.row0)
+            and (axes.known_equal(term.cache.end, value.end) or term.cache.end is value.end)
+            and (axes.known_equal(term.cache.start, value.start) or term.cache.start is value.start)
+        )
         if not same_rows:
             raise NearMiss("the scores and the values read different rows or positions of the cache", value.node)
     return value.width
@@ -309,8 +347,11 @@ def check_value_read(terms: list[ScoreTerm], value: CacheRead) -> int:
 def check_terms(terms: list[ScoreTerm], where: fx.Node) -> None:
     if len(terms) > 2:
         raise NearMiss(f"{len(terms)} score terms; expected latent (+ rotary)", where)
-    if (len(terms) == 2 and terms[0].cache.buffer is terms[1].cache.buffer
-            and terms[0].cache.feat == terms[1].cache.feat):
+    if (
+        len(terms) == 2
+        and terms[0].cache.buffer is terms[1].cache.buffer
+        and terms[0].cache.feat == terms[1].cache.feat
+    ):
         raise NearMiss("both score terms read the same cache columns", where)
 
 
@@ -342,10 +383,29 @@ _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 # ops through which the walk below follows every operand: elementwise functions (a norm's rsqrt,
 # a gate's sigmoid) and joins of tensors (pooling weights concatenated from a state's halves)
 _WALKED_FUNCTIONS = {
-    torch.rsqrt, torch.sqrt, torch.exp, torch.log, torch.sigmoid, torch.tanh, torch.relu, torch.abs, torch.neg,
-    torch.square, torch.clamp, torch.where, torch.sub, operator.sub, operator.neg,
-    torch.cat, torch.stack, torch.unflatten, torch.flatten, torch.reshape,
-    torch.nn.functional.relu, torch.nn.functional.silu, torch.nn.functional.softplus,
+    torch.rsqrt,
+    torch.sqrt,
+    torch.exp,
+    torch.log,
+    torch.sigmoid,
+    torch.tanh,
+    torch.relu,
+    torch.abs,
+    torch.neg,
+    torch.square,
+    torch.clamp,
+    torch.where,
+    torch.sub,
+    operator.sub,
+    operator.neg,
+    torch.cat,
+    torch.stack,
+    torch.unflatten,
+    torch.flatten,
+    torch.reshape,
+    torch.nn.functional.relu,
+    torch.nn.functional.silu,
+    torch.nn.functional.softplus,
 }
 
 
@@ -380,8 +440,10 @@ _STATISTICS = {torch.mean, torch.sum, torch.var, torch.linalg.vector_norm, torch
 def _is_norm_statistic(node: fx.Node) -> bool:
     """A reduction that keeps its axis (`x.square().mean(-1, keepdim=True)`): a norm's statistic
     of hidden states, which scales rows and holds no keys."""
-    if not (axes.is_method(node, "mean", "sum", "var", "norm")
-            or (node.op == "call_function" and node.target in _STATISTICS)):
+    if not (
+        axes.is_method(node, "mean", "sum", "var", "norm")
+        or (node.op == "call_function" and node.target in _STATISTICS)
+    ):
         return False
     return node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False) is True
 
@@ -405,12 +467,21 @@ def reads_no_cache_rows(scores: fx.Node) -> bool:
             return False
         if axes.as_contraction(n) is not None:
             products.append(n)
-        elif (n.op == "placeholder" or (n.op == "call_function" and n.target in _LINEAR) or _is_norm_statistic(n)
-              or isinstance(axes.example_value(n), (int, torch.SymInt))):  # sizes: symbolic ints, not keys
+        elif (
+            n.op == "placeholder"
+            or (n.op == "call_function" and n.target in _LINEAR)
+            or _is_norm_statistic(n)
+            or isinstance(axes.example_value(n), (int, torch.SymInt))
+        ):  # sizes: symbolic ints, not keys
             continue  # a graph input, a projection of hidden states (a router's logits), a norm's statistic
-        elif _binary(n) is not None or axes.is_dtype_cast(n) or axes.is_method(n, "masked_fill", "masked_fill_") \
-                or n.op == "call_method" or (n.op == "call_function" and n.target is operator.getitem) \
-                or (n.op == "call_function" and n.target in _WALKED_FUNCTIONS):
+        elif (
+            _binary(n) is not None
+            or axes.is_dtype_cast(n)
+            or axes.is_method(n, "masked_fill", "masked_fill_")
+            or n.op == "call_method"
+            or (n.op == "call_function" and n.target is operator.getitem)
+            or (n.op == "call_function" and n.target in _WALKED_FUNCTIONS)
+        ):
             stack.extend(n.all_input_nodes)
         else:
             return False  # an op the walk does not know: undecided
@@ -434,23 +505,28 @@ class SoftmaxRecogniser(Recogniser):
             raise NotAttention()
         if not ctx.depends_on_cache(scores):
             if _attention_shaped(softmax):
-                raise NotAttention("attention over keys and values computed in the graph, not read from a cache "
-                                   "(MHA/GQA over per-head K/V): not MLA decode, left unchanged")
+                raise NotAttention(
+                    "attention over keys and values computed in the graph, not read from a cache "
+                    "(MHA/GQA over per-head K/V): not MLA decode, left unchanged"
+                )
             raise NotAttention()
         if reads_no_cache_rows(scores):  # computed after attention layers, but not attention itself
             raise NotAttention()
         rank = len(axes.shape_of(scores) or ())
         dim = softmax_dim(softmax)
         if not isinstance(dim, int) or axes.normalize_dim(dim, rank) != rank - 1:
-            raise NearMiss(f"the softmax runs over dim {dim} of rank-{rank} scores; only the last (key) axis is "
-                           f"supported")
+            raise NearMiss(
+                f"the softmax runs over dim {dim} of rank-{rank} scores; only the last (key) axis is supported"
+            )
         parser = ScoreParser(ctx.depends_on_cache)
         inner, sink, sink_side = sinks.split_sink(sinks.peel_row_max(scores), ctx.depends_on_cache)
         parser.parse(inner, 1.0)
         if not parser.terms or not any(_reads_a_cache(c) for c, _ in parser.terms):
             if _attention_shaped(softmax):
-                raise NotAttention("attention over keys and values computed in the graph, not read from a cache "
-                                   "(MHA/GQA over per-head K/V): not MLA decode, left unchanged")
+                raise NotAttention(
+                    "attention over keys and values computed in the graph, not read from a cache "
+                    "(MHA/GQA over per-head K/V): not MLA decode, left unchanged"
+                )
             raise NotAttention()
         mults = {m for _, m in parser.terms}
         if len(mults) != 1:
@@ -472,8 +548,10 @@ class SoftmaxRecogniser(Recogniser):
         if any(layout != score_roles for layout in layouts) or sorted(map(str, score_roles)) != sorted([B, S, H, T]):
             raise NearMiss("the score terms are not laid out as one [batch, query position, head, key] tensor")
         if score_roles[-1] != T:  # the softmax normalises the last axis: it must be the keys'
-            raise NearMiss(f"the softmax runs over the last axis of scores laid out as "
-                           f"[{', '.join(map(str, score_roles))}], which is not the key axis")
+            raise NearMiss(
+                f"the softmax runs over the last axis of scores laid out as "
+                f"[{', '.join(map(str, score_roles))}], which is not the key axis"
+            )
         probs, value_node, value = _value_contraction(softmax, sink_side)
         value_read, out_roles = _value_read(probs, value, score_roles)
         v_width = check_value_read(terms, value_read)
@@ -484,8 +562,20 @@ class SoftmaxRecogniser(Recogniser):
             masks.append(MaskTerm(node, kind, mult, _mask_roles(node, score_roles)))
         out_dtype = axes.example_value(value_node).dtype
         layer = buffer_name(terms[0].cache.buffer).rsplit(".", 1)[0]
-        match = MlaMatch(layer, self.name, softmax, value.node, terms, value_read, v_width, scale, masks,
-                         score_roles, out_roles, out_dtype)
+        match = MlaMatch(
+            layer,
+            self.name,
+            softmax,
+            value.node,
+            terms,
+            value_read,
+            v_width,
+            scale,
+            masks,
+            score_roles,
+            out_roles,
+            out_dtype,
+        )
         if sink is not None:
             match.sink = SinkTerm(sink, sinks.sink_roles(sink, score_roles))
         return match

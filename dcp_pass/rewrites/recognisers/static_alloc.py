@@ -13,6 +13,7 @@ name given (`L['kwargs']['cache'].layers[0].keys`) is the one the later graphs t
 tensor by, so the per-head recognisers read it as a static cache (rewrites/cache_kinds/static_cache.py)
 tensor; rewrites/allocation.py does the rest.
 """
+
 from __future__ import annotations
 
 import operator
@@ -34,13 +35,20 @@ def _write_positions(node: fx.Node) -> Optional[fx.Node]:
     for user in node.users:
         if axes.is_method(user, "index_copy_") and user.args[0] is node and len(user.args) >= 3:
             dim = user.args[1]
-            if isinstance(dim, int) and axes.normalize_dim(dim, 4) == POSITION_AXIS \
-                    and isinstance(user.args[2], fx.Node):
+            if (
+                isinstance(dim, int)
+                and axes.normalize_dim(dim, 4) == POSITION_AXIS
+                and isinstance(user.args[2], fx.Node)
+            ):
                 return user.args[2]
         if user.op == "call_function" and user.target is operator.setitem and user.args[0] is node:
             index = user.args[1]
-            if isinstance(index, tuple) and len(index) == 3 and isinstance(index[2], fx.Node) \
-                    and all(isinstance(i, slice) and i == slice(None) for i in index[:2]):
+            if (
+                isinstance(index, tuple)
+                and len(index) == 3
+                and isinstance(index[2], fx.Node)
+                and all(isinstance(i, slice) and i == slice(None) for i in index[:2])
+            ):
                 return index[2]
     return None
 

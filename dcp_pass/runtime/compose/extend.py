@@ -19,6 +19,7 @@ by this rank sits at local row ``p // c``) with ``stripe=(c, rank)``; a fused ca
 the causal cap are extend's: from ``prefix_lens``, an int or a length-``B`` sequence /
 tensor (ragged rows), in global positions.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
@@ -136,15 +137,25 @@ def _with_new(prefix: torch.Tensor, new: torch.Tensor, lens: torch.Tensor) -> to
 
 def _extend_call(call: AttentionCall, who: str) -> AttentionCall:
     if call.kv_lens is not None or call.q_pos is not None or call.kv_start or call.mask is not None:
-        raise ValueError(f"{who}: the call's key counts, causal cap and window come from prefix_lens; pass a call "
-                         f"without kv_lens, q_pos, kv_start or mask")
+        raise ValueError(
+            f"{who}: the call's key counts, causal cap and window come from prefix_lens; pass a call "
+            f"without kv_lens, q_pos, kv_start or mask"
+        )
     if call.paged or call.per_head:
         raise ValueError(f"{who}: the caches must be per-sequence striped MLA tensors [B, Tl, D]")
     return call
 
 
-def extend_attention_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, group: Group, write: bool = True,
-                            *, attn_backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def extend_attention_gather(
+    call: AttentionCall,
+    new_kv,
+    new_pe,
+    prefix_lens: Lens,
+    group: Group,
+    write: bool = True,
+    *,
+    attn_backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gather path: ordinary causal attention over (gathered prefix + new tokens).
 
     ``call``: an :class:`~dcp_pass.runtime.decode.call.AttentionCall` of the new tokens'
@@ -159,9 +170,11 @@ def extend_attention_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Le
     """
     call = _extend_call(call, "extend_attention_gather")
     if call.kv_scale is not None:
-        raise ValueError("extend_attention_gather: the gather path restores a 16-bit prefix; an fp8 latent cache "
-                         "(call.kv_scale) extends through extend_attention_dcp, which writes the new tokens "
-                         "quantised and attends over the fp8 shards")
+        raise ValueError(
+            "extend_attention_gather: the gather path restores a 16-bit prefix; an fp8 latent cache "
+            "(call.kv_scale) extends through extend_attention_dcp, which writes the new tokens "
+            "quantised and attends over the fp8 shards"
+        )
     c, rank = call.stripe
     B, S = new_kv.shape[:2]
     lens = _lens(prefix_lens, B)
@@ -171,8 +184,12 @@ def extend_attention_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Le
         pe = _with_new(gather_prefix(call.pe, lens, group, c), new_pe, lens)
     device = call.q_lat.device
     # the gathered prefix is one unstriped sequence: global positions are its rows
-    out, lse = attend(call.replace(kv=kv, pe=pe, kv_lens=(lens + S).to(device),
-                                   q_pos=query_positions(lens, B, S, device), stripe=(1, 0)), attn_backend)
+    out, lse = attend(
+        call.replace(
+            kv=kv, pe=pe, kv_lens=(lens + S).to(device), q_pos=query_positions(lens, B, S, device), stripe=(1, 0)
+        ),
+        attn_backend,
+    )
     if write:
         write_new_tokens_(call.kv, new_kv, lens, c, rank)
         if call.pe is not None:
@@ -180,9 +197,17 @@ def extend_attention_gather(call: AttentionCall, new_kv, new_pe, prefix_lens: Le
     return out, lse
 
 
-def extend_attention_dcp(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens, exchange: Optional[str] = None,
-                         group: Group = None, out_dtype: Optional[torch.dtype] = None, *,
-                         attn_backend: Optional[str] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def extend_attention_dcp(
+    call: AttentionCall,
+    new_kv,
+    new_pe,
+    prefix_lens: Lens,
+    exchange: Optional[str] = None,
+    group: Group = None,
+    out_dtype: Optional[torch.dtype] = None,
+    *,
+    attn_backend: Optional[str] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """DCP path: write new tokens striped, shard-local attention with global causality.
 
     ``call`` as in :func:`extend_attention_gather`, its queries holding all query heads of the
@@ -207,8 +232,9 @@ def extend_attention_dcp(call: AttentionCall, new_kv, new_pe, prefix_lens: Lens,
         write_new_tokens_(call.pe, new_pe, lens, c, rank)
     device = call.q_lat.device
     # global counts and positions; the kernels take this rank's share (call.stripe)
-    o, lse = attend(call.replace(kv_lens=(lens + S).to(device), q_pos=query_positions(lens, B, S, device)),
-                    attn_backend)
+    o, lse = attend(
+        call.replace(kv_lens=(lens + S).to(device), q_pos=query_positions(lens, B, S, device)), attn_backend
+    )
     from dcp_pass.runtime.decode import comm
 
     return comm.exchange_partials(o, lse, exchange, group, c, call.lse_base, out_dtype)

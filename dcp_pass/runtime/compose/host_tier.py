@@ -12,6 +12,7 @@ reload at different times.
 Device pools are flat ``[physical_slots, dim]`` tensors (physical slot ``v // c`` of
 virtual slot ``v``), as written through the paged virtual allocator.
 """
+
 from __future__ import annotations
 
 from typing import Sequence, Union
@@ -156,9 +157,11 @@ class HostKVTier:
         if device_pool.dtype != self.dtype:
             raise HostTierError(f"device pool dtype {device_pool.dtype} != host tier dtype {self.dtype}")
         if device_pool.element_size() == 1 and device_pool.dtype.is_floating_point:
-            raise HostTierError(f"device pool of {device_pool.dtype}: an fp8 striped cache moves as its packed uint8 "
-                                f"rows (latent, scales and rope together; runtime/decode/kv_format.py), not as the "
-                                f"fp8 latent alone")
+            raise HostTierError(
+                f"device pool of {device_pool.dtype}: an fp8 striped cache moves as its packed uint8 "
+                f"rows (latent, scales and rope together; runtime/decode/kv_format.py), not as the "
+                f"fp8 latent alone"
+            )
         if unit == "page":
             dev = widened_page_indices(device_indices, self.page_size, self.c)
             host = widened_page_indices(host_indices, self.page_size, self.c)
@@ -166,9 +169,7 @@ class HostKVTier:
             dev = _as_index("device_indices", device_indices)
             host = _as_index("host_indices", host_indices)
         if dev.numel() != host.numel():
-            raise HostTierError(
-                f"device and host index lists differ in length: {dev.numel()} vs {host.numel()}"
-            )
+            raise HostTierError(f"device and host index lists differ in length: {dev.numel()} vs {host.numel()}")
         width = self.widened_page_size
         _check_whole_pages("device_indices", dev, width)
         _check_whole_pages("host_indices", host, width)
@@ -207,15 +208,14 @@ class HostKVTier:
             self.buffer.index_copy_(0, host_rows, rows.to("cpu"))
         return int(dev_rows.numel())
 
-    def reload(
-        self, device_pool: torch.Tensor, device_indices: Index, host_indices: Index, unit: str = "token"
-    ) -> int:
+    def reload(self, device_pool: torch.Tensor, device_indices: Index, host_indices: Index, unit: str = "token") -> int:
         """Copy host (L2) -> device (L1) in place. Returns the number of local rows copied."""
         dev_rows, host_rows = self._local_pairs(device_pool, device_indices, host_indices, unit, "reload")
         if dev_rows.numel():
             rows = self.buffer.index_select(0, host_rows)
             device_pool.index_copy_(
-                0, dev_rows.to(device_pool.device),
+                0,
+                dev_rows.to(device_pool.device),
                 rows.to(device_pool.device),
             )
         return int(dev_rows.numel())

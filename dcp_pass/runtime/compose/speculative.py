@@ -17,6 +17,7 @@ It takes the attention operands as one :class:`~dcp_pass.runtime.decode.call.Att
 (global counts, ``stripe=(c, rank)``) and returns the rank-local ``(out, lse)`` for the
 usual DCP exchange (or, with ``exchange=...``, the merged result).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
@@ -49,9 +50,7 @@ def verify_query_positions(global_kv_len: torch.Tensor, k_tokens: int) -> torch.
         raise ValueError(f"global_kv_len must be [B], got shape {tuple(kv_len.shape)}")
     _check_positive_int("k_tokens", k_tokens)
     if kv_len.device.type == "cpu" and kv_len.numel() and int(kv_len.min()) < k_tokens:
-        raise ValueError(
-            f"every global_kv_len must include the {k_tokens} verified tokens, got {kv_len.tolist()}"
-        )
+        raise ValueError(f"every global_kv_len must include the {k_tokens} verified tokens, got {kv_len.tolist()}")
     return kv_len.view(-1, 1) - k_tokens + torch.arange(k_tokens, device=kv_len.device).view(1, -1)
 
 
@@ -125,9 +124,16 @@ def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return zero_rows(x, torch.arange(x.shape[1], device=x.device).view(1, -1) < lens.view(-1, 1))
 
 
-def verify_attention(call: AttentionCall, k_tokens: int, zero_tail: bool = True, exchange=None, group=None,
-                     out_dtype: Optional[torch.dtype] = None, *,
-                     attn_backend: Optional[str] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def verify_attention(
+    call: AttentionCall,
+    k_tokens: int,
+    zero_tail: bool = True,
+    exchange=None,
+    group=None,
+    out_dtype: Optional[torch.dtype] = None,
+    *,
+    attn_backend: Optional[str] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Rank-local target verification over a striped MLA cache.
 
     ``call``: an :class:`~dcp_pass.runtime.decode.call.AttentionCall` of the ``k`` verified tokens'
@@ -153,13 +159,14 @@ def verify_attention(call: AttentionCall, k_tokens: int, zero_tail: bool = True,
     c, rank = call.stripe
     _check_positive_int("k_tokens", k_tokens)
     if call.q_pos is not None or call.mask is not None or call.kv_start:
-        raise ValueError("verify_attention: the causal cap comes from kv_lens and k_tokens; pass a call without "
-                         "q_pos, mask or kv_start")
+        raise ValueError(
+            "verify_attention: the causal cap comes from kv_lens and k_tokens; pass a call without "
+            "q_pos, mask or kv_start"
+        )
     if not isinstance(call.kv_lens, torch.Tensor):
         raise ValueError("verify_attention: kv_lens must be the global count of every row, a [B] tensor")
     page_table = call.page_table
-    if page_table is not None and page_table.device.type == "cpu" and page_table.numel() \
-            and int(page_table.min()) < 0:
+    if page_table is not None and page_table.device.type == "cpu" and page_table.numel() and int(page_table.min()) < 0:
         # checked on CPU only: on a device it would be a host sync per call
         raise ValueError(f"page_table holds a negative page id {int(page_table.min())}")
     q_lat = call.q_lat

@@ -28,6 +28,7 @@ shaped ``[pages, P, ...]`` is passed as ``pool.flatten(0, 1)`` (a view).
 The plans carry exact token counts: only the rows of real tokens move, so stale
 rows of a partial last page never reach the decode pool.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,8 +85,7 @@ class PageLayout:
                 raise TransferPlanError(f"PageLayout.{name} must be an int >= 1, got {value!r}")
         if not _is_index(self.dcp_rank) or not self.dcp_rank < self.dcp_size:
             raise TransferPlanError(
-                f"PageLayout.dcp_rank must satisfy 0 <= dcp_rank < dcp_size={self.dcp_size}, "
-                f"got {self.dcp_rank!r}"
+                f"PageLayout.dcp_rank must satisfy 0 <= dcp_rank < dcp_size={self.dcp_size}, got {self.dcp_rank!r}"
             )
         if not isinstance(self.kv_dtype, torch.dtype):
             raise TransferPlanError(f"PageLayout.kv_dtype must be a torch.dtype, got {self.kv_dtype!r}")
@@ -152,8 +152,16 @@ class StateTransferPlan:
     dst_head_end: int
 
     def __post_init__(self) -> None:
-        for name in ("src_tp_rank", "dst_tp_rank", "src_slot", "dst_slot", "src_head_start",
-                     "src_head_end", "dst_head_start", "dst_head_end"):
+        for name in (
+            "src_tp_rank",
+            "dst_tp_rank",
+            "src_slot",
+            "dst_slot",
+            "src_head_start",
+            "src_head_end",
+            "dst_head_start",
+            "dst_head_end",
+        ):
             _check_index(f"StateTransferPlan.{name}", getattr(self, name))
         if self.src_head_end < self.src_head_start or self.dst_head_end < self.dst_head_start:
             raise TransferPlanError(
@@ -213,13 +221,11 @@ def _check_pair(prefill: PageLayout, decode: PageLayout, pool_kind: str) -> str:
         )
     if prefill.attn_cp_size != 1:
         raise TransferPlanError(
-            f"prefill attention CP size must be 1 for a DCP transfer, got prefill attn_cp_size="
-            f"{prefill.attn_cp_size}"
+            f"prefill attention CP size must be 1 for a DCP transfer, got prefill attn_cp_size={prefill.attn_cp_size}"
         )
     if prefill.page_size != decode.page_size:
         raise TransferPlanError(
-            f"physical page size mismatch: prefill page_size={prefill.page_size} != decode "
-            f"page_size={decode.page_size}"
+            f"physical page size mismatch: prefill page_size={prefill.page_size} != decode page_size={decode.page_size}"
         )
     if prefill.kv_dtype != decode.kv_dtype and torch.uint8 in (prefill.kv_dtype, decode.kv_dtype):
         raise TransferPlanError(
@@ -313,8 +319,9 @@ def build_transfer_plan(
     )
 
 
-def _checked_capacity(page_table: torch.Tensor, dec_idx: torch.Tensor, num_tokens: int, P: int,
-                      c_pre: int, c_dec: int) -> torch.Tensor:
+def _checked_capacity(
+    page_table: torch.Tensor, dec_idx: torch.Tensor, num_tokens: int, P: int, c_pre: int, c_dec: int
+) -> torch.Tensor:
     """Capacity checks: the prefill pages must hold the request, the decode map cover it
     (position-aligned); returns the first `num_tokens` decode indices."""
     prefill_tokens = page_table.numel() * P * c_pre
@@ -340,8 +347,9 @@ def _checked_capacity(page_table: torch.Tensor, dec_idx: torch.Tensor, num_token
     return dec_idx
 
 
-def _token_rows(page_table: torch.Tensor, dec_idx: torch.Tensor, num_tokens: int, P: int,
-                c_pre: int, c_dec: int, r_dec: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _token_rows(
+    page_table: torch.Tensor, dec_idx: torch.Tensor, num_tokens: int, P: int, c_pre: int, c_dec: int, r_dec: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions decode rank `r_dec` owns, their prefill source rows, their decode slots)."""
     positions = owned_positions(0, num_tokens, c_dec, r_dec)  # p % c_dec == r_dec
     dst_slots = physical(dec_idx[positions], c_dec)
@@ -353,8 +361,9 @@ def _token_rows(page_table: torch.Tensor, dec_idx: torch.Tensor, num_tokens: int
     return positions, src_rows, dst_slots
 
 
-def _page_runs(page_table: torch.Tensor, dst_slots: torch.Tensor, n_local: int,
-               P: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def _page_runs(
+    page_table: torch.Tensor, dst_slots: torch.Tensor, n_local: int, P: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Page mode: (source pages, destination pages, tokens per page)."""
     n_pages = -(-n_local // P)
     src_pages = tuple(int(x) for x in page_table[:n_pages])
@@ -370,8 +379,16 @@ def _page_runs(page_table: torch.Tensor, dst_slots: torch.Tensor, n_local: int,
     return src_pages, dst_pages, page_counts
 
 
-def _check_duplicates(page_table: torch.Tensor, dec_idx: torch.Tensor, positions: torch.Tensor,
-                      dst_slots: torch.Tensor, num_tokens: int, P: int, c_pre: int, r_dec: int) -> None:
+def _check_duplicates(
+    page_table: torch.Tensor,
+    dec_idx: torch.Tensor,
+    positions: torch.Tensor,
+    dst_slots: torch.Tensor,
+    num_tokens: int,
+    P: int,
+    c_pre: int,
+    r_dec: int,
+) -> None:
     """Two tokens on one decode slot would overwrite each other (index_copy_ keeps one of
     them); two tokens read from one prefill row means the page table repeats a page."""
     dup = _first_duplicate(dst_slots)
@@ -403,13 +420,10 @@ def build_transfer_plan_from_allocator(
     :class:`~dcp_pass.runtime.decode.layout.PagedVirtualAllocator` (the request must already
     be allocated there with its full length)."""
     if allocator.c != decode.dcp_size:
-        raise TransferPlanError(
-            f"decode allocator DCP size {allocator.c} != decode dcp_size={decode.dcp_size}"
-        )
+        raise TransferPlanError(f"decode allocator DCP size {allocator.c} != decode dcp_size={decode.dcp_size}")
     if allocator.physical_page_size != decode.page_size:
         raise TransferPlanError(
-            f"decode allocator page size {allocator.physical_page_size} != decode "
-            f"page_size={decode.page_size}"
+            f"decode allocator page size {allocator.physical_page_size} != decode page_size={decode.page_size}"
         )
     num_tokens = allocator.seq_len(request_id)
     return build_transfer_plan(
@@ -434,26 +448,27 @@ def build_state_transfer(
     hold those heads. ``decode_dcp_size`` is accepted (and validated) only to make
     explicit that it does not change the mapping. Returns one plan per source rank.
     """
-    for name, v in (("num_heads", num_heads), ("prefill_attn_tp_size", prefill_attn_tp_size),
-                    ("decode_attn_tp_size", decode_attn_tp_size), ("decode_dcp_size", decode_dcp_size)):
+    for name, v in (
+        ("num_heads", num_heads),
+        ("prefill_attn_tp_size", prefill_attn_tp_size),
+        ("decode_attn_tp_size", decode_attn_tp_size),
+        ("decode_dcp_size", decode_dcp_size),
+    ):
         _check_size(name, v)
     for name, v in (("decode_attn_tp_rank", decode_attn_tp_rank), ("src_slot", src_slot), ("dst_slot", dst_slot)):
         _check_index(name, v)
     if not decode_attn_tp_rank < decode_attn_tp_size:
         raise TransferPlanError(
-            f"decode_attn_tp_rank={decode_attn_tp_rank} out of range for decode_attn_tp_size="
-            f"{decode_attn_tp_size}"
+            f"decode_attn_tp_rank={decode_attn_tp_rank} out of range for decode_attn_tp_size={decode_attn_tp_size}"
         )
     if decode_attn_tp_size % decode_dcp_size:
         raise TransferPlanError(
-            f"decode attn_tp_size={decode_attn_tp_size} must be a multiple of decode "
-            f"dcp_size={decode_dcp_size}"
+            f"decode attn_tp_size={decode_attn_tp_size} must be a multiple of decode dcp_size={decode_dcp_size}"
         )
     for side, tp in (("prefill", prefill_attn_tp_size), ("decode", decode_attn_tp_size)):
         if num_heads % tp:
             raise TransferPlanError(
-                f"num_heads={num_heads} of the recurrent state is not divisible by the {side} "
-                f"attention TP size {tp}"
+                f"num_heads={num_heads} of the recurrent state is not divisible by the {side} attention TP size {tp}"
             )
     hp, hd = num_heads // prefill_attn_tp_size, num_heads // decode_attn_tp_size
     lo, hi = decode_attn_tp_rank * hd, (decode_attn_tp_rank + 1) * hd
@@ -484,9 +499,7 @@ def _check_pool_dtype(pool: torch.Tensor, plan: Plan, side: str) -> None:
     if isinstance(plan, TransferPlan):
         layout = plan.prefill if side == "prefill" else plan.decode
         if pool.dtype != layout.kv_dtype:
-            raise TransferPlanError(
-                f"{side} pool dtype {pool.dtype} != plan {side} kv_dtype {layout.kv_dtype}"
-            )
+            raise TransferPlanError(f"{side} pool dtype {pool.dtype} != plan {side} kv_dtype {layout.kv_dtype}")
 
 
 def _check_state_bounds(pool: torch.Tensor, slot: int, h0: int, h1: int, side: str) -> None:
@@ -595,7 +608,7 @@ def _rows_header(shape, dtype: torch.dtype, device) -> torch.Tensor:
     if len(shape) > _HEADER_DIMS:
         raise TransferPlanError(f"rows of {len(shape) - 1} dimensions are more than a transfer carries")
     dims = list(shape) + [-1] * (_HEADER_DIMS - len(shape))
-    code = sum(ord(ch) * 31 ** i for i, ch in enumerate(str(dtype))) % (1 << 40)  # the same on both sides
+    code = sum(ord(ch) * 31**i for i, ch in enumerate(str(dtype))) % (1 << 40)  # the same on both sides
     return torch.tensor(dims + [dtype.itemsize, code], dtype=torch.int64, device=device)
 
 
@@ -623,4 +636,5 @@ def _agree_on_rows(shape, dtype: torch.dtype, device, peer: int, group, sending:
             f"the transfer's two sides do not move the same rows: the source packs {describe(src)}, "
             f"the destination's pool takes {describe(dst)} (dtype codes {int(src[-1])} / {int(dst[-1])}); "
             f"prefill and decode pools must hold the same row format (latent and rope columns, dtype, "
-            f"fp8 packing)")
+            f"fp8 packing)"
+        )

@@ -20,6 +20,7 @@ speculative verification (runtime/compose/speculative.py) and the benchmarks.
 
 The runtime never imports the rewrites: this module imports only runtime code.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -117,14 +118,23 @@ class AttentionBackend:
 
 
 # Insertion order gives options.ATTN_BACKENDS (after "auto").
-ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {b.name: b for b in (
-    AttentionBackend("triton", "the fastest Triton-family kernel for the call (MLA: Gluon, two-GEMM or split-KV; "
-                               "per-head keys and values: the per-head split-KV kernel; kernels/registry.py)"),
-    AttentionBackend("flashinfer", "FlashInfer's BatchMLAPagedAttentionWrapper (runtime/decode/kernels/"
-                                   "flashinfer_mla.py): host-side plan (captured in int-position decode graphs), no "
-                                   "additive masks"),
-    AttentionBackend("torch", "torch reference (runs everywhere; the fp32 checking mode)"),
-)}
+ATTENTION_BACKENDS: Dict[str, AttentionBackend] = {
+    b.name: b
+    for b in (
+        AttentionBackend(
+            "triton",
+            "the fastest Triton-family kernel for the call (MLA: Gluon, two-GEMM or split-KV; "
+            "per-head keys and values: the per-head split-KV kernel; kernels/registry.py)",
+        ),
+        AttentionBackend(
+            "flashinfer",
+            "FlashInfer's BatchMLAPagedAttentionWrapper (runtime/decode/kernels/"
+            "flashinfer_mla.py): host-side plan (captured in int-position decode graphs), no "
+            "additive masks",
+        ),
+        AttentionBackend("torch", "torch reference (runs everywhere; the fp32 checking mode)"),
+    )
+}
 
 
 def attention_backend_names() -> tuple:
@@ -187,7 +197,8 @@ def resolve_attention_backend(
             return ATTENTION_BACKENDS[FALLBACK.caps.backend]
         raise AttentionBackendUnavailable(
             f"unknown attention backend {requested!r}; valid names are "
-            f"{', '.join(map(repr, attention_backend_names()))} (or None)")
+            f"{', '.join(map(repr, attention_backend_names()))} (or None)"
+        )
     entry = ATTENTION_BACKENDS[requested]
     reason = entry.available(torch.device(device), dtype)
     if reason is None:
@@ -197,8 +208,9 @@ def resolve_attention_backend(
     return ATTENTION_BACKENDS[FALLBACK.caps.backend]
 
 
-def select_kernel(call: AttentionCall, backend: Optional[str] = AUTO, *, strict: bool = True,
-                  config=None) -> SelectionTrace:
+def select_kernel(
+    call: AttentionCall, backend: Optional[str] = AUTO, *, strict: bool = True, config=None
+) -> SelectionTrace:
     """The choice of the kernel that runs `call` for `backend`, with its trace.
 
     `backend`: a name of :data:`ATTENTION_BACKENDS`, "auto" or None (the registry's chooser,
@@ -215,7 +227,8 @@ def select_kernel(call: AttentionCall, backend: Optional[str] = AUTO, *, strict:
         if strict and trace.winner not in names:
             raise AttentionBackendUnavailable(
                 f"attention kernel {' / '.join(names)} cannot run this call ({shape.describe()}): "
-                + "; ".join(f"{r.kernel}: {r.reason}" for r in trace.rejections))
+                + "; ".join(f"{r.kernel}: {r.reason}" for r in trace.rejections)
+            )
         return trace
     if backend is not None and backend != AUTO:
         entry = resolve_attention_backend(backend, call.kv.device, call.kv.dtype, strict=strict)
@@ -223,14 +236,21 @@ def select_kernel(call: AttentionCall, backend: Optional[str] = AUTO, *, strict:
     return select(shape, backend)
 
 
-def choose_kernel(call: AttentionCall, backend: Optional[str] = AUTO, *, strict: bool = True,
-                  config=None) -> Kernel:
+def choose_kernel(call: AttentionCall, backend: Optional[str] = AUTO, *, strict: bool = True, config=None) -> Kernel:
     """The kernel :func:`select_kernel` picks for `call`."""
     return select_kernel(call, backend, strict=strict, config=config).kernel
 
 
-def attend_with_kernel(call: AttentionCall, backend: Optional[str] = AUTO, out=None, lse_out=None, *,
-                       strict: bool = True, config=None, num_splits: Optional[int] = None):
+def attend_with_kernel(
+    call: AttentionCall,
+    backend: Optional[str] = AUTO,
+    out=None,
+    lse_out=None,
+    *,
+    strict: bool = True,
+    config=None,
+    num_splits: Optional[int] = None,
+):
     """:func:`attend`, and the kernel that ran: ``((out, lse), kernel)``. The choice's trace is
     kept as the most recent of the call's site (registry.record: the layer, in a compiled graph)."""
     options = {k: v for k, v in (("config", config), ("num_splits", num_splits)) if v is not None}
@@ -250,8 +270,16 @@ def attend_with_kernel(call: AttentionCall, backend: Optional[str] = AUTO, out=N
         return result, kernel
 
 
-def attend(call: AttentionCall, backend: Optional[str] = AUTO, out=None, lse_out=None, *, strict: bool = True,
-           config=None, num_splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    call: AttentionCall,
+    backend: Optional[str] = AUTO,
+    out=None,
+    lse_out=None,
+    *,
+    strict: bool = True,
+    config=None,
+    num_splits: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Shard-local attention of `call` on the kernel :func:`select_kernel` picks:
     ``(out [B,S,H,v_dim] in q's dtype, lse [B,S,H])`` in the call's LSE base; ``out`` /
     ``lse_out`` receive them when given. A kernel the chooser picked that this Triton cannot

@@ -8,6 +8,7 @@ picks one. A chooser therefore needs no tensors: tests describe calls directly.
 
 Pure torch: importing this module imports no kernel and no Triton.
 """
+
 from __future__ import annotations
 
 import functools
@@ -190,32 +191,54 @@ class CallShape:
             except RuntimeError:  # not broadcastable: the kernels' own checks report it
                 pass
         # an fp8 latent is read with its scales into the queries' dtype: the others must agree
-        dtypes = {t.dtype for t in (q, view.q_rope, None if view.kv_scale is not None else kv, view.pe, view.v)
-                  if t is not None}
-        aligned = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 8 == 0 for x in t.stride()[:-1])
-                      for t in tensors)
+        dtypes = {
+            t.dtype
+            for t in (q, view.q_rope, None if view.kv_scale is not None else kv, view.pe, view.v)
+            if t is not None
+        }
+        aligned = all(
+            t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 8 == 0 for x in t.stride()[:-1]) for t in tensors
+        )
         is_cuda = kv.is_cuda
         return cls(
             device="cuda" if is_cuda else device.type,
             capability=_capability(device.index if device.index is not None else torch.cuda.current_device())
-            if is_cuda else None,
-            triton=_triton_version(), dtype=kv.dtype, same_dtypes=len(dtypes) == 1,
-            batch=B, tokens=S, heads=H, keys=T, d_main=d_main, d_tail=d_tail, v_dim=view.v_dim, fused=fused,
-            mask=mask, causal=view.causal is not None, paged=view.paged, lens=view.kv_lens is not None,
-            gluon_aligned=aligned, rows16=all(x % 16 == 0 for t in tensors for x in t.stride()[:-1]),
-            per_head=view.v is not None, offset_lens=view.first_row > 0 and view.kv_lens is not None,
-            kv_quant="fp8_e4m3" if view.kv_scale is not None else "", query_dtype=q.dtype,
-            host_lens=view.host_lens is not None or not (isinstance(view.kv_lens, torch.Tensor)
-                                                         and view.kv_lens.device.type != "cpu"),
+            if is_cuda
+            else None,
+            triton=_triton_version(),
+            dtype=kv.dtype,
+            same_dtypes=len(dtypes) == 1,
+            batch=B,
+            tokens=S,
+            heads=H,
+            keys=T,
+            d_main=d_main,
+            d_tail=d_tail,
+            v_dim=view.v_dim,
+            fused=fused,
+            mask=mask,
+            causal=view.causal is not None,
+            paged=view.paged,
+            lens=view.kv_lens is not None,
+            gluon_aligned=aligned,
+            rows16=all(x % 16 == 0 for t in tensors for x in t.stride()[:-1]),
+            per_head=view.v is not None,
+            offset_lens=view.first_row > 0 and view.kv_lens is not None,
+            kv_quant="fp8_e4m3" if view.kv_scale is not None else "",
+            query_dtype=q.dtype,
+            host_lens=view.host_lens is not None
+            or not (isinstance(view.kv_lens, torch.Tensor) and view.kv_lens.device.type != "cpu"),
         )
 
     def describe(self) -> str:
         """One line for reasons and test ids."""
         layout = "per-head K/V" if self.per_head else "fused" if self.fused else "two caches"
-        dtype = str(self.dtype).replace('torch.', '') + (f" ({self.kv_quant} latent)" if self.kv_quant else "")
-        return (f"{self.device} sm{self.capability} {dtype} B={self.batch} "
-                f"S={self.tokens} H={self.heads} T={self.keys} {self.d_main}+{self.d_tail} v={self.v_dim} "
-                f"{layout} {self.kind}{' paged' if self.paged else ''}")
+        dtype = str(self.dtype).replace("torch.", "") + (f" ({self.kv_quant} latent)" if self.kv_quant else "")
+        return (
+            f"{self.device} sm{self.capability} {dtype} B={self.batch} "
+            f"S={self.tokens} H={self.heads} T={self.keys} {self.d_main}+{self.d_tail} v={self.v_dim} "
+            f"{layout} {self.kind}{' paged' if self.paged else ''}"
+        )
 
 
 @dataclass(frozen=True)
@@ -278,7 +301,8 @@ class AttentionCall:
             raise ValueError(
                 f"the cache is {str(self.kv.dtype).replace('torch.', '')}, not a float: a packed fp8 shard "
                 f"(kv_cache_dtype='fp8_e4m3') is read through kv_format.views(rows, layout) as kv (its e4m3 "
-                f"latent), kv_scale (its scales) and pe (its rope columns)")
+                f"latent), kv_scale (its scales) and pe (its rope columns)"
+            )
         from dcp_pass.runtime.decode.layout import _check_rank
 
         if len(self.stripe) != 2:
@@ -286,20 +310,25 @@ class AttentionCall:
         _check_rank(*self.stripe)
         if not isinstance(self.kv_start, int) or self.kv_start < 0:
             raise ValueError(f"kv_start must be an int >= 0, got {self.kv_start!r}")
-        if isinstance(self.kv_lens, bool) or not (self.kv_lens is None
-                                                  or isinstance(self.kv_lens, (int, torch.Tensor))):
+        if isinstance(self.kv_lens, bool) or not (
+            self.kv_lens is None or isinstance(self.kv_lens, (int, torch.Tensor))
+        ):
             raise ValueError(f"kv_lens must be None, an int or an int tensor, got {self.kv_lens!r}")
         if isinstance(self.kv_lens, int) and not self.kv_start <= self.kv_lens:
-            raise ValueError(f"the window must satisfy 0 <= kv_start <= kv_lens, got kv_start={self.kv_start}, "
-                             f"kv_lens={self.kv_lens}")
+            raise ValueError(
+                f"the window must satisfy 0 <= kv_start <= kv_lens, got kv_start={self.kv_start}, "
+                f"kv_lens={self.kv_lens}"
+            )
         if self.host_lens is not None and not (isinstance(self.kv_lens, torch.Tensor) and self.kv_lens.numel() == 1):
-            raise ValueError("host_lens is the host's copy of a one-element kv_lens tensor; this call's kv_lens is "
-                             f"{self.kv_lens!r}")
+            raise ValueError(
+                f"host_lens is the host's copy of a one-element kv_lens tensor; this call's kv_lens is {self.kv_lens!r}"
+            )
         if self.paged and (self.kv_start or not isinstance(self.kv_lens, torch.Tensor)):
             raise ValueError("a paged call takes its key counts as a tensor (kv_lens) and no window (kv_start=0)")
         if self.v is not None and (self.q_rope is not None or self.pe is not None or self.paged):
-            raise ValueError("per-head values (v) take one query tensor and one key tensor: q_rope, pe and "
-                             "page_table must be None")
+            raise ValueError(
+                "per-head values (v) take one query tensor and one key tensor: q_rope, pe and page_table must be None"
+            )
 
     @property
     def paged(self) -> bool:
@@ -344,8 +373,10 @@ def check_fp8_operands(call: "AttentionCall") -> None:
         raise ValueError(f"kv_scale must be float32, got {ks.dtype}")
     want = tuple(kv.shape[:-1]) + (-(-kv.shape[-1] // KV_SCALE_BLOCK),)
     if tuple(ks.shape) != want:
-        raise ValueError(f"kv_scale must be {list(want)} (one scale per {KV_SCALE_BLOCK} columns of each kv row), "
-                         f"got {list(ks.shape)}")
+        raise ValueError(
+            f"kv_scale must be {list(want)} (one scale per {KV_SCALE_BLOCK} columns of each kv row), "
+            f"got {list(ks.shape)}"
+        )
     if ks.device != kv.device:
         raise ValueError("kv_scale must be on kv's device")
 
@@ -411,8 +442,10 @@ class ShardView:
             if isinstance(lens, int):
                 end = _local_length(lens, c, r)
                 if kv.shape[1] < end:
-                    raise ValueError(f"the caches have {kv.shape[1]} local rows, rank {r} of {c} owns {end} "
-                                     f"positions below kv_lens={lens}")
+                    raise ValueError(
+                        f"the caches have {kv.shape[1]} local rows, rank {r} of {c} owns {end} "
+                        f"positions below kv_lens={lens}"
+                    )
                 lens = None
             if v is not None and v.shape[1] < (end if end is not None else kv.shape[1]):
                 raise ValueError(f"v has {v.shape[1]} local rows, the keys {kv.shape[1]}")
@@ -424,12 +457,31 @@ class ShardView:
                 ks = ks[:, rows] if ks is not None else None
         if mask is not None and mask.shape[-1] != 1:
             if isinstance(call.kv_lens, int) and mask.shape[-1] != call.kv_lens - call.kv_start:
-                raise ValueError(f"the mask's last dim is {mask.shape[-1]}; it must cover the visible global key "
-                                 f"positions [kv_start, kv_lens) = [{call.kv_start}, {call.kv_lens}) "
-                                 f"({call.kv_lens - call.kv_start}), or be 1 to broadcast")
+                raise ValueError(
+                    f"the mask's last dim is {mask.shape[-1]}; it must cover the visible global key "
+                    f"positions [kv_start, kv_lens) = [{call.kv_start}, {call.kv_lens}) "
+                    f"({call.kv_lens - call.kv_start}), or be 1 to broadcast"
+                )
             # global column j is position kv_start + j: the rank's first is column (r - kv_start) mod c
-            mask = mask[..., (r - call.kv_start) % c::c] if c > 1 else mask
+            mask = mask[..., (r - call.kv_start) % c :: c] if c > 1 else mask
         causal = None if call.q_pos is None else Causal(call.q_pos, c, r + first * c)
         host = call.host_lens if isinstance(lens, torch.Tensor) else None
-        return cls(call.q_lat, call.q_rope, kv, pe, v, call.v_dim, call.scale, mask, lens, causal, (c, r), first,
-                   call.lse_base, call.page_table, page_size, ks, host)
+        return cls(
+            call.q_lat,
+            call.q_rope,
+            kv,
+            pe,
+            v,
+            call.v_dim,
+            call.scale,
+            mask,
+            lens,
+            causal,
+            (c, r),
+            first,
+            call.lse_base,
+            call.page_table,
+            page_size,
+            ks,
+            host,
+        )

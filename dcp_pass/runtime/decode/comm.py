@@ -17,6 +17,7 @@ beside the exchanges and re-exported by runtime/decode/backends.py):
   * ``ag_rs``  LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs;
   * ``fi_a2a`` FlashInfer's MNNVL all-to-all (Blackwell, one MNNVL domain).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -128,9 +129,7 @@ def _check_exchange_args(o: Tensor, lse: Tensor, c: int, split_heads: bool) -> N
     if c < 1:
         raise ValueError(f"DCP group size c must be >= 1, got {c}")
     if o.dim() < 2 or o.shape[:-1] != lse.shape:
-        raise ValueError(
-            f"expected o [..., H, D] and lse [..., H]; got o {tuple(o.shape)}, lse {tuple(lse.shape)}"
-        )
+        raise ValueError(f"expected o [..., H, D] and lse [..., H]; got o {tuple(o.shape)}, lse {tuple(lse.shape)}")
     if split_heads and o.shape[-2] % c != 0:
         raise ValueError(f"head count {o.shape[-2]} is not divisible by the DCP group size {c}")
 
@@ -295,9 +294,7 @@ def _fi_workspace(group_name: str, c: int, device: torch.device):
         try:
             from flashinfer.comm.mnnvl import MnnvlConfig, TorchDistBackend
 
-            mapping = fic.Mapping(
-                world_size=c, rank=rank, gpus_per_node=torch.cuda.device_count(), cp_size=c
-            )
+            mapping = fic.Mapping(world_size=c, rank=rank, gpus_per_node=torch.cuda.device_count(), cp_size=c)
             ws = fic.decode_cp_a2a_allocate_mnnvl_workspace(
                 mapping, mnnvl_config=MnnvlConfig(comm_backend=TorchDistBackend(group))
             )
@@ -342,8 +339,9 @@ def exchange_fi_a2a(
     stats = torch.stack([lse_c, torch.zeros_like(lse_c)], dim=-1).contiguous()
     recv_o, recv_stats = fic.decode_cp_a2a_alltoall(send_o, stats, ws, rank, c)
     out_dtype = o.dtype if out_dtype is None else out_dtype
-    return merge_partials_dispatch(recv_o.movedim(-2, 0), recv_stats[..., 0].movedim(-1, 0), base, out_dtype,
-                                   return_lse)
+    return merge_partials_dispatch(
+        recv_o.movedim(-2, 0), recv_stats[..., 0].movedim(-1, 0), base, out_dtype, return_lse
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -386,15 +384,24 @@ def _a2a_blockers(facts: Mapping[str, Any]) -> List[str]:
 # Names and order also give options.COMM_BACKENDS.
 COMM_BACKENDS: Dict[str, CommBackend] = {
     "a2a": CommBackend(
-        "a2a", exchange_a2a, "a2a", _a2a_blockers,
+        "a2a",
+        exchange_a2a,
+        "a2a",
+        _a2a_blockers,
         "one packed all-to-all of (output, LSE), then a local exact merge",
     ),
     "ag_rs": CommBackend(
-        "ag_rs", exchange_ag_rs, "ag_rs", lambda facts: [],
+        "ag_rs",
+        exchange_ag_rs,
+        "ag_rs",
+        lambda facts: [],
         "LSE all-gather, local fp32 rescale, fp32 reduce-scatter of outputs",
     ),
     "fi_a2a": CommBackend(
-        "fi_a2a", exchange_fi_a2a, "a2a", _fi_a2a_blockers,
+        "fi_a2a",
+        exchange_fi_a2a,
+        "a2a",
+        _fi_a2a_blockers,
         "FlashInfer's MNNVL all-to-all (Blackwell, one MNNVL domain)",
     ),
 }
@@ -428,8 +435,13 @@ def resolve_comm_backend(
     an all-to-all (NCCL/RCCL on CUDA/ROCm, gloo on CPU); "ag_rs" only where it has none.
     An explicit request that cannot run raises ValueError saying why.
     """
-    facts = dict(device_type=device_type, is_blackwell=is_blackwell, mnnvl_single_domain=mnnvl_single_domain,
-                 has_all_to_all=has_all_to_all, flashinfer_available=flashinfer_available)
+    facts = dict(
+        device_type=device_type,
+        is_blackwell=is_blackwell,
+        mnnvl_single_domain=mnnvl_single_domain,
+        has_all_to_all=has_all_to_all,
+        flashinfer_available=flashinfer_available,
+    )
     if requested is None:
         return next(n for n in DEFAULT_COMM_PREFERENCE if not COMM_BACKENDS[n].blockers(facts))
     if requested not in COMM_BACKENDS:
@@ -480,9 +492,7 @@ def _detect_single_mnnvl_domain(device: torch.device, group) -> bool:
     return key is not None and all(k == key for k in keys)
 
 
-def device_comm_facts(
-    device, group=None, *, mnnvl_single_domain: Optional[bool] = None
-) -> Dict[str, Any]:
+def device_comm_facts(device, group=None, *, mnnvl_single_domain: Optional[bool] = None) -> Dict[str, Any]:
     """The platform facts resolve_comm_backend needs, read at runtime.
 
     ``group``: a ProcessGroup, its group_name, or None for the default group.

@@ -26,6 +26,7 @@ bf16): absmax / 448 uses e4m3's whole range, and the kernels dequantise in fp32 
 Pure torch: importing this module imports no kernel and no Triton. Every function is
 traceable: the striped write quantises inside the compiled graph.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,21 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["FP8_E4M3", "FP8_MAX", "SCALE_BLOCK", "Fp8Layout", "dequantize", "layout_of", "pack", "pack_columns",
-           "quantize", "rope_bytes", "rope_bytes_of", "scale_columns", "views"]
+__all__ = [
+    "FP8_E4M3",
+    "FP8_MAX",
+    "SCALE_BLOCK",
+    "Fp8Layout",
+    "dequantize",
+    "layout_of",
+    "pack",
+    "pack_columns",
+    "quantize",
+    "rope_bytes",
+    "rope_bytes_of",
+    "scale_columns",
+    "views",
+]
 
 FP8_E4M3 = "fp8_e4m3"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -142,11 +156,11 @@ def pack(values: torch.Tensor, layout: Fp8Layout) -> torch.Tensor:
     width = values.shape[-1]
     if width not in (layout.latent, layout.columns):
         raise ValueError(f"pack: {width} columns, the layout stores {layout.latent} latent (+ {layout.rope} rope)")
-    q, scale = quantize(values[..., :layout.latent])
+    q, scale = quantize(values[..., : layout.latent])
     pieces = [q.view(torch.uint8), scale.contiguous().view(torch.uint8)]
     end = layout.rope_offset
     if width > layout.latent:
-        pieces.append(rope_bytes(values[..., layout.latent:], layout))
+        pieces.append(rope_bytes(values[..., layout.latent :], layout))
         end = layout.rope_end
     if end % 4:  # the row's padding (odd rope widths of a 16-bit dtype)
         pieces.append(values.new_zeros(values.shape[:-1] + (4 - end % 4,), dtype=torch.uint8))
@@ -167,11 +181,13 @@ def views(packed: torch.Tensor, layout: Fp8Layout) -> Tuple[torch.Tensor, torch.
     """(fp8 latent ``[..., L]``, fp32 scales ``[..., nb]``, rope ``[..., R]`` or None) of packed rows
     (any leading shape and row stride; the last dim contiguous)."""
     if packed.dtype != torch.uint8 or packed.shape[-1] != layout.row_bytes:
-        raise ValueError(f"fp8 cache rows must be uint8 [..., {layout.row_bytes}] ({layout.spec()}), got "
-                         f"{packed.dtype} {tuple(packed.shape)}")
-    latent = packed[..., :layout.latent].view(FP8_DTYPE)
-    scales = packed[..., layout.scale_offset:layout.rope_offset].view(torch.float32)
-    rope = packed[..., layout.rope_offset:layout.rope_end].view(layout.rope_dtype) if layout.rope else None
+        raise ValueError(
+            f"fp8 cache rows must be uint8 [..., {layout.row_bytes}] ({layout.spec()}), got "
+            f"{packed.dtype} {tuple(packed.shape)}"
+        )
+    latent = packed[..., : layout.latent].view(FP8_DTYPE)
+    scales = packed[..., layout.scale_offset : layout.rope_offset].view(torch.float32)
+    rope = packed[..., layout.rope_offset : layout.rope_end].view(layout.rope_dtype) if layout.rope else None
     return latent, scales, rope
 
 

@@ -10,6 +10,7 @@ Scalars may be Python ints, SymInts (inside a traced graph) or int64 tensors.
 Arguments are validated only when they are concrete Python ints: checking a
 SymInt would install a guard and checking a tensor would force a device sync.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -128,9 +129,7 @@ def owned_positions(start: int, end: int, c: int, r: int) -> torch.Tensor:
     return torch.arange(min(first, end), end, c, dtype=torch.long)
 
 
-def filter_owned(
-    indices: torch.Tensor, c: int, r: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def filter_owned(indices: torch.Tensor, c: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split a 1-D LongTensor of virtual indices into the part rank ``r`` stores.
 
     Returns ``(kept, owned, slots)``, all int64 and of equal length, in input order:
@@ -254,9 +253,7 @@ class EagerStripedCache:
         self.dim = dim
         self.c = c
         self.rank = rank
-        self.storage = torch.zeros(
-            max_batch, local_capacity(max_seq_len, c), dim, dtype=dtype, device=device
-        )
+        self.storage = torch.zeros(max_batch, local_capacity(max_seq_len, c), dim, dtype=dtype, device=device)
 
     @classmethod
     def from_full(cls, full: torch.Tensor, c: int, rank: int) -> "EagerStripedCache":
@@ -278,9 +275,7 @@ class EagerStripedCache:
 
     def _check_token_range(self, start_pos: int, end_pos: int) -> None:
         if start_pos < 0 or end_pos < start_pos or end_pos > self.max_seq_len:
-            raise CacheCapacityError(
-                f"token positions [{start_pos}, {end_pos}) exceed max_seq_len={self.max_seq_len}"
-            )
+            raise CacheCapacityError(f"token positions [{start_pos}, {end_pos}) exceed max_seq_len={self.max_seq_len}")
 
     def write(self, values: torch.Tensor, start_pos: int, batch_start: int = 0) -> None:
         """Store the owned positions of ``values [b, s, dim]`` placed at ``start_pos``."""
@@ -363,9 +358,7 @@ class PagedVirtualAllocator:
         page_ids = torch.tensor(pages, dtype=torch.long)
         if page_ids.numel() == 0:
             return logical
-        return page_ids[logical // self.virtual_page_size] * self.virtual_page_size + (
-            logical % self.virtual_page_size
-        )
+        return page_ids[logical // self.virtual_page_size] * self.virtual_page_size + (logical % self.virtual_page_size)
 
     def allocate(self, request_id: Hashable, num_tokens: int) -> torch.Tensor:
         """Append ``num_tokens`` tokens to a request (created if new); return their virtual indices."""
@@ -435,8 +428,10 @@ def check_write_capacity(end: int, capacity: int) -> None:
     # non-constant values, and this runs inside traced graphs.
     torch._check(
         end <= capacity,
-        lambda: "dcp_pass: cache write past the cache capacity (the model's max sequence length); "
-        "raise max_seq_len or start a new sequence",
+        lambda: (
+            "dcp_pass: cache write past the cache capacity (the model's max sequence length); "
+            "raise max_seq_len or start a new sequence"
+        ),
     )
 
 

@@ -14,6 +14,7 @@ explicit, validated argument everywhere.
 The reference here is plain torch with no data-dependent Python branches, so the
 compile pass can emit it into a graph and aot_autograd / inductor can trace it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,6 +41,7 @@ __all__ = [
     "merge_packed",
     "fold_sink",
 ]
+
 
 def _exp(x: Tensor, base: str) -> Tensor:
     return torch.exp(x) if base == "e" else torch.exp2(x)
@@ -116,8 +118,7 @@ def merge_partials(
     return out
 
 
-def fold_sink(o: Tensor, lse: Tensor, sink: Tensor, base: str = "e",
-              out_dtype: Optional[torch.dtype] = None) -> Tensor:
+def fold_sink(o: Tensor, lse: Tensor, sink: Tensor, base: str = "e", out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """A merged attention output with a sink logit per head counted in its softmax.
 
     o [..., H, D] and lse [..., H] (in base ``base``) are the merged result over the keys;

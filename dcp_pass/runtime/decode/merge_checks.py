@@ -1,5 +1,6 @@
 """Argument checks shared by the torch merge (``merge``) and its Triton kernels
 (``kernels.merge_triton``), kept apart so that neither imports the other's privates."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -19,8 +20,9 @@ def check_base(base: str) -> str:
     return base
 
 
-def check_merge_args(fn: str, outputs: Tensor, lses: Tensor, base: str,
-                     out_dtype: Optional[torch.dtype]) -> torch.dtype:
+def check_merge_args(
+    fn: str, outputs: Tensor, lses: Tensor, base: str, out_dtype: Optional[torch.dtype]
+) -> torch.dtype:
     """Validate merge arguments (outputs [c, ..., D], lses [c, ...]); returns the output dtype."""
     check_base(base)
     if outputs.dim() != lses.dim() + 1 or outputs.shape[:-1] != lses.shape:

@@ -7,6 +7,7 @@ kernel the registry chooses for the call, runtime/decode/backends.py) at run tim
 writes need no op: they are one strided slice copy in the graph, see
 layout.write_owned_tokens_.)
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -90,8 +91,10 @@ def mla_local_attention(
     [S, kv_len] fp32 tensor, 16 GiB for a 64K-token prefill.
     """
     if kv_lens is not None and kv_start != 0:
-        raise ValueError(f"dcp.mla_local_attention: kv_start={kv_start} with device key counts (kv_lens); a "
-                         f"window start needs a host kv_len (pass kv_lens=None)")
+        raise ValueError(
+            f"dcp.mla_local_attention: kv_start={kv_start} with device key counts (kv_lens); a "
+            f"window start needs a host kv_len (pass kv_lens=None)"
+        )
     # kv_len=STEP_COUNT: kv_lens is the step's key count buffer, whose value the backend holds
     host_lens = step_count.current_count() if kv_lens is not None and kv_len == step_count.STEP_COUNT else None
     if kv_lens is not None and q_pos is None and q_lat.is_cuda:
@@ -100,12 +103,47 @@ def mla_local_attention(
         inputs = (q_lat, q_rope, kv, pe, mask, kv_lens)
         # the kernel switches (and the split kernel's tiles file, the fp8 read) are part of the
         # key: a recording is only replayed under the routing it was made with
-        key = replay.signature(backend, c, rank, v_dim, scale, lse_base, env.mla_wide(), env.mla_gluon(),
-                               env.mla_tuned(), env.fp8_read(), kv_format, host_lens is not None, tensors=inputs)
-        return replay.run(key, inputs, lambda: _local_attention(*inputs[:5], None, kv_lens, c, rank, v_dim, scale,
-                                                                lse_base, backend, 0, kv_format, None, host_lens))
-    return _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                            kv_start, kv_format, q_pos, host_lens)[0]
+        key = replay.signature(
+            backend,
+            c,
+            rank,
+            v_dim,
+            scale,
+            lse_base,
+            env.mla_wide(),
+            env.mla_gluon(),
+            env.mla_tuned(),
+            env.fp8_read(),
+            kv_format,
+            host_lens is not None,
+            tensors=inputs,
+        )
+        return replay.run(
+            key,
+            inputs,
+            lambda: _local_attention(
+                *inputs[:5], None, kv_lens, c, rank, v_dim, scale, lse_base, backend, 0, kv_format, None, host_lens
+            ),
+        )
+    return _local_attention(
+        q_lat,
+        q_rope,
+        kv,
+        pe,
+        mask,
+        kv_len,
+        kv_lens,
+        c,
+        rank,
+        v_dim,
+        scale,
+        lse_base,
+        backend,
+        kv_start,
+        kv_format,
+        q_pos,
+        host_lens,
+    )[0]
 
 
 def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
@@ -119,12 +157,29 @@ def unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format: str):
             raise ValueError(f"kv_format {kv_format!r} holds the rotary columns in the packed rows; pe must be None")
         pe = rope
         if q_rope is None:
-            q_lat, q_rope = q_lat[..., :layout.latent], q_lat[..., layout.latent:]
+            q_lat, q_rope = q_lat[..., : layout.latent], q_lat[..., layout.latent :]
     return q_lat, q_rope, latent, pe, scales
 
 
-def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_dim, scale, lse_base, backend,
-                     kv_start=0, kv_format="", q_pos=None, host_lens=None):
+def _local_attention(
+    q_lat,
+    q_rope,
+    kv,
+    pe,
+    mask,
+    kv_len,
+    kv_lens,
+    c,
+    rank,
+    v_dim,
+    scale,
+    lse_base,
+    backend,
+    kv_start=0,
+    kv_format="",
+    q_pos=None,
+    host_lens=None,
+):
     """((partial output, lse), whether the kernel that ran may be replayed)."""
     from dcp_pass.runtime.decode.backends import attend_with_kernel
     from dcp_pass.runtime.decode.call import AttentionCall
@@ -134,9 +189,22 @@ def _local_attention(q_lat, q_rope, kv, pe, mask, kv_len, kv_lens, c, rank, v_di
         q_lat, q_rope, kv, pe, kv_scale = unpack_fp8_operands(q_lat, q_rope, kv, pe, kv_format)
     # the graph's global count and mask as they are: the call takes the rank's rows and
     # columns, and with device counts the kernels take its share (no torch op per call)
-    call = AttentionCall(q_lat, q_rope, kv, pe, v_dim, scale, mask=mask, kv_lens=kv_len if kv_lens is None else kv_lens,
-                         kv_start=kv_start, stripe=(c, rank), lse_base=lse_base, kv_scale=kv_scale, host_lens=host_lens,
-                         q_pos=q_pos)
+    call = AttentionCall(
+        q_lat,
+        q_rope,
+        kv,
+        pe,
+        v_dim,
+        scale,
+        mask=mask,
+        kv_lens=kv_len if kv_lens is None else kv_lens,
+        kv_start=kv_start,
+        stripe=(c, rank),
+        lse_base=lse_base,
+        kv_scale=kv_scale,
+        host_lens=host_lens,
+        q_pos=q_pos,
+    )
     # "auto": the Triton kernels on CUDA for 16-bit caches, the torch reference for fp32
     # caches (a checking mode) and off CUDA; a named backend that cannot run here (refused
     # at compile) falls back to the reference, as it always did
@@ -148,8 +216,24 @@ _LIBRARY.impl("mla_local_attention", mla_local_attention, "CompositeExplicitAuto
 
 
 @torch.library.register_fake(f"{LIB}::mla_local_attention")
-def _(q_lat, q_rope, kv, pe, kv_len, c, rank, v_dim, scale, mask, lse_base, backend, kv_lens=None, kv_start=0,
-      kv_format="", q_pos=None):
+def _(
+    q_lat,
+    q_rope,
+    kv,
+    pe,
+    kv_len,
+    c,
+    rank,
+    v_dim,
+    scale,
+    mask,
+    lse_base,
+    backend,
+    kv_lens=None,
+    kv_start=0,
+    kv_format="",
+    q_pos=None,
+):
     B, S, H, _ = q_lat.shape
     out = q_lat.new_empty((B, S, H, v_dim))
     lse = q_lat.new_empty((B, S, H), dtype=torch.float64 if q_lat.dtype == torch.float64 else torch.float32)
@@ -188,8 +272,21 @@ def local_attention(
     from dcp_pass.runtime.decode.backends import attend
     from dcp_pass.runtime.decode.call import AttentionCall
 
-    call = AttentionCall(q, None, k, None, v.shape[-1], scale, mask=mask, kv_lens=kv_len, kv_start=kv_start,
-                         stripe=(c, rank), lse_base=lse_base, v=v, q_pos=q_pos)
+    call = AttentionCall(
+        q,
+        None,
+        k,
+        None,
+        v.shape[-1],
+        scale,
+        mask=mask,
+        kv_lens=kv_len,
+        kv_start=kv_start,
+        stripe=(c, rank),
+        lse_base=lse_base,
+        v=v,
+        q_pos=q_pos,
+    )
     out, lse = attend(call, backend, strict=False)
     return out.contiguous(), lse.contiguous()
 

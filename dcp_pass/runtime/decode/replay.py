@@ -27,6 +27,7 @@ replay therefore rebases each descriptor on the new call's tensor (the same byte
 for a pointer argument); any other argument that is neither a tensor, a descriptor nor a
 plain number, string or dtype makes the signature not replayable.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dcp_pass import env
 
 aten = torch.ops.aten
-_ALLOCATING = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
-               aten.new_empty_strided.default}
+_ALLOCATING = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
 _MAX_SIGNATURES = 512  # a decode run has a handful; this only bounds a pathological caller
 _NOT_REPLAYABLE = object()
 
@@ -159,9 +164,11 @@ def _hooks_set() -> bool:
     if not _HOOK_HOLDER:
         try:
             from triton import knobs
+
             _HOOK_HOLDER.append(knobs.runtime)
         except (ImportError, AttributeError):
             from triton.compiler.compiler import CompiledKernel
+
             _HOOK_HOLDER.append(CompiledKernel)
     holder = _HOOK_HOLDER[0]
     hooks = (getattr(holder, "launch_enter_hook", None), getattr(holder, "launch_exit_hook", None))
@@ -220,12 +227,30 @@ def build_replay(inputs: Sequence[Optional[torch.Tensor]], buffers: list, launch
             else:  # an object that may name memory of this call (a list of tensors, ...): run the Python path
                 return None
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        made.append(_Launch(compiled.run, compiled.function, compiled.packed_metadata, grid, tuple(template),
-                            tuple(pointers), tuple(descriptors)))
+        made.append(
+            _Launch(
+                compiled.run,
+                compiled.function,
+                compiled.packed_metadata,
+                grid,
+                tuple(template),
+                tuple(pointers),
+                tuple(descriptors),
+            )
+        )
     outputs = []
     for out in result:  # each result must be one whole buffer (the mode hands back other Python objects)
-        index = next((i for i, b in enumerate(buffers) if b.data_ptr() == out.data_ptr() and b.shape == out.shape
-                      and b.stride() == out.stride() and b.dtype == out.dtype), None)
+        index = next(
+            (
+                i
+                for i, b in enumerate(buffers)
+                if b.data_ptr() == out.data_ptr()
+                and b.shape == out.shape
+                and b.stride() == out.stride()
+                and b.dtype == out.dtype
+            ),
+            None,
+        )
         if index is None or index in outputs:
             return None
         outputs.append(index)
@@ -239,8 +264,13 @@ def build_replay(inputs: Sequence[Optional[torch.Tensor]], buffers: list, launch
     device = present[0].device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return Replay(tuple((tuple(buffers[i].shape), tuple(buffers[i].stride()), buffers[i].dtype) for i in outputs),
-                  arena, tuple(layout), tuple(made), device)
+    return Replay(
+        tuple((tuple(buffers[i].shape), tuple(buffers[i].stride()), buffers[i].dtype) for i in outputs),
+        arena,
+        tuple(layout),
+        tuple(made),
+        device,
+    )
 
 
 _REPLAYS: dict = {}
@@ -248,8 +278,9 @@ _REPLAYS: dict = {}
 
 def signature(*parts: Any, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
     """A cache key: the scalars as given, and each tensor's metadata and pointer alignment."""
-    return parts + tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
-                         for t in tensors)
+    return parts + tuple(
+        None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15) for t in tensors
+    )
 
 
 def run(key: tuple, inputs: Sequence[Optional[torch.Tensor]], call: Callable[[], tuple]) -> tuple:

@@ -4,6 +4,7 @@
 `view_as_real(view_as_complex(x) * f)`: inductor fuses these pointwise ops, where each
 complex op would be a fallback call of its own.
 """
+
 from __future__ import annotations
 
 import torch

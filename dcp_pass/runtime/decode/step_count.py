@@ -19,6 +19,7 @@ So the backend runs each call of such a graph inside :func:`step`:
 
 Pure Python: no kernel, no Triton.
 """
+
 from __future__ import annotations
 
 import contextlib

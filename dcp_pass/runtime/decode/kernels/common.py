@@ -7,6 +7,7 @@ count, query positions as int32, the keys a position sees). Nothing here launche
 kernel; both kernel modules import from here and from ``splits`` (split count, stage-2
 merge), neither from the other.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -196,8 +197,10 @@ def check_launchable(device, kv_lens, who, dtype=None):
     if device.type != "cuda" and dtype == torch.bfloat16:
         # the interpreter keeps bfloat16 as raw 16-bit integers and tl.dot multiplies those
         # (triton-lang/triton#11584, Triton 3.6 and 3.9 alike): values ~1e9, no error of its own
-        raise ValueError(f"{who}: Triton's interpreter computes tl.dot on bfloat16 wrongly; "
-                         "on CPU pass float32 or float16 tensors (the GPU path takes bfloat16)")
+        raise ValueError(
+            f"{who}: Triton's interpreter computes tl.dot on bfloat16 wrongly; "
+            "on CPU pass float32 or float16 tensors (the GPU path takes bfloat16)"
+        )
     if kv_lens is not None and kv_lens.device != device:
         raise ValueError("kv_lens must be on the query's device")
 
@@ -221,8 +224,9 @@ class _LaunchLog(threading.local):
 _LAUNCH_LOG = _LaunchLog()
 
 
-def launch(kernel, grid, args, consts: dict, num_warps: int, num_stages: Optional[int] = None,
-           maxnreg: Optional[int] = None):
+def launch(
+    kernel, grid, args, consts: dict, num_warps: int, num_stages: Optional[int] = None, maxnreg: Optional[int] = None
+):
     """``kernel[grid](*args, **consts, num_warps=, num_stages=, maxnreg=)``, recorded while
     `recording_launches` is on (``maxnreg``: a cap on registers per thread, for occupancy).
 
@@ -364,8 +368,10 @@ def triton_device_reason(shape) -> Optional[str]:
     if shape.device != "cuda" and shape.dtype == torch.bfloat16:
         # the interpreter keeps bfloat16 as raw 16-bit integers and tl.dot multiplies those
         # (triton-lang/triton#11584, Triton 3.6 and 3.9 alike): values ~1e9, no error of its own
-        return ("Triton's interpreter computes tl.dot on bfloat16 wrongly; on CPU pass float32 or float16 "
-                "tensors (the GPU path takes bfloat16)")
+        return (
+            "Triton's interpreter computes tl.dot on bfloat16 wrongly; on CPU pass float32 or float16 "
+            "tensors (the GPU path takes bfloat16)"
+        )
     return None
 
 

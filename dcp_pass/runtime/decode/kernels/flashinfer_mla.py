@@ -46,6 +46,7 @@ Limits (each refused with an error that says so, never a wrong answer):
 The LSE FlashInfer returns is base 2 (``log2(sum) + max`` of the base-2-scaled scores);
 the requested base is applied here, so the backend table's ``lse_base = "2"`` is native.
 """
+
 from __future__ import annotations
 
 import functools
@@ -83,11 +84,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # split per cluster. Keep each plan well inside.
 WORK_CAP = 8192
 # the kernel's packed key positions (page index * page size + offset) are uint32; keep signed range
-POS_CAP = 2 ** 31 - 1
+POS_CAP = 2**31 - 1
 # element offsets (page index * page stride + row * row stride + column) are uint32
-SPAN_CAP = 2 ** 32 - 1
+SPAN_CAP = 2**32 - 1
 _ROWS_PER_TILE = 64  # smallest query tile of the MLA kernels (packed query x head rows)
-
 
 
 # --------------------------------------------------------------------------------------
@@ -235,8 +235,9 @@ def row_chunks(
     return chunks
 
 
-def paged_request_pages(counts: torch.Tensor, rows: torch.Tensor, page_size: int,
-                        max_pages: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def paged_request_pages(
+    counts: torch.Tensor, rows: torch.Tensor, page_size: int, max_pages: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per request n (of row ``rows[n]`` seeing ``counts[n]`` keys): FlashInfer's
     ``kv_indptr`` (int32 ``[N + 1]``, pages per request, cumulated) and the flat positions
     ``rows[n] * max_pages + j`` (int64) of its pages ``j < ceil(counts[n] / page_size)`` in
@@ -362,16 +363,37 @@ def _graph_runner(device: torch.device, shape: tuple, requests: int) -> _Runner:
 
             dev = torch.device("cuda", index)
             fixed = lambda n: torch.zeros(n, dtype=torch.int32, device=dev)  # noqa: E731
-            runner = _Runner(_kept(index, lambda: BatchMLAPagedAttentionWrapper(
-                _workspace(index), use_cuda_graph=True, qo_indptr=fixed(requests + 1),
-                kv_indptr=fixed(requests + 1), kv_indices=fixed(requests), kv_len_arr=fixed(requests),
-                backend=key[1])))
+            runner = _Runner(
+                _kept(
+                    index,
+                    lambda: BatchMLAPagedAttentionWrapper(
+                        _workspace(index),
+                        use_cuda_graph=True,
+                        qo_indptr=fixed(requests + 1),
+                        kv_indptr=fixed(requests + 1),
+                        kv_indices=fixed(requests),
+                        kv_len_arr=fixed(requests),
+                        backend=key[1],
+                    ),
+                )
+            )
             _GRAPH_RUNNERS[key] = runner
     return runner
 
 
-def _plan(runner: _Runner, key: Optional[tuple], qo_indptr, kv_indptr, kv_indices, kv_len, heads, page_size,
-          scale, q_dtype, kv_dtype) -> None:
+def _plan(
+    runner: _Runner,
+    key: Optional[tuple],
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_len,
+    heads,
+    page_size,
+    scale,
+    q_dtype,
+    kv_dtype,
+) -> None:
     """plan() unless the last plan of this wrapper had the same `key` (None: always plan).
     ``kv_indices`` may be a callable that builds them (called only when planning).
 
@@ -385,8 +407,20 @@ def _plan(runner: _Runner, key: Optional[tuple], qo_indptr, kv_indptr, kv_indice
     runner.key = None
     if callable(kv_indices):
         kv_indices = kv_indices()
-    runner.wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len, heads, CKV_DIM, KPE_DIM, page_size,
-                        False, float(scale), q_dtype, kv_dtype)
+    runner.wrapper.plan(
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        kv_len,
+        heads,
+        CKV_DIM,
+        KPE_DIM,
+        page_size,
+        False,
+        float(scale),
+        q_dtype,
+        kv_dtype,
+    )
     device = getattr(runner.wrapper, "device", None)
     if isinstance(device, torch.device) and device.type == "cuda":
         # on the stream plan() queued its copy on: the device's current one
@@ -417,7 +451,8 @@ def _refuse(mask) -> None:
         raise NotImplementedError(
             "attention backend 'flashinfer' takes no additive mask (FlashInfer's MLA kernel is "
             f"causal or unmasked only); this call passes one of shape {tuple(mask.shape)}. "
-            "Use attn_backend='triton' or 'auto' for masked attention.")
+            "Use attn_backend='triton' or 'auto' for masked attention."
+        )
 
 
 def _capturing() -> bool:
@@ -428,15 +463,19 @@ def _refuse_capture(why: str) -> None:
     raise RuntimeError(
         f"attention backend 'flashinfer' plans on the host and runs inside CUDA-graph capture only for "
         f"a decode graph whose key count the backend holds (an int step position), planned before the "
-        f"capture; this call {why}. Compile with options={{'cudagraphs': False}} or use attn_backend='triton'.")
+        f"capture; this call {why}. Compile with options={{'cudagraphs': False}} or use attn_backend='triton'."
+    )
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """`t` itself when the kernel's 128-bit loads suit it (unit last stride, 16-byte aligned
     base and strides), else a contiguous copy."""
     align = 16 // t.element_size()
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
-        s % align == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    ok = (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s % align == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    )
     return t if ok else t.contiguous()
 
 
@@ -461,8 +500,12 @@ def _prepare(q_lat, q_rope, kv, pe, v_dim, mask, lse_base, page_table=None):
 def _kernel_operands(parts, N: int, H: int):
     """``(q_nope [N, H, 512], q_pe [N, H, 64], ckv, kpe)`` as the kernel takes them
     (:func:`_kernel_ready`); after the empty-call checks, so an empty call copies nothing."""
-    return (_kernel_ready(parts.q_main.reshape(N, H, CKV_DIM)), _kernel_ready(parts.q_tail.reshape(N, H, KPE_DIM)),
-            _kernel_ready(parts.k_main), _kernel_ready(parts.k_tail))
+    return (
+        _kernel_ready(parts.q_main.reshape(N, H, CKV_DIM)),
+        _kernel_ready(parts.q_tail.reshape(N, H, KPE_DIM)),
+        _kernel_ready(parts.k_main),
+        _kernel_ready(parts.k_tail),
+    )
 
 
 def _operands(q_lat, q_rope, kv, pe, v_dim):
@@ -473,8 +516,10 @@ def _operands(q_lat, q_rope, kv, pe, v_dim):
         raise ValueError("attention backend 'flashinfer' needs the rope part (64 columns); this call has none")
     dims = (parts.k_main.shape[-1], parts.k_tail.shape[-1])
     if dims != (CKV_DIM, KPE_DIM):
-        raise ValueError(f"attention backend 'flashinfer' runs latent {CKV_DIM} + rope {KPE_DIM} columns "
-                         f"(FlashInfer's MLA kernels), this call has {dims[0]} + {dims[1]}")
+        raise ValueError(
+            f"attention backend 'flashinfer' runs latent {CKV_DIM} + rope {KPE_DIM} columns "
+            f"(FlashInfer's MLA kernels), this call has {dims[0]} + {dims[1]}"
+        )
     if v_dim > CKV_DIM:
         raise ValueError(f"attention backend 'flashinfer': values are the {CKV_DIM} latent columns, v_dim={v_dim}")
     _check_kernel_inputs(q_lat, kv, pe)
@@ -484,8 +529,10 @@ def _operands(q_lat, q_rope, kv, pe, v_dim):
 def _check_kernel_inputs(q_lat, kv, pe) -> None:
     """What only the real kernel needs: CUDA tensors of one 16-bit dtype."""
     if q_lat.dtype not in SUPPORTED_DTYPES or kv.dtype != q_lat.dtype or (pe is not None and pe.dtype != kv.dtype):
-        raise ValueError(f"attention backend 'flashinfer' takes float16/bfloat16 queries and caches of one dtype, "
-                         f"got q {q_lat.dtype}, cache {kv.dtype}")
+        raise ValueError(
+            f"attention backend 'flashinfer' takes float16/bfloat16 queries and caches of one dtype, "
+            f"got q {q_lat.dtype}, cache {kv.dtype}"
+        )
     if not q_lat.is_cuda or not kv.is_cuda:
         raise ValueError("attention backend 'flashinfer' needs CUDA tensors")
 
@@ -590,8 +637,13 @@ def _run_dense(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
         if len(chunks) == 1:
             return _run_dense_planned(view, operands, base, out, lse_out)
     if _capturing():
-        _refuse_capture("has no host copy of its key counts" if host_lens is None else
-                        "has a causal cap" if causal is not None else f"needs {len(chunks)} plans")
+        _refuse_capture(
+            "has no host copy of its key counts"
+            if host_lens is None
+            else "has a causal cap"
+            if causal is not None
+            else f"needs {len(chunks)} plans"
+        )
     counts = _host_counts(kv_lens, causal, B, S, T, lens_stripe, host_lens=host_lens)
     if not bool((counts > 0).any()):
         return _empty_result(q_lat, v_dim, out, lse_out)
@@ -609,6 +661,7 @@ def _run_dense(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
         n0, n1 = b0 * S, b1 * S
         n = n1 - n0
         indptr = torch.arange(n + 1, dtype=torch.int32)
+
         def kv_indices(rows=b1 - b0):  # page of request n: its row
             return torch.arange(rows, dtype=torch.int32, device=dev).repeat_interleave(S)
 
@@ -617,8 +670,15 @@ def _run_dense(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
         if len(chunks) == 1:  # the layers of one step share it: plan once
             key = ("dense", n, S, H, T, q_lat.dtype, kv.dtype, float(scale), lens.numpy().tobytes())
         _plan(runner, key, indptr, indptr, kv_indices, lens, H, T, scale, q_lat.dtype, kv.dtype)
-        runner.wrapper.run(q_nope[n0:n1], q_pe[n0:n1], ckv[b0:b1], kpe[b0:b1],
-                           out=out_full[n0:n1], lse=lse_full[n0:n1], return_lse=True)
+        runner.wrapper.run(
+            q_nope[n0:n1],
+            q_pe[n0:n1],
+            ckv[b0:b1],
+            kpe[b0:b1],
+            out=out_full[n0:n1],
+            lse=lse_full[n0:n1],
+            return_lse=True,
+        )
     return _finish(out_full, lse_full, counts, B, S, H, v_dim, base, out, lse_out)
 
 
@@ -636,8 +696,19 @@ def _dense_planner(runner: _Runner, B: int, S: int, H: int, T: int, lens_stripe,
 
     def plan(count: int) -> None:
         lens = _host_counts(None, None, B, S, T, lens_stripe, host_lens=count).reshape(-1).to(torch.int32)
-        _plan(runner, ("step", lens.numpy().tobytes()), indptr, indptr, pages, lens.contiguous(), H, T, scale,
-              q_dtype, kv_dtype)
+        _plan(
+            runner,
+            ("step", lens.numpy().tobytes()),
+            indptr,
+            indptr,
+            pages,
+            lens.contiguous(),
+            H,
+            T,
+            scale,
+            q_dtype,
+            kv_dtype,
+        )
 
     return plan
 
@@ -685,8 +756,10 @@ def _run_paged(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
     q_nope, q_pe, ckv, kpe = _kernel_operands(parts, B * S, H)
     for pool in (ckv, kpe):
         if _span(pool, (0, 1)) > SPAN_CAP:
-            raise ValueError(f"attention backend 'flashinfer': a page pool of {pool.numel()} elements spans more "
-                             f"than 2**32; FlashInfer's MLA kernel forms 32-bit offsets into it")
+            raise ValueError(
+                f"attention backend 'flashinfer': a page pool of {pool.numel()} elements spans more "
+                f"than 2**32; FlashInfer's MLA kernel forms 32-bit offsets into it"
+            )
     rows = torch.arange(B, dtype=torch.int64).repeat_interleave(S)
     indptr_all, flat_all = paged_request_pages(counts.reshape(-1), rows, P, max_pages)
     per_row_pages = (indptr_all[S::S].long() - indptr_all[:-1:S].long()).tolist()
@@ -703,12 +776,24 @@ def _run_paged(view, out, lse_out) -> Tuple[torch.Tensor, torch.Tensor]:
     for b0, b1 in chunks:
         n0, n1 = b0 * S, b1 * S
         p0, p1 = int(indptr_all[n0]), int(indptr_all[n1])
-        kv_indptr = (indptr_all[n0:n1 + 1] - p0).contiguous()
+        kv_indptr = (indptr_all[n0 : n1 + 1] - p0).contiguous()
         kv_indices = table.index_select(0, flat_dev[p0:p1]).to(torch.int32)
         if p1 == p0:  # every request of the chunk is empty: FlashInfer still wants an index array
             kv_indices = torch.zeros(1, dtype=torch.int32, device=dev)
-        _plan(runner, None, qo_all[: n1 - n0 + 1].contiguous(), kv_indptr, kv_indices,
-              flat_counts[n0:n1].contiguous(), H, P, scale, q_lat.dtype, kv_pool.dtype)
-        runner.wrapper.run(q_nope[n0:n1], q_pe[n0:n1], ckv, kpe,
-                           out=out_full[n0:n1], lse=lse_full[n0:n1], return_lse=True)
+        _plan(
+            runner,
+            None,
+            qo_all[: n1 - n0 + 1].contiguous(),
+            kv_indptr,
+            kv_indices,
+            flat_counts[n0:n1].contiguous(),
+            H,
+            P,
+            scale,
+            q_lat.dtype,
+            kv_pool.dtype,
+        )
+        runner.wrapper.run(
+            q_nope[n0:n1], q_pe[n0:n1], ckv, kpe, out=out_full[n0:n1], lse=lse_full[n0:n1], return_lse=True
+        )
     return _finish(out_full, lse_full, counts, B, S, H, v_dim, base, out, lse_out)

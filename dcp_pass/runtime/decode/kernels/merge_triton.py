@@ -10,6 +10,7 @@ flattened row count, e.g. B*S*H), LSEs as [c, N]. One program handles one row an
 block of D columns; the c loop runs twice (max, then weighted sum) because c is small
 and re-reading c scalars is cheaper than the rescaling an online merge needs.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -29,8 +30,20 @@ _MAX_BLOCK_D = 1024
 
 
 @triton.jit
-def _load_lse(lse_ptr, bits_ptr, r, n, s_lc, s_ln, bits_base, s_bc, s_bn,
-              PACKED: tl.constexpr, K: tl.constexpr, ELEM_BITS: tl.constexpr):
+def _load_lse(
+    lse_ptr,
+    bits_ptr,
+    r,
+    n,
+    s_lc,
+    s_ln,
+    bits_base,
+    s_bc,
+    s_bn,
+    PACKED: tl.constexpr,
+    K: tl.constexpr,
+    ELEM_BITS: tl.constexpr,
+):
     if PACKED:
         # The fp32 LSE was stored as K integer pieces of ELEM_BITS each, low piece
         # first (little-endian reinterpretation on the host side). Rebuilding the
@@ -54,15 +67,30 @@ def _load_lse(lse_ptr, bits_ptr, r, n, s_lc, s_ln, bits_base, s_bc, s_bn,
 
 @triton.jit
 def _merge_kernel(
-    o_ptr, lse_ptr, bits_ptr, out_ptr, out_lse_ptr,
-    N, D,
-    s_oc, s_on, s_od,
-    s_lc, s_ln,
-    bits_base, s_bc, s_bn,
-    s_outn, s_outd,
+    o_ptr,
+    lse_ptr,
+    bits_ptr,
+    out_ptr,
+    out_lse_ptr,
+    N,
+    D,
+    s_oc,
+    s_on,
+    s_od,
+    s_lc,
+    s_ln,
+    bits_base,
+    s_bc,
+    s_bn,
+    s_outn,
+    s_outd,
     C: tl.constexpr,
-    BASE2: tl.constexpr, PACKED: tl.constexpr, K: tl.constexpr, ELEM_BITS: tl.constexpr,
-    RETURN_LSE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BASE2: tl.constexpr,
+    PACKED: tl.constexpr,
+    K: tl.constexpr,
+    ELEM_BITS: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # C (the DCP size) is a compile-time constant: it is fixed per deployment, and a
     # runtime loop bound trips older Triton interpreters (3.6 + numpy 2).
@@ -122,8 +150,21 @@ def _block_d(D: int) -> int:
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
-def _launch(o3: Tensor, D: int, lead, out_dtype: torch.dtype, base: str, return_lse: bool,
-            lse: Tensor, lse_strides, bits: Tensor, bits_args, PACKED: bool, K: int, ELEM_BITS: int):
+def _launch(
+    o3: Tensor,
+    D: int,
+    lead,
+    out_dtype: torch.dtype,
+    base: str,
+    return_lse: bool,
+    lse: Tensor,
+    lse_strides,
+    bits: Tensor,
+    bits_args,
+    PACKED: bool,
+    K: int,
+    ELEM_BITS: int,
+):
     """Run _merge_kernel over partials o3 [c, N, >= D] and shape the result like [*lead, D].
 
     ``lse``/``lse_strides`` address separate LSEs [c, N]; ``bits``/``bits_args`` (column
@@ -136,14 +177,27 @@ def _launch(o3: Tensor, D: int, lead, out_dtype: torch.dtype, base: str, return_
         BLOCK_D = _block_d(D)
         grid = (N, triton.cdiv(D, BLOCK_D))
         _merge_kernel[grid](
-            o3, lse, bits, out, out_lse,
-            N, D,
-            o3.stride(0), o3.stride(1), o3.stride(2),
+            o3,
+            lse,
+            bits,
+            out,
+            out_lse,
+            N,
+            D,
+            o3.stride(0),
+            o3.stride(1),
+            o3.stride(2),
             *lse_strides,
             *bits_args,
-            out.stride(0), out.stride(1),
-            C=c, BASE2=(base == "2"), PACKED=PACKED, K=K, ELEM_BITS=ELEM_BITS,
-            RETURN_LSE=return_lse, BLOCK_D=BLOCK_D,
+            out.stride(0),
+            out.stride(1),
+            C=c,
+            BASE2=(base == "2"),
+            PACKED=PACKED,
+            K=K,
+            ELEM_BITS=ELEM_BITS,
+            RETURN_LSE=return_lse,
+            BLOCK_D=BLOCK_D,
         )
     out = out.reshape(*lead, D)
     if return_lse:
@@ -165,8 +219,21 @@ def merge_partials_triton(
     # inputs (e.g. a head slice) are read in place.
     o3 = outputs.reshape(c, -1, D)
     l2 = lses.reshape(c, -1)
-    return _launch(o3, D, outputs.shape[1:-1], out_dtype, base, return_lse,
-                   l2, (l2.stride(0), l2.stride(1)), l2, (0, 0, 0), PACKED=False, K=1, ELEM_BITS=32)
+    return _launch(
+        o3,
+        D,
+        outputs.shape[1:-1],
+        out_dtype,
+        base,
+        return_lse,
+        l2,
+        (l2.stride(0), l2.stride(1)),
+        l2,
+        (0, 0, 0),
+        PACKED=False,
+        K=1,
+        ELEM_BITS=32,
+    )
 
 
 def unpack_merge_triton(
@@ -189,6 +256,18 @@ def unpack_merge_triton(
     # Same storage seen as integers of the same width: the kernel assembles the LSE
     # bits from these pieces.
     bits = p3.view(_INT_OF_SIZE[elem])
-    return _launch(p3, D, packed.shape[1:-1], out_dtype, base, return_lse,
-                   p3, (0, 0), bits, (D * bits.stride(2), bits.stride(0), bits.stride(1)),
-                   PACKED=True, K=k, ELEM_BITS=8 * elem)
+    return _launch(
+        p3,
+        D,
+        packed.shape[1:-1],
+        out_dtype,
+        base,
+        return_lse,
+        p3,
+        (0, 0),
+        bits,
+        (D * bits.stride(2), bits.stride(0), bits.stride(1)),
+        PACKED=True,
+        K=k,
+        ELEM_BITS=8 * elem,
+    )

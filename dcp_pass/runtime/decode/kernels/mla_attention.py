@@ -37,6 +37,7 @@ in ``gluon/`` with their own ``gluon/common``, ``flashinfer_mla``, ``reference``
 those and says, from a call's shape, whether it can run it (``supports``); ``registry`` lists
 them and chooses.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -88,11 +89,23 @@ __all__ = [
     "run",
 ]
 
+
 # --------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------
-def _fp8_tile_src(k, KS, ks_off, sks_d, col0, n_ok, N_SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WIDTH: tl.constexpr, SCALE_W: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+def _fp8_tile_src(
+    k,
+    KS,
+    ks_off,
+    sks_d,
+    col0,
+    n_ok,
+    N_SCALES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+):
     """An fp8 tile [BLOCK_N, WIDTH] (columns col0, col0 + 1, ...) times its scales, in fp32.
 
     The scales are loaded once per (row, block of SCALE_BLOCK columns), [BLOCK_N, WIDTH /
@@ -100,8 +113,9 @@ def _fp8_tile_src(k, KS, ks_off, sks_d, col0, n_ok, N_SCALES: tl.constexpr, BLOC
     a tile narrower than a block lies inside one): one load per block rather than per value."""
     N_W: tl.constexpr = WIDTH // SCALE_W
     block = (col0 + tl.arange(0, N_W) * SCALE_W) // SCALE_BLOCK
-    scale = tl.load(KS + ks_off[:, None] + block[None, :] * sks_d, mask=n_ok[:, None] & (block[None, :] < N_SCALES),
-                    other=0.0)
+    scale = tl.load(
+        KS + ks_off[:, None] + block[None, :] * sks_d, mask=n_ok[:, None] & (block[None, :] < N_SCALES), other=0.0
+    )
     x = tl.reshape(k.to(tl.float32), (BLOCK_N, N_W, SCALE_W)) * scale[:, :, None]
     return tl.reshape(x, (BLOCK_N, WIDTH))
 
@@ -116,9 +130,24 @@ def _fold_block_col_src(j: tl.constexpr, vc, N_OWN: tl.constexpr, BLOCK_DV: tl.c
     return col
 
 
-def _fold_q_src(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, DOT_DTYPE: tl.constexpr,
-                D_MAIN: tl.constexpr, N_BLOCKS: tl.constexpr, N_OWN: tl.constexpr, BLOCK_DV: tl.constexpr,
-                SCALE_W: tl.constexpr):
+def _fold_q_src(
+    Q,
+    b,
+    s_idx,
+    h_idx,
+    row_ok,
+    vc,
+    sq_b,
+    sq_s,
+    sq_h,
+    sq_d,
+    DOT_DTYPE: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    N_OWN: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SCALE_W: tl.constexpr,
+):
     """The query rows as N_BLOCKS column blocks of SCALE_W columns in DOT_DTYPE with their rows'
     factors (common.fold_operand): two tuples, in _fold_block_col's order."""
     blocks = ()
@@ -132,11 +161,29 @@ def _fold_q_src(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, DOT_DTYP
     return blocks, factors
 
 
-def _fold_scores_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
-                     DOT_DTYPE: tl.constexpr, D_MAIN: tl.constexpr, N_SCALES: tl.constexpr, N_BLOCKS: tl.constexpr,
-                     N_OWN: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     SCALE_W: tl.constexpr, SCALE_BLOCK: tl.constexpr, IEEE: tl.constexpr):
+def _fold_scores_src(
+    q_blocks,
+    q_factors,
+    kv_base,
+    k_off,
+    skv_d,
+    ks_base,
+    ks_off,
+    sks_d,
+    n_ok,
+    vc,
+    DOT_DTYPE: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    N_SCALES: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    N_OWN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Scores of an fp8 latent tile with the scales folded in: the sum over the column blocks
     of ``dot(q_j, k8_j^T) * f_j s_j``, s_j the keys' scale of block j ([BLOCK_N], one per key),
     f_j the query rows' factor of the block ([BLOCK_H]).
@@ -151,8 +198,9 @@ def _fold_scores_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off
     for j in tl.static_range(N_BLOCKS):
         col0 = _fold_block_col(j, vc, N_OWN, BLOCK_DV, SCALE_W)
         cols = col0 + tl.arange(0, SCALE_W)
-        kT = tl.load(kv_base + k_off[None, :] + cols[:, None] * skv_d, mask=n_ok[None, :] & (cols[:, None] < D_MAIN),
-                     other=0.0).to(DOT_DTYPE)
+        kT = tl.load(
+            kv_base + k_off[None, :] + cols[:, None] * skv_d, mask=n_ok[None, :] & (cols[:, None] < D_MAIN), other=0.0
+        ).to(DOT_DTYPE)
         block = col0 // SCALE_BLOCK
         # (where, not &: Triton's interpreter gives a bool vector & a bool scalar as int32)
         sc = tl.load(ks_base + ks_off + block * sks_d, mask=tl.where(block < N_SCALES, n_ok, False), other=0.0)
@@ -176,17 +224,41 @@ def _e4m3_to_f16_src(x, ASM: tl.constexpr):
     if ASM:
         y = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+            "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
     else:
         y = x.to(tl.float16)
     return y
 
 
-def _fold_scores_once_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
-                          DOT_DTYPE: tl.constexpr, D_MAIN: tl.constexpr, N_SCALES: tl.constexpr,
-                          N_BLOCKS: tl.constexpr, N_OWN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_DV: tl.constexpr, SCALE_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                          IEEE: tl.constexpr, ASM: tl.constexpr):
+def _fold_scores_once_src(
+    q_blocks,
+    q_factors,
+    kv_base,
+    k_off,
+    skv_d,
+    ks_base,
+    ks_off,
+    sks_d,
+    n_ok,
+    vc,
+    DOT_DTYPE: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    N_SCALES: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    N_OWN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """_fold_scores with each block loaded once, as [keys, columns], and converted once: the
     converted own blocks are returned for the values dot (keys and values are one latent)."""
     qk = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
@@ -195,8 +267,9 @@ def _fold_scores_once_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, k
     for j in tl.static_range(N_BLOCKS):
         col0 = _fold_block_col(j, vc, N_OWN, BLOCK_DV, SCALE_W)
         cols = col0 + tl.arange(0, SCALE_W)
-        k = tl.load(kv_base + k_off[:, None] + cols[None, :] * skv_d, mask=n_ok[:, None] & (cols[None, :] < D_MAIN),
-                    other=0.0)
+        k = tl.load(
+            kv_base + k_off[:, None] + cols[None, :] * skv_d, mask=n_ok[:, None] & (cols[None, :] < D_MAIN), other=0.0
+        )
         if DOT_DTYPE == tl.float16:
             k = _e4m3_to_f16(k, ASM)
         else:
@@ -214,8 +287,9 @@ def _fold_scores_once_src(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, k
     return qk, s_own, k_own
 
 
-def _fold_values_once_src(accs, p, factor, s_own, k_own, DOT_DTYPE: tl.constexpr, N_OWN: tl.constexpr,
-                          IEEE: tl.constexpr):
+def _fold_values_once_src(
+    accs, p, factor, s_own, k_own, DOT_DTYPE: tl.constexpr, N_OWN: tl.constexpr, IEEE: tl.constexpr
+):
     """_fold_values over the tiles _fold_scores_once converted."""
     new = ()
     for j in tl.static_range(N_OWN):
@@ -232,9 +306,23 @@ def _max_pair_src(a0, a1, b0, b1):
     return tl.maximum(a0, b0), tl.maximum(a1, b1)
 
 
-def _fold_values_src(accs, p, factor, s_own, kv_base, k_off, skv_d, n_ok, vc, DOT_DTYPE: tl.constexpr,
-                     D_MAIN: tl.constexpr, N_OWN: tl.constexpr, BLOCK_DV: tl.constexpr, SCALE_W: tl.constexpr,
-                     IEEE: tl.constexpr):
+def _fold_values_src(
+    accs,
+    p,
+    factor,
+    s_own,
+    kv_base,
+    k_off,
+    skv_d,
+    n_ok,
+    vc,
+    DOT_DTYPE: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    N_OWN: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One tile's values per own column block j: ``acc_j * factor + dot(p * s_j, k8_j)``, the
     keys' scales on the columns of P (``(P s) V8 = P (s V8)``), the fp8 tile entering the dot
     as it came. It is loaded here as [keys, columns], the values dot's layout (the scores read
@@ -242,8 +330,9 @@ def _fold_values_src(accs, p, factor, s_own, kv_base, k_off, skv_d, n_ok, vc, DO
     new = ()
     for j in tl.static_range(N_OWN):
         cols = vc * BLOCK_DV + j * SCALE_W + tl.arange(0, SCALE_W)
-        k = tl.load(kv_base + k_off[:, None] + cols[None, :] * skv_d, mask=n_ok[:, None] & (cols[None, :] < D_MAIN),
-                    other=0.0).to(DOT_DTYPE)
+        k = tl.load(
+            kv_base + k_off[:, None] + cols[None, :] * skv_d, mask=n_ok[:, None] & (cols[None, :] < D_MAIN), other=0.0
+        ).to(DOT_DTYPE)
         pj = (p * s_own[j][None, :]).to(DOT_DTYPE)
         acc = accs[j] * factor[:, None]
         if IEEE:
@@ -254,27 +343,87 @@ def _fold_values_src(accs, p, factor, s_own, kv_base, k_off, skv_d, n_ok, vc, DO
 
 
 def _stage1_kernel_src(
-    Q, QT, KV, KT, PT, LENS, MASK, QPOS, O, L, KS,
-    T, H, SH, cp_world, cp_rank, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
-    sq_b, sq_s, sq_h, sq_d,
-    sqt_b, sqt_s, sqt_h, sqt_d,
-    skv_b, skv_t, skv_d,
-    skt_b, skt_t, skt_d,
-    sks_b, sks_t, sks_d,
-    spt_b, spt_p,
-    sm_b, sm_s, sm_h, sm_t,
-    sqp_b, sqp_s,
-    so_b, so_sp, so_s, so_h, so_d,
-    sl_b, sl_sp, sl_s, sl_h,
-    D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr, V_SPLIT: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
-    PAGED: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
-    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128, SCALE_W: tl.constexpr = 128,
-    N_SCALES: tl.constexpr = 1, FP8_FOLD: tl.constexpr = False, FP8_FOLD_F16: tl.constexpr = True,
-    KT_ALIGN: tl.constexpr = 1, FOLD_ONCE: tl.constexpr = False, CVT_ASM: tl.constexpr = False,
+    Q,
+    QT,
+    KV,
+    KT,
+    PT,
+    LENS,
+    MASK,
+    QPOS,
+    O,
+    L,
+    KS,
+    T,
+    H,
+    SH,
+    cp_world,
+    cp_rank,
+    sm_scale_log2,
+    lse_scale,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sq_b,
+    sq_s,
+    sq_h,
+    sq_d,
+    sqt_b,
+    sqt_s,
+    sqt_h,
+    sqt_d,
+    skv_b,
+    skv_t,
+    skv_d,
+    skt_b,
+    skt_t,
+    skt_d,
+    sks_b,
+    sks_t,
+    sks_d,
+    spt_b,
+    spt_p,
+    sm_b,
+    sm_s,
+    sm_h,
+    sm_t,
+    sqp_b,
+    sqp_s,
+    so_b,
+    so_sp,
+    so_s,
+    so_h,
+    so_d,
+    sl_b,
+    sl_sp,
+    sl_s,
+    sl_h,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DM: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    V_SPLIT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr,
+    PAGED: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    HAS_LENS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    MASK_SHARED: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
+    SCALE_BLOCK: tl.constexpr = 128,
+    SCALE_W: tl.constexpr = 128,
+    N_SCALES: tl.constexpr = 1,
+    FP8_FOLD: tl.constexpr = False,
+    FP8_FOLD_F16: tl.constexpr = True,
+    KT_ALIGN: tl.constexpr = 1,
+    FOLD_ONCE: tl.constexpr = False,
+    CVT_ASM: tl.constexpr = False,
 ):
     """One (row block, value chunk, split, batch row): online softmax over the split's keys.
 
@@ -322,8 +471,24 @@ def _stage1_kernel_src(
             FOLD_DTYPE: tl.constexpr = tl.float16  # type: ignore[no-redef]  # one branch survives compilation
         else:
             FOLD_DTYPE: tl.constexpr = Q.dtype.element_ty  # type: ignore[no-redef]
-        q_blocks, q_factors = _fold_q(Q, b, s_idx, h_idx, row_ok, vc, sq_b, sq_s, sq_h, sq_d, FOLD_DTYPE, D_MAIN,
-                                      N_OWN * V_SPLIT, N_OWN, BLOCK_DV, SCALE_W)
+        q_blocks, q_factors = _fold_q(
+            Q,
+            b,
+            s_idx,
+            h_idx,
+            row_ok,
+            vc,
+            sq_b,
+            sq_s,
+            sq_h,
+            sq_d,
+            FOLD_DTYPE,
+            D_MAIN,
+            N_OWN * V_SPLIT,
+            N_OWN,
+            BLOCK_DV,
+            SCALE_W,
+        )
         # fp16 weights p * s need a unit: the accumulators count in units of c_run, the largest
         # key scale of the own blocks so far, so that p * s / c_run lies in [0, 1] (fp16's
         # range whatever the scales); a larger scale rescales them by c_old / c_new together
@@ -393,13 +558,54 @@ def _stage1_kernel_src(
                 kt_off = tl.multiple_of(kt_off, KT_ALIGN)
                 kt_base = kt_row
         if FOLD and FOLD_ONCE:
-            qk, s_own, k_own = _fold_scores_once(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d,
-                                                 n_ok, vc, FOLD_DTYPE, D_MAIN, N_SCALES, N_OWN * V_SPLIT, N_OWN,
-                                                 BLOCK_H, BLOCK_N, BLOCK_DV, SCALE_W, SCALE_BLOCK, IEEE, CVT_ASM)
+            qk, s_own, k_own = _fold_scores_once(
+                q_blocks,
+                q_factors,
+                kv_base,
+                k_off,
+                skv_d,
+                ks_base,
+                ks_off,
+                sks_d,
+                n_ok,
+                vc,
+                FOLD_DTYPE,
+                D_MAIN,
+                N_SCALES,
+                N_OWN * V_SPLIT,
+                N_OWN,
+                BLOCK_H,
+                BLOCK_N,
+                BLOCK_DV,
+                SCALE_W,
+                SCALE_BLOCK,
+                IEEE,
+                CVT_ASM,
+            )
         elif FOLD:
-            qk, s_own = _fold_scores(q_blocks, q_factors, kv_base, k_off, skv_d, ks_base, ks_off, sks_d, n_ok, vc,
-                                     FOLD_DTYPE, D_MAIN, N_SCALES, N_OWN * V_SPLIT, N_OWN, BLOCK_H, BLOCK_N, BLOCK_DV,
-                                     SCALE_W, SCALE_BLOCK, IEEE)
+            qk, s_own = _fold_scores(
+                q_blocks,
+                q_factors,
+                kv_base,
+                k_off,
+                skv_d,
+                ks_base,
+                ks_off,
+                sks_d,
+                n_ok,
+                vc,
+                FOLD_DTYPE,
+                D_MAIN,
+                N_SCALES,
+                N_OWN * V_SPLIT,
+                N_OWN,
+                BLOCK_H,
+                BLOCK_N,
+                BLOCK_DV,
+                SCALE_W,
+                SCALE_BLOCK,
+                IEEE,
+            )
         else:
             k = tl.load(
                 kv_base + k_off[:, None] + offs_dm[None, :] * skv_d,
@@ -407,8 +613,9 @@ def _stage1_kernel_src(
                 other=0.0,
             )
             if KV_FP8:  # the latent tile in the queries' dtype: fp8 * its block's fp32 scale
-                k = _fp8_tile(k, ks_base, ks_off, sks_d, vc * BLOCK_DV, n_ok, N_SCALES, BLOCK_N, BLOCK_DV, SCALE_W,
-                              SCALE_BLOCK).to(Q.dtype.element_ty)
+                k = _fp8_tile(
+                    k, ks_base, ks_off, sks_d, vc * BLOCK_DV, n_ok, N_SCALES, BLOCK_N, BLOCK_DV, SCALE_W, SCALE_BLOCK
+                ).to(Q.dtype.element_ty)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -420,8 +627,19 @@ def _stage1_kernel_src(
                 other=0.0,
             )
             if KV_FP8:
-                ko = _fp8_tile(ko, ks_base, ks_off, sks_d, (1 - vc) * BLOCK_DV, n_ok, N_SCALES, BLOCK_N, BLOCK_DV,
-                               SCALE_W, SCALE_BLOCK).to(Q.dtype.element_ty)
+                ko = _fp8_tile(
+                    ko,
+                    ks_base,
+                    ks_off,
+                    sks_d,
+                    (1 - vc) * BLOCK_DV,
+                    n_ok,
+                    N_SCALES,
+                    BLOCK_N,
+                    BLOCK_DV,
+                    SCALE_W,
+                    SCALE_BLOCK,
+                ).to(Q.dtype.element_ty)
             if IEEE:
                 qk = tl.dot(qo, tl.trans(ko), qk, input_precision="ieee")
             else:
@@ -470,17 +688,48 @@ def _stage1_kernel_src(
                 c_new = tl.maximum(c_run, c_tile)
                 inv = 1.0 / tl.where(c_new > 0.0, c_new, 1.0)
                 if FOLD_ONCE:
-                    accs = _fold_values_once(accs, p * inv[:, None], alpha * (c_run * inv), s_own, k_own, FOLD_DTYPE,
-                                             N_OWN, IEEE)
+                    accs = _fold_values_once(
+                        accs, p * inv[:, None], alpha * (c_run * inv), s_own, k_own, FOLD_DTYPE, N_OWN, IEEE
+                    )
                 else:
-                    accs = _fold_values(accs, p * inv[:, None], alpha * (c_run * inv), s_own, kv_base, k_off, skv_d,
-                                        n_ok, vc, FOLD_DTYPE, D_MAIN, N_OWN, BLOCK_DV, SCALE_W, IEEE)
+                    accs = _fold_values(
+                        accs,
+                        p * inv[:, None],
+                        alpha * (c_run * inv),
+                        s_own,
+                        kv_base,
+                        k_off,
+                        skv_d,
+                        n_ok,
+                        vc,
+                        FOLD_DTYPE,
+                        D_MAIN,
+                        N_OWN,
+                        BLOCK_DV,
+                        SCALE_W,
+                        IEEE,
+                    )
                 c_run = c_new
             elif FOLD_ONCE:
                 accs = _fold_values_once(accs, p, alpha, s_own, k_own, FOLD_DTYPE, N_OWN, IEEE)
             else:
-                accs = _fold_values(accs, p, alpha, s_own, kv_base, k_off, skv_d, n_ok, vc, FOLD_DTYPE, D_MAIN, N_OWN,
-                                    BLOCK_DV, SCALE_W, IEEE)
+                accs = _fold_values(
+                    accs,
+                    p,
+                    alpha,
+                    s_own,
+                    kv_base,
+                    k_off,
+                    skv_d,
+                    n_ok,
+                    vc,
+                    FOLD_DTYPE,
+                    D_MAIN,
+                    N_OWN,
+                    BLOCK_DV,
+                    SCALE_W,
+                    IEEE,
+                )
         else:
             acc = acc * alpha[:, None]
             if IEEE:
@@ -497,12 +746,14 @@ def _stage1_kernel_src(
         for j in tl.static_range(N_OWN):
             cols = vc * BLOCK_DV + j * SCALE_W + tl.arange(0, SCALE_W)
             o = accs[j] * (c_run / l_safe)[:, None]
-            tl.store(o_row + cols[None, :] * so_d, o.to(O.dtype.element_ty),
-                     mask=row_ok[:, None] & (cols[None, :] < D_V))
+            tl.store(
+                o_row + cols[None, :] * so_d, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < D_V)
+            )
     else:
         o = acc / l_safe[:, None]
-        tl.store(o_row + offs_dm[None, :] * so_d, o.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dm[None, :] < D_V))
+        tl.store(
+            o_row + offs_dm[None, :] * so_d, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dm[None, :] < D_V)
+        )
     tl.store(L + b * sl_b + pid_sp * sl_sp + s_idx * sl_s + h_idx * sl_h, lse, mask=row_ok & ((rows * 0 + vc) == 0))
 
 
@@ -595,8 +846,17 @@ def _smem_limit(device: torch.device) -> int:
     return int(getattr(cuda_properties(device), "shared_memory_per_block_optin", 232448)) - 8192
 
 
-def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, elem: int,
-                  has_mask: bool = False, paged: bool = False, mask_shared: bool = False) -> int:
+def smem_estimate(
+    block_h: int,
+    block_n: int,
+    stages: int,
+    bdm: int,
+    bdt: int,
+    elem: int,
+    has_mask: bool = False,
+    paged: bool = False,
+    mask_shared: bool = False,
+) -> int:
     """Upper estimate of stage 1's shared memory: pipelined KV (+mask, +page ids) tiles and Q.
 
     Matches the compiler's figure for the 512 + 64 bf16 configs checked offline
@@ -609,10 +869,22 @@ def smem_estimate(block_h: int, block_n: int, stages: int, bdm: int, bdt: int, e
     return kv + q + extra
 
 
-def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, device: torch.device,
-                num_splits: Optional[int] = None, *, has_mask: bool = False, mask_shared: bool = False,
-                paged: bool = False,
-                elem_bytes: int = 2, fp8_fold: bool = False, fp8_once: bool = False) -> MLAKernelConfig:
+def pick_config(
+    rows: int,
+    d_main: int,
+    d_tail: int,
+    batch: int,
+    t_cap: int,
+    device: torch.device,
+    num_splits: Optional[int] = None,
+    *,
+    has_mask: bool = False,
+    mask_shared: bool = False,
+    paged: bool = False,
+    elem_bytes: int = 2,
+    fp8_fold: bool = False,
+    fp8_once: bool = False,
+) -> MLAKernelConfig:
     """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture).
 
     The tuned tile (``fp8_fold``: an fp8 latent read by folding its scales, ``fp8_once``: by
@@ -627,16 +899,26 @@ def pick_config(rows: int, d_main: int, d_tail: int, batch: int, t_cap: int, dev
         ns = num_splits if num_splits is not None else max(1, min(3, triton.cdiv(max(t_cap, 1), block_n)))
         return MLAKernelConfig(block_h, block_n, 4, 1, ns)
     bucket = _bucket(rows)
-    tuned = ((_TUNED_FP8_ONCE.get(bucket) if fp8_once else None) or (_TUNED_FP8_FOLD.get(bucket) if fp8_fold else None)
-             or _TUNED[bucket])
+    tuned = (
+        (_TUNED_FP8_ONCE.get(bucket) if fp8_once else None)
+        or (_TUNED_FP8_FOLD.get(bucket) if fp8_fold else None)
+        or _TUNED[bucket]
+    )
     block_h, block_n, warps, stages, v_split, waves = tuned[:6]
     max_regs = tuned[6] if len(tuned) > 6 else None
     bdm, bdt = pow2(d_main), pow2(max(d_tail, 1)) if d_tail else 0
     limit = _smem_limit(device)
     fits = lambda bh, bn, st: smem_estimate(bh, bn, st, bdm, bdt, elem_bytes, has_mask, paged, mask_shared) <= limit  # noqa: E731
     if not fits(block_h, block_n, stages):
-        cands = [(block_h, 32, 3), (block_h, 32, 2), (block_h, 16, 3), (block_h, 16, 2),
-                 (16, 32, 2), (16, 16, 2), (16, 16, 1)]
+        cands = [
+            (block_h, 32, 3),
+            (block_h, 32, 2),
+            (block_h, 16, 3),
+            (block_h, 16, 2),
+            (16, 32, 2),
+            (16, 16, 2),
+            (16, 16, 1),
+        ]
         block_h, block_n, stages = next((c for c in cands if c[0] <= block_h and fits(*c)), cands[-1])
         if block_h == 16:
             v_split, warps = 1, 4
@@ -655,8 +937,14 @@ def supports(shape) -> Optional[str]:
     return triton_reason(shape, fp8=True)
 
 
-def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
-        config: Optional[MLAKernelConfig] = None):
+def run(
+    call: AttentionCall,
+    out=None,
+    lse_out=None,
+    *,
+    num_splits: Optional[int] = None,
+    config: Optional[MLAKernelConfig] = None,
+):
     """The registry's entry: the fused split-KV path; ``config`` replaces the shape-derived
     launch parameters, ``num_splits`` the split count."""
     if not HAS_TRITON:
@@ -696,14 +984,30 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
         # an fp8 tile enters the dots in a 16-bit (or the queries') dtype: size the tiles as
         # for a cache of that dtype
         elem = q_lat.element_size() if a.kv_scale is not None else kv.element_size()
-        cfg = pick_config(SH, d_main, d_tail, B, T, device, num_splits, has_mask=mask is not None,
-                          mask_shared=mask_shared, paged=paged, elem_bytes=elem, fp8_fold=read.startswith("fold"),
-                          fp8_once=once)
+        cfg = pick_config(
+            SH,
+            d_main,
+            d_tail,
+            B,
+            T,
+            device,
+            num_splits,
+            has_mask=mask is not None,
+            mask_shared=mask_shared,
+            paged=paged,
+            elem_bytes=elem,
+            fp8_fold=read.startswith("fold"),
+            fp8_once=once,
+        )
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
-    check_launchable(device, kv_lens, "the split kernel",
-                     fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if a.kv_scale is not None else kv.dtype)
+    check_launchable(
+        device,
+        kv_lens,
+        "the split kernel",
+        fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if a.kv_scale is not None else kv.dtype,
+    )
 
     dummy = kv  # any tensor: pointer for absent optional operands (never dereferenced)
     has_tail = parts.q_tail is not None
@@ -723,23 +1027,73 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
 
     v_split = cfg.v_split if (pow2(d_main) == d_main and d_main >= 32) else 1
     grid = (triton.cdiv(SH, cfg.block_h) * v_split, ns, B)
-    launch(_stage1_jit, grid, (
-        parts.q_main, qt, parts.k_main, kt, pt, lens, mask_b if mask_b is not None else dummy, q_pos,
-        o_part, l_part, ks,
-        T, H, SH, cp_world, cp_rank, float(scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-        *parts.q_main.stride(), *qts, *parts.k_main.stride(), *kts, *kss, *pts, *ms, *qps, *ops, *lps,
-    ), dict(
-        D_MAIN=d_main, D_TAIL=d_tail, D_V=v_dim,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        BLOCK_DM=pow2(d_main), BLOCK_DT=pow2(max(d_tail, 1)), V_SPLIT=v_split,
-        NUM_SPLITS=ns, PAGE=page_size if paged else 1,
-        PAGED=paged, HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None,
-        HAS_MASK=mask_b is not None, CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared,
-        KV_FP8=fp8, SCALE_W=min(SCALE_BLOCK, pow2(d_main) // v_split), N_SCALES=-(-d_main // SCALE_BLOCK),
-        FP8_FOLD=read.startswith("fold"), FP8_FOLD_F16=read in FOLD_F16_READS,
-        KT_ALIGN=row_alignment(kt, paged) if has_tail else 1,
-        FOLD_ONCE=once, CVT_ASM=not INTERPRETED,
-    ), cfg.num_warps, cfg.num_stages, cfg.max_regs)
+    launch(
+        _stage1_jit,
+        grid,
+        (
+            parts.q_main,
+            qt,
+            parts.k_main,
+            kt,
+            pt,
+            lens,
+            mask_b if mask_b is not None else dummy,
+            q_pos,
+            o_part,
+            l_part,
+            ks,
+            T,
+            H,
+            SH,
+            cp_world,
+            cp_rank,
+            float(scale) * LOG2E,
+            l_scale,
+            lens_sb,
+            lens_c,
+            lens_r,
+            *parts.q_main.stride(),
+            *qts,
+            *parts.k_main.stride(),
+            *kts,
+            *kss,
+            *pts,
+            *ms,
+            *qps,
+            *ops,
+            *lps,
+        ),
+        dict(
+            D_MAIN=d_main,
+            D_TAIL=d_tail,
+            D_V=v_dim,
+            BLOCK_H=cfg.block_h,
+            BLOCK_N=cfg.block_n,
+            BLOCK_DM=pow2(d_main),
+            BLOCK_DT=pow2(max(d_tail, 1)),
+            V_SPLIT=v_split,
+            NUM_SPLITS=ns,
+            PAGE=page_size if paged else 1,
+            PAGED=paged,
+            HAS_TAIL=has_tail,
+            HAS_LENS=kv_lens is not None,
+            HAS_MASK=mask_b is not None,
+            CAUSAL=causal is not None,
+            IEEE=is_f32,
+            MASK_SHARED=mask_shared,
+            KV_FP8=fp8,
+            SCALE_W=min(SCALE_BLOCK, pow2(d_main) // v_split),
+            N_SCALES=-(-d_main // SCALE_BLOCK),
+            FP8_FOLD=read.startswith("fold"),
+            FP8_FOLD_F16=read in FOLD_F16_READS,
+            KT_ALIGN=row_alignment(kt, paged) if has_tail else 1,
+            FOLD_ONCE=once,
+            CVT_ASM=not INTERPRETED,
+        ),
+        cfg.num_warps,
+        cfg.num_stages,
+        cfg.max_regs,
+    )
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
         launch(kernel, grid, args, consts, warps)

@@ -23,6 +23,7 @@ no host sync, CUDA-graph capturable. Program order: row blocks fastest (they sha
 V tile), then value chunks (they share a P tile), so programs reading the same tile run
 side by side and the second read hits L2.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -69,8 +70,23 @@ __all__ = ["WideConfig", "pick_wide_config", "supports", "offered", "unmeasured"
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
-def _visible_end_src(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, lens_r, sqp_b, sqp_s,
-                     BLOCK_S: tl.constexpr, HAS_LENS: tl.constexpr, CAUSAL: tl.constexpr):
+def _visible_end_src(
+    LENS,
+    QPOS,
+    b,
+    T,
+    S,
+    cp_world,
+    cp_rank,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sqp_b,
+    sqp_s,
+    BLOCK_S: tl.constexpr,
+    HAS_LENS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """Batch row b's visible local keys [0, end), the same for both kernels (row-block independent).
 
     ``LENS[b]``: the global key count, of which rank ``lens_r`` of ``lens_c`` holds
@@ -88,8 +104,24 @@ def _visible_end_src(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, le
     return end
 
 
-def _fold_queries_kernel_src(Q, QF, F, SH, H, sq_b, sq_s, sq_h, sq_d, sqf_b, sqf_r, sf_b, sf_r,
-                             D_MAIN: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_W: tl.constexpr):
+def _fold_queries_kernel_src(
+    Q,
+    QF,
+    F,
+    SH,
+    H,
+    sq_b,
+    sq_s,
+    sq_h,
+    sq_d,
+    sqf_b,
+    sqf_r,
+    sf_b,
+    sf_r,
+    D_MAIN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SCALE_W: tl.constexpr,
+):
     """One (row block, column block, batch row): the queries' latent part as the fp16 operand
     of an fp8 fold read and their rows' factors (common.fold_operand), written once per call
     for every key tile's scores program to read as it reads 16-bit queries."""
@@ -100,33 +132,92 @@ def _fold_queries_kernel_src(Q, QF, F, SH, H, sq_b, sq_s, sq_h, sq_d, sqf_b, sqf
     row_ok = rows < SH
     cols = blk * SCALE_W + tl.arange(0, SCALE_W)
     ok = row_ok[:, None] & (cols[None, :] < D_MAIN)
-    q = tl.load(Q + b * sq_b + (rows // H)[:, None] * sq_s + (rows % H)[:, None] * sq_h + cols[None, :] * sq_d, mask=ok,
-                other=0.0)
+    q = tl.load(
+        Q + b * sq_b + (rows // H)[:, None] * sq_s + (rows % H)[:, None] * sq_h + cols[None, :] * sq_d,
+        mask=ok,
+        other=0.0,
+    )
     x, f = fold_operand(q, QF.dtype.element_ty)
     tl.store(QF + b * sqf_b + rows[:, None] * sqf_r + cols[None, :], x, mask=ok)
     tl.store(F + b * sf_b + rows * sf_r + blk, f, mask=row_ok)
 
 
 def _scores_kernel_src(
-    Q, QT, K, KT, LENS, MASK, QPOS, P, MT, LT, KS, QF, F,
-    T, H, SH, S, cp_world, cp_rank, sm_scale_log2, lens_sb, lens_c, lens_r,
-    sq_b, sq_s, sq_h, sq_d,
-    sqt_b, sqt_s, sqt_h, sqt_d,
-    sk_b, sk_t, sk_d,
-    skt_b, skt_t, skt_d,
-    sks_b, sks_t, sks_d,
-    sm_b, sm_s, sm_h, sm_t,
-    sqp_b, sqp_s,
-    sp_b, sp_t, sp_r,
-    sml_b, sml_t,
-    sqf_b, sqf_r, sf_b, sf_r,
-    D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KT: tl.constexpr,
-    BLOCK_S: tl.constexpr, N_RB: tl.constexpr,
-    HAS_TAIL: tl.constexpr, HAS_LENS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    IEEE: tl.constexpr, MASK_SHARED: tl.constexpr,
-    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128, FP8_FOLD: tl.constexpr = False,
-    FOLD_DTYPE: tl.constexpr = tl.float16, SCALE_W: tl.constexpr = 128, KT_ALIGN: tl.constexpr = 1,
+    Q,
+    QT,
+    K,
+    KT,
+    LENS,
+    MASK,
+    QPOS,
+    P,
+    MT,
+    LT,
+    KS,
+    QF,
+    F,
+    T,
+    H,
+    SH,
+    S,
+    cp_world,
+    cp_rank,
+    sm_scale_log2,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sq_b,
+    sq_s,
+    sq_h,
+    sq_d,
+    sqt_b,
+    sqt_s,
+    sqt_h,
+    sqt_d,
+    sk_b,
+    sk_t,
+    sk_d,
+    skt_b,
+    skt_t,
+    skt_d,
+    sks_b,
+    sks_t,
+    sks_d,
+    sm_b,
+    sm_s,
+    sm_h,
+    sm_t,
+    sqp_b,
+    sqp_s,
+    sp_b,
+    sp_t,
+    sp_r,
+    sml_b,
+    sml_t,
+    sqf_b,
+    sqf_r,
+    sf_b,
+    sf_r,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    N_RB: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    HAS_LENS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    MASK_SHARED: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
+    SCALE_BLOCK: tl.constexpr = 128,
+    FP8_FOLD: tl.constexpr = False,
+    FOLD_DTYPE: tl.constexpr = tl.float16,
+    SCALE_W: tl.constexpr = 128,
+    KT_ALIGN: tl.constexpr = 1,
     Q_FOLDED: tl.constexpr = False,
 ):
     """One (row block, key tile, batch row): P = exp2(s - m_tile), m_tile, l_tile.
@@ -148,8 +239,9 @@ def _scores_kernel_src(
     tile = pid // N_RB
     b = tl.program_id(1).to(tl.int64)
 
-    end = _visible_end(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, lens_r, sqp_b, sqp_s,
-                       BLOCK_S, HAS_LENS, CAUSAL)
+    end = _visible_end(
+        LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, lens_r, sqp_b, sqp_s, BLOCK_S, HAS_LENS, CAUSAL
+    )
     n0 = tile * BLOCK_N
     if n0 >= end:  # never read by the values kernel
         return
@@ -198,8 +290,9 @@ def _scores_kernel_src(
                 q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
                 k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if KV_FP8:
-                k_scale = tl.load(KS + b * sks_b + offs_n.to(tl.int64) * sks_t + (d0 // SCALE_BLOCK) * sks_d, mask=n_ok,
-                                  other=0.0)
+                k_scale = tl.load(
+                    KS + b * sks_b + offs_n.to(tl.int64) * sks_t + (d0 // SCALE_BLOCK) * sks_d, mask=n_ok, other=0.0
+                )
                 k = (k.to(tl.float32) * k_scale[:, None]).to(Q.dtype.element_ty)
             if IEEE:
                 acc = tl.dot(q, tl.trans(k), acc, input_precision="ieee")
@@ -250,20 +343,62 @@ def _scores_kernel_src(
 
 
 def _values_kernel_src(
-    P, MT, LT, V, LENS, QPOS, O, L, KS,
-    T, H, SH, S, cp_world, cp_rank, lse_scale, lens_sb, lens_c, lens_r,
-    sp_b, sp_t, sp_r,
-    sml_b, sml_t,
-    sv_b, sv_t, sv_d,
-    sks_b, sks_t, sks_d,
-    sqp_b, sqp_s,
-    so_b, so_sp, so_s, so_h, so_d,
-    sl_b, sl_sp, sl_s, sl_h,
+    P,
+    MT,
+    LT,
+    V,
+    LENS,
+    QPOS,
+    O,
+    L,
+    KS,
+    T,
+    H,
+    SH,
+    S,
+    cp_world,
+    cp_rank,
+    lse_scale,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sp_b,
+    sp_t,
+    sp_r,
+    sml_b,
+    sml_t,
+    sv_b,
+    sv_t,
+    sv_d,
+    sks_b,
+    sks_t,
+    sks_d,
+    sqp_b,
+    sqp_s,
+    so_b,
+    so_sp,
+    so_s,
+    so_h,
+    so_d,
+    sl_b,
+    sl_sp,
+    sl_s,
+    sl_h,
     D_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_MT: tl.constexpr,
-    BLOCK_S: tl.constexpr, N_RB: tl.constexpr, N_VC: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_LENS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    KV_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 128, FP8_FOLD: tl.constexpr = False,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_MT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    N_RB: tl.constexpr,
+    N_VC: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_LENS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
+    SCALE_BLOCK: tl.constexpr = 128,
+    FP8_FOLD: tl.constexpr = False,
 ):
     """One (row block, value chunk, split, batch row): sum_t (P_t * exp2(m_t - m)) @ V_t.
 
@@ -279,8 +414,9 @@ def _values_kernel_src(
     sp = pid // (N_RB * N_VC)
     b = tl.program_id(1).to(tl.int64)
 
-    end = _visible_end(LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, lens_r, sqp_b, sqp_s,
-                       BLOCK_S, HAS_LENS, CAUSAL)
+    end = _visible_end(
+        LENS, QPOS, b, T, S, cp_world, cp_rank, lens_sb, lens_c, lens_r, sqp_b, sqp_s, BLOCK_S, HAS_LENS, CAUSAL
+    )
     n_tiles = tl.cdiv(end, BLOCK_N)
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     t_lo = sp * per_split
@@ -329,8 +465,9 @@ def _values_kernel_src(
         f = tl.exp2(tl.load(m_ptrs + t * sml_t) - m_use)
         p = tl.load(p_ptrs + t * sp_t).to(tl.float32) * f[:, None]
         offs_n = t * BLOCK_N + offs_c
-        v = tl.load(v_row + offs_n[:, None].to(tl.int64) * sv_t, mask=(offs_n < end)[:, None] & v_ok[None, :],
-                    other=0.0)
+        v = tl.load(
+            v_row + offs_n[:, None].to(tl.int64) * sv_t, mask=(offs_n < end)[:, None] & v_ok[None, :], other=0.0
+        )
         if KV_FP8:
             v_scale = tl.load(ks_blk + offs_n.to(tl.int64) * sks_t, mask=offs_n < end, other=0.0)
             p = p * (v_scale * inv_c)[None, :]
@@ -379,8 +516,10 @@ class WideConfig:
     kernels = ("wide",)
 
     def tag(self) -> str:
-        return (f"A{self.block_m}x{self.block_n}x{self.block_k}/{self.warps_a}w/{self.stages_a}s "
-                f"B{self.block_m}x{self.block_n}x{self.block_v}/{self.warps_b}w/{self.stages_b}s x{self.waves:g}")
+        return (
+            f"A{self.block_m}x{self.block_n}x{self.block_k}/{self.warps_a}w/{self.stages_a}s "
+            f"B{self.block_m}x{self.block_n}x{self.block_v}/{self.warps_b}w/{self.stages_b}s x{self.waves:g}"
+        )
 
 
 # Default for the compute-bound case (16-bit caches). Resource use checked offline for sm_90
@@ -392,9 +531,21 @@ WIDE_DEFAULT = WideConfig()
 WIDE_MIN_ROWS = 128
 
 
-def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, t_cap: int,
-                     device: torch.device, num_splits: Optional[int] = None, *, elem_bytes: int = 2,
-                     base: Optional[WideConfig] = None, fp8: bool = False, fp8_fold: bool = False) -> WideConfig:
+def pick_wide_config(
+    rows: int,
+    d_main: int,
+    d_tail: int,
+    d_v: int,
+    batch: int,
+    t_cap: int,
+    device: torch.device,
+    num_splits: Optional[int] = None,
+    *,
+    elem_bytes: int = 2,
+    base: Optional[WideConfig] = None,
+    fp8: bool = False,
+    fp8_fold: bool = False,
+) -> WideConfig:
     """From shapes only. The interpreter gets small tiles and a few splits (tests). ``fp8``:
     value chunks of at most one scale block (the values kernel scales P per chunk);
     ``fp8_fold``: the fp8 latent is read by folding its scales (key tiles of at most 64)."""
@@ -427,8 +578,9 @@ def pick_wide_config(rows: int, d_main: int, d_tail: int, d_v: int, batch: int, 
     if ns is None:
         n_prog = triton.cdiv(rows, block_m) * triton.cdiv(d_v, block_v)
         ns = split_count(batch, n_prog, t_cap, device, cfg.waves, min_tokens=max(256, 4 * block_n))
-    return WideConfig(block_m, block_n, cfg.block_k, warps_a, stages_a, block_v, warps_b, stages_b,
-                      max(1, int(ns)), cfg.waves)
+    return WideConfig(
+        block_m, block_n, cfg.block_k, warps_a, stages_a, block_v, warps_b, stages_b, max(1, int(ns)), cfg.waves
+    )
 
 
 def supports(shape) -> Optional[str]:
@@ -460,8 +612,11 @@ def unmeasured(shape) -> bool:
 # --------------------------------------------------------------------------------------
 def _adjacent(a: torch.Tensor, b: torch.Tensor, width: int) -> bool:
     """b's columns directly follow a's ``width`` columns in the same storage, same strides."""
-    return (a.stride() == b.stride() and a.dtype == b.dtype
-            and b.data_ptr() == a.data_ptr() + width * a.stride(-1) * a.element_size())
+    return (
+        a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and b.data_ptr() == a.data_ptr() + width * a.stride(-1) * a.element_size()
+    )
 
 
 @dataclass
@@ -511,8 +666,10 @@ def plan(a: ShardView, out, lse_out, cfg: WideConfig, read: Optional[str] = None
     rows_pad = n_rb * BM
     fp8 = a.kv_scale is not None
     if fp8 and (SCALE_BLOCK % cfg.block_k or SCALE_BLOCK % cfg.block_v):
-        raise ValueError(f"the wide kernel reads an fp8 latent in column chunks inside one scale block of "
-                         f"{SCALE_BLOCK}: block_k={cfg.block_k} and block_v={cfg.block_v} must divide it")
+        raise ValueError(
+            f"the wide kernel reads an fp8 latent in column chunks inside one scale block of "
+            f"{SCALE_BLOCK}: block_k={cfg.block_k} and block_v={cfg.block_v} must divide it"
+        )
     read = (read or fp8_read("wide")) if fp8 else ""
     fold = read.startswith("fold")
     # P in the dtype of the values dot: for an fp8 latent the queries' (fp16 for a fold read of
@@ -540,51 +697,169 @@ def plan(a: ShardView, out, lse_out, cfg: WideConfig, read: Optional[str] = None
         qf_buf = torch.empty(B, SH, d_a, dtype=torch.float16, device=device)
         f_buf = torch.empty(B, SH, n_blk, dtype=torch.float32, device=device)
         block_r = 32
-        launches.append(_Launch(
-            _fold_queries_jit, (triton.cdiv(SH, block_r), n_blk, B),
-            [q_a, qf_buf, f_buf, SH, H, *q_a.stride(), qf_buf.stride(0), qf_buf.stride(1), f_buf.stride(0),
-             f_buf.stride(1)],
-            dict(D_MAIN=d_a, BLOCK_R=block_r, SCALE_W=scale_w), 4, 1))
+        launches.append(
+            _Launch(
+                _fold_queries_jit,
+                (triton.cdiv(SH, block_r), n_blk, B),
+                [
+                    q_a,
+                    qf_buf,
+                    f_buf,
+                    SH,
+                    H,
+                    *q_a.stride(),
+                    qf_buf.stride(0),
+                    qf_buf.stride(1),
+                    f_buf.stride(0),
+                    f_buf.stride(1),
+                ],
+                dict(D_MAIN=d_a, BLOCK_R=block_r, SCALE_W=scale_w),
+                4,
+                1,
+            )
+        )
     qfs = (qf_buf.stride(0), qf_buf.stride(1), f_buf.stride(0), f_buf.stride(1)) if q_folded else (0, 0, 0, 0)
 
-    launches.append(_Launch(
-        _scores_jit, (n_rb * NT, B),
-        [q_a, qt if has_tail else dummy, k_a, kt if has_tail else dummy, lens,
-         mask_b if mask_b is not None else dummy, q_pos, p_buf, m_buf, l_buf, ks, qf_buf, f_buf,
-         T, H, SH, S, cp_world, cp_rank, float(scale) * LOG2E, lens_sb, lens_c, lens_r,
-         *q_a.stride(), *qts, *k_a.stride(), *kts, *kss, *ms, *qps,
-         p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
-         m_buf.stride(0), m_buf.stride(1), *qfs],
-        dict(D_MAIN=d_a, D_TAIL=d_t,
-             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=cfg.block_k, BLOCK_KT=max(16, min(cfg.block_k, pow2(max(d_t, 1)))),
-             BLOCK_S=block_s, N_RB=n_rb,
-             HAS_TAIL=has_tail, HAS_LENS=kv_lens is not None, HAS_MASK=mask_b is not None,
-             CAUSAL=causal is not None, IEEE=is_f32, MASK_SHARED=mask_shared, KV_FP8=fp8,
-             FP8_FOLD=fold, FOLD_DTYPE=_TL_DTYPES[p_dtype], SCALE_W=min(SCALE_BLOCK, pow2(d_a)),
-             KT_ALIGN=row_alignment(kt, False) if has_tail else 1, Q_FOLDED=q_folded),
-        cfg.warps_a, cfg.stages_a))
+    launches.append(
+        _Launch(
+            _scores_jit,
+            (n_rb * NT, B),
+            [
+                q_a,
+                qt if has_tail else dummy,
+                k_a,
+                kt if has_tail else dummy,
+                lens,
+                mask_b if mask_b is not None else dummy,
+                q_pos,
+                p_buf,
+                m_buf,
+                l_buf,
+                ks,
+                qf_buf,
+                f_buf,
+                T,
+                H,
+                SH,
+                S,
+                cp_world,
+                cp_rank,
+                float(scale) * LOG2E,
+                lens_sb,
+                lens_c,
+                lens_r,
+                *q_a.stride(),
+                *qts,
+                *k_a.stride(),
+                *kts,
+                *kss,
+                *ms,
+                *qps,
+                p_buf.stride(0),
+                p_buf.stride(1),
+                p_buf.stride(2),
+                m_buf.stride(0),
+                m_buf.stride(1),
+                *qfs,
+            ],
+            dict(
+                D_MAIN=d_a,
+                D_TAIL=d_t,
+                BLOCK_M=BM,
+                BLOCK_N=BN,
+                BLOCK_K=cfg.block_k,
+                BLOCK_KT=max(16, min(cfg.block_k, pow2(max(d_t, 1)))),
+                BLOCK_S=block_s,
+                N_RB=n_rb,
+                HAS_TAIL=has_tail,
+                HAS_LENS=kv_lens is not None,
+                HAS_MASK=mask_b is not None,
+                CAUSAL=causal is not None,
+                IEEE=is_f32,
+                MASK_SHARED=mask_shared,
+                KV_FP8=fp8,
+                FP8_FOLD=fold,
+                FOLD_DTYPE=_TL_DTYPES[p_dtype],
+                SCALE_W=min(SCALE_BLOCK, pow2(d_a)),
+                KT_ALIGN=row_alignment(kt, False) if has_tail else 1,
+                Q_FOLDED=q_folded,
+            ),
+            cfg.warps_a,
+            cfg.stages_a,
+        )
+    )
 
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     v = kv  # values: the first v_dim columns of the cache
-    launches.append(_Launch(
-        _values_jit, (n_rb * n_vc * ns, B),
-        [p_buf, m_buf, l_buf, v, lens, q_pos, o_part, l_part, ks,
-         T, H, SH, S, cp_world, cp_rank, l_scale, lens_sb, lens_c, lens_r,
-         p_buf.stride(0), p_buf.stride(1), p_buf.stride(2),
-         m_buf.stride(0), m_buf.stride(1),
-         *v.stride(), *kss, *qps, *ops, *lps],
-        dict(D_V=v_dim, BLOCK_M=BM, BLOCK_N=BN, BLOCK_V=cfg.block_v, BLOCK_MT=32,
-             BLOCK_S=block_s, N_RB=n_rb, N_VC=n_vc, NUM_SPLITS=ns,
-             HAS_LENS=kv_lens is not None, CAUSAL=causal is not None, IEEE=is_f32, KV_FP8=fp8, FP8_FOLD=fold),
-        cfg.warps_b, cfg.stages_b))
+    launches.append(
+        _Launch(
+            _values_jit,
+            (n_rb * n_vc * ns, B),
+            [
+                p_buf,
+                m_buf,
+                l_buf,
+                v,
+                lens,
+                q_pos,
+                o_part,
+                l_part,
+                ks,
+                T,
+                H,
+                SH,
+                S,
+                cp_world,
+                cp_rank,
+                l_scale,
+                lens_sb,
+                lens_c,
+                lens_r,
+                p_buf.stride(0),
+                p_buf.stride(1),
+                p_buf.stride(2),
+                m_buf.stride(0),
+                m_buf.stride(1),
+                *v.stride(),
+                *kss,
+                *qps,
+                *ops,
+                *lps,
+            ],
+            dict(
+                D_V=v_dim,
+                BLOCK_M=BM,
+                BLOCK_N=BN,
+                BLOCK_V=cfg.block_v,
+                BLOCK_MT=32,
+                BLOCK_S=block_s,
+                N_RB=n_rb,
+                N_VC=n_vc,
+                NUM_SPLITS=ns,
+                HAS_LENS=kv_lens is not None,
+                CAUSAL=causal is not None,
+                IEEE=is_f32,
+                KV_FP8=fp8,
+                FP8_FOLD=fold,
+            ),
+            cfg.warps_b,
+            cfg.stages_b,
+        )
+    )
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns)
         launches.append(_Launch(kernel, grid, list(args), consts, warps, 3))
     return launches
 
 
-def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
-        config: Optional[WideConfig] = None):
+def run(
+    call: AttentionCall,
+    out=None,
+    lse_out=None,
+    *,
+    num_splits: Optional[int] = None,
+    config: Optional[WideConfig] = None,
+):
     """The registry's entry: :func:`plan` and its launches."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable")
@@ -609,14 +884,27 @@ def launch_wide(a: ShardView, out, lse_out, num_splits, config: Optional[WideCon
     read = fp8_read("wide") if fp8 else ""
     d_main = parts.q_main.shape[-1]
     d_tail = parts.q_tail.shape[-1] if parts.q_tail is not None else 0
-    check_launchable(device, kv_lens, "the wide kernel", fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if fp8
-                     else kv.dtype)
+    check_launchable(
+        device, kv_lens, "the wide kernel", fp8_dots_dtype(read, q_lat.dtype, d_tail > 0) if fp8 else kv.dtype
+    )
     if config is not None and device.type != "cuda":  # interpreter: the given tiles as they are
         ns = num_splits or config.num_splits or pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device).num_splits
         cfg = replace(config, num_splits=ns)
     else:
-        cfg = pick_wide_config(SH, d_main, d_tail, v_dim, B, T, device, num_splits,
-                               elem_bytes=kv.element_size(), base=config, fp8=fp8, fp8_fold=read.startswith("fold"))
+        cfg = pick_wide_config(
+            SH,
+            d_main,
+            d_tail,
+            v_dim,
+            B,
+            T,
+            device,
+            num_splits,
+            elem_bytes=kv.element_size(),
+            base=config,
+            fp8=fp8,
+            fp8_fold=read.startswith("fold"),
+        )
     for step in plan(a, out, lse_out, cfg, read):
         step()
     return out, lse_out

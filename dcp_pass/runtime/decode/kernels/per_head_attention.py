@@ -25,6 +25,7 @@ kernels use (``splits.reduce_launch``). Split lengths come from the device count
 count from shapes (``splits.split_count``): no host sync, CUDA-graph capturable, and every
 launch goes through ``common.launch`` (replayable).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -67,19 +68,67 @@ MAX_HEAD_DIM = 256  # key and value columns a program holds (D and Dv up to this
 
 
 def _stage1_kernel_src(
-    Q, K, V, LENS, MASK, QPOS, O, L,
-    T, T_ALL, FIRST, G, R, cp_world, cp_rank, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
-    sq_b, sq_s, sq_h, sq_d,
-    sk_b, sk_t, sk_h, sk_d,
-    sv_b, sv_t, sv_h, sv_d,
-    sm_b, sm_s, sm_h, sm_t,
-    sqp_b, sqp_s,
-    so_b, so_sp, so_s, so_h, so_d,
-    sl_b, sl_sp, sl_s, sl_h,
-    D: tl.constexpr, D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SHARED: tl.constexpr, MASK_BOOL: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    LENS,
+    MASK,
+    QPOS,
+    O,
+    L,
+    T,
+    T_ALL,
+    FIRST,
+    G,
+    R,
+    cp_world,
+    cp_rank,
+    sm_scale_log2,
+    lse_scale,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sq_b,
+    sq_s,
+    sq_h,
+    sq_d,
+    sk_b,
+    sk_t,
+    sk_h,
+    sk_d,
+    sv_b,
+    sv_t,
+    sv_h,
+    sv_d,
+    sm_b,
+    sm_s,
+    sm_h,
+    sm_t,
+    sqp_b,
+    sqp_s,
+    so_b,
+    so_sp,
+    so_s,
+    so_h,
+    so_d,
+    sl_b,
+    sl_sp,
+    sl_s,
+    sl_h,
+    D: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_LENS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_SHARED: tl.constexpr,
+    MASK_BOOL: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """One (kv head, row block, split, batch row): online base-2 softmax over the split's keys.
 
@@ -103,8 +152,11 @@ def _stage1_kernel_src(
     d_ok = offs_d < D
     dv_ok = offs_dv < D_V
 
-    q = tl.load(Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_d[None, :] * sq_d,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + b * sq_b + s_idx[:, None] * sq_s + h_idx[:, None] * sq_h + offs_d[None, :] * sq_d,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
 
     if HAS_LENS:
         # the rank's share of the global count in the whole cache's rows, less the rows before
@@ -130,8 +182,9 @@ def _stage1_kernel_src(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         offs_n64 = offs_n.to(tl.int64)
-        k = tl.load(k_head + offs_n64[:, None] * sk_t + offs_d[None, :] * sk_d, mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        k = tl.load(
+            k_head + offs_n64[:, None] * sk_t + offs_d[None, :] * sk_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0
+        )
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -144,12 +197,18 @@ def _stage1_kernel_src(
             mk = tl.load(MASK + b * sm_b + offs_n * sm_t, mask=n_ok, other=0.0)
             qk = qk + mk[None, :] * 1.4426950408889634
         elif HAS_MASK and MASK_BOOL:
-            keep = tl.load(MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
-                           mask=row_ok[:, None] & n_ok[None, :], other=1)
+            keep = tl.load(
+                MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
+                mask=row_ok[:, None] & n_ok[None, :],
+                other=1,
+            )
             qk = tl.where(keep != 0, qk, float("-inf"))
         elif HAS_MASK:
-            mk = tl.load(MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
-                         mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+            mk = tl.load(
+                MASK + b * sm_b + s_idx[:, None] * sm_s + h_idx[:, None] * sm_h + offs_n[None, :] * sm_t,
+                mask=row_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
             qk = qk + mk * 1.4426950408889634
         valid = n_ok[None, :]
         if CAUSAL:
@@ -160,8 +219,9 @@ def _stage1_kernel_src(
         p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head + offs_n64[:, None] * sv_t + offs_dv[None, :] * sv_d, mask=n_ok[:, None] & dv_ok[None, :],
-                    other=0.0)
+        v = tl.load(
+            v_head + offs_n64[:, None] * sv_t + offs_dv[None, :] * sv_d, mask=n_ok[:, None] & dv_ok[None, :], other=0.0
+        )
         acc = acc * alpha[:, None]
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
@@ -214,8 +274,19 @@ def smem_estimate(block_r: int, block_n: int, stages: int, bd: int, bdv: int, el
     return stages * block_n * ((bd + bdv) * elem + mask_tile) + block_r * bd * elem
 
 
-def pick_config(rows: int, d: int, d_v: int, batch: int, kv_heads: int, t_cap: int, device: torch.device,
-                num_splits: Optional[int] = None, *, elem_bytes: int = 2, mask_rows: int = 0) -> PerHeadConfig:
+def pick_config(
+    rows: int,
+    d: int,
+    d_v: int,
+    batch: int,
+    kv_heads: int,
+    t_cap: int,
+    device: torch.device,
+    num_splits: Optional[int] = None,
+    *,
+    elem_bytes: int = 2,
+    mask_rows: int = 0,
+) -> PerHeadConfig:
     """Launch parameters from shapes only (no host sync, safe under CUDA-graph capture).
 
     ``rows``: rows per kv head (query tokens x the group's query heads), ``mask_rows``: rows of a
@@ -255,13 +326,21 @@ def supports(shape) -> Optional[str]:
     if not shape.same_dtypes:
         return "the queries, keys and values are not of one dtype"
     if max(shape.d_main, shape.v_dim) > MAX_HEAD_DIM:
-        return (f"head dims {shape.d_main} (keys) and {shape.v_dim} (values): the kernel holds up to "
-                f"{MAX_HEAD_DIM} columns of each")
+        return (
+            f"head dims {shape.d_main} (keys) and {shape.v_dim} (values): the kernel holds up to "
+            f"{MAX_HEAD_DIM} columns of each"
+        )
     return triton_device_reason(shape)
 
 
-def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
-        config: Optional[PerHeadConfig] = None):
+def run(
+    call: AttentionCall,
+    out=None,
+    lse_out=None,
+    *,
+    num_splits: Optional[int] = None,
+    config: Optional[PerHeadConfig] = None,
+):
     """The registry's entry; ``config`` replaces the shape-derived launch parameters,
     ``num_splits`` the split count."""
     if not HAS_TRITON:
@@ -274,8 +353,10 @@ def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int
 
 def _check_operands(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k and v must be 4-D ([B,S,H,D], [B,T,Hk,D], [B,T,Hk,Dv]), got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k and v must be 4-D ([B,S,H,D], [B,T,Hk,D], [B,T,Hk,Dv]), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, _, H, D = q.shape
     Hk = k.shape[2]
     if Hk == 0 or H % Hk:
@@ -302,8 +383,18 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     mask_b, ms, mask_shared = mask_operand(a.mask, B, S, H, T, device, keep_bool=True)
     check_launchable(device, a.kv_lens, "the per-head kernel", k.dtype)
     if config is None:
-        cfg = pick_config(R, D, d_v, B, Hk, T, device, num_splits, elem_bytes=k.element_size(),
-                          mask_rows=0 if mask_b is None else 1 if mask_shared else 2)
+        cfg = pick_config(
+            R,
+            D,
+            d_v,
+            B,
+            Hk,
+            T,
+            device,
+            num_splits,
+            elem_bytes=k.element_size(),
+            mask_rows=0 if mask_b is None else 1 if mask_shared else 2,
+        )
     else:
         cfg = config if num_splits is None else replace(config, num_splits=num_splits)
     ns = cfg.num_splits
@@ -314,16 +405,57 @@ def _launch(a: ShardView, out, lse_out, num_splits, config):
     o_part, l_part, ops, lps, l_scale = partial_outputs(out, lse_out, ns, H, base)
     row_blocks = triton.cdiv(R, cfg.block_r)
     grid = (Hk * row_blocks, ns, B)
-    launch(_stage1_jit, grid, (
-        q, k, v, lens, mask_b if mask_b is not None else dummy, q_pos, o_part, l_part,
-        T, T + a.first_row, a.first_row, G, R, cp_world, cp_rank, float(a.scale) * LOG2E, l_scale, lens_sb, lens_c,
-        lens_r, *q.stride(), *k.stride(), *v.stride(), *ms, *qps, *ops, *lps,
-    ), dict(
-        D=D, D_V=d_v, BLOCK_D=pow2(D), BLOCK_DV=pow2(d_v), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n,
-        ROW_BLOCKS=row_blocks, NUM_SPLITS=ns, HAS_LENS=a.kv_lens is not None, HAS_MASK=mask_b is not None,
-        MASK_SHARED=mask_shared, MASK_BOOL=mask_b is not None and mask_b.dtype == torch.uint8,
-        CAUSAL=a.causal is not None, IEEE=k.dtype == torch.float32,
-    ), cfg.num_warps, cfg.num_stages)
+    launch(
+        _stage1_jit,
+        grid,
+        (
+            q,
+            k,
+            v,
+            lens,
+            mask_b if mask_b is not None else dummy,
+            q_pos,
+            o_part,
+            l_part,
+            T,
+            T + a.first_row,
+            a.first_row,
+            G,
+            R,
+            cp_world,
+            cp_rank,
+            float(a.scale) * LOG2E,
+            l_scale,
+            lens_sb,
+            lens_c,
+            lens_r,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *ms,
+            *qps,
+            *ops,
+            *lps,
+        ),
+        dict(
+            D=D,
+            D_V=d_v,
+            BLOCK_D=pow2(D),
+            BLOCK_DV=pow2(d_v),
+            BLOCK_R=cfg.block_r,
+            BLOCK_N=cfg.block_n,
+            ROW_BLOCKS=row_blocks,
+            NUM_SPLITS=ns,
+            HAS_LENS=a.kv_lens is not None,
+            HAS_MASK=mask_b is not None,
+            MASK_SHARED=mask_shared,
+            MASK_BOOL=mask_b is not None and mask_b.dtype == torch.uint8,
+            CAUSAL=a.causal is not None,
+            IEEE=k.dtype == torch.float32,
+        ),
+        cfg.num_warps,
+        cfg.num_stages,
+    )
     if ns > 1:
         kernel, grid, args, consts, warps = reduce_launch(o_part, l_part, out, lse_out, H, base, d_v, ns)
         launch(kernel, grid, args, consts, warps)

@@ -9,6 +9,7 @@ masked) gives output 0 and LSE -inf: emptiness is a count. A NaN in a query, key
 is data and propagates as it would without DCP; rows past a row's count hold no key, and
 whatever they hold (a reused slot's NaN) is never read, as in the kernels.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -78,8 +79,9 @@ def _visible(view: ShardView, B: int, S: int, T: int, device) -> torch.Tensor:
     if view.causal is not None:
         q_pos, c, r = view.causal
         gpos = t_idx * int(c) + int(r)
-        visible = visible & (gpos.view(1, 1, 1, T) <= torch.broadcast_to(q_pos.to(device).long(), (B, S))
-                             .view(B, S, 1, 1))
+        visible = visible & (
+            gpos.view(1, 1, 1, T) <= torch.broadcast_to(q_pos.to(device).long(), (B, S)).view(B, S, 1, 1)
+        )
     return visible
 
 
@@ -107,8 +109,23 @@ def _mla(view: ShardView, acc: torch.dtype):
     T = kv.shape[1]
     present = _present(view, B, T, view.q_lat.device)
     kv, pe = _zero_absent(kv, present), _zero_absent(pe, present)
-    view = ShardView(view.q_lat, view.q_rope, kv, pe, None, view.v_dim, view.scale, view.mask, view.kv_lens,
-                     view.causal, view.lens_stripe, view.first_row, view.lse_base, None, 1)
+    view = ShardView(
+        view.q_lat,
+        view.q_rope,
+        kv,
+        pe,
+        None,
+        view.v_dim,
+        view.scale,
+        view.mask,
+        view.kv_lens,
+        view.causal,
+        view.lens_stripe,
+        view.first_row,
+        view.lse_base,
+        None,
+        1,
+    )
     parts = view.parts()
     scores = torch.einsum("bshd,btd->bsht", parts.q_main.to(acc), parts.k_main.to(acc))
     if parts.q_tail is not None:
@@ -116,7 +133,7 @@ def _mla(view: ShardView, acc: torch.dtype):
     scores = scores * view.scale
     scores = _add_mask(scores, view.mask, acc)
     p, lse = _softmax(scores, _visible(view, B, S, T, view.q_lat.device))
-    return torch.einsum("bsht,btd->bshd", p, kv[..., :view.v_dim].to(acc)), lse
+    return torch.einsum("bsht,btd->bshd", p, kv[..., : view.v_dim].to(acc)), lse
 
 
 def _add_mask(scores: torch.Tensor, mask: Optional[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
@@ -132,8 +149,10 @@ def _add_mask(scores: torch.Tensor, mask: Optional[torch.Tensor], acc: torch.dty
 def _heads(view: ShardView, acc: torch.dtype):
     q, k, v = view.q_lat, view.kv, view.v
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k and v must be 4-D ([B,S,H,D], [B,T,Hk,D], [B,T,Hk,Dv]), got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k and v must be 4-D ([B,S,H,D], [B,T,Hk,D], [B,T,Hk,Dv]), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, S, H, D = q.shape
     T, Hk = k.shape[1], k.shape[2]
     if Hk == 0 or H % Hk:
@@ -164,13 +183,23 @@ def reference_f64(call: AttentionCall) -> Tuple[torch.Tensor, torch.Tensor]:
     compare kernels with. An fp8 latent is dequantised in float64 (exactly)."""
     d = lambda t: None if t is None or not t.is_floating_point() else t.double()  # noqa: E731
     kv = call.kv if call.kv_scale is None else dequantize(call.kv, call.kv_scale, torch.float64)
-    return attention_impl(call.replace(q_lat=d(call.q_lat), q_rope=d(call.q_rope), kv=d(kv), pe=d(call.pe),
-                                       mask=call.mask if call.mask is not None and call.mask.dtype == torch.bool
-                                       else d(call.mask), v=d(call.v), kv_scale=None), torch.float64)
+    return attention_impl(
+        call.replace(
+            q_lat=d(call.q_lat),
+            q_rope=d(call.q_rope),
+            kv=d(kv),
+            pe=d(call.pe),
+            mask=call.mask if call.mask is not None and call.mask.dtype == torch.bool else d(call.mask),
+            v=d(call.v),
+            kv_scale=None,
+        ),
+        torch.float64,
+    )
 
 
-def attention_reference(call: AttentionCall, out: Optional[torch.Tensor] = None,
-                        lse_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def attention_reference(
+    call: AttentionCall, out: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plain torch attention of `call` in fp32 (fp64 when the query is fp64).
 
     Returns ``(out [B,S,H,v_dim] in q dtype, lse [B,S,H])`` in the call's LSE base; the LSE

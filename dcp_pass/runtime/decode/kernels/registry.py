@@ -38,6 +38,7 @@ A new kernel is one module with those functions, one entry here (its capabilitie
 tests (and, to be chosen by measurement, its timings in ``path_table.py``). Kernel modules
 are imported when first used: importing the registry (options validation) imports no Triton.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,9 +54,27 @@ import torch
 from dcp_pass import env
 from dcp_pass.runtime.decode.call import CallShape
 
-__all__ = ["Capabilities", "Kernel", "KERNELS", "TRITON_KERNELS", "UNUSABLE", "Rejection", "SelectionTrace",
-           "LAST_SELECTIONS", "backend_kernels", "considered", "choose", "select", "select_named", "switched_off",
-           "forced", "collecting", "record", "trace_for", "FALLBACK"]
+__all__ = [
+    "Capabilities",
+    "Kernel",
+    "KERNELS",
+    "TRITON_KERNELS",
+    "UNUSABLE",
+    "Rejection",
+    "SelectionTrace",
+    "LAST_SELECTIONS",
+    "backend_kernels",
+    "considered",
+    "choose",
+    "select",
+    "select_named",
+    "switched_off",
+    "forced",
+    "collecting",
+    "record",
+    "trace_for",
+    "FALLBACK",
+]
 
 AUTO = "auto"
 MLA = "mla"  # an MLA latent cache (fused with its rope columns, or beside them)
@@ -203,43 +222,119 @@ _GLUON_FP8 = _triton(dtypes=frozenset(), fp8_cache=True, masks=frozenset({ROW_MA
 
 # Registry order is the chooser's preference among kernels that tie (the role-split and
 # lock-step Gluon forms share their timings) or where nothing measured decides.
-KERNELS: Dict[str, Kernel] = {k.name: k for k in (
-    Kernel("gluon_seesaw", "gluon.seesaw", "seesaw",
-           "seesaw one-read Gluon kernel: two warpgroups take turns scoring the tiles of a pair and each holds "
-           "half the output (Hopper, bf16 512 + 64, a mask row per request, causal caps)", _GLUON, group="gluon"),
-    Kernel("gluon_roles", "gluon.roles", "gluon",
-           "role-split one-read Gluon kernel, a scorer and a loader warpgroup (Hopper, bf16 512 + 64, "
-           "a mask row per request, causal caps; on Triton 3.6 the calls the seesaw form measured no faster on)",
-           _GLUON, group="gluon"),
-    Kernel("gluon_lock_step", "gluon.lock_step", "gluon",
-           "lock-step one-read Gluon kernel (Hopper, bf16 512 + 64, a mask row per request, causal caps; the "
-           "calls whose row strides the warp-specialised forms cannot copy, and Tritons other than 3.6)",
-           _GLUON, group="gluon"),
-    Kernel("gluon_fp8", "gluon.fp8", None,
-           "role-split one-read Gluon kernel for an fp8 e4m3 latent cache, dequantised to bf16 by the loader "
-           "warpgroup (Hopper, 512 + 64, a mask row per request, causal caps)", _GLUON_FP8, group="gluon_fp8",
-           fp8_cost_key="gluon_fp8"),
-    Kernel("gluon_fp8_narrow", "gluon.fp8_narrow", None,
-           "narrow-row Gluon kernel for an fp8 e4m3 latent cache: keys as the wgmma's 64 rows, up to 16 query "
-           "rows as its N, the e4m3 bytes converted to f16 exactly and the block scales applied to the small "
-           "tiles (Hopper, 512 + 64, a mask row per request, causal caps)", _GLUON_FP8, group="gluon_fp8",
-           fp8_cost_key="gluon_fp8_narrow"),
-    Kernel("wide", "mla_wide", "wide", "two-GEMM Triton kernel for wide head blocks (contiguous caches)",
-           _triton(fp8_cache=True, switch="DCP_MLA_WIDE", forceable=True), fp8_cost_key="wide_fp8"),
-    Kernel("split", "mla_attention", "split", "split-KV flash-decoding Triton kernel (any Triton layout, paged too)",
-           _triton(fp8_cache=True, paged=True), fp8_cost_key="split_fp8"),
-    Kernel("per_head", "per_head_attention", "per_head",
-           "split-KV flash-decoding Triton kernel for per-head keys and values (GQA / MHA): each K / V tile read "
-           "once for every query head of its group", _triton(layouts=frozenset({PER_HEAD}), windows=True)),
-    Kernel("flashinfer", "flashinfer_mla", "flashinfer",
-           "FlashInfer's BatchMLAPagedAttentionWrapper: host-side plan, no additive masks",
-           Capabilities("flashinfer", frozenset({MLA}), dtypes=frozenset({torch.bfloat16, torch.float16}),
-                        masks=frozenset(), paged=True, lse_base="2", capturable=False, plans_on_host=True, probed=True,
-                        auto="measured", auto_dtypes=frozenset({torch.bfloat16, torch.float16}))),
-    Kernel("torch", "reference", None, "torch reference (runs everywhere; the fp32 checking mode)",
-           Capabilities("torch", frozenset({MLA, PER_HEAD}), devices=None, dtypes=None, fp8_cache=True, paged=True,
-                        windows=True, auto="always", fallback=True)),
-)}
+KERNELS: Dict[str, Kernel] = {
+    k.name: k
+    for k in (
+        Kernel(
+            "gluon_seesaw",
+            "gluon.seesaw",
+            "seesaw",
+            "seesaw one-read Gluon kernel: two warpgroups take turns scoring the tiles of a pair and each holds "
+            "half the output (Hopper, bf16 512 + 64, a mask row per request, causal caps)",
+            _GLUON,
+            group="gluon",
+        ),
+        Kernel(
+            "gluon_roles",
+            "gluon.roles",
+            "gluon",
+            "role-split one-read Gluon kernel, a scorer and a loader warpgroup (Hopper, bf16 512 + 64, "
+            "a mask row per request, causal caps; on Triton 3.6 the calls the seesaw form measured no faster on)",
+            _GLUON,
+            group="gluon",
+        ),
+        Kernel(
+            "gluon_lock_step",
+            "gluon.lock_step",
+            "gluon",
+            "lock-step one-read Gluon kernel (Hopper, bf16 512 + 64, a mask row per request, causal caps; the "
+            "calls whose row strides the warp-specialised forms cannot copy, and Tritons other than 3.6)",
+            _GLUON,
+            group="gluon",
+        ),
+        Kernel(
+            "gluon_fp8",
+            "gluon.fp8",
+            None,
+            "role-split one-read Gluon kernel for an fp8 e4m3 latent cache, dequantised to bf16 by the loader "
+            "warpgroup (Hopper, 512 + 64, a mask row per request, causal caps)",
+            _GLUON_FP8,
+            group="gluon_fp8",
+            fp8_cost_key="gluon_fp8",
+        ),
+        Kernel(
+            "gluon_fp8_narrow",
+            "gluon.fp8_narrow",
+            None,
+            "narrow-row Gluon kernel for an fp8 e4m3 latent cache: keys as the wgmma's 64 rows, up to 16 query "
+            "rows as its N, the e4m3 bytes converted to f16 exactly and the block scales applied to the small "
+            "tiles (Hopper, 512 + 64, a mask row per request, causal caps)",
+            _GLUON_FP8,
+            group="gluon_fp8",
+            fp8_cost_key="gluon_fp8_narrow",
+        ),
+        Kernel(
+            "wide",
+            "mla_wide",
+            "wide",
+            "two-GEMM Triton kernel for wide head blocks (contiguous caches)",
+            _triton(fp8_cache=True, switch="DCP_MLA_WIDE", forceable=True),
+            fp8_cost_key="wide_fp8",
+        ),
+        Kernel(
+            "split",
+            "mla_attention",
+            "split",
+            "split-KV flash-decoding Triton kernel (any Triton layout, paged too)",
+            _triton(fp8_cache=True, paged=True),
+            fp8_cost_key="split_fp8",
+        ),
+        Kernel(
+            "per_head",
+            "per_head_attention",
+            "per_head",
+            "split-KV flash-decoding Triton kernel for per-head keys and values (GQA / MHA): each K / V tile read "
+            "once for every query head of its group",
+            _triton(layouts=frozenset({PER_HEAD}), windows=True),
+        ),
+        Kernel(
+            "flashinfer",
+            "flashinfer_mla",
+            "flashinfer",
+            "FlashInfer's BatchMLAPagedAttentionWrapper: host-side plan, no additive masks",
+            Capabilities(
+                "flashinfer",
+                frozenset({MLA}),
+                dtypes=frozenset({torch.bfloat16, torch.float16}),
+                masks=frozenset(),
+                paged=True,
+                lse_base="2",
+                capturable=False,
+                plans_on_host=True,
+                probed=True,
+                auto="measured",
+                auto_dtypes=frozenset({torch.bfloat16, torch.float16}),
+            ),
+        ),
+        Kernel(
+            "torch",
+            "reference",
+            None,
+            "torch reference (runs everywhere; the fp32 checking mode)",
+            Capabilities(
+                "torch",
+                frozenset({MLA, PER_HEAD}),
+                devices=None,
+                dtypes=None,
+                fp8_cache=True,
+                paged=True,
+                windows=True,
+                auto="always",
+                fallback=True,
+            ),
+        ),
+    )
+}
 
 FALLBACK = next(k for k in KERNELS.values() if k.caps.fallback)  # runs every call
 
@@ -348,8 +443,11 @@ def _screen(kernel: Kernel, shape: CallShape, request: Optional[str], devices: b
     if reason is not None:
         return Rejection(kernel.name, UNSUPPORTED, reason)
     if request == AUTO and kernel.caps.auto_dtypes is not None and shape.dtype not in kernel.caps.auto_dtypes:
-        return Rejection(kernel.name, NOT_OFFERED,
-                         f"'auto' leaves {_dtype_name(shape.dtype)} caches to the reference (the checking mode)")
+        return Rejection(
+            kernel.name,
+            NOT_OFFERED,
+            f"'auto' leaves {_dtype_name(shape.dtype)} caches to the reference (the checking mode)",
+        )
     group = kernel.group or kernel.name
     if group in UNUSABLE:
         return Rejection(kernel.name, UNUSABLE_HERE, UNUSABLE[group])
@@ -365,8 +463,9 @@ def _screen(kernel: Kernel, shape: CallShape, request: Optional[str], devices: b
     return None
 
 
-def _select(shape: CallShape, names: Sequence[str], request: Optional[str], label: str,
-            devices: bool = True) -> SelectionTrace:
+def _select(
+    shape: CallShape, names: Sequence[str], request: Optional[str], label: str, devices: bool = True
+) -> SelectionTrace:
     from .path_table import fastest
 
     pool = [KERNELS[n] for n in KERNELS if n in names and n != FALLBACK.name]
@@ -390,13 +489,17 @@ def _select(shape: CallShape, names: Sequence[str], request: Optional[str], labe
     if name is not None and name in names:
         k = KERNELS[name]
         if k.caps.reason(shape, devices) is None and k.supports(shape) is None:
-            return done(k, f"forced by {k.caps.switch}=1",
-                        [Rejection(c.name, NOT_CHOSEN, f"{k.caps.switch}=1") for c in cands if c is not k])
+            return done(
+                k,
+                f"forced by {k.caps.switch}=1",
+                [Rejection(c.name, NOT_CHOSEN, f"{k.caps.switch}=1") for c in cands if c is not k],
+            )
     keys = tuple(dict.fromkeys(k.cost_key_for(shape) for k in cands if k.cost_key_for(shape)))
     best = fastest(shape.rows, shape.batch, shape.keys, keys, shape.kind) if len(keys) >= 2 else None
     if best is not None:
         winner = next(k for k in cands if k.cost_key_for(shape) == best)
         where = f"{shape.rows} rows, B={shape.batch}, {shape.keys} keys, {shape.kind}"
+
         def loser(k: Kernel) -> Rejection:
             key = k.cost_key_for(shape)
             if key == best:  # the same timings (the role-split and lock-step forms)
@@ -408,9 +511,19 @@ def _select(shape: CallShape, names: Sequence[str], request: Optional[str], labe
     if first is not None:
         why = "the only candidate" if len(cands) == 1 else "first in registry order where nothing measured decides"
         at = cands.index(first)
-        return done(first, why, [Rejection(k.name, NOT_CHOSEN, "taken only where measured faster" if i < at
-                                           else f"after {first.name} in registry order")
-                                 for i, k in enumerate(cands) if k is not first])
+        return done(
+            first,
+            why,
+            [
+                Rejection(
+                    k.name,
+                    NOT_CHOSEN,
+                    "taken only where measured faster" if i < at else f"after {first.name} in registry order",
+                )
+                for i, k in enumerate(cands)
+                if k is not first
+            ],
+        )
     losers = [Rejection(k.name, NOT_CHOSEN, "taken only where measured faster") for k in cands]
     if FALLBACK.name not in names:
         return SelectionTrace(label, shape.describe(), candidates, tuple(rejections) + tuple(losers), "", "none")
@@ -449,20 +562,29 @@ def select_named(shape: CallShape, names: Sequence[str]) -> SelectionTrace:
     for name in names:
         reason = KERNELS[name].supports(shape)
         if reason is None:
-            before = ", ".join(names[:names.index(name)])
+            before = ", ".join(names[: names.index(name)])
             why = f"asked for, after {before}" if before else "asked for by name"
             return SelectionTrace(" / ".join(names), shape.describe(), tuple(names), tuple(rejections), name, why)
         rejections.append(Rejection(name, UNSUPPORTED, reason))
-    return SelectionTrace(" / ".join(names), shape.describe(), tuple(names) + (FALLBACK.name,), tuple(rejections),
-                          FALLBACK.name, "fallback, no kernel asked for takes the call")
+    return SelectionTrace(
+        " / ".join(names),
+        shape.describe(),
+        tuple(names) + (FALLBACK.name,),
+        tuple(rejections),
+        FALLBACK.name,
+        "fallback, no kernel asked for takes the call",
+    )
 
 
 def candidates(shape: CallShape, names: Iterable[str]) -> list:
     """The kernels of `names` the chooser considers for `shape`, in registry order (judged as
     in :func:`choose`)."""
     names = tuple(names)
-    return [KERNELS[n] for n in KERNELS
-            if n in names and n != FALLBACK.name and _screen(KERNELS[n], shape, None, devices=False) is None]
+    return [
+        KERNELS[n]
+        for n in KERNELS
+        if n in names and n != FALLBACK.name and _screen(KERNELS[n], shape, None, devices=False) is None
+    ]
 
 
 def choose(shape: CallShape, names: Sequence[str]) -> Optional[Kernel]:
@@ -535,5 +657,9 @@ def mark_unusable(kernel: Kernel, error: BaseException) -> None:
         version = triton.__version__
     except Exception:  # pragma: no cover
         version = "?"
-    warnings.warn(f"dcp_pass: the {kernel.name} attention kernel is not usable with Triton {version} ({reason}); "
-                  f"choosing among the others instead", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"dcp_pass: the {kernel.name} attention kernel is not usable with Triton {version} ({reason}); "
+        f"choosing among the others instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )

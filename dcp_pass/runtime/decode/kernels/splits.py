@@ -8,6 +8,7 @@ Shared by both Triton MLA kernels (``mla_attention``'s fused split-KV kernel and
   output directly for one split, fp32 scratch with base-2 LSEs for more);
 * :func:`reduce_launch`: the stage-2 kernel that merges the scratch into the output.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,9 @@ def _sm_count(device: torch.device) -> int:
     return cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def split_count(batch: int, n_programs: int, t_cap: int, device: torch.device, waves: float = 1.0,
-                min_tokens: int = 256) -> int:
+def split_count(
+    batch: int, n_programs: int, t_cap: int, device: torch.device, waves: float = 1.0, min_tokens: int = 256
+) -> int:
     """Splits so that at most ``waves`` x SM-count programs run (whole waves, no ragged
     last wave), each over >= min_tokens keys; ``n_programs`` = programs per split per row."""
     target = max(1, int(waves * _sm_count(device)))
@@ -44,13 +46,30 @@ def split_count(batch: int, n_programs: int, t_cap: int, device: torch.device, w
 # stage 2: merge of the split partials
 # --------------------------------------------------------------------------------------
 def _reduce_kernel_src(
-    OP, LP, O, L,
-    H, lse_scale,
-    sop_b, sop_sp, sop_r, sop_d,
-    slp_b, slp_sp, slp_r,
-    so_b, so_s, so_h, so_d,
-    sl_b, sl_s, sl_h,
-    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    OP,
+    LP,
+    O,
+    L,
+    H,
+    lse_scale,
+    sop_b,
+    sop_sp,
+    sop_r,
+    sop_d,
+    slp_b,
+    slp_sp,
+    slp_r,
+    so_b,
+    so_s,
+    so_h,
+    so_d,
+    sl_b,
+    sl_s,
+    sl_h,
+    D_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
 ):
     """Merge NUM_SPLITS base-2 partials of one (row, batch, BLOCK_DV columns) into the output.
 
@@ -67,8 +86,11 @@ def _reduce_kernel_src(
     offs_d = dc * BLOCK_DV + tl.arange(0, BLOCK_DV)
     d_ok = offs_d < D_V
     lse = tl.load(LP + b * slp_b + r * slp_r + offs_sp * slp_sp, mask=sp_ok, other=float("-inf"))
-    o = tl.load(OP + b * sop_b + r * sop_r + offs_sp[:, None] * sop_sp + offs_d[None, :] * sop_d,
-                mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.load(
+        OP + b * sop_b + r * sop_r + offs_sp[:, None] * sop_sp + offs_d[None, :] * sop_d,
+        mask=sp_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     m = tl.max(lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     # a NaN LSE gives a NaN weight, and a NaN partial a NaN product even at weight 0: NaN in, NaN out
@@ -115,8 +137,18 @@ def reduce_launch(o_part, l_part, out, lse_out, H, base, v_dim, ns):
     ``kernel[grid](*args, **constexprs, num_warps=num_warps)``; grid (S * H, B, column blocks).
     """
     B, S = out.shape[0], out.shape[1]
-    args = (o_part, l_part, out, lse_out, H, lse_scale(base),
-            *o_part.stride(), *l_part.stride(), *out.stride(), *lse_out.stride())
+    args = (
+        o_part,
+        l_part,
+        out,
+        lse_out,
+        H,
+        lse_scale(base),
+        *o_part.stride(),
+        *l_part.stride(),
+        *out.stride(),
+        *lse_out.stride(),
+    )
     splits_p2 = pow2(ns, 2)
     # one program holds a [splits, columns] tile of at most 4096 fp32 values (32 per thread)
     block_dv = max(16, min(pow2(v_dim), 4096 // splits_p2))

@@ -15,6 +15,7 @@ was measured 2-16 % faster on the H200 (docs/kernels.md), the role-split form is
 preferred for the calls it takes (row strides of multiples of 16 elements, masked and causal
 calls included), the lock-step form runs the rest.
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,6 +45,7 @@ try:  # Gluon ships with Triton >= 3.5 (torch 2.11's Triton 3.6 has it); nothing
     async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     from triton.experimental.gluon.language.nvidia.hopper import tma
+
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the older name)
 
     # what a Triton that cannot build or launch a Gluon kernel raises (its API moves between
@@ -54,9 +56,23 @@ except Exception:  # pragma: no cover - depends on the Triton build
     BUILD_ERRORS = ()
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "BUILD_ERRORS", "D_LAT", "D_ROPE", "GLUON_DEFAULT", "GluonConfig", "ROLES_TILES", "Schedule",
-           "default_q_reg", "fp8_gluon_reason", "gluon_reason", "launch_plan", "lock_step_default", "roles_preferred",
-           "split_frame"]
+__all__ = [
+    "HAS_GLUON",
+    "BUILD_ERRORS",
+    "D_LAT",
+    "D_ROPE",
+    "GLUON_DEFAULT",
+    "GluonConfig",
+    "ROLES_TILES",
+    "Schedule",
+    "default_q_reg",
+    "fp8_gluon_reason",
+    "gluon_reason",
+    "launch_plan",
+    "lock_step_default",
+    "roles_preferred",
+    "split_frame",
+]
 
 D_LAT = 512  # latent columns (= values) the kernels are written for
 D_ROPE = 64  # rope columns
@@ -134,8 +150,9 @@ class GluonConfig:
         """The registry's kernels this configures, in preference order: the role-split kernel
         where it is asked for (or is the default and these are its tiles) and takes the call,
         else the lock-step kernel."""
-        roles = self.schedule == Schedule.ROLE_SPLIT or (self.schedule is None and self.tiles == ROLES_TILES
-                                                         and roles_preferred())
+        roles = self.schedule == Schedule.ROLE_SPLIT or (
+            self.schedule is None and self.tiles == ROLES_TILES and roles_preferred()
+        )
         return ("gluon_roles", "gluon_lock_step") if roles else ("gluon_lock_step",)
 
     def lock_step_schedule(self) -> int:
@@ -203,8 +220,9 @@ def gluon_reason(shape) -> Optional[str]:
     if shape.kv_quant:
         return fp8_reason(shape)
     bf16 = shape.dtype == torch.bfloat16 and shape.same_dtypes
-    return _hopper_operands_reason(shape, None if bf16 else "it takes bfloat16 queries and caches",
-                                   _row_mask_reason(shape))
+    return _hopper_operands_reason(
+        shape, None if bf16 else "it takes bfloat16 queries and caches", _row_mask_reason(shape)
+    )
 
 
 def _row_mask_reason(shape) -> Optional[str]:
@@ -228,8 +246,9 @@ def fp8_gluon_reason(shape) -> Optional[str]:
     if shape.dtype != torch.float8_e4m3fn:
         return f"an fp8_e4m3 latent cache must be float8_e4m3fn, not {shape.dtype}"
     bf16 = shape.query_dtype == torch.bfloat16 and shape.same_dtypes
-    return _hopper_operands_reason(shape, None if bf16 else "it takes bfloat16 queries and rope columns",
-                                   _row_mask_reason(shape))
+    return _hopper_operands_reason(
+        shape, None if bf16 else "it takes bfloat16 queries and rope columns", _row_mask_reason(shape)
+    )
 
 
 def gluon_offered(shape) -> Optional[str]:
@@ -275,8 +294,9 @@ def launch_plan(jit, out, lse_out, plan, num_warps: int = 4):
     return out, lse_out
 
 
-def _split_keys_src(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HAS_LENS: gl.constexpr):
+def _split_keys_src(
+    LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LENS: gl.constexpr
+):
     """This split's keys [start, end): the request's local count (rank r's share of a global
     count under lens_stripe (c, r), clamped so nothing wraps in int32) cut into NUM_SPLITS
     whole-tile pieces. Both kernel forms take it."""
@@ -324,8 +344,7 @@ def _query_positions_src(qpos_row, sqp_s, rows, H, SH):
     return gl.minimum(gl.maximum(q, -1), 2147483646).to(gl.int32)
 
 
-def _row_positions_src(qpos_row, sqp_s, row0, H, SH, row_l: gl.constexpr, BLOCK_H: gl.constexpr,
-                       CAUSAL: gl.constexpr):
+def _row_positions_src(qpos_row, sqp_s, row0, H, SH, row_l: gl.constexpr, BLOCK_H: gl.constexpr, CAUSAL: gl.constexpr):
     """A scorer's query positions of the block's rows, in layout `row_l`, for a causal cap (0,
     unused, without one)."""
     if CAUSAL:
@@ -335,8 +354,9 @@ def _row_positions_src(qpos_row, sqp_s, row0, H, SH, row_l: gl.constexpr, BLOCK_
     return qpos
 
 
-def _causal_end_src(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H: gl.constexpr,
-                    ROWS_PER_THREAD: gl.constexpr = 1):
+def _causal_end_src(
+    end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_H: gl.constexpr, ROWS_PER_THREAD: gl.constexpr = 1
+):
     """`end` cut at the last local key any row of the block may see: key k is at global position
     k * cp_world + cp_rank, visible to a row whose query position is not before it.
     ROWS_PER_THREAD = BLOCK_H: every thread reads all the rows' positions, so the maximum needs
@@ -347,8 +367,9 @@ def _causal_end_src(end, qpos_row, sqp_s, row0, H, SH, cp_world, cp_rank, BLOCK_
     return gl.minimum(end, gl.where(qmax >= cp_rank, (qmax - cp_rank) // cp_world + 1, 0).to(gl.int32))
 
 
-def _scores_log2_src(s, t0, end, sm_scale_log2, mk, qpos, cp_world, cp_rank, HAS_MASK: gl.constexpr,
-                     CAUSAL: gl.constexpr):
+def _scores_log2_src(
+    s, t0, end, sm_scale_log2, mk, qpos, cp_world, cp_rank, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr
+):
     """A score tile (keys from t0) in base-2 units with the mask row `mk` added (HAS_MASK), -inf
     where a row may not see a key: at or past `end`, or (CAUSAL) after the row's query position."""
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -370,14 +391,49 @@ def _store_half_src(o_base, acc, l_i, c0: gl.constexpr, row0, so_s, so_h, H, SH,
     o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     rows_o = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_mma))
     cols_o = c0 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_mma))
-    gl.store(o_base + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
-             o.to(o_base.dtype.element_ty), mask=(rows_o < SH)[:, None])
+    gl.store(
+        o_base + (rows_o // H)[:, None] * so_s + (rows_o % H)[:, None] * so_h + cols_o[None, :],
+        o.to(o_base.dtype.element_ty),
+        mask=(rows_o < SH)[:, None],
+    )
 
 
-def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
-                sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH,
-                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mk, qpos_row, sqp_s, cp_world, cp_rank,
-                HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _scorer_src(
+    salt,
+    q_lat_s,
+    q_rope_s,
+    k_lat,
+    k_rope,
+    a_s,
+    l_s,
+    full,
+    p_ready,
+    empty,
+    done,
+    start,
+    end,
+    n_tiles,
+    sm_scale_log2,
+    lse_scale,
+    o_base,
+    so_s,
+    so_h,
+    l_base,
+    sl_s,
+    sl_h,
+    row0,
+    H,
+    SH,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    qpos_row,
+    sqp_s,
+    cp_world,
+    cp_rank,
+    HAS_MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """The scorer: every tile's whole score block and online softmax (it alone holds the
     running max and row sums; the tile's mask entries added, a causal cap applied), P into
     the tile's rope columns for the loader, and value columns 256-511 with P from registers;
@@ -395,8 +451,13 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
         buf = opaque(j + salt) % 2
         mbarrier.wait(full.index(buf), (j // 2) & 1)
         fence_async_shared()  # the copies' writes before the tensor cores' reads
-        s = warpgroup_mma(q_rope_s, k_rope.index(buf).permute((1, 0)),
-                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+        s = warpgroup_mma(
+            q_rope_s,
+            k_rope.index(buf).permute((1, 0)),
+            gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma),
+            use_acc=False,
+            is_async=True,
+        )
         s = warpgroup_mma(q_lat_s, k_lat.index(buf).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
         if HAS_MASK or CAUSAL:
@@ -404,8 +465,7 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
                 mk_t = mk.index(buf).load(gl.SliceLayout(0, s_mma))  # landed with the tile
             else:
                 mk_t = 0  # unused
-            s = scores_log2(s, start + j * BLOCK_N, end, sm_scale_log2, mk_t, qpos, cp_world, cp_rank, HAS_MASK,
-                             CAUSAL)
+            s = scores_log2(s, start + j * BLOCK_N, end, sm_scale_log2, mk_t, qpos, cp_world, cp_rank, HAS_MASK, CAUSAL)
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
             p = gl.exp2(s - m_use[:, None])
@@ -422,9 +482,12 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
         a_s.index(buf).store(alpha)
         fence_async_shared()  # P's stores before the loader's wgmma reads them
         mbarrier.arrive(p_ready.index(buf))
-        acc = warpgroup_mma(gl.convert_layout(pb, gl.DotOperandLayout(0, o_mma, 2)),
-                            k_lat.index(buf).slice(256, 256, dim=1),
-                            acc * gl.convert_layout(alpha, row_o)[:, None], is_async=True)
+        acc = warpgroup_mma(
+            gl.convert_layout(pb, gl.DotOperandLayout(0, o_mma, 2)),
+            k_lat.index(buf).slice(256, 256, dim=1),
+            acc * gl.convert_layout(alpha, row_o)[:, None],
+            is_async=True,
+        )
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index(buf))
     l_s.store(l_i)
@@ -435,16 +498,19 @@ def _scorer_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready,
     gl.store(l_base + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
 
 
-def _role_buffers_src(dt: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FULL_COUNT: gl.constexpr,
-                      HAS_MASK: gl.constexpr):
+def _role_buffers_src(
+    dt: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FULL_COUNT: gl.constexpr, HAS_MASK: gl.constexpr
+):
     """The role-split kernels' shared memory after q, in this order: two tiles of `dt` (latent,
     rope), each buffer's row rescale, the final row sums, the barriers (`full` counting
     FULL_COUNT arrivals a fill; the others one: Gluon's arrive is a partition barrier, then one
     arrival) and, with HAS_MASK, each buffer's mask entries (else `a_s` stands in, unused)."""
-    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
-    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
+    k_lat = gl.allocate_shared_memory(
+        dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16)
+    )
+    k_rope = gl.allocate_shared_memory(
+        dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
+    )
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec_sl)  # each buffer's tile: the rows' rescale
     l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # the final row sums, for the loader
@@ -485,5 +551,7 @@ def mask_args(call, T: int, dummy) -> tuple:
     B, S, H, _ = call.q_lat.shape
     mask_b, ms, _ = mask_operand(call.mask, B, S, H, T, dummy.device)
     q_pos, qps, cp_world, cp_rank = causal_operand(call.causal, B, S, dummy)
-    return ((mask_b if mask_b is not None else dummy, q_pos, ms[0], ms[3], *qps, cp_world, cp_rank),
-            dict(HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None))
+    return (
+        (mask_b if mask_b is not None else dummy, q_pos, ms[0], ms[3], *qps, cp_world, cp_rank),
+        dict(HAS_MASK=mask_b is not None, CAUSAL=call.causal is not None),
+    )

@@ -36,6 +36,7 @@ bf16 kernel), the split kernel's partials and stage-2 merge. The registry's
 ``gluon_fp8``) are the fastest, which on the H200 is every plain fp8 call measured (16-128
 heads): 1.9-2.0x the two-GEMM kernel's read at 128 heads, 1.2x the split kernel's at 16.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -84,8 +85,9 @@ if HAS_GLUON:
     SB = gl.constexpr(128)  # latent columns per scale
 
 
-def _load_block_src(kv_words, ks_row, sks_t, sks_c, t0, end, blk: gl.constexpr, SKV_W: gl.constexpr,
-                    BLOCK_N: gl.constexpr):
+def _load_block_src(
+    kv_words, ks_row, sks_t, sks_c, t0, end, blk: gl.constexpr, SKV_W: gl.constexpr, BLOCK_N: gl.constexpr
+):
     """One 128-column block of the fp8 tile at key t0 as [BLOCK_N, 32] int32 words (four e4m3
     values each, 16 bytes a thread per row: a tensor of int8 would take a register per value)
     and its keys' scales; keys past `end` read as value 0 and scale 0."""
@@ -139,16 +141,44 @@ def _dequant_src(x, s):
     """[BLOCK_N, 32] words of e4m3 values and their rows' scales -> [BLOCK_N, 128]
     bf16(e4m3 * scale), the product in fp32 (e4m3 -> fp16 -> fp32 is exact); column 4k + i is
     byte i of word k."""
-    v0, v1, v2, v3 = gl.inline_asm_elementwise(_DEQUANT_ASM, "=h,=h,=h,=h,r,f", [x, s[:, None]],
-                                               dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
-                                               is_pure=True, pack=1)
+    v0, v1, v2, v3 = gl.inline_asm_elementwise(
+        _DEQUANT_ASM,
+        "=h,=h,=h,=h,r,f",
+        [x, s[:, None]],
+        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+        is_pure=True,
+        pack=1,
+    )
     w = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [n, k, i, p] = value 2p + i of word k
     w = gl.permute(w, (0, 1, 3, 2))  # [n, k, p, i]: row-major order is then column 4k + 2p + i
     return gl.reshape(w, [x.shape[0], 4 * x.shape[1]])
 
 
-def _put_src(j, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles,
-             SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, HAS_MASK: gl.constexpr):
+def _put_src(
+    j,
+    salt,
+    full,
+    k_lat,
+    k_rope,
+    x0,
+    x1,
+    x2,
+    x3,
+    s0,
+    s1,
+    s2,
+    s3,
+    kt_row,
+    start,
+    end,
+    n_tiles,
+    SKT_T: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    mk_row,
+    sm_t,
+    HAS_MASK: gl.constexpr,
+):
     """Tile j (if the split has it) into buffer j % 2: its rope rows (and its mask entries) by
     cp.async (each loader thread arrives on `full` when they land) and its dequantised latent
     from registers (one more arrival once every thread's stores are fenced for the tensor
@@ -159,8 +189,11 @@ def _put_src(j, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_ro
         ld_rope: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
         cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
-        async_load(k_rope.index(buf), kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
-                    mask=((t0 + nr) < end)[:, None])
+        async_load(
+            k_rope.index(buf),
+            kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
+            mask=((t0 + nr) < end)[:, None],
+        )
         if HAS_MASK:
             copy_mask(mk.index(buf), mk_row, t0, end, sm_t, BLOCK_N)
         cp.mbarrier_arrive(full.index(buf), increment_count=False)
@@ -173,44 +206,190 @@ def _put_src(j, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_ro
         mbarrier.arrive(full.index(buf))
 
 
-def _loader_fp8_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_words, ks_row, kt_row, sks_t, sks_c,
-                    start, end, n_tiles, o_base, so_s, so_h, row0, H, SH, SKV_W: gl.constexpr, SKT_T: gl.constexpr,
-                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, HAS_MASK: gl.constexpr):
+def _loader_fp8_src(
+    salt,
+    k_lat,
+    k_rope,
+    a_s,
+    l_s,
+    full,
+    p_ready,
+    empty,
+    done,
+    kv_words,
+    ks_row,
+    kt_row,
+    sks_t,
+    sks_c,
+    start,
+    end,
+    n_tiles,
+    o_base,
+    so_s,
+    so_h,
+    row0,
+    H,
+    SH,
+    SKV_W: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    mk_row,
+    sm_t,
+    HAS_MASK: gl.constexpr,
+):
     """The loader: tiles into the two buffers (dequantised from the fp8 tile it holds in
     registers, loaded a tile ahead) and value columns 0-255 of every tile with P from shared
     memory; a buffer is refilled (tile j + 2) once both value GEMMs of tile j are done."""
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
     x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(0, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
-    _put(0, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N,
-         mk, mk_row, sm_t, HAS_MASK)
+    _put(
+        0,
+        salt,
+        full,
+        k_lat,
+        k_rope,
+        x0,
+        x1,
+        x2,
+        x3,
+        s0,
+        s1,
+        s2,
+        s3,
+        kt_row,
+        start,
+        end,
+        n_tiles,
+        SKT_T,
+        BLOCK_N,
+        mk,
+        mk_row,
+        sm_t,
+        HAS_MASK,
+    )
     x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(1, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
-    _put(1, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles, SKT_T, BLOCK_N,
-         mk, mk_row, sm_t, HAS_MASK)
+    _put(
+        1,
+        salt,
+        full,
+        k_lat,
+        k_rope,
+        x0,
+        x1,
+        x2,
+        x3,
+        s0,
+        s1,
+        s2,
+        s3,
+        kt_row,
+        start,
+        end,
+        n_tiles,
+        SKT_T,
+        BLOCK_N,
+        mk,
+        mk_row,
+        sm_t,
+        HAS_MASK,
+    )
     x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(2, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
     for j in range(n_tiles):
         buf = opaque(j + salt) % 2
         mbarrier.wait(p_ready.index(buf), (j // 2) & 1)
         alpha = a_s.index(buf).load(row_o)
-        acc = warpgroup_mma(k_rope.index(buf), k_lat.index(buf).slice(0, 256, dim=1), acc * alpha[:, None],
-                            is_async=True)
+        acc = warpgroup_mma(
+            k_rope.index(buf), k_lat.index(buf).slice(0, 256, dim=1), acc * alpha[:, None], is_async=True
+        )
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorer's value GEMM of this buffer is done too
-        _put(j + 2, salt, full, k_lat, k_rope, x0, x1, x2, x3, s0, s1, s2, s3, kt_row, start, end, n_tiles, SKT_T,
-             BLOCK_N, mk, mk_row, sm_t, HAS_MASK)
+        _put(
+            j + 2,
+            salt,
+            full,
+            k_lat,
+            k_rope,
+            x0,
+            x1,
+            x2,
+            x3,
+            s0,
+            s1,
+            s2,
+            s3,
+            kt_row,
+            start,
+            end,
+            n_tiles,
+            SKT_T,
+            BLOCK_N,
+            mk,
+            mk_row,
+            sm_t,
+            HAS_MASK,
+        )
         x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(j + 3, kv_words, ks_row, sks_t, sks_c, start, end, SKV_W, BLOCK_N)
     mbarrier.wait(done, 0)
     store_half(o_base, acc, l_s.load(row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
 
 
-def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
-                    sq_b8, sq_s8, sq_h8, sqt_b8, sqt_s8, sqt_h8, skv_b, sks_b, sks_t, sks_c, skt_b8,
-                    so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
-                    MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
-                    SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, HAS_MASK: gl.constexpr,
-                    CAUSAL: gl.constexpr):
+def _fp8_kernel_src(
+    Q,
+    QT,
+    KV,
+    KS,
+    KT,
+    LENS,
+    O,
+    L,
+    T,
+    H,
+    SH,
+    sm_scale_log2,
+    lse_scale,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sq_b8,
+    sq_s8,
+    sq_h8,
+    sqt_b8,
+    sqt_s8,
+    sqt_h8,
+    skv_b,
+    sks_b,
+    sks_t,
+    sks_c,
+    skt_b8,
+    so_b,
+    so_sp,
+    so_s,
+    so_h,
+    sl_b,
+    sl_sp,
+    sl_s,
+    sl_h,
+    MASK,
+    QPOS,
+    sm_b,
+    sm_t,
+    sqp_b,
+    sqp_s,
+    cp_world,
+    cp_rank,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    HAS_LENS: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """One (64-row block, split, batch row), as the bf16 role-split kernel: the parent region
     loads q and finds the split's keys, then the scorer and the fp8 loader run the tiles.
     Strides named ``*8`` are in units of 8 elements (16 bytes of bf16: the cp.async copies'
@@ -221,26 +400,35 @@ def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_
     b = gl.program_id(2).to(gl.int64)
     row0 = pid_h * BLOCK_H
     salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
-    q_lat_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DL],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
-    q_rope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
+    q_lat_s = gl.allocate_shared_memory(
+        gl.bfloat16, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16)
+    )
+    q_rope_s = gl.allocate_shared_memory(
+        gl.bfloat16, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16)
+    )
     ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
     cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
-    async_load(q_lat_s, Q + b * (sq_b8 * 8) + (rq // H)[:, None] * (sq_s8 * 8) + (rq % H)[:, None] * (sq_h8 * 8)
-                + cq[None, :], mask=(rq < SH)[:, None])
+    async_load(
+        q_lat_s,
+        Q + b * (sq_b8 * 8) + (rq // H)[:, None] * (sq_s8 * 8) + (rq % H)[:, None] * (sq_h8 * 8) + cq[None, :],
+        mask=(rq < SH)[:, None],
+    )
     ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    async_load(q_rope_s, QT + b * (sqt_b8 * 8) + (rr // H)[:, None] * (sqt_s8 * 8)
-                + (rr % H)[:, None] * (sqt_h8 * 8) + cr[None, :], mask=(rr < SH)[:, None])
+    async_load(
+        q_rope_s,
+        QT + b * (sqt_b8 * 8) + (rr // H)[:, None] * (sqt_s8 * 8) + (rr % H)[:, None] * (sqt_h8 * 8) + cr[None, :],
+        mask=(rr < SH)[:, None],
+    )
     cp.commit_group()
 
     # (full, per fill: every loader thread once its rope copies land, and the loader once (a
     # partition barrier, then one arrival) after its latent stores)
-    k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, mk = role_buffers(gl.bfloat16, BLOCK_H, BLOCK_N, 128 + 1,
-                                                                            HAS_MASK)
+    k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, mk = role_buffers(
+        gl.bfloat16, BLOCK_H, BLOCK_N, 128 + 1, HAS_MASK
+    )
 
     start, end = split_keys(LENS, b, lens_sb, lens_c, lens_r, T, pid_sp, NUM_SPLITS, BLOCK_N, HAS_LENS)
     qpos_row = QPOS + b * sqp_b
@@ -256,14 +444,87 @@ def _fp8_kernel_src(Q, QT, KV, KS, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_
     kt_row = KT + b * (skt_b8 * 8)
     o_base = O + b * so_b + pid_sp * so_sp
     l_base = L + b * sl_b + pid_sp * sl_sp
-    gl.warp_specialize([
-        (scorer, (salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
-                   sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_H, BLOCK_N,
-                   mk, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-        (_loader_fp8, (salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_words, ks_row, kt_row, sks_t,
-                       sks_c, start, end, n_tiles, o_base, so_s, so_h, row0, H, SH, SKV_T // 4, SKT_T, BLOCK_H,
-                       BLOCK_N, mk, MASK + b * sm_b, sm_t, HAS_MASK)),
-    ], [4], [256])
+    gl.warp_specialize(
+        [
+            (
+                scorer,
+                (
+                    salt,
+                    q_lat_s,
+                    q_rope_s,
+                    k_lat,
+                    k_rope,
+                    a_s,
+                    l_s,
+                    full,
+                    p_ready,
+                    empty,
+                    done,
+                    start,
+                    end,
+                    n_tiles,
+                    sm_scale_log2,
+                    lse_scale,
+                    o_base,
+                    so_s,
+                    so_h,
+                    l_base,
+                    sl_s,
+                    sl_h,
+                    row0,
+                    H,
+                    SH,
+                    BLOCK_H,
+                    BLOCK_N,
+                    mk,
+                    qpos_row,
+                    sqp_s,
+                    cp_world,
+                    cp_rank,
+                    HAS_MASK,
+                    CAUSAL,
+                ),
+            ),
+            (
+                _loader_fp8,
+                (
+                    salt,
+                    k_lat,
+                    k_rope,
+                    a_s,
+                    l_s,
+                    full,
+                    p_ready,
+                    empty,
+                    done,
+                    kv_words,
+                    ks_row,
+                    kt_row,
+                    sks_t,
+                    sks_c,
+                    start,
+                    end,
+                    n_tiles,
+                    o_base,
+                    so_s,
+                    so_h,
+                    row0,
+                    H,
+                    SH,
+                    SKV_T // 4,
+                    SKT_T,
+                    BLOCK_H,
+                    BLOCK_N,
+                    mk,
+                    MASK + b * sm_b,
+                    sm_t,
+                    HAS_MASK,
+                ),
+            ),
+        ],
+        [4],
+        [256],
+    )
 
 
 if HAS_GLUON:
@@ -299,14 +560,15 @@ def unmeasured(shape) -> bool:
     return False
 
 
-def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
-                config: Optional[GluonConfig] = None):
+def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None, config: Optional[GluonConfig] = None):
     """(out, lse_out, None) when the outputs are final without a launch, else (out, lse_out,
     (grid, args, consts, stage-2 launch or None)) for a call's rank view (a ShardView)."""
     cfg = config or GLUON_DEFAULT
     if cfg.tiles != ROLES_TILES:
-        raise ValueError(f"the fp8 Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
-                         f"{ROLES_TILES[2]} stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
+        raise ValueError(
+            f"the fp8 Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
+            f"{ROLES_TILES[2]} stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}"
+        )
     if call.kv_scale is None:
         raise ValueError("the fp8 Gluon kernel needs the latent's scales (kv_scale)")
     out, lse_out, done, frame = split_frame(call, out, lse_out, num_splits, cfg)
@@ -316,27 +578,72 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
     qm, qt, km, kt, ks = parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, call.kv_scale
     for name, t in (("q_lat", qm), ("q_rope", qt), ("rope", kt)):
         if t.stride(-1) != 1 or any(x % 8 for x in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"the fp8 Gluon kernel needs {name} with unit feature stride, 16-byte aligned data "
-                             f"and strides of multiples of 8 elements, got strides {tuple(t.stride())}")
+            raise ValueError(
+                f"the fp8 Gluon kernel needs {name} with unit feature stride, 16-byte aligned data "
+                f"and strides of multiples of 8 elements, got strides {tuple(t.stride())}"
+            )
     if km.stride(-1) != 1 or km.stride(0) % 4 or km.stride(1) % 4 or km.data_ptr() % 16:
-        raise ValueError(f"the fp8 Gluon kernel reads the latent in 4-byte words: it needs unit feature stride, "
-                         f"16-byte aligned data and strides of multiples of 4, got strides {tuple(km.stride())}")
+        raise ValueError(
+            f"the fp8 Gluon kernel reads the latent in 4-byte words: it needs unit feature stride, "
+            f"16-byte aligned data and strides of multiples of 4, got strides {tuple(km.stride())}"
+        )
     B, S, H, _ = call.q_lat.shape
     T = km.shape[1]
-    args = (qm, qt, km, ks, kt, lens, o_part, l_part,
-            T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-            *(x // 8 for x in qm.stride()[:3]), *(x // 8 for x in qt.stride()[:3]), km.stride(0),
-            ks.stride(0), ks.stride(1), ks.stride(2), kt.stride(0) // 8,
-            ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
+    args = (
+        qm,
+        qt,
+        km,
+        ks,
+        kt,
+        lens,
+        o_part,
+        l_part,
+        T,
+        H,
+        S * H,
+        float(call.scale) * LOG2E,
+        l_scale,
+        lens_sb,
+        lens_c,
+        lens_r,
+        *(x // 8 for x in qm.stride()[:3]),
+        *(x // 8 for x in qt.stride()[:3]),
+        km.stride(0),
+        ks.stride(0),
+        ks.stride(1),
+        ks.stride(2),
+        kt.stride(0) // 8,
+        ops[0],
+        ops[1],
+        ops[2],
+        ops[3],
+        lps[0],
+        lps[1],
+        lps[2],
+        lps[3],
+    )
     m_args, m_consts = mask_args(call, T, kt)
     args += m_args
-    consts = dict(SKV_T=km.stride(1), SKT_T=kt.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-                  HAS_LENS=call.kv_lens is not None, **m_consts)
-    stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None)
+    consts = dict(
+        SKV_T=km.stride(1),
+        SKT_T=kt.stride(1),
+        BLOCK_H=64,
+        BLOCK_N=64,
+        NUM_SPLITS=ns,
+        HAS_LENS=call.kv_lens is not None,
+        **m_consts,
+    )
+    stage2 = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, ns) if ns > 1 else None
     return out, lse_out, ((n_hb, ns, B), args, consts, stage2)
 
 
-def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
-        config: Optional[GluonConfig] = None):
+def run(
+    call: AttentionCall,
+    out=None,
+    lse_out=None,
+    *,
+    num_splits: Optional[int] = None,
+    config: Optional[GluonConfig] = None,
+):
     """Run the fp8 kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
     return launch_plan(_fp8_jit, *launch_args(call.shard(), out, lse_out, num_splits, config))

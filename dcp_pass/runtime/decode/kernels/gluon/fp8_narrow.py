@@ -46,6 +46,7 @@ row's last visible key compared per tile; the split's keys cut at the block's la
 aligned rows; the split kernel's partials and stage-2 merge.
 The registry's "gluon_fp8_narrow" kernel, offered for calls of at most 16 query rows.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -94,11 +95,20 @@ if HAS_GLUON:
     # from the staged bytes: a thread holds keys 2 (l % 4) + i + 8 hi + 16 kk of word (four value
     # columns) 8 w + l // 4, so that pairing two keys' bytes gives the wgmma's register operand
     # with no data between threads (the value columns permuted: _store_block puts them back)
-    _PV_WORDS = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
-        warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[64, 32]))
-    _A_OP = gl.constexpr(gl.DotOperandLayout(0, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                           instr_shape=[16, 16, 16]), 2))
+    _PV_WORDS = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]],
+            lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 8], [0, 16]],
+            block_bases=[],
+            shape=[64, 32],
+        )
+    )
+    _A_OP = gl.constexpr(
+        gl.DotOperandLayout(
+            0, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]), 2
+        )
+    )
     # a block's [64 keys, 128] e4m3 bytes as 4-byte words, and as the fp8 wgmma reads them
     _WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     _BYTES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
@@ -106,27 +116,47 @@ if HAS_GLUON:
     # the staged pieces as rank-3 TMA boxes [1, rows, columns] (batch row, keys, columns): a unit
     # leading dimension moves no address. Built once: the host's descriptors take the same objects
     # (constructing them costs microseconds a call)
-    _WORDS3, _ROPE3, _SCALES3 = (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3),
-                                 gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3),
-                                 gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+    _WORDS3, _ROPE3, _SCALES3 = (
+        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3),
+        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3),
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3),
+    )
     _WORDS3_SMEM, _ROPE3_SMEM, _SCALES3_SMEM = gl.constexpr(_WORDS3), gl.constexpr(_ROPE3), gl.constexpr(_SCALES3)
     # a block's [128 value columns, 16 rows] of output in column order: a thread's registers hold
     # four adjacent columns first (the stores' 16-byte vectors), eight lanes a row's 32 columns
-    _STORE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]], lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
-        warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 16]))
+    _STORE_LAYOUT = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]],
+            lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
+            warp_bases=[[32, 0], [64, 0]],
+            block_bases=[],
+            shape=[128, 16],
+        )
+    )
     # a tile's scales [64 keys, 4 blocks] as a scorer reads them: a thread holds its score rows'
     # keys (those of SliceLayout(1, the score accumulator)) with all four blocks, so that two
     # splits give each block's vector in the scorer's own layout
-    _SCALES4 = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4]))
+    _SCALES4 = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]],
+            lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[64, 4],
+        )
+    )
 
 # two keys' words (four value columns each) -> eight f16: for value column c, byte c of both words
 # (prmt selector 0x40 + 0x11 c) becomes one f16 pair (outputs 2c, 2c + 1)
-_PAIRS_ASM_TEXT = "{\n.reg .b32 t, p;\n.reg .b16 l, u;\n" + "".join(
-    f"prmt.b32 t, $8, $9, {0x40 + 0x11 * c:#x};\nmov.b32 {{l, u}}, t;\ncvt.rn.f16x2.e4m3x2 p, l;\n"
-    f"mov.b32 {{${2 * c}, ${2 * c + 1}}}, p;\n" for c in range(4)) + "}"
+_PAIRS_ASM_TEXT = (
+    "{\n.reg .b32 t, p;\n.reg .b16 l, u;\n"
+    + "".join(
+        f"prmt.b32 t, $8, $9, {0x40 + 0x11 * c:#x};\nmov.b32 {{l, u}}, t;\ncvt.rn.f16x2.e4m3x2 p, l;\n"
+        f"mov.b32 {{${2 * c}, ${2 * c + 1}}}, p;\n"
+        for c in range(4)
+    )
+    + "}"
+)
 
 
 def _pv_operand_src(words_s, piece):
@@ -136,8 +166,9 @@ def _pv_operand_src(words_s, piece):
     x = gl.reshape(x, [4, 2, 4, 2, 32])  # [kk, hi, c, i, q]
     x = gl.permute(x, (0, 1, 2, 4, 3))  # [kk, hi, c, q, i]
     xa, xb = gl.split(x)
-    o = gl.inline_asm_elementwise(_PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [xa, xb], dtype=(gl.float16,) * 8,
-                                  is_pure=True, pack=1)
+    o = gl.inline_asm_elementwise(
+        _PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [xa, xb], dtype=(gl.float16,) * 8, is_pure=True, pack=1
+    )
     t = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
     t = gl.reshape(t, [4, 2, 4, 4, 8, 2, 2, 2])  # [kk, hi, c, w, r, i, a, b]
     t = gl.permute(t, (7, 3, 6, 4, 0, 1, 2, 5))  # [b, w, a, r, kk, hi, c, i]
@@ -153,8 +184,26 @@ def _hi_lo_src(acc, s_layout: gl.constexpr):
     return gl.convert_layout(hi + lo * 0.0625, s_layout, assert_trivial=True)
 
 
-def _loader_src(words_s, rope_s, sc_s, mk_s, full, free, kvd, ktd, ksd, b, start, end, n_tiles,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, mk_row, sm_t, HAS_MASK: gl.constexpr):
+def _loader_src(
+    words_s,
+    rope_s,
+    sc_s,
+    mk_s,
+    full,
+    free,
+    kvd,
+    ktd,
+    ksd,
+    b,
+    start,
+    end,
+    n_tiles,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    mk_row,
+    sm_t,
+    HAS_MASK: gl.constexpr,
+):
     """The loader (a 4-warp worker): tile j into slot j % STAGES once the scorer that held it freed
     it, by TMA: the e4m3 bytes (four [64, 128]-byte boxes, 128-byte-swizzled: the fp8 wgmma's
     operand layout), the bf16 rope rows and the keys' scales ([64, 4] fp32, key-major), one
@@ -226,22 +275,61 @@ def _store_block_src(o_base, acc, scale_r, blk: gl.constexpr, row0, so_s, so_h, 
     o = gl.convert_layout(gl.reshape(o, [SB, acc.shape[1]]), _STORE_LAYOUT)  # (registers reordered in place)
     cols = blk * SB + gl.arange(0, SB, layout=gl.SliceLayout(1, _STORE_LAYOUT))
     rows = row0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, _STORE_LAYOUT))
-    gl.store(o_base + (rows // H)[None, :] * so_s + (rows % H)[None, :] * so_h + cols[:, None],
-             o.to(o_base.dtype.element_ty), mask=(rows < SH)[None, :])
+    gl.store(
+        o_base + (rows // H)[None, :] * so_s + (rows % H)[None, :] * so_h + cols[:, None],
+        o.to(o_base.dtype.element_ty),
+        mask=(rows < SH)[None, :],
+    )
 
 
-def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s, words_s, bytes_s, rope_s, sc_s,
-                p_s, full, free, sync, start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base,
-                sl_s, sl_h, row0, H, SH, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, mk_s,
-                qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _scorer_src(
+    k: gl.constexpr,
+    NUM_SCORERS: gl.constexpr,
+    salt,
+    q_s,
+    qr_s,
+    g_s,
+    words_s,
+    bytes_s,
+    rope_s,
+    sc_s,
+    p_s,
+    full,
+    free,
+    sync,
+    start,
+    end,
+    n_tiles,
+    sm_scale_log2,
+    lse_scale,
+    o_base,
+    so_s,
+    so_h,
+    l_base,
+    sl_s,
+    sl_h,
+    row0,
+    H,
+    SH,
+    BLOCK_R: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    mk_s,
+    qpos_row,
+    sqp_s,
+    cp_world,
+    cp_rank,
+    HAS_MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """Scorer k (of NUM_SCORERS, each a warpgroup): tiles k, k + NUM_SCORERS, ...: S^T (fp8, from
     the staged bytes), the online softmax over its keys (the mask row added, HAS_MASK; keys after
     a row's query position unseen, CAUSAL), P's four scaled copies, O^T (f16, the staged bytes
     converted in registers); its own partial output and LSE."""
-    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_R, 16])
-    s8_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, 2 * BLOCK_R, 32])
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_R, 16])
+    s8_mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_R, 32]
+    )
     key_l: gl.constexpr = gl.SliceLayout(1, s_mma)
     row_l: gl.constexpr = gl.SliceLayout(0, s_mma)
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=row_l)
@@ -276,18 +364,30 @@ def _scorer_src(k: gl.constexpr, NUM_SCORERS: gl.constexpr, salt, q_s, qr_s, g_s
         c0, c1, c2, c3 = _tile_scales(sc_s, slot, valid, key_l)
         # two blocks' accumulators in flight, each added once done (four at once: more registers
         # live, and slower on the H200)
-        a0 = warpgroup_mma(bytes_s.index(4 * slot), q8.slice(0, SB, dim=1).permute((1, 0)), zero8, use_acc=False,
-                           is_async=True)
-        a1 = warpgroup_mma(bytes_s.index(4 * slot + 1), q8.slice(SB, SB, dim=1).permute((1, 0)), zero8,
-                           use_acc=False, is_async=True)
+        a0 = warpgroup_mma(
+            bytes_s.index(4 * slot), q8.slice(0, SB, dim=1).permute((1, 0)), zero8, use_acc=False, is_async=True
+        )
+        a1 = warpgroup_mma(
+            bytes_s.index(4 * slot + 1), q8.slice(SB, SB, dim=1).permute((1, 0)), zero8, use_acc=False, is_async=True
+        )
         sr, a0 = warpgroup_mma_wait(1, deps=[sr, a0])
         s = sr + _hi_lo(a0, s_mma) * (c0[:, None] * g_s.index(0).load(row_l)[None, :])
-        a2 = warpgroup_mma(bytes_s.index(4 * slot + 2), q8.slice(2 * SB, SB, dim=1).permute((1, 0)), zero8,
-                           use_acc=False, is_async=True)
+        a2 = warpgroup_mma(
+            bytes_s.index(4 * slot + 2),
+            q8.slice(2 * SB, SB, dim=1).permute((1, 0)),
+            zero8,
+            use_acc=False,
+            is_async=True,
+        )
         a1 = warpgroup_mma_wait(1, deps=[a1])
         s = s + _hi_lo(a1, s_mma) * (c1[:, None] * g_s.index(1).load(row_l)[None, :])
-        a3 = warpgroup_mma(bytes_s.index(4 * slot + 3), q8.slice(3 * SB, SB, dim=1).permute((1, 0)), zero8,
-                           use_acc=False, is_async=True)
+        a3 = warpgroup_mma(
+            bytes_s.index(4 * slot + 3),
+            q8.slice(3 * SB, SB, dim=1).permute((1, 0)),
+            zero8,
+            use_acc=False,
+            is_async=True,
+        )
         a2 = warpgroup_mma_wait(1, deps=[a2])
         s = s + _hi_lo(a2, s_mma) * (c2[:, None] * g_s.index(2).load(row_l)[None, :])
         a3 = warpgroup_mma_wait(0, deps=[a3])
@@ -347,18 +447,62 @@ def _block_exponents_src(Q, b, sq_b, sq_s, sq_h, rq, H, SH, ld_q: gl.constexpr):
     block, the exponent of the largest magnitude (0 for an all-zero block; NaN stays NaN)."""
     bq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld_q)))
     cq = gl.arange(0, SB, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld_q)))
-    q_off = (rq // H)[:, None, None] * sq_s + (rq % H)[:, None, None] * sq_h + (bq[None, :, None] * SB
-                                                                                   + cq[None, None, :])
+    q_off = (
+        (rq // H)[:, None, None] * sq_s + (rq % H)[:, None, None] * sq_h + (bq[None, :, None] * SB + cq[None, None, :])
+    )
     q = gl.load(Q + b * sq_b + q_off, mask=(rq < SH)[:, None, None], other=0.0).to(gl.float32)
     amax = gl.max(gl.abs(q), axis=2)
     return q, gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0)))
 
 
-def _narrow_kernel_src(Q, QT, KVD, KTD, KSD, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
-                       sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
-                       MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank, BLOCK_R: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NUM_SCORERS: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                       HAS_LENS: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _narrow_kernel_src(
+    Q,
+    QT,
+    KVD,
+    KTD,
+    KSD,
+    LENS,
+    O,
+    L,
+    T,
+    H,
+    SH,
+    sm_scale_log2,
+    lse_scale,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sq_b,
+    sq_s,
+    sq_h,
+    sqt_b,
+    sqt_s,
+    sqt_h,
+    so_b,
+    so_sp,
+    so_s,
+    so_h,
+    sl_b,
+    sl_sp,
+    sl_s,
+    sl_h,
+    MASK,
+    QPOS,
+    sm_b,
+    sm_t,
+    sqp_b,
+    sqp_s,
+    cp_world,
+    cp_rank,
+    BLOCK_R: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SCORERS: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    HAS_LENS: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """One (BLOCK_R-row block, split, batch row): the parent region (scorer 0's warps) puts the
     queries' e4m3 parts into shared memory, then the loader and NUM_SCORERS scorers run the
     split's tiles; each scorer writes a partial of its own (partial index split * NUM_SCORERS +
@@ -382,8 +526,9 @@ def _narrow_kernel_src(Q, QT, KVD, KTD, KSD, LENS, O, L, T, H, SH, sm_scale_log2
     lo = ((qf - hi.to(gl.float32)) * 16.0).to(gl.float8e4nv)
     # (buffers with a unit leading dimension are indexed with an opaque zero in every tile, so
     # that the wgmma descriptors are formed in the loop, not hoisted out of it and spilled)
-    q_s = gl.allocate_shared_memory(gl.float8e4nv, [1, 2 * BLOCK_R, DL],
-                                    gl.NVMMASharedLayout.get_default_for([2 * BLOCK_R, DL], gl.float8e4nv))
+    q_s = gl.allocate_shared_memory(
+        gl.float8e4nv, [1, 2 * BLOCK_R, DL], gl.NVMMASharedLayout.get_default_for([2 * BLOCK_R, DL], gl.float8e4nv)
+    )
     q_s.index(0).store(gl.reshape(gl.where((((nq // 8) % 2) == 0)[:, None, None], hi, lo), [2 * BLOCK_R, DL]))
     # the factors that scale a block's partial scores back, 2^(e - 7), one [BLOCK_R] vector per block
     rg = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld_q)))
@@ -396,22 +541,31 @@ def _narrow_kernel_src(Q, QT, KVD, KTD, KSD, LENS, O, L, T, H, SH, sm_scale_log2
     ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rr = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld_qr))
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    q_rope = gl.load(QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
-                     mask=(rr < SH)[:, None], other=0.0)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DR],
-                                     gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], gl.bfloat16))
+    q_rope = gl.load(
+        QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
+        mask=(rr < SH)[:, None],
+        other=0.0,
+    )
+    qr_s = gl.allocate_shared_memory(
+        gl.bfloat16, [1, BLOCK_R, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], gl.bfloat16)
+    )
     qr_s.index(0).store(q_rope)
 
     # ---- STAGES slots (the tile's e4m3 bytes, one piece a block; its rope rows, scales and mask
     # entries); P's copies
     words_s = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BLOCK_N, SB // 4], _WORDS_SMEM)
     bytes_s = _reinterpreted(words_s, gl.float8e4nv, [STAGES * 4, BLOCK_N, SB], _BYTES_SMEM)  # (as the fp8 wgmma reads)
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
-    sc_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, 4],
-                                     gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    p_s = gl.allocate_shared_memory(gl.float16, [NUM_SCORERS * 4, BLOCK_N, BLOCK_R],
-                                    gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], gl.float16))
+    rope_s = gl.allocate_shared_memory(
+        gl.bfloat16, [STAGES, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
+    )
+    sc_s = gl.allocate_shared_memory(
+        gl.float32, [STAGES, BLOCK_N, 4], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    )
+    p_s = gl.allocate_shared_memory(
+        gl.float16,
+        [NUM_SCORERS * 4, BLOCK_N, BLOCK_R],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], gl.float16),
+    )
     if HAS_MASK:
         mk_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
@@ -437,25 +591,194 @@ def _narrow_kernel_src(Q, QT, KVD, KTD, KSD, LENS, O, L, T, H, SH, sm_scale_log2
     o_base = O + b * so_b + (pid_sp * NUM_SCORERS) * so_sp
     l_base = L + b * sl_b + (pid_sp * NUM_SCORERS) * sl_sp
     if NUM_SCORERS == 1:
-        gl.warp_specialize([
-            (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, words_s, bytes_s, rope_s, sc_s, p_s, full, free, sync,
-                       start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H,
-                       SH, BLOCK_R, BLOCK_N, STAGES, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-            (_loader, (words_s, rope_s, sc_s, mk_s, full, free, KVD, KTD, KSD, b.to(gl.int32), start, end, n_tiles,
-                       BLOCK_N, STAGES, mk_row, sm_t, HAS_MASK)),
-        ], [4], [LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _scorer,
+                    (
+                        0,
+                        NUM_SCORERS,
+                        salt,
+                        q_s,
+                        qr_s,
+                        g_s,
+                        words_s,
+                        bytes_s,
+                        rope_s,
+                        sc_s,
+                        p_s,
+                        full,
+                        free,
+                        sync,
+                        start,
+                        end,
+                        n_tiles,
+                        sm_scale_log2,
+                        lse_scale,
+                        o_base,
+                        so_s,
+                        so_h,
+                        l_base,
+                        sl_s,
+                        sl_h,
+                        row0,
+                        H,
+                        SH,
+                        BLOCK_R,
+                        BLOCK_N,
+                        STAGES,
+                        mk_s,
+                        qpos_row,
+                        sqp_s,
+                        cp_world,
+                        cp_rank,
+                        HAS_MASK,
+                        CAUSAL,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        words_s,
+                        rope_s,
+                        sc_s,
+                        mk_s,
+                        full,
+                        free,
+                        KVD,
+                        KTD,
+                        KSD,
+                        b.to(gl.int32),
+                        start,
+                        end,
+                        n_tiles,
+                        BLOCK_N,
+                        STAGES,
+                        mk_row,
+                        sm_t,
+                        HAS_MASK,
+                    ),
+                ),
+            ],
+            [4],
+            [LOADER_REGS],
+        )
     else:
-        gl.warp_specialize([
-            (_scorer, (0, NUM_SCORERS, salt, q_s, qr_s, g_s, words_s, bytes_s, rope_s, sc_s, p_s, full, free, sync,
-                       start, end, n_tiles, sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H,
-                       SH, BLOCK_R, BLOCK_N, STAGES, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-            (_scorer, (1, NUM_SCORERS, salt, q_s, qr_s, g_s, words_s, bytes_s, rope_s, sc_s, p_s, full, free, sync,
-                       start, end, n_tiles, sm_scale_log2, lse_scale, o_base + so_sp, so_s, so_h, l_base + sl_sp, sl_s,
-                       sl_h, row0, H, SH, BLOCK_R, BLOCK_N, STAGES, mk_s, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK,
-                       CAUSAL)),
-            (_loader, (words_s, rope_s, sc_s, mk_s, full, free, KVD, KTD, KSD, b.to(gl.int32), start, end, n_tiles,
-                       BLOCK_N, STAGES, mk_row, sm_t, HAS_MASK)),
-        ], [4, 4], [SCORER_REGS, LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _scorer,
+                    (
+                        0,
+                        NUM_SCORERS,
+                        salt,
+                        q_s,
+                        qr_s,
+                        g_s,
+                        words_s,
+                        bytes_s,
+                        rope_s,
+                        sc_s,
+                        p_s,
+                        full,
+                        free,
+                        sync,
+                        start,
+                        end,
+                        n_tiles,
+                        sm_scale_log2,
+                        lse_scale,
+                        o_base,
+                        so_s,
+                        so_h,
+                        l_base,
+                        sl_s,
+                        sl_h,
+                        row0,
+                        H,
+                        SH,
+                        BLOCK_R,
+                        BLOCK_N,
+                        STAGES,
+                        mk_s,
+                        qpos_row,
+                        sqp_s,
+                        cp_world,
+                        cp_rank,
+                        HAS_MASK,
+                        CAUSAL,
+                    ),
+                ),
+                (
+                    _scorer,
+                    (
+                        1,
+                        NUM_SCORERS,
+                        salt,
+                        q_s,
+                        qr_s,
+                        g_s,
+                        words_s,
+                        bytes_s,
+                        rope_s,
+                        sc_s,
+                        p_s,
+                        full,
+                        free,
+                        sync,
+                        start,
+                        end,
+                        n_tiles,
+                        sm_scale_log2,
+                        lse_scale,
+                        o_base + so_sp,
+                        so_s,
+                        so_h,
+                        l_base + sl_sp,
+                        sl_s,
+                        sl_h,
+                        row0,
+                        H,
+                        SH,
+                        BLOCK_R,
+                        BLOCK_N,
+                        STAGES,
+                        mk_s,
+                        qpos_row,
+                        sqp_s,
+                        cp_world,
+                        cp_rank,
+                        HAS_MASK,
+                        CAUSAL,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        words_s,
+                        rope_s,
+                        sc_s,
+                        mk_s,
+                        full,
+                        free,
+                        KVD,
+                        KTD,
+                        KSD,
+                        b.to(gl.int32),
+                        start,
+                        end,
+                        n_tiles,
+                        BLOCK_N,
+                        STAGES,
+                        mk_row,
+                        sm_t,
+                        HAS_MASK,
+                    ),
+                ),
+            ],
+            [4, 4],
+            [SCORER_REGS, LOADER_REGS],
+        )
 
 
 if HAS_GLUON:
@@ -506,25 +829,37 @@ def tile_descriptors(km, kt, ks, block_n: int):
     for what, t in (("latent rows", km), ("rope rows", kt), ("scales", ks)):
         nbytes = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(x * nbytes % 16 for x in t.stride()[:-1]):
-            raise ValueError(f"the narrow fp8 Gluon kernel reads the {what} by TMA 16 bytes at a time: it needs unit "
-                             f"feature stride, 16-byte aligned data and strides of multiples of 16 bytes, got "
-                             f"{tuple(t.stride())} ({t.dtype})")
+            raise ValueError(
+                f"the narrow fp8 Gluon kernel reads the {what} by TMA 16 bytes at a time: it needs unit "
+                f"feature stride, 16-byte aligned data and strides of multiples of 16 bytes, got "
+                f"{tuple(t.stride())} ({t.dtype})"
+            )
     B, T = km.shape[0], km.shape[1]
     words = km.view(torch.int32)
-    return (TensorDescriptor(words, [B, T, SB_W], list(words.stride()), [1, block_n, 32], _WORDS3),
-            TensorDescriptor(kt, [B, T, 64], list(kt.stride()), [1, block_n, 64], _ROPE3),
-            TensorDescriptor(ks, [B, T, 4], list(ks.stride()), [1, block_n, 4], _SCALES3))
+    return (
+        TensorDescriptor(words, [B, T, SB_W], list(words.stride()), [1, block_n, 32], _WORDS3),
+        TensorDescriptor(kt, [B, T, 64], list(kt.stride()), [1, block_n, 64], _ROPE3),
+        TensorDescriptor(ks, [B, T, 4], list(ks.stride()), [1, block_n, 4], _SCALES3),
+    )
 
 
-def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
-                config: Optional[GluonConfig] = None, scorers: int = SCORERS):
+def launch_args(
+    call,
+    out=None,
+    lse_out=None,
+    num_splits: Optional[int] = None,
+    config: Optional[GluonConfig] = None,
+    scorers: int = SCORERS,
+):
     """(out, lse_out, None) when the outputs are final without a launch, else (out, lse_out,
     (grid, args, consts, stage-2 launch or None)) for a call's rank view (a ShardView).
     `scorers`: scorer warpgroups a program (1 or 2); each writes a partial of its own."""
     cfg = config or NARROW
     if (cfg.block_h, cfg.block_n) != (NARROW.block_h, NARROW.block_n):
-        raise ValueError(f"the narrow fp8 Gluon kernel runs {NARROW.block_h}-row x {NARROW.block_n}-key tiles, "
-                         f"not {cfg.block_h} x {cfg.block_n}")
+        raise ValueError(
+            f"the narrow fp8 Gluon kernel runs {NARROW.block_h}-row x {NARROW.block_n}-key tiles, "
+            f"not {cfg.block_h} x {cfg.block_n}"
+        )
     if scorers not in (1, 2):
         raise ValueError(f"the narrow fp8 Gluon kernel runs 1 or 2 scorer warpgroups, not {scorers}")
     if call.kv_scale is None:
@@ -540,20 +875,57 @@ def launch_args(call, out=None, lse_out=None, num_splits: Optional[int] = None,
     kvd, ktd, ksd = tile_descriptors(km, kt, ks, cfg.block_n)
     T = km.shape[1]
     n_part = ns * scorers
-    args = (qm, qt, kvd, ktd, ksd, lens, o_part, l_part,
-            T, H, S * H, float(call.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-            *qm.stride()[:3], *qt.stride()[:3], ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3])
+    args = (
+        qm,
+        qt,
+        kvd,
+        ktd,
+        ksd,
+        lens,
+        o_part,
+        l_part,
+        T,
+        H,
+        S * H,
+        float(call.scale) * LOG2E,
+        l_scale,
+        lens_sb,
+        lens_c,
+        lens_r,
+        *qm.stride()[:3],
+        *qt.stride()[:3],
+        ops[0],
+        ops[1],
+        ops[2],
+        ops[3],
+        lps[0],
+        lps[1],
+        lps[2],
+        lps[3],
+    )
     m_args, m_consts = mask_args(call, T, kt)
     args += m_args
-    consts = dict(BLOCK_R=cfg.block_h, BLOCK_N=cfg.block_n,
-                  NUM_SCORERS=scorers, NUM_SPLITS=ns, HAS_LENS=call.kv_lens is not None,
-                  STAGES=cfg.stages, **m_consts)
-    stage2 = (reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, n_part) if n_part > 1
-              else None)
+    consts = dict(
+        BLOCK_R=cfg.block_h,
+        BLOCK_N=cfg.block_n,
+        NUM_SCORERS=scorers,
+        NUM_SPLITS=ns,
+        HAS_LENS=call.kv_lens is not None,
+        STAGES=cfg.stages,
+        **m_consts,
+    )
+    stage2 = reduce_launch(o_part, l_part, out, lse_out, H, call.lse_base, call.v_dim, n_part) if n_part > 1 else None
     return out, lse_out, ((n_rb, ns, B), args, consts, stage2)
 
 
-def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
-        config: Optional[GluonConfig] = None, scorers: int = SCORERS):
+def run(
+    call: AttentionCall,
+    out=None,
+    lse_out=None,
+    *,
+    num_splits: Optional[int] = None,
+    config: Optional[GluonConfig] = None,
+    scorers: int = SCORERS,
+):
     """Run the narrow fp8 kernel (plus the stage-2 merge of its partials); returns (out, lse_out)."""
     return launch_plan(_narrow_jit, *launch_args(call.shard(), out, lse_out, num_splits, config, scorers))

@@ -27,6 +27,7 @@ causal cap, the split kernel's partials and stage-2 merge. The registry's "gluon
 kernel; it copies q by cp.async as well as the cache, so its operands' row strides must be
 multiples of 16 elements (Triton then marks them divisible).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -75,8 +76,9 @@ if HAS_GLUON:  # (the kernels read them as globals, which Triton allows only as 
     DL, DR = gl.constexpr(512), gl.constexpr(64)
 
 
-def _copy_tile_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, SKV_T: gl.constexpr, SKT_T: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
+def _copy_tile_src(
+    lat_buf, rope_buf, t0, end, kv_row, kt_row, SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr
+):
     """The loader's 128 threads copy the tile at key t0 (its latent and rope rows, from one
     fused cache or two); keys past `end` zero-filled, so nothing from past the end reaches
     P @ V. (Row strides are constexpr: each copy's address is then a base and an immediate.)"""
@@ -87,56 +89,194 @@ def _copy_tile_src(lat_buf, rope_buf, t0, end, kv_row, kt_row, SKV_T: gl.constex
     ld_rope: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_rope))
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_rope))
-    async_load(rope_buf, kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :],
-                mask=((t0 + nr) < end)[:, None])
+    async_load(
+        rope_buf, kt_row + (t0 + nr).to(gl.int64)[:, None] * SKT_T + cr[None, :], mask=((t0 + nr) < end)[:, None]
+    )
 
 
-def _fill_src(j, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T: gl.constexpr,
-              SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, HAS_MASK: gl.constexpr):
+def _fill_src(
+    j,
+    salt,
+    full,
+    k_lat,
+    k_rope,
+    start,
+    end,
+    n_tiles,
+    kv_row,
+    kt_row,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    mk_row,
+    sm_t,
+    HAS_MASK: gl.constexpr,
+):
     """Tile j (if the split has it) into buffer j % 2, with its mask entries (HAS_MASK); each
     loader thread arrives on the buffer's `full` barrier once its copies have landed."""
     if j < n_tiles:
         buf = opaque(j + salt) % 2
-        _copy_tile(k_lat.index(buf), k_rope.index(buf), start + j * BLOCK_N, end, kv_row, kt_row, SKV_T, SKT_T,
-                   BLOCK_N)
+        _copy_tile(k_lat.index(buf), k_rope.index(buf), start + j * BLOCK_N, end, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N)
         if HAS_MASK:
             copy_mask(mk.index(buf), mk_row, start + j * BLOCK_N, end, sm_t, BLOCK_N)
         cp.mbarrier_arrive(full.index(buf), increment_count=False)
 
 
-def _loader_src(salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_row, kt_row, start, end, n_tiles,
-                o_base, so_s, so_h, row0, H, SH, SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr,
-                BLOCK_N: gl.constexpr, mk, mk_row, sm_t, HAS_MASK: gl.constexpr):
+def _loader_src(
+    salt,
+    k_lat,
+    k_rope,
+    a_s,
+    l_s,
+    full,
+    p_ready,
+    empty,
+    done,
+    kv_row,
+    kt_row,
+    start,
+    end,
+    n_tiles,
+    o_base,
+    so_s,
+    so_h,
+    row0,
+    H,
+    SH,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    mk_row,
+    sm_t,
+    HAS_MASK: gl.constexpr,
+):
     """The loader: the tiles' copies, and value columns 0-255 of every tile with P from shared
     memory; a buffer is refilled (tile j + 2) once both value GEMMs of tile j are done."""
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
-    _fill(0, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N, mk, mk_row, sm_t,
-          HAS_MASK)
-    _fill(1, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N, mk, mk_row, sm_t,
-          HAS_MASK)
+    _fill(
+        0,
+        salt,
+        full,
+        k_lat,
+        k_rope,
+        start,
+        end,
+        n_tiles,
+        kv_row,
+        kt_row,
+        SKV_T,
+        SKT_T,
+        BLOCK_N,
+        mk,
+        mk_row,
+        sm_t,
+        HAS_MASK,
+    )
+    _fill(
+        1,
+        salt,
+        full,
+        k_lat,
+        k_rope,
+        start,
+        end,
+        n_tiles,
+        kv_row,
+        kt_row,
+        SKV_T,
+        SKT_T,
+        BLOCK_N,
+        mk,
+        mk_row,
+        sm_t,
+        HAS_MASK,
+    )
     acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=o_mma)
     for j in range(n_tiles):
         buf = opaque(j + salt) % 2
         mbarrier.wait(p_ready.index(buf), (j // 2) & 1)
         alpha = a_s.index(buf).load(row_o)
-        acc = warpgroup_mma(k_rope.index(buf), k_lat.index(buf).slice(0, 256, dim=1), acc * alpha[:, None],
-                            is_async=True)
+        acc = warpgroup_mma(
+            k_rope.index(buf), k_lat.index(buf).slice(0, 256, dim=1), acc * alpha[:, None], is_async=True
+        )
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.wait(empty.index(buf), (j // 2) & 1)  # the scorer's value GEMM of this buffer is done too
-        _fill(j + 2, salt, full, k_lat, k_rope, start, end, n_tiles, kv_row, kt_row, SKV_T, SKT_T, BLOCK_N, mk, mk_row,
-              sm_t, HAS_MASK)
+        _fill(
+            j + 2,
+            salt,
+            full,
+            k_lat,
+            k_rope,
+            start,
+            end,
+            n_tiles,
+            kv_row,
+            kt_row,
+            SKV_T,
+            SKT_T,
+            BLOCK_N,
+            mk,
+            mk_row,
+            sm_t,
+            HAS_MASK,
+        )
     mbarrier.wait(done, 0)
     store_half(o_base, acc, l_s.load(row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
 
 
-def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
-                      sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, skt_b,
-                      so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
-                      MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
-                      SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, HAS_MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr):
+def _roles_kernel_src(
+    Q,
+    QT,
+    KV,
+    KT,
+    LENS,
+    O,
+    L,
+    T,
+    H,
+    SH,
+    sm_scale_log2,
+    lse_scale,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sq_b,
+    sq_s,
+    sq_h,
+    sqt_b,
+    sqt_s,
+    sqt_h,
+    skv_b,
+    skt_b,
+    so_b,
+    so_sp,
+    so_s,
+    so_h,
+    sl_b,
+    sl_sp,
+    sl_s,
+    sl_h,
+    MASK,
+    QPOS,
+    sm_b,
+    sm_t,
+    sqp_b,
+    sqp_s,
+    cp_world,
+    cp_rank,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    HAS_LENS: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """One (64-row block, split, batch row): the parent region (the scorer's 4 warps) loads q
     and finds the split's keys, then the two partitions run the tiles. MASK: one additive row
     per request shared by every head and query token ([B, T], strides (sm_b, sm_t)); CAUSAL:
@@ -149,20 +289,28 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
     b = gl.program_id(2).to(gl.int64)
     row0 = pid_h * BLOCK_H
     salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
-    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, DL],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
-    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, DR],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
+    q_lat_s = gl.allocate_shared_memory(
+        dt, [BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16)
+    )
+    q_rope_s = gl.allocate_shared_memory(
+        dt, [BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16)
+    )
     ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
     cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
-    async_load(q_lat_s, Q + b * sq_b + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
-                mask=(rq < SH)[:, None])
+    async_load(
+        q_lat_s,
+        Q + b * sq_b + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
+        mask=(rq < SH)[:, None],
+    )
     ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    async_load(q_rope_s, QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
-                mask=(rr < SH)[:, None])
+    async_load(
+        q_rope_s,
+        QT + b * sqt_b + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
+        mask=(rr < SH)[:, None],
+    )
     cp.commit_group()
 
     # (full: every loader thread once per fill)
@@ -182,14 +330,84 @@ def _roles_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_sc
     kt_row = KT + b * skt_b
     o_base = O + b * so_b + pid_sp * so_sp
     l_base = L + b * sl_b + pid_sp * sl_sp
-    gl.warp_specialize([
-        (scorer, (salt, q_lat_s, q_rope_s, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, start, end, n_tiles,
-                   sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, BLOCK_H, BLOCK_N,
-                   mk, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-        (_loader, (salt, k_lat, k_rope, a_s, l_s, full, p_ready, empty, done, kv_row, kt_row, start, end, n_tiles,
-                   o_base, so_s, so_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N, mk, MASK + b * sm_b, sm_t,
-                   HAS_MASK)),
-    ], [4], [256])
+    gl.warp_specialize(
+        [
+            (
+                scorer,
+                (
+                    salt,
+                    q_lat_s,
+                    q_rope_s,
+                    k_lat,
+                    k_rope,
+                    a_s,
+                    l_s,
+                    full,
+                    p_ready,
+                    empty,
+                    done,
+                    start,
+                    end,
+                    n_tiles,
+                    sm_scale_log2,
+                    lse_scale,
+                    o_base,
+                    so_s,
+                    so_h,
+                    l_base,
+                    sl_s,
+                    sl_h,
+                    row0,
+                    H,
+                    SH,
+                    BLOCK_H,
+                    BLOCK_N,
+                    mk,
+                    qpos_row,
+                    sqp_s,
+                    cp_world,
+                    cp_rank,
+                    HAS_MASK,
+                    CAUSAL,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    salt,
+                    k_lat,
+                    k_rope,
+                    a_s,
+                    l_s,
+                    full,
+                    p_ready,
+                    empty,
+                    done,
+                    kv_row,
+                    kt_row,
+                    start,
+                    end,
+                    n_tiles,
+                    o_base,
+                    so_s,
+                    so_h,
+                    row0,
+                    H,
+                    SH,
+                    SKV_T,
+                    SKT_T,
+                    BLOCK_H,
+                    BLOCK_N,
+                    mk,
+                    MASK + b * sm_b,
+                    sm_t,
+                    HAS_MASK,
+                ),
+            ),
+        ],
+        [4],
+        [256],
+    )
 
 
 if HAS_GLUON:
@@ -221,20 +439,29 @@ def offered(shape) -> Optional[str]:
     return gluon_offered(shape)
 
 
-def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
-        config: Optional[GluonConfig] = None):
+def run(
+    call: AttentionCall,
+    out=None,
+    lse_out=None,
+    *,
+    num_splits: Optional[int] = None,
+    config: Optional[GluonConfig] = None,
+):
     """Run the role-split kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
     return launch_role_args(_roles_jit, "role-split", call, out, lse_out, num_splits, config)
 
 
-def launch_role_args(jit, name: str, call: AttentionCall, out, lse_out, num_splits: Optional[int],
-                     config: Optional[GluonConfig]):
+def launch_role_args(
+    jit, name: str, call: AttentionCall, out, lse_out, num_splits: Optional[int], config: Optional[GluonConfig]
+):
     """Launch a Gluon kernel that takes the role-split kernel's arguments (this one and the
     seesaw kernel, ``seesaw.py``), plus the stage-2 merge when split."""
     cfg = config or GLUON_DEFAULT
     if cfg.tiles != ROLES_TILES:
-        raise ValueError(f"the {name} Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
-                         f"{ROLES_TILES[2]} stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}")
+        raise ValueError(
+            f"the {name} Gluon kernel runs {ROLES_TILES[0]} x {ROLES_TILES[1]} tiles in "
+            f"{ROLES_TILES[2]} stages, not {cfg.block_h} x {cfg.block_n} in {cfg.stages}"
+        )
     view = call.shard()
     out, lse_out, done, frame = split_frame(view, out, lse_out, num_splits, cfg)
     if done:
@@ -243,12 +470,44 @@ def launch_role_args(jit, name: str, call: AttentionCall, out, lse_out, num_spli
     B, S, H, _ = view.q_lat.shape
     T = view.kv.shape[1]
     m_args, m_consts = mask_args(view, T, view.kv)
-    args = (parts.q_main, parts.q_tail, parts.k_main, parts.k_tail, lens, o_part, l_part,
-            T, H, S * H, float(view.scale) * LOG2E, l_scale, lens_sb, lens_c, lens_r,
-            *parts.q_main.stride()[:3], *parts.q_tail.stride()[:3], parts.k_main.stride(0), parts.k_tail.stride(0),
-            ops[0], ops[1], ops[2], ops[3], lps[0], lps[1], lps[2], lps[3],
-            *m_args)
-    consts = dict(SKV_T=parts.k_main.stride(1), SKT_T=parts.k_tail.stride(1), BLOCK_H=64, BLOCK_N=64, NUM_SPLITS=ns,
-                  HAS_LENS=view.kv_lens is not None, **m_consts)
+    args = (
+        parts.q_main,
+        parts.q_tail,
+        parts.k_main,
+        parts.k_tail,
+        lens,
+        o_part,
+        l_part,
+        T,
+        H,
+        S * H,
+        float(view.scale) * LOG2E,
+        l_scale,
+        lens_sb,
+        lens_c,
+        lens_r,
+        *parts.q_main.stride()[:3],
+        *parts.q_tail.stride()[:3],
+        parts.k_main.stride(0),
+        parts.k_tail.stride(0),
+        ops[0],
+        ops[1],
+        ops[2],
+        ops[3],
+        lps[0],
+        lps[1],
+        lps[2],
+        lps[3],
+        *m_args,
+    )
+    consts = dict(
+        SKV_T=parts.k_main.stride(1),
+        SKT_T=parts.k_tail.stride(1),
+        BLOCK_H=64,
+        BLOCK_N=64,
+        NUM_SPLITS=ns,
+        HAS_LENS=view.kv_lens is not None,
+        **m_consts,
+    )
     stage2 = reduce_launch(o_part, l_part, out, lse_out, H, view.lse_base, view.v_dim, ns) if ns > 1 else None
     return launch_plan(jit, out, lse_out, ((n_hb, ns, B), args, consts, stage2))

@@ -42,6 +42,7 @@ cache or two, kv_lens with ``lens_stripe``, a mask row per request, any causal c
 strides of multiples of 16 elements), the split kernel's partials and stage-2 merge. The
 registry's "gluon_seesaw" kernel.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -89,8 +90,7 @@ def _copy_lat_src(dst, kv_row, t0, end, c0: gl.constexpr, SKV_T: gl.constexpr, B
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     c = gl.arange(0, DH, layout=gl.SliceLayout(0, ld))
-    async_load(dst, kv_row + (t0 + n).to(gl.int64)[:, None] * SKV_T + (c0 + c)[None, :],
-                mask=((t0 + n) < end)[:, None])
+    async_load(dst, kv_row + (t0 + n).to(gl.int64)[:, None] * SKV_T + (c0 + c)[None, :], mask=((t0 + n) < end)[:, None])
 
 
 def _copy_rope_src(dst, kt_row, t0, end, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -107,19 +107,36 @@ def _copy_q_src(q_lat_s, q_rope_s, q_row, qt_row, sq_s, sq_h, sqt_s, sqt_h, row0
     ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rq = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
     cq = gl.arange(0, DL, layout=gl.SliceLayout(0, ld_q))
-    async_load(q_lat_s, q_row + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :],
-                mask=(rq < SH)[:, None])
+    async_load(
+        q_lat_s, q_row + (rq // H)[:, None] * sq_s + (rq % H)[:, None] * sq_h + cq[None, :], mask=(rq < SH)[:, None]
+    )
     ld_qr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rr = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_qr))
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld_qr))
-    async_load(q_rope_s, qt_row + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :],
-                mask=(rr < SH)[:, None])
+    async_load(
+        q_rope_s, qt_row + (rr // H)[:, None] * sqt_s + (rr % H)[:, None] * sqt_h + cr[None, :], mask=(rr < SH)[:, None]
+    )
     cp.commit_group()
 
 
-def _fill_low_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr, kv_row, kt_row, t0, end,
-                  SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t,
-                  with_mask: gl.constexpr):
+def _fill_low_src(
+    full,
+    slot: gl.constexpr,
+    lat,
+    rope,
+    with_rope: gl.constexpr,
+    kv_row,
+    kt_row,
+    t0,
+    end,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    mk_row,
+    sm_t,
+    with_mask: gl.constexpr,
+):
     """Region "low" of a buffer: latent columns 0-255 (and the rope columns when `with_rope`, the
     tile's mask entries into `mk` when `with_mask`); each thread arrives on the region's full
     barrier once its copies land."""
@@ -131,9 +148,24 @@ def _fill_low_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr, 
     cp.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
-def _fill_high_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr, kv_row, kt_row, t0, end,
-                   SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t,
-                   with_mask: gl.constexpr):
+def _fill_high_src(
+    full,
+    slot: gl.constexpr,
+    lat,
+    rope,
+    with_rope: gl.constexpr,
+    kv_row,
+    kt_row,
+    t0,
+    end,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    mk_row,
+    sm_t,
+    with_mask: gl.constexpr,
+):
     """Region "high" of a buffer: latent columns 256-511 (and the rope columns when `with_rope`,
     the mask entries when `with_mask`)."""
     _copy_lat(lat.slice(DH, DH, dim=1), kv_row, t0, end, DH, SKV_T, BLOCK_N)
@@ -144,8 +176,9 @@ def _fill_high_src(full, slot: gl.constexpr, lat, rope, with_rope: gl.constexpr,
     cp.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
-def _tile_scores_src(s, mk, t0, end, sm_scale_log2, qpos, cp_world, cp_rank, HAS_MASK: gl.constexpr,
-                     CAUSAL: gl.constexpr):
+def _tile_scores_src(
+    s, mk, t0, end, sm_scale_log2, qpos, cp_world, cp_rank, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr
+):
     """A tile's scores in base-2 units: its mask entries (`mk`, landed with the region its
     scorer waits for first) added, keys a row may not see at -inf."""
     if HAS_MASK or CAUSAL:
@@ -164,10 +197,43 @@ def _finite_src(m):
     return gl.where(m == float("-inf"), 0.0, m)
 
 
-def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar, kv_row, kt_row, start, end, n_pairs,
-             sm_scale_log2, o_base, so_s, so_h, row0, H, SH, SKV_T: gl.constexpr, SKT_T: gl.constexpr,
-             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, qpos_row, sqp_s, cp_world, cp_rank,
-             HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _wg0_src(
+    salt,
+    q_lat_s,
+    q_rope_s,
+    k_lat,
+    k_rope,
+    m0_s,
+    m1_s,
+    l_s,
+    full,
+    bar,
+    kv_row,
+    kt_row,
+    start,
+    end,
+    n_pairs,
+    sm_scale_log2,
+    o_base,
+    so_s,
+    so_h,
+    row0,
+    H,
+    SH,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    mk_row,
+    sm_t,
+    qpos_row,
+    sqp_s,
+    cp_world,
+    cp_rank,
+    HAS_MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """Warpgroup 0 (the default partition): even tiles' scores and softmax (their mask entries,
     in `mk` slot 0, are copied with the even buffer's low region), output columns 0-255.
     `bar`: [even scores issued, m0 ready, m1 + P1 ready, P0 ready, WG0's row sums ready, the
@@ -193,8 +259,13 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         # ---- scores of the even tile: its low region (refilled early) first
         mbarrier.wait(full.index(F0A), ph)
         fence_async_shared()  # the copies' writes before the tensor cores' reads
-        s = warpgroup_mma(q_lat.slice(0, DH, dim=1), lat0.slice(0, DH, dim=1).permute((1, 0)),
-                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+        s = warpgroup_mma(
+            q_lat.slice(0, DH, dim=1),
+            lat0.slice(0, DH, dim=1).permute((1, 0)),
+            gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma),
+            use_acc=False,
+            is_async=True,
+        )
         # WG1's scores may start now: both score GEMMs in flight keep the tensor cores fuller than
         # one after the other (measured 10 % slower with WG1 waiting for these to finish)
         mbarrier.arrive(bar.index(0))
@@ -211,8 +282,12 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m0_s.store(m0)
         mbarrier.arrive(bar.index(1))  # m0 for WG1
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(0, o_mma, 2)),
-                            lat0.slice(0, DH, dim=1), acc * gl.convert_layout(alpha, row_o)[:, None], is_async=True)
+        acc = warpgroup_mma(
+            gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(0, o_mma, 2)),
+            lat0.slice(0, DH, dim=1),
+            acc * gl.convert_layout(alpha, row_o)[:, None],
+            is_async=True,
+        )
         # ---- WG1's max: rescale P0 to it, hand P0 over in the even tile's rope columns
         mbarrier.wait(bar.index(2), ph)
         m1 = m1_s.load(row_s)
@@ -223,27 +298,96 @@ def _wg0_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         l_i = l_i * beta
         acc = warpgroup_mma_wait(0, deps=[acc])
         if i + 1 < n_pairs:  # p0 v0_L was the last read of the even buffer's low columns
-            _fill_low(full, F0A, lat0, k_rope.index(b0), False, kv_row, kt_row, t0 + 2 * BLOCK_N, end, SKV_T, SKT_T,
-                      BLOCK_N, mk.index(0), mk_row, sm_t, HAS_MASK)
+            _fill_low(
+                full,
+                F0A,
+                lat0,
+                k_rope.index(b0),
+                False,
+                kv_row,
+                kt_row,
+                t0 + 2 * BLOCK_N,
+                end,
+                SKV_T,
+                SKT_T,
+                BLOCK_N,
+                mk.index(0),
+                mk_row,
+                sm_t,
+                HAS_MASK,
+            )
         # ---- P1 (in the odd tile's rope columns) times its low value columns
-        acc = warpgroup_mma(k_rope.index(b1), lat1.slice(0, DH, dim=1),
-                            acc * gl.convert_layout(beta, row_o)[:, None], is_async=True)
+        acc = warpgroup_mma(
+            k_rope.index(b1), lat1.slice(0, DH, dim=1), acc * gl.convert_layout(beta, row_o)[:, None], is_async=True
+        )
         acc = warpgroup_mma_wait(0, deps=[acc])
         if i + 1 < n_pairs:  # the odd buffer's low columns and P1's rope columns are free
-            _fill_low(full, F1A, lat1, k_rope.index(b1), True, kv_row, kt_row, t0 + 3 * BLOCK_N, end, SKV_T, SKT_T,
-                      BLOCK_N, mk, mk_row, sm_t, False)
+            _fill_low(
+                full,
+                F1A,
+                lat1,
+                k_rope.index(b1),
+                True,
+                kv_row,
+                kt_row,
+                t0 + 3 * BLOCK_N,
+                end,
+                SKV_T,
+                SKT_T,
+                BLOCK_N,
+                mk,
+                mk_row,
+                sm_t,
+                False,
+            )
         m_i = m1
     l_s.index(0).store(l_i)
     mbarrier.arrive(bar.index(4))
     mbarrier.wait(bar.index(5), 0)
-    store_half(o_base, acc, gl.convert_layout(l_s.index(1).load(row_s), row_o), 0, row0, so_s, so_h, H, SH,
-                BLOCK_H)
+    store_half(o_base, acc, gl.convert_layout(l_s.index(1).load(row_s), row_o), 0, row0, so_s, so_h, H, SH, BLOCK_H)
 
 
-def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar, kv_row, kt_row, start, end, n_pairs,
-             sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, SKV_T: gl.constexpr,
-             SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mk, mk_row, sm_t, qpos_row, sqp_s,
-             cp_world, cp_rank, HAS_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _wg1_src(
+    salt,
+    q_lat_s,
+    q_rope_s,
+    k_lat,
+    k_rope,
+    m0_s,
+    m1_s,
+    l_s,
+    full,
+    bar,
+    kv_row,
+    kt_row,
+    start,
+    end,
+    n_pairs,
+    sm_scale_log2,
+    lse_scale,
+    o_base,
+    so_s,
+    so_h,
+    l_base,
+    sl_s,
+    sl_h,
+    row0,
+    H,
+    SH,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    mk,
+    mk_row,
+    sm_t,
+    qpos_row,
+    sqp_s,
+    cp_world,
+    cp_rank,
+    HAS_MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """Warpgroup 1 (a worker): odd tiles' scores and softmax (their mask entries, in `mk` slot 1,
     are copied with the odd buffer's high region), output columns 256-511, the LSE."""
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -268,8 +412,13 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         mbarrier.wait(bar.index(0), ph)  # WG0's scores are issued
         mbarrier.wait(full.index(F1B), ph)
         fence_async_shared()
-        s = warpgroup_mma(q_lat.slice(DH, DH, dim=1), lat1.slice(DH, DH, dim=1).permute((1, 0)),
-                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma), use_acc=False, is_async=True)
+        s = warpgroup_mma(
+            q_lat.slice(DH, DH, dim=1),
+            lat1.slice(DH, DH, dim=1).permute((1, 0)),
+            gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_mma),
+            use_acc=False,
+            is_async=True,
+        )
         mbarrier.wait(full.index(F1A), ph)
         fence_async_shared()
         s = warpgroup_mma(q_lat.slice(0, DH, dim=1), lat1.slice(0, DH, dim=1).permute((1, 0)), s, is_async=True)
@@ -289,19 +438,55 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
         m1_s.store(m1)
         fence_async_shared()
         mbarrier.arrive(bar.index(2))
-        acc = warpgroup_mma(gl.convert_layout(pb, gl.DotOperandLayout(0, o_mma, 2)), lat1.slice(DH, DH, dim=1),
-                            acc * gl.convert_layout(gamma, row_o)[:, None], is_async=True)
+        acc = warpgroup_mma(
+            gl.convert_layout(pb, gl.DotOperandLayout(0, o_mma, 2)),
+            lat1.slice(DH, DH, dim=1),
+            acc * gl.convert_layout(gamma, row_o)[:, None],
+            is_async=True,
+        )
         # ---- P0, rescaled to m1 by WG0, times the even tile's high value columns
         mbarrier.wait(bar.index(3), ph)
         acc = warpgroup_mma(k_rope.index(b0), lat0.slice(DH, DH, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[acc])
         if i + 1 < n_pairs:  # p1 v1_R was the last read of the odd buffer's high columns
-            _fill_high(full, F1B, lat1, k_rope.index(b1), False, kv_row, kt_row, t1 + 2 * BLOCK_N, end, SKV_T, SKT_T,
-                       BLOCK_N, mk.index(1), mk_row, sm_t, HAS_MASK)
+            _fill_high(
+                full,
+                F1B,
+                lat1,
+                k_rope.index(b1),
+                False,
+                kv_row,
+                kt_row,
+                t1 + 2 * BLOCK_N,
+                end,
+                SKV_T,
+                SKT_T,
+                BLOCK_N,
+                mk.index(1),
+                mk_row,
+                sm_t,
+                HAS_MASK,
+            )
         acc = warpgroup_mma_wait(0, deps=[acc])
         if i + 1 < n_pairs:  # and p0 v0_R of the even buffer's high and rope columns
-            _fill_high(full, F0B, lat0, k_rope.index(b0), True, kv_row, kt_row, t1 + BLOCK_N, end, SKV_T, SKT_T,
-                       BLOCK_N, mk, mk_row, sm_t, False)
+            _fill_high(
+                full,
+                F0B,
+                lat0,
+                k_rope.index(b0),
+                True,
+                kv_row,
+                kt_row,
+                t1 + BLOCK_N,
+                end,
+                SKV_T,
+                SKT_T,
+                BLOCK_N,
+                mk,
+                mk_row,
+                sm_t,
+                False,
+            )
         m_i = m1
     mbarrier.wait(bar.index(4), 0)
     l_i = l_i + l_s.index(0).load(row_s)  # both partial sums are relative to the last m1
@@ -313,13 +498,55 @@ def _wg1_src(salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar,
     gl.store(l_base + (rows_m // H) * sl_s + (rows_m % H) * sl_h, lse, mask=rows_m < SH)
 
 
-def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_scale, lens_sb, lens_c, lens_r,
-                       sq_b, sq_s, sq_h, sqt_b, sqt_s, sqt_h, skv_b, skt_b,
-                       so_b, so_sp, so_s, so_h, sl_b, sl_sp, sl_s, sl_h,
-                       MASK, QPOS, sm_b, sm_t, sqp_b, sqp_s, cp_world, cp_rank,
-                       SKV_T: gl.constexpr, SKT_T: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_SPLITS: gl.constexpr, HAS_LENS: gl.constexpr, HAS_MASK: gl.constexpr,
-                       CAUSAL: gl.constexpr):
+def _seesaw_kernel_src(
+    Q,
+    QT,
+    KV,
+    KT,
+    LENS,
+    O,
+    L,
+    T,
+    H,
+    SH,
+    sm_scale_log2,
+    lse_scale,
+    lens_sb,
+    lens_c,
+    lens_r,
+    sq_b,
+    sq_s,
+    sq_h,
+    sqt_b,
+    sqt_s,
+    sqt_h,
+    skv_b,
+    skt_b,
+    so_b,
+    so_sp,
+    so_s,
+    so_h,
+    sl_b,
+    sl_sp,
+    sl_s,
+    sl_h,
+    MASK,
+    QPOS,
+    sm_b,
+    sm_t,
+    sqp_b,
+    sqp_s,
+    cp_world,
+    cp_rank,
+    SKV_T: gl.constexpr,
+    SKT_T: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    HAS_LENS: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """One (64-row block, split, batch row): the parent region (WG0's warps) loads q, finds
     the split's keys and issues the first two tiles, then the two warpgroups run the pairs.
     MASK and CAUSAL as in the role-split kernel (roles.py)."""
@@ -331,17 +558,33 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
     salt = pid_sp // NUM_SPLITS  # 0, which LLVM cannot prove
     # q with a unit leading dimension: the partitions index it with an opaque zero in every
     # iteration, so its wgmma descriptors are formed there, not hoisted and spilled
-    q_lat_s = gl.allocate_shared_memory(dt, [1, BLOCK_H, DL],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16))
-    q_rope_s = gl.allocate_shared_memory(dt, [1, BLOCK_H, DR],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16))
-    _copy_q(q_lat_s.index(0), q_rope_s.index(0), Q + b * sq_b, QT + b * sqt_b, sq_s, sq_h, sqt_s, sqt_h, row0, H, SH,
-            BLOCK_H)
+    q_lat_s = gl.allocate_shared_memory(
+        dt, [1, BLOCK_H, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DL], gl.bfloat16)
+    )
+    q_rope_s = gl.allocate_shared_memory(
+        dt, [1, BLOCK_H, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16)
+    )
+    _copy_q(
+        q_lat_s.index(0),
+        q_rope_s.index(0),
+        Q + b * sq_b,
+        QT + b * sqt_b,
+        sq_s,
+        sq_h,
+        sqt_s,
+        sqt_h,
+        row0,
+        H,
+        SH,
+        BLOCK_H,
+    )
 
-    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, DL],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16))
-    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, DR],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16))
+    k_lat = gl.allocate_shared_memory(
+        dt, [2, BLOCK_N, DL], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], gl.bfloat16)
+    )
+    k_rope = gl.allocate_shared_memory(
+        dt, [2, BLOCK_N, DR], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
+    )
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m0_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # WG0's max after the even tile
     m1_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)  # WG1's after the odd tile
@@ -371,25 +614,171 @@ def _seesaw_kernel_src(Q, QT, KV, KT, LENS, O, L, T, H, SH, sm_scale_log2, lse_s
     kt_row = KT + b * skt_b
     mk_row = MASK + b * sm_b
     if n_pairs > 0:  # the first pair, all four regions, by the parent's warps (WG0's 128 threads)
-        _fill_low(full, F0A, k_lat.index(0), k_rope.index(0), False, kv_row, kt_row, start, end, SKV_T, SKT_T,
-                  BLOCK_N, mk.index(0), mk_row, sm_t, HAS_MASK)
-        _fill_high(full, F0B, k_lat.index(0), k_rope.index(0), True, kv_row, kt_row, start, end, SKV_T, SKT_T,
-                   BLOCK_N, mk, mk_row, sm_t, False)
-        _fill_high(full, F1B, k_lat.index(1), k_rope.index(1), False, kv_row, kt_row, start + BLOCK_N, end, SKV_T,
-                   SKT_T, BLOCK_N, mk.index(1), mk_row, sm_t, HAS_MASK)
-        _fill_low(full, F1A, k_lat.index(1), k_rope.index(1), True, kv_row, kt_row, start + BLOCK_N, end, SKV_T,
-                  SKT_T, BLOCK_N, mk, mk_row, sm_t, False)
+        _fill_low(
+            full,
+            F0A,
+            k_lat.index(0),
+            k_rope.index(0),
+            False,
+            kv_row,
+            kt_row,
+            start,
+            end,
+            SKV_T,
+            SKT_T,
+            BLOCK_N,
+            mk.index(0),
+            mk_row,
+            sm_t,
+            HAS_MASK,
+        )
+        _fill_high(
+            full,
+            F0B,
+            k_lat.index(0),
+            k_rope.index(0),
+            True,
+            kv_row,
+            kt_row,
+            start,
+            end,
+            SKV_T,
+            SKT_T,
+            BLOCK_N,
+            mk,
+            mk_row,
+            sm_t,
+            False,
+        )
+        _fill_high(
+            full,
+            F1B,
+            k_lat.index(1),
+            k_rope.index(1),
+            False,
+            kv_row,
+            kt_row,
+            start + BLOCK_N,
+            end,
+            SKV_T,
+            SKT_T,
+            BLOCK_N,
+            mk.index(1),
+            mk_row,
+            sm_t,
+            HAS_MASK,
+        )
+        _fill_low(
+            full,
+            F1A,
+            k_lat.index(1),
+            k_rope.index(1),
+            True,
+            kv_row,
+            kt_row,
+            start + BLOCK_N,
+            end,
+            SKV_T,
+            SKT_T,
+            BLOCK_N,
+            mk,
+            mk_row,
+            sm_t,
+            False,
+        )
 
     o_base = O + b * so_b + pid_sp * so_sp
     l_base = L + b * sl_b + pid_sp * sl_sp
-    gl.warp_specialize([
-        (_wg0, (salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar, kv_row, kt_row, start, end, n_pairs,
-                sm_scale_log2, o_base, so_s, so_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H, BLOCK_N, mk, mk_row, sm_t,
-                qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-        (_wg1, (salt, q_lat_s, q_rope_s, k_lat, k_rope, m0_s, m1_s, l_s, full, bar, kv_row, kt_row, start, end, n_pairs,
-                sm_scale_log2, lse_scale, o_base, so_s, so_h, l_base, sl_s, sl_h, row0, H, SH, SKV_T, SKT_T, BLOCK_H,
-                BLOCK_N, mk, mk_row, sm_t, qpos_row, sqp_s, cp_world, cp_rank, HAS_MASK, CAUSAL)),
-    ], [4], [256])
+    gl.warp_specialize(
+        [
+            (
+                _wg0,
+                (
+                    salt,
+                    q_lat_s,
+                    q_rope_s,
+                    k_lat,
+                    k_rope,
+                    m0_s,
+                    m1_s,
+                    l_s,
+                    full,
+                    bar,
+                    kv_row,
+                    kt_row,
+                    start,
+                    end,
+                    n_pairs,
+                    sm_scale_log2,
+                    o_base,
+                    so_s,
+                    so_h,
+                    row0,
+                    H,
+                    SH,
+                    SKV_T,
+                    SKT_T,
+                    BLOCK_H,
+                    BLOCK_N,
+                    mk,
+                    mk_row,
+                    sm_t,
+                    qpos_row,
+                    sqp_s,
+                    cp_world,
+                    cp_rank,
+                    HAS_MASK,
+                    CAUSAL,
+                ),
+            ),
+            (
+                _wg1,
+                (
+                    salt,
+                    q_lat_s,
+                    q_rope_s,
+                    k_lat,
+                    k_rope,
+                    m0_s,
+                    m1_s,
+                    l_s,
+                    full,
+                    bar,
+                    kv_row,
+                    kt_row,
+                    start,
+                    end,
+                    n_pairs,
+                    sm_scale_log2,
+                    lse_scale,
+                    o_base,
+                    so_s,
+                    so_h,
+                    l_base,
+                    sl_s,
+                    sl_h,
+                    row0,
+                    H,
+                    SH,
+                    SKV_T,
+                    SKT_T,
+                    BLOCK_H,
+                    BLOCK_N,
+                    mk,
+                    mk_row,
+                    sm_t,
+                    qpos_row,
+                    sqp_s,
+                    cp_world,
+                    cp_rank,
+                    HAS_MASK,
+                    CAUSAL,
+                ),
+            ),
+        ],
+        [4],
+        [256],
+    )
 
 
 if HAS_GLUON:
@@ -427,7 +816,13 @@ def unmeasured(shape) -> bool:
     return False
 
 
-def run(call: AttentionCall, out=None, lse_out=None, *, num_splits: Optional[int] = None,
-        config: Optional[GluonConfig] = None):
+def run(
+    call: AttentionCall,
+    out=None,
+    lse_out=None,
+    *,
+    num_splits: Optional[int] = None,
+    config: Optional[GluonConfig] = None,
+):
     """Run the seesaw kernel (plus the stage-2 merge when split); returns (out, lse_out)."""
     return launch_role_args(_seesaw_jit, "seesaw", call, out, lse_out, num_splits, config)
