@@ -101,10 +101,11 @@ def test_state_never_imports_the_rewrites_or_the_compile_entry():
 
 # the rewrites that hand run-time state to the compiled graph: the pass pipeline (it makes each
 # buffer's shard and installs it), the query replication (its extra inputs look the other
-# ranks' weight shards up per call), and each cache kind (its record names its shard kind)
+# ranks' weight shards up per call), and each cache kind (its record names its shard kind; the
+# ring-then-entries kind also reads the ring size the store keeps per buffer)
 REWRITES_THAT_IMPORT_STATE = {"dcp_pass.rewrites.apply", "dcp_pass.rewrites.q_replicate",
                               "dcp_pass.rewrites.cache_kinds.flat", "dcp_pass.rewrites.cache_kinds.paged",
-                              "dcp_pass.rewrites.cache_kinds.static_cache"}
+                              "dcp_pass.rewrites.cache_kinds.static_cache", "dcp_pass.rewrites.cache_kinds.ring_entries"}
 
 
 def test_only_the_rewrites_that_hand_state_to_the_graph_import_it():
