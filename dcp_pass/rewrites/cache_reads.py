@@ -759,16 +759,17 @@ class CacheAccess:
         return "a slice of positions (`cache[:b, start:end] = v`)"
 
 
-def _slice_bounds(index: Any) -> Optional[tuple[SizeArg, SizeArg]]:
+def slice_bounds(index: Any) -> Optional[tuple[SizeArg, SizeArg]]:
+    """(start, stop) of a step-1 slice (start 0 for None), else None."""
     if not isinstance(index, slice) or index.step not in (None, 1):
         return None
     start = 0 if index.start is None else index.start
     return start, index.stop
 
 
-def _batch_rows(index: Any) -> Optional[SizeArg]:
+def batch_rows(index: Any) -> Optional[SizeArg]:
     """`bsz` for a `:bsz` batch slice, else None."""
-    bounds = _slice_bounds(index)
+    bounds = slice_bounds(index)
     return bounds[1] if bounds is not None and bounds[0] == 0 else None
 
 
@@ -793,7 +794,7 @@ def parse_cache_index(
     feat = None
     row0: SizeArg = 0
     for role, entry, size in zip(layout, entries, shape):
-        bounds = _slice_bounds(entry)
+        bounds = slice_bounds(entry)
         if bounds is None:
             return None
         lo, hi = bounds
@@ -838,7 +839,7 @@ def as_cache_write(node: fx.Node) -> Optional[CacheAccess]:
             and len(index) == 2
             and isinstance(index[1], fx.Node)
         ):
-            bsz = _batch_rows(index[0])
+            bsz = batch_rows(index[0])
             positions = axes.example_value(index[1])
             if (
                 bsz is not None

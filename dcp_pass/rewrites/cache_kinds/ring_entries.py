@@ -39,8 +39,10 @@ from dcp_pass.rewrites.cache_reads import (
     CacheAccess,
     CacheKind,
     CacheRead,
+    batch_rows,
     buffer_name,
     module_buffer_layout,
+    slice_bounds,
 )
 from dcp_pass.rewrites.fx_util import call, method, node_value, replace_node, set_example_value
 from dcp_pass.runtime.decode import layout
@@ -133,13 +135,6 @@ def entries_view(node: Any) -> Optional[tuple[fx.Node, int]]:
     return None
 
 
-def _batch_rows(index: Any) -> Optional[Any]:
-    """`bsz` of a `:bsz` slice of the batch, else None."""
-    if isinstance(index, slice) and index.step in (None, 1) and index.start in (None, 0):
-        return index.stop
-    return None
-
-
 def _modulo_ring(index: Any, ring: int) -> bool:
     """Whether `index` is `x % ring` in the graph (a value in [0, ring))."""
     return (
@@ -171,8 +166,8 @@ def _in_ring(index: Any, ring: int) -> bool:
     if isinstance(index, int):
         return 0 <= index < ring
     if isinstance(index, slice):
-        lo = 0 if index.start is None else index.start
-        return index.step in (None, 1) and _bound_in_ring(lo, ring) and _bound_in_ring(index.stop, ring)
+        bounds = slice_bounds(index)
+        return bounds is not None and _bound_in_ring(bounds[0], ring) and _bound_in_ring(bounds[1], ring)
     return _modulo_ring(index, ring)
 
 
@@ -246,7 +241,7 @@ def ring_entries_write(node: fx.Node) -> Optional[CacheAccess]:
     entries = list(index) if isinstance(index, tuple) else [index]
     if ring_entries_layout(target) is not None:
         ring = ring_rows(target)
-        bsz = _batch_rows(entries[0])
+        bsz = batch_rows(entries[0])
         if len(entries) == 2 and bsz is not None and _in_ring(entries[1], ring):
             return RingWrite(node, target, bsz, None, None, None, value=value, index=index)
         return UnmappedWrite(node, target, None, None, None, None, value=value)
@@ -254,11 +249,11 @@ def ring_entries_write(node: fx.Node) -> Optional[CacheAccess]:
     if view is None:
         return None
     buffer, ring = view
-    bsz = _batch_rows(entries[0]) if len(entries) == 2 else None
+    bsz = batch_rows(entries[0]) if len(entries) == 2 else None
     slot = entries[1] if len(entries) == 2 else None
-    if bsz is not None and isinstance(slot, slice) and slot.step in (None, 1):
-        start = 0 if slot.start is None else slot.start
-        return EntriesWrite(node, buffer, bsz, start, slot.stop, None, value=value, ring=ring)
+    bounds = slice_bounds(slot)
+    if bsz is not None and bounds is not None:
+        return EntriesWrite(node, buffer, bsz, bounds[0], bounds[1], None, value=value, ring=ring)
     if bsz is not None and (
         isinstance(slot, int) or isinstance(slot, fx.Node) and not isinstance(node_value(slot), torch.Tensor)
     ):
