@@ -71,15 +71,22 @@ def _ring_write_size(buffer: fx.Node) -> Optional[int]:
         index = use.args[1]
         if not (isinstance(index, tuple) and len(index) == 2 and isinstance(index[0], slice)):
             continue
-        slot = index[1]
-        if (
-            isinstance(slot, fx.Node)
-            and slot.op == "call_function"
-            and slot.target in _MODULO
-            and len(slot.args) == 2
-            and isinstance(slot.args[1], int)
-        ):
-            return slot.args[1]
+        size = _modulus(index[1])
+        if size is not None:
+            return size
+    return None
+
+
+def _modulus(index: Any) -> Optional[int]:
+    """m when `index` is `x % m` in the graph with an int m (a value in [0, m)), else None."""
+    if (
+        isinstance(index, fx.Node)
+        and index.op == "call_function"
+        and index.target in _MODULO
+        and len(index.args) == 2
+        and isinstance(index.args[1], int)
+    ):
+        return index.args[1]
     return None
 
 
@@ -135,23 +142,12 @@ def entries_view(node: Any) -> Optional[tuple[fx.Node, int]]:
     return None
 
 
-def _modulo_ring(index: Any, ring: int) -> bool:
-    """Whether `index` is `x % ring` in the graph (a value in [0, ring))."""
-    return (
-        isinstance(index, fx.Node)
-        and index.op == "call_function"
-        and index.target in _MODULO
-        and len(index.args) == 2
-        and index.args[1] == ring
-    )
-
-
 def _bound_in_ring(bound: Any, ring: int) -> bool:
     """Whether a slice bound lies in [0, ring]: an int, `x % ring`, or a size the trace's
     guards keep there (a prefill's `[:seqlen]` under `if seqlen <= window`)."""
     if isinstance(bound, int):
         return 0 <= bound <= ring
-    if _modulo_ring(bound, ring):
+    if _modulus(bound) == ring:
         return True
     value = node_value(bound)
     return (
@@ -168,7 +164,7 @@ def _in_ring(index: Any, ring: int) -> bool:
     if isinstance(index, slice):
         bounds = slice_bounds(index)
         return bounds is not None and _bound_in_ring(bounds[0], ring) and _bound_in_ring(bounds[1], ring)
-    return _modulo_ring(index, ring)
+    return _modulus(index) == ring
 
 
 @dataclass
