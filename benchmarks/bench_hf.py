@@ -113,12 +113,8 @@ def _profile(model, prompts, args, label, rank):
     short, long = tables[2], tables[args.steps + 2]
     tag = f"{label.replace(' ', '_')}_r{rank}"
     with open(os.path.join(args.profile_dir, f"decode_kernels_{tag}.txt"), "w") as f:
-        for column, what in ((0, "device"), (2, "self cpu"), (3, "cpu total")):
-            per_step = {k: ((v[column] - short.get(k, (0, 0, 0, 0))[column]) / args.steps,
-                            (v[1] - short.get(k, (0, 0, 0, 0))[1]) / args.steps) for k, v in long.items()}
-            f.write(f"us of {what} time per step | calls per step | name\n")
-            for k, (us, n) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:25]:
-                f.write(f"{us:10.1f} | {n:6.1f} | {k[:150]}\n")
+        _write_per_step(f, short, long, args.steps, ((0, "device"), (2, "self cpu"), (3, "cpu total")),
+                        "us of {} time per step | calls per step | name", 25, 1.0, lambda k: k[:150])
     _host_profile(model, prompts, args, tag)
     torch.cuda.memory._record_memory_history(max_entries=200000)
     _generate(model, prompts, 2)
@@ -144,12 +140,20 @@ def _host_profile(model, prompts, args, tag):
         stats[new] = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
     short, long = stats[2], stats[args.steps + 2]
     with open(os.path.join(args.profile_dir, f"decode_host_{tag}.txt"), "w") as f:
-        for column, what in ((2, "own"), (3, "total")):
-            per_step = {k: ((v[column] - short.get(k, (0, 0, 0, 0))[column]) / args.steps,
-                            (v[1] - short.get(k, (0, 0, 0, 0))[1]) / args.steps) for k, v in long.items()}
-            f.write(f"us of host {what} time per step | calls per step | function\n")
-            for (file, line, name), (s, n) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:40]:
-                f.write(f"{1e6 * s:10.1f} | {n:6.1f} | {'/'.join(file.split('/')[-2:])}:{line} {name}\n")
+        _write_per_step(f, short, long, args.steps, ((2, "own"), (3, "total")),
+                        "us of host {} time per step | calls per step | function", 40, 1e6,
+                        lambda k: f"{'/'.join(k[0].split('/')[-2:])}:{k[1]} {k[2]}")
+
+
+def _write_per_step(f, short, long, steps, columns, header, top, scale, label):
+    """For each (column, what) of `columns`: the rows of a long run's table less a short run's,
+    per decode step (column 1 of both tables is the call count), largest first."""
+    for column, what in columns:
+        per_step = {k: ((v[column] - short.get(k, (0, 0, 0, 0))[column]) / steps,
+                        (v[1] - short.get(k, (0, 0, 0, 0))[1]) / steps) for k, v in long.items()}
+        f.write(header.format(what) + "\n")
+        for k, (value, n) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:top]:
+            f.write(f"{scale * value:10.1f} | {n:6.1f} | {label(k)}\n")
 
 
 def _blocks_at_peak(snapshot) -> str:
