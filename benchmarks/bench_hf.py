@@ -284,7 +284,8 @@ def _rank(rank: int, world: int, args):
                 cache_bytes += held_nbytes(t) + (held_nbytes(entry.local) if entry else 0)
         if reference is None:
             reference = out.sequences
-        rows.append(dict(variant=label, step_ms=1e3 * stamped, step_ms_long_minus_short=1e3 * (long - short) / args.steps,
+        rows.append(dict(variant=label, step_ms=1e3 * stamped,
+                         step_ms_long_minus_short=1e3 * (long - short) / args.steps,
                          cache_bytes_per_rank=cache_bytes,
                          tokens_equal_first=bool(torch.equal(out.sequences, reference)),
                          graphs=len(backend.graphs) if backend else 0,
