@@ -48,6 +48,37 @@ _ADDS, _SUBS = {operator.add, torch.add}, {operator.sub, torch.sub}
 _WHERES = {torch.where}
 
 
+def flex_mods(node: fx.Node, score_mod_node: Any, block_mask: Any) -> tuple[Optional[fx.GraphModule], Any]:
+    """(score_mod, mask_mod) of a flex_attention call, as the graph's submodules: score_mod None
+    when absent or the identity; a score_mod that biases scores by something other than a mask
+    is a near miss."""
+    gm = node.graph.owning_module
+    score_mod = _submodule(gm, score_mod_node)
+    if score_mod is not None:
+        why = _score_is_biased(score_mod)
+        if why is not None:
+            raise NearMiss(why, node)
+        if not any(u.op == "call_function" for u in score_mod.graph.nodes):
+            score_mod = None  # the identity
+    mask_mod = _submodule(gm, block_mask[-1]) if isinstance(block_mask, tuple) and block_mask else None
+    return score_mod, mask_mod
+
+
+def flex_outputs(node: fx.Node) -> dict[int, list[fx.Node]]:
+    """The uses of a flex_attention call's outputs by index (0: the attention output, used once;
+    1: its LSE); any other use is a near miss."""
+    outputs: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if user.op != "call_function" or user.target is not operator.getitem or not isinstance(user.args[1], int):
+            raise NearMiss("flex_attention's outputs are used other than one by one", user)
+        outputs.setdefault(user.args[1], []).append(user)
+    if set(outputs) - {0, 1}:
+        raise NearMiss("flex_attention's row maxima (return_aux max_scores) are used by the model", node)
+    if len(outputs.get(0, [])) != 1:
+        raise NearMiss("flex_attention's attention output is not used once", node)
+    return outputs
+
+
 def _submodule(gm: fx.GraphModule, node: Any) -> Optional[fx.GraphModule]:
     if isinstance(node, fx.Node) and node.op == "get_attr":
         sub = getattr(gm, node.target, None)
@@ -179,25 +210,9 @@ class FlexRecogniser(Recogniser):
                 "flex_attention over keys and values computed in the graph, not read from a cache "
                 "(MHA/GQA over per-head K/V): not MLA decode, left unchanged"
             )
-        gm = node.graph.owning_module
-        score_mod = _submodule(gm, score_mod_node)
-        if score_mod is not None:
-            why = _score_is_biased(score_mod)
-            if why is not None:
-                raise NearMiss(why, node)
-            if not any(u for u in score_mod.graph.nodes if u.op == "call_function"):
-                score_mod = None  # the identity
-        mask_mod = _submodule(gm, block_mask[-1]) if isinstance(block_mask, tuple) and block_mask else None
-        outputs: dict[int, list[fx.Node]] = {}
-        for user in node.users:
-            if user.op != "call_function" or user.target is not operator.getitem or not isinstance(user.args[1], int):
-                raise NearMiss("flex_attention's outputs are used other than one by one", user)
-            outputs.setdefault(user.args[1], []).append(user)
-        if set(outputs) - {0, 1}:
-            raise NearMiss("flex_attention's row maxima (return_aux max_scores) are used by the model", node)
-        users = outputs.get(0, [])
-        if len(users) != 1:
-            raise NearMiss("flex_attention's attention output is not used once", node)
+        score_mod, mask_mod = flex_mods(node, score_mod_node, block_mask)
+        outputs = flex_outputs(node)
+        users = outputs[0]
         try:
             keys = trace_cache_read(key)
             values = trace_cache_read(value)

@@ -745,24 +745,8 @@ class PerHeadFlex(Recogniser):
         )[:9]
         if not all(isinstance(x, fx.Node) for x in (query, key, value)) or not _reads_static_cache(ctx, key, value):
             raise NotAttention()
-        gm = node.graph.owning_module
-        score_mod = flex._submodule(gm, score_mod_node)
-        if score_mod is not None:
-            why = flex._score_is_biased(score_mod)
-            if why is not None:
-                raise NearMiss(why, node)
-            if not any(u.op == "call_function" for u in score_mod.graph.nodes):
-                score_mod = None  # the identity
-        mask_mod = flex._submodule(gm, block_mask[-1]) if isinstance(block_mask, tuple) and block_mask else None
-        outputs: dict[int, list[fx.Node]] = {}
-        for user in node.users:
-            if user.op != "call_function" or user.target is not operator.getitem or not isinstance(user.args[1], int):
-                raise NearMiss("flex_attention's outputs are used other than one by one", user)
-            outputs.setdefault(user.args[1], []).append(user)
-        if set(outputs) - {0, 1}:
-            raise NearMiss("flex_attention's row maxima (return_aux max_scores) are used by the model", node)
-        if len(outputs.get(0, [])) != 1:
-            raise NearMiss("flex_attention's attention output is not used once", node)
+        score_mod, mask_mod = flex.flex_mods(node, score_mod_node, block_mask)
+        outputs = flex.flex_outputs(node)
         keys, values = trace_kv(key, node), trace_kv(value, node)
         _check_query(query, keys, values, ctx)
         kv_len = _check_operands(query, keys, values, node)
