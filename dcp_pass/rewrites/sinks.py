@@ -132,6 +132,18 @@ def drops_sink_column(node: fx.Node, probs: fx.Node, side: str) -> bool:
     return isinstance(cut, slice) and (cut.start, cut.stop, cut.step) == (wanted.start, wanted.stop, None)
 
 
+def sink_column_dropped(probs: fx.Node, side: str) -> fx.Node:
+    """The probabilities without the sink's column: the one use of `probs` that drops it
+    (`drops_sink_column`); anything else is a near miss."""
+    users = list(probs.users)
+    if len(users) != 1 or not drops_sink_column(users[0], probs, side):
+        raise NearMiss(
+            "the softmax over the scores and a sink column is not followed by dropping that column (`probs[..., :-1]`)",
+            users[0] if len(users) == 1 else probs,
+        )
+    return users[0]
+
+
 def sink_roles(sink: fx.Node, score_roles: list) -> list:
     """The sink's axis roles: right-aligned with the scores it is concatenated to."""
     return list(score_roles[len(score_roles) - len(axes.shape_of(sink)) :])

@@ -844,14 +844,7 @@ def _value_matmul(softmax: fx.Node, sink_side: Optional[str] = None) -> fx.Node:
     with a sink, first the slice that drops the sink's column)."""
     node = softmax
     if sink_side is not None:
-        users = list(node.users)
-        if len(users) != 1 or not sinks.drops_sink_column(users[0], node, sink_side):
-            raise NearMiss(
-                "the softmax over the scores and a sink column is not followed by dropping that "
-                "column (`probs[..., :-1]`)",
-                users[0] if len(users) == 1 else node,
-            )
-        node = users[0]
+        node = sinks.sink_column_dropped(node, sink_side)
     for _ in range(4):
         users = list(node.users)
         if len(users) != 1:

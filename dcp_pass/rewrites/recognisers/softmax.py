@@ -276,14 +276,7 @@ def _value_contraction(softmax: fx.Node, sink_side: Optional[str] = None) -> tup
     after casts, value node, its contraction)."""
     probs = softmax
     if sink_side is not None:
-        users = list(probs.users)
-        if len(users) != 1 or not sinks.drops_sink_column(users[0], probs, sink_side):
-            raise NearMiss(
-                "the softmax over the scores and a sink column is not followed by dropping that "
-                "column (`probs[..., :-1]`)",
-                users[0] if len(users) == 1 else probs,
-            )
-        probs = users[0]
+        probs = sinks.sink_column_dropped(probs, sink_side)
     while len(probs.users) == 1 and axes.is_dtype_cast(next(iter(probs.users))):
         probs = next(iter(probs.users))
     if len(probs.users) != 1:
