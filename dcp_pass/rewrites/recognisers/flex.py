@@ -48,6 +48,13 @@ _ADDS, _SUBS = {operator.add, torch.add}, {operator.sub, torch.sub}
 _WHERES = {torch.where}
 
 
+def flex_calls(graph: fx.Graph) -> list[fx.Node]:
+    """The graph's flex_attention calls (none where this torch has no flex_attention)."""
+    if _FLEX is None:
+        return []
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is _FLEX]
+
+
 def flex_mods(node: fx.Node, score_mod_node: Any, block_mask: Any) -> tuple[Optional[fx.GraphModule], Any]:
     """(score_mod, mask_mod) of a flex_attention call, as the graph's submodules: score_mod None
     when absent or the identity; a score_mod that biases scores by something other than a mask
@@ -195,9 +202,7 @@ class FlexRecogniser(Recogniser):
     name = "flex"
 
     def anchors(self, graph: fx.Graph):
-        if _FLEX is None:
-            return []
-        return [n for n in graph.nodes if n.op == "call_function" and n.target is _FLEX]
+        return flex_calls(graph)
 
     def match(self, node: fx.Node, ctx: MatchContext) -> MlaMatch:
         query, key, value, score_mod_node, block_mask, scale, kernel_options, score_buffers, mask_buffers = (

@@ -731,11 +731,9 @@ class PerHeadFlex(Recogniser):
     priority = -1  # before the MLA flex form, which would report these calls as near misses
 
     def anchors(self, graph: fx.Graph):
-        from dcp_pass.rewrites.recognisers.flex import _FLEX
+        from dcp_pass.rewrites.recognisers.flex import flex_calls
 
-        if _FLEX is None:
-            return []
-        return [n for n in graph.nodes if n.op == "call_function" and n.target is _FLEX]
+        return flex_calls(graph)
 
     def match(self, node: fx.Node, ctx: MatchContext) -> PerHeadMatch:
         from dcp_pass.rewrites.recognisers import flex
