@@ -1,11 +1,20 @@
-"""Hugging Face's default generate() (DynamicCache): the caches grow by torch.cat every step.
+"""Hugging Face's caches that grow (generate()'s default DynamicCache, and the QuantizedCache).
 
 A cache that grows has no fixed size: its stripes would differ in length across ranks (every
 rank must compile the same graphs) and across calls, and the model reads its length back
 (`get_seq_length`) to place the next token. The pass leaves such attention unchanged, exact,
-and says so once per attention in the user's terms, with what to pass instead
-(`cache_implementation="static"`), whatever op of the model's the recogniser stopped at (the
-Llama keys' concatenation itself, or DeepseekV3's kv_b_proj over the grown latent).
+and says so once per attention in the user's terms, by the cache class, with what to pass
+instead (`cache_implementation="static"`), whatever op of the model's the recogniser stopped
+at (the Llama keys' concatenation itself, or DeepseekV3's kv_b_proj over the grown latent).
+
+The QuantizedCache (backend "quanto", optimum-quanto) dequantizes all of its rows at every
+step and concatenates its full-precision residual and the new rows; quanto's quantization
+breaks the graph, so only the steps that do not quantize compile whole. Its residual starts
+empty (a 1-D tensor, not a cache the recognisers know): the reason is still the cache's. With
+nothing rewritten, rank 0 warns once, with that reason.
+
+`cache_implementation="offloaded"` needs CUDA (transformers calls torch.cuda's streams): off a
+GPU the compiled model raises transformers' own error, as the eager one does.
 """
 from __future__ import annotations
 
@@ -19,32 +28,82 @@ import hf_tiny  # noqa: E402  (tests/hf_tiny.py, after the importorskip)
 from dcp_pass.testing import run_ranks  # noqa: E402
 
 PROMPTS = torch.tensor([[3, 5, 7, 9, 11, 2], [1, 2, 3, 4, 6, 8]])
+# the residual holds 2 rows: the first decode step appends to an empty residual, without quantizing
+QUANTIZED = dict(cache_implementation="quantized",
+                 cache_config={"backend": "quanto", "nbits": 4, "residual_length": 2, "q_group_size": 16})
 
 
-def _default_generate(rank: int, world: int, names: list[str]):
+def _generate(rank: int, world: int, names: list[str], kwargs: dict, new_tokens: int):
+    import warnings
+
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
-    from dcp_pass.rewrites.cache_reads import GROWING_CACHE
 
     results = []
     for name in names:
         torch._dynamo.reset()
-        with torch.no_grad():
-            want = hf_tiny.tiny_model(name).generate(PROMPTS, max_new_tokens=4, do_sample=False)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            want = hf_tiny.tiny_model(name).generate(PROMPTS, max_new_tokens=new_tokens, do_sample=False, **kwargs)
             model = hf_tiny.tiny_model(name)
             backend = DcpBackend(dcp_size=world, tp_size=1, inner="eager")
             model.compile(backend=backend)
-            got = model.generate(PROMPTS, max_new_tokens=4, do_sample=False)
-        misses = [reason for g in backend.report.graphs for _, reason in g.near_misses]
+            got = model.generate(PROMPTS, max_new_tokens=new_tokens, do_sample=False, **kwargs)
         results.append(dict(name=name, tokens_equal=torch.equal(got, want), rewritten=backend.report.layers_rewritten,
-                            misses=len(misses), growing=sum(GROWING_CACHE in r for r in misses),
+                            misses=[reason for g in backend.report.graphs for _, reason in g.near_misses],
+                            warnings=[str(w.message) for w in caught if str(w.message).startswith("dcp_pass:")],
                             summary=backend.report.summary()))
     return results
 
 
 def test_default_generate_is_unchanged_with_the_reason():
-    for rank_results in run_ranks(_default_generate, 2, ["llama_gqa", "deepseek_v3"]):
+    from dcp_pass.rewrites.cache_reads import GROWING_CACHE
+
+    for rank_results in run_ranks(_generate, 2, ["llama_gqa", "deepseek_v3"], {}, 4):
         for r in rank_results:
             assert r["tokens_equal"] and r["rewritten"] == 0, r["summary"]
-            assert r["misses"] > 0 and r["growing"] == r["misses"], r["summary"]
+            assert r["misses"] and all(GROWING_CACHE in m for m in r["misses"]), r["summary"]
+
+
+def test_quantized_cache_is_unchanged_with_its_reason():
+    pytest.importorskip("optimum.quanto")
+    from dcp_pass.rewrites.cache_reads import GROWING_QUANTIZED_CACHE
+
+    for rank, rank_results in enumerate(run_ranks(_generate, 2, ["llama_gqa", "deepseek_v3"], QUANTIZED, 2)):
+        for r in rank_results:
+            assert r["tokens_equal"] and r["rewritten"] == 0, r["summary"]
+            # one per attention layer of the decode graph
+            assert len(r["misses"]) == 2 and all(GROWING_QUANTIZED_CACHE in m for m in r["misses"]), r["summary"]
+            assert all("cache_utils.py" in m and "torch.cat" in m for m in r["misses"]), r["misses"]
+            if rank == 0:
+                assert len(r["warnings"]) == 1 and GROWING_QUANTIZED_CACHE in r["warnings"][0], r["warnings"]
+            else:
+                assert not r["warnings"], r["warnings"]
+
+
+def _offloaded_off_gpu(rank: int, world: int):
+    import torch._dynamo
+
+    from dcp_pass.backend import DcpBackend
+
+    torch._dynamo.reset()
+    errors = []
+    for compiled in (False, True):
+        model = hf_tiny.tiny_model("llama_gqa")
+        if compiled:
+            model.compile(backend=DcpBackend(dcp_size=world, tp_size=1, inner="eager"))
+        try:
+            with torch.no_grad():
+                model.generate(PROMPTS, max_new_tokens=2, do_sample=False, cache_implementation="offloaded")
+            errors.append(None)
+        except Exception as e:  # transformers' own error, the same with and without the pass
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the offloaded cache runs on a GPU (test_hf_offloaded_cache)")
+def test_offloaded_cache_off_gpu_raises_as_eager_does():
+    for eager, compiled in run_ranks(_offloaded_off_gpu, 2):
+        assert eager is not None and "CUDA" in eager, eager
+        assert compiled is not None and "CUDA" in compiled and "dcp_pass" not in compiled, (eager, compiled)

@@ -576,18 +576,57 @@ def _trace_pieces(node: fx.Node, depth: int = 0) -> list[_Piece]:
     return replay.pieces
 
 
-# A cache that is a graph input concatenated with new rows along its token axis: the cache
-# has no fixed size, so its stripes would differ in length across ranks and calls.
+# A cache that is a graph input concatenated with new rows along its token axis has no fixed
+# size: its stripes would differ in length across ranks and calls. What the user can do about
+# it depends on where the concatenation is, so each place has its own reason.
+_STATIC_INSTEAD = 'pass cache_implementation="static" to generate(), or a StaticCache'
 GROWING_CACHE = (
-    "the cache grows by torch.cat along its token axis at every step (Hugging Face's default "
-    "DynamicCache, and the offloaded and quantized caches built on it): DCP stripes caches of a "
-    'fixed size; pass cache_implementation="static" to generate(), or a StaticCache'
+    "the cache grows by torch.cat along its token axis at every step (Hugging Face's DynamicCache, "
+    f"generate()'s default): DCP stripes caches of a fixed size; {_STATIC_INSTEAD}"
 )
+GROWING_QUANTIZED_CACHE = (
+    "Hugging Face's QuantizedCache rebuilds the keys and values at every step (it dequantizes all "
+    "of its rows and appends its full-precision residual and the new rows by torch.cat, then "
+    "quantizes them all again every residual_length steps): DCP stripes caches of a fixed size; "
+    f"{_STATIC_INSTEAD}"
+)
+GROWING_WINDOW_CACHE = (
+    "a sliding-window layer of Hugging Face's DynamicCache: it appends the new rows by torch.cat "
+    "and keeps the last sliding_window - 1, a cache bounded by the window with nothing that grows "
+    "with the context for DCP to stripe"
+)
+GROWING_MODEL_CACHE = (
+    "the model's own code grows the cache its attention reads by torch.cat at every step: DCP "
+    "stripes a cache held in a buffer of a fixed size that the model writes rows into, and this "
+    "model's cache has none"
+)
+# the reasons above, for tests and tools that tell a growing cache's near miss from others
+GROWING_CACHE_REASONS = (GROWING_CACHE, GROWING_QUANTIZED_CACHE, GROWING_WINDOW_CACHE, GROWING_MODEL_CACHE)
+
+# ops between a stored cache tensor and the rows a growing cache concatenates: views, and the
+# copies Hugging Face's caches make of what they store (moved back from the CPU by offloading,
+# dequantized, reordered for beam search)
+_STORED_ROWS_METHODS = {"to", "cuda", "contiguous", "clone", "dequantize", "index_select"}
+
+
+def _stored_rows(node: Any, hops: int = 4) -> Optional[fx.Node]:
+    """The graph input `node` is the stored rows of (through views and copies), or None."""
+    for _ in range(hops):
+        node = fx_util.view_base(node)
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "placeholder":
+            return node
+        if node.op == "call_method" and node.target in _STORED_ROWS_METHODS and node.args:
+            node = node.args[0]
+            continue
+        return None
+    return None
 
 
 def growing_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
     """The concatenation, among `node`'s inputs up to `hops` ops back, that appends rows to a
-    graph input along its token axis (the axis before the features), or None."""
+    graph input (or a copy of one) along its token axis (the axis before the features), or None."""
     seen: set[fx.Node] = set()
     frontier = [node]
     for _ in range(hops):
@@ -602,12 +641,60 @@ def growing_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
                 if cat is not None and shape is not None:
                     tensors, dim = cat
                     if axes.normalize_dim(dim, len(shape)) == len(shape) - 2 and any(
-                        isinstance(t, fx.Node) and fx_util.view_base(t).op == "placeholder" for t in tensors
+                        _stored_rows(t) is not None for t in tensors
                     ):
                         return i
                 nxt.append(i)
         frontier = nxt
     return None
+
+
+def growing_cache_reason(cat: fx.Node) -> str:
+    """Why the growing cache that `cat` (found by `growing_cache`) extends cannot be striped, in
+    the user's terms: by the cache class, or by the model when its own code grows the cache."""
+    tensors, _ = _cat_inputs(cat) or ([], 0)
+    if any(_dequantized(t) for t in tensors):
+        return GROWING_QUANTIZED_CACHE
+    if not _innermost_file(cat).endswith("cache_utils.py"):
+        return GROWING_MODEL_CACHE
+    if _keeps_last_rows(cat):
+        return GROWING_WINDOW_CACHE
+    return GROWING_CACHE
+
+
+def _dequantized(node: Any, hops: int = 4) -> bool:
+    """Whether `node` is a dequantized stored tensor (through views and copies)."""
+    for _ in range(hops):
+        node = fx_util.view_base(node)
+        if not isinstance(node, fx.Node) or node.op != "call_method" or not node.args:
+            return False
+        if node.target == "dequantize":
+            return True
+        if node.target not in _STORED_ROWS_METHODS:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _keeps_last_rows(cat: fx.Node) -> bool:
+    """Whether a use of `cat` keeps only its last rows along the token axis (`x[:, :, -k:]`, a
+    sliding window's cache)."""
+    rank = len(axes.shape_of(cat) or ())
+    for user in cat.users:
+        if user.target is not operator.getitem or not isinstance(user.args[1], tuple):
+            continue
+        index = user.args[1]
+        if len(index) == rank and isinstance(index[rank - 2], slice):
+            start, stop = index[rank - 2].start, index[rank - 2].stop
+            if isinstance(start, int) and start < 0 and stop is None:
+                return True
+    return False
+
+
+def _innermost_file(node: fx.Node) -> str:
+    """The file of the innermost frame of the user code that made `node` ("" if unknown)."""
+    files = re.findall(r'File "([^"]+)"', node.meta.get("stack_trace") or "")
+    return files[-1] if files else ""
 
 
 def _cat_pieces(node: fx.Node, tensors: list, dim: int, depth: int) -> list[_Piece]:

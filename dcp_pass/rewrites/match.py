@@ -30,6 +30,7 @@ from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the record's vocabulary)
     BUFFER_SOURCE,
     GROWING_CACHE,
+    GROWING_CACHE_REASONS,
     CacheAccess,
     CacheRead,
     SizeArg,
@@ -39,6 +40,7 @@ from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the rec
     cache_layout,
     cache_writes,
     growing_cache,
+    growing_cache_reason,
     is_cache_tensor,
     module_path,
     parse_cache_index,
@@ -336,12 +338,19 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                 writes = _writes_as_read(match, ctx)
                 _check_no_write_between_reads(match, ctx, order)
             except NotAttention as why:
-                if str(why):
+                # attention-shaped (the recogniser says why it is not attention over a cache): over a
+                # growing cache whose stored rows it cannot see as a cache (a quantized cache's empty
+                # residual), it is a near miss with the cache's reason
+                grown = growing_cache(node) if str(why) else None
+                if grown is not None:
+                    near.append((where_of(node), near_miss_text(NearMiss(growing_cache_reason(grown), grown))))
+                elif str(why):
                     notes.append(f"{where_of(node)}: {why}")
                 continue
             except NearMiss as miss:
                 grown = growing_cache(node)  # said in the user's terms, whatever op the recogniser stopped at
-                near.append((where_of(node), near_miss_text(NearMiss(GROWING_CACHE, grown) if grown else miss)))
+                reason = NearMiss(growing_cache_reason(grown), grown) if grown is not None else miss
+                near.append((where_of(node), near_miss_text(reason)))
                 continue
             claimed.update((match.anchor, match.output))
             ctx.merged_outputs.add(match.output)
