@@ -697,6 +697,61 @@ def _innermost_file(node: fx.Node) -> str:
     return files[-1] if files else ""
 
 
+# A cache tensor the graph copies to another device: Hugging Face's offloading moves each layer's
+# cache to the CPU after its attention and back before its next one, and rebinds the layer's
+# tensors to the copies, so what the attention reads is a new tensor at every step.
+OFFLOADED_CACHE = (
+    "the cache is offloaded: Hugging Face's offloading copies each layer's cache to the CPU after "
+    'its attention and back to the GPU before its next one (cache_implementation="offloaded_static" '
+    'or "offloaded"), so the attention reads a new copy at every step: DCP stripes a cache that '
+    'stays on its rank\'s device; pass cache_implementation="static" (the stripes divide each '
+    "rank's cache memory by dcp_size)"
+)
+
+
+def offloaded_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
+    """The copy onto another device of a cache tensor that `node` reads (among its inputs up to
+    `hops` ops back): the copy it reads (a cache moved back from the CPU), or one the graph makes
+    of a cache tensor it reads in place (moved to the CPU after the attention); None if neither."""
+    seen: set[fx.Node] = set()
+    frontier = [node]
+    for _ in range(hops):
+        nxt: list[fx.Node] = []
+        for n in frontier:
+            for i in n.all_input_nodes:
+                if i in seen:
+                    continue
+                seen.add(i)
+                if is_cache_tensor(i):
+                    moved = next((u for u in _uses_through_views(i) if _device_copy(u)), None)
+                    if moved is not None:
+                        return moved
+                elif _device_copy(i) and is_cache_tensor(fx_util.view_base(i.args[0])):
+                    return i
+                nxt.append(i)
+        frontier = nxt
+    return None
+
+
+def _device_copy(node: fx.Node) -> bool:
+    """Whether `node` copies a tensor onto another device (`.to(device)`, `.cpu()`, `.cuda()`)."""
+    if node.op != "call_method" or node.target not in ("to", "cpu", "cuda") or not node.args:
+        return False
+    before, after = axes.example_value(node.args[0]), axes.example_value(node)
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.device != after.device
+
+
+def _uses_through_views(node: fx.Node) -> list[fx.Node]:
+    """The users of `node` and of its views."""
+    found, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        found.append(user)
+        if fx_util.view_base(user) is node and user is not node:
+            stack.extend(user.users)
+    return found
+
+
 def _cat_pieces(node: fx.Node, tensors: list, dim: int, depth: int) -> list[_Piece]:
     if depth > 4:
         raise ReadRefused("nested concatenations of cache reads")

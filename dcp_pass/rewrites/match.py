@@ -31,6 +31,7 @@ from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the rec
     BUFFER_SOURCE,
     GROWING_CACHE,
     GROWING_CACHE_REASONS,
+    OFFLOADED_CACHE,
     CacheAccess,
     CacheRead,
     SizeArg,
@@ -43,6 +44,7 @@ from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the rec
     growing_cache_reason,
     is_cache_tensor,
     module_path,
+    offloaded_cache,
     parse_cache_index,
 )
 
@@ -337,6 +339,9 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                 match = recogniser.match(node, ctx)
                 writes = _writes_as_read(match, ctx)
                 _check_no_write_between_reads(match, ctx, order)
+                moved = offloaded_cache(node)
+                if moved is not None:
+                    raise NearMiss(OFFLOADED_CACHE, moved)
             except NotAttention as why:
                 # attention-shaped (the recogniser says why it is not attention over a cache): over a
                 # growing cache whose stored rows it cannot see as a cache (a quantized cache's empty
@@ -348,9 +353,14 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                     notes.append(f"{where_of(node)}: {why}")
                 continue
             except NearMiss as miss:
-                grown = growing_cache(node)  # said in the user's terms, whatever op the recogniser stopped at
-                reason = NearMiss(growing_cache_reason(grown), grown) if grown is not None else miss
-                near.append((where_of(node), near_miss_text(reason)))
+                # said in the user's terms, whatever op the recogniser stopped at
+                grown, moved = growing_cache(node), offloaded_cache(node)
+                if grown is not None:
+                    reason = NearMiss(growing_cache_reason(grown), grown)
+                else:
+                    reason = NearMiss(OFFLOADED_CACHE, moved) if moved is not None else miss
+                if (where_of(node), near_miss_text(reason)) not in near:  # a second recogniser's same words
+                    near.append((where_of(node), near_miss_text(reason)))
                 continue
             claimed.update((match.anchor, match.output))
             ctx.merged_outputs.add(match.output)
