@@ -66,23 +66,8 @@ def test_default_generate_is_unchanged_with_the_reason():
             assert r["misses"] and all(GROWING_CACHE in m for m in r["misses"]), r["summary"]
 
 
-def test_quantized_cache_is_unchanged_with_its_reason():
-    pytest.importorskip("optimum.quanto")
-    from dcp_pass.rewrites.cache_reads import GROWING_QUANTIZED_CACHE
-
-    for rank, rank_results in enumerate(run_ranks(_generate, 2, ["llama_gqa", "deepseek_v3"], QUANTIZED, 2)):
-        for r in rank_results:
-            assert r["tokens_equal"] and r["rewritten"] == 0, r["summary"]
-            # one per attention layer of the decode graph
-            assert len(r["misses"]) == 2 and all(GROWING_QUANTIZED_CACHE in m for m in r["misses"]), r["summary"]
-            assert all("cache_utils.py" in m and "torch.cat" in m for m in r["misses"]), r["misses"]
-            if rank == 0:
-                assert len(r["warnings"]) == 1 and GROWING_QUANTIZED_CACHE in r["warnings"][0], r["warnings"]
-            else:
-                assert not r["warnings"], r["warnings"]
-
-
-def _offloaded_off_gpu(rank: int, world: int):
+def _offloaded_off_gpu() -> list:
+    """generate(cache_implementation="offloaded") eagerly, then compiled: each one's error."""
     import torch._dynamo
 
     from dcp_pass.backend import DcpBackend
@@ -92,7 +77,7 @@ def _offloaded_off_gpu(rank: int, world: int):
     for compiled in (False, True):
         model = hf_tiny.tiny_model("llama_gqa")
         if compiled:
-            model.compile(backend=DcpBackend(dcp_size=world, tp_size=1, inner="eager"))
+            model.compile(backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))
         try:
             with torch.no_grad():
                 model.generate(PROMPTS, max_new_tokens=2, do_sample=False, cache_implementation="offloaded")
@@ -102,8 +87,29 @@ def _offloaded_off_gpu(rank: int, world: int):
     return errors
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the offloaded cache runs on a GPU (test_hf_offloaded_cache)")
-def test_offloaded_cache_off_gpu_raises_as_eager_does():
-    for eager, compiled in run_ranks(_offloaded_off_gpu, 2):
-        assert eager is not None and "CUDA" in eager, eager
-        assert compiled is not None and "CUDA" in compiled and "dcp_pass" not in compiled, (eager, compiled)
+def _quantized_then_offloaded(rank: int, world: int):
+    results = _generate(rank, world, ["deepseek_v3"], QUANTIZED, 2)
+    offloaded = None if torch.cuda.is_available() else _offloaded_off_gpu()
+    return results, offloaded
+
+
+def test_quantized_cache_is_unchanged_with_its_reason_and_offloaded_needs_a_gpu():
+    """The quantized cache (DeepseekV3; Llama's GQA gives the same two lines), and off a GPU the
+    offloaded cache's own error, with or without the pass (one pair of ranks for both)."""
+    pytest.importorskip("optimum.quanto")
+    from dcp_pass.rewrites.cache_reads import GROWING_QUANTIZED_CACHE
+
+    for rank, (rank_results, offloaded) in enumerate(run_ranks(_quantized_then_offloaded, 2)):
+        for r in rank_results:
+            assert r["tokens_equal"] and r["rewritten"] == 0, r["summary"]
+            # one per attention layer of the decode graph
+            assert len(r["misses"]) == 2 and all(GROWING_QUANTIZED_CACHE in m for m in r["misses"]), r["summary"]
+            assert all("cache_utils.py" in m and "torch.cat" in m for m in r["misses"]), r["misses"]
+            if rank == 0:
+                assert len(r["warnings"]) == 1 and GROWING_QUANTIZED_CACHE in r["warnings"][0], r["warnings"]
+            else:
+                assert not r["warnings"], r["warnings"]
+        if offloaded is not None:  # off a GPU (tests/test_hf_offloaded_cache.py runs it on one)
+            eager, compiled = offloaded
+            assert eager is not None and "CUDA" in eager, eager
+            assert compiled is not None and "CUDA" in compiled and "dcp_pass" not in compiled, (eager, compiled)
