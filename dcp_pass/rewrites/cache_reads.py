@@ -600,8 +600,6 @@ GROWING_MODEL_CACHE = (
     "stripes a cache held in a buffer of a fixed size that the model writes rows into, and this "
     "model's cache has none"
 )
-# the reasons above, for tests and tools that tell a growing cache's near miss from others
-GROWING_CACHE_REASONS = (GROWING_CACHE, GROWING_QUANTIZED_CACHE, GROWING_WINDOW_CACHE, GROWING_MODEL_CACHE)
 
 # ops between a stored cache tensor and the rows a growing cache concatenates: views, and the
 # copies Hugging Face's caches make of what they store (moved back from the CPU by offloading,

@@ -30,7 +30,6 @@ from dcp_pass.rewrites import axes
 from dcp_pass.rewrites.cache_reads import (  # noqa: F401  (re-exported: the record's vocabulary)
     BUFFER_SOURCE,
     GROWING_CACHE,
-    GROWING_CACHE_REASONS,
     OFFLOADED_CACHE,
     CacheAccess,
     CacheRead,
@@ -343,24 +342,24 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                 if moved is not None:
                     raise NearMiss(OFFLOADED_CACHE, moved)
             except NotAttention as why:
-                # attention-shaped (the recogniser says why it is not attention over a cache): over a
-                # growing cache whose stored rows it cannot see as a cache (a quantized cache's empty
-                # residual), it is a near miss with the cache's reason
+                # attention-shaped (the recogniser says why it is not attention over a cache) over a
+                # growing cache whose stored rows it does not see as a cache (a quantized cache's
+                # empty residual): a near miss, with the cache's reason
                 grown = growing_cache(node) if str(why) else None
                 if grown is not None:
-                    near.append((where_of(node), near_miss_text(NearMiss(growing_cache_reason(grown), grown))))
+                    _add_near_miss(near, node, NearMiss(growing_cache_reason(grown), grown))
                 elif str(why):
                     notes.append(f"{where_of(node)}: {why}")
                 continue
             except NearMiss as miss:
                 # said in the user's terms, whatever op the recogniser stopped at
                 grown, moved = growing_cache(node), offloaded_cache(node)
+                said = miss
                 if grown is not None:
-                    reason = NearMiss(growing_cache_reason(grown), grown)
-                else:
-                    reason = NearMiss(OFFLOADED_CACHE, moved) if moved is not None else miss
-                if (where_of(node), near_miss_text(reason)) not in near:  # a second recogniser's same words
-                    near.append((where_of(node), near_miss_text(reason)))
+                    said = NearMiss(growing_cache_reason(grown), grown)
+                elif moved is not None:
+                    said = NearMiss(OFFLOADED_CACHE, moved)
+                _add_near_miss(near, node, said)
                 continue
             claimed.update((match.anchor, match.output))
             ctx.merged_outputs.add(match.output)
@@ -369,6 +368,14 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
             matches.append(match)
     matches.sort(key=lambda m: order[m.anchor])
     return GraphMatches(matches, near, ctx.writes, notes)
+
+
+def _add_near_miss(near: list[tuple[str, str]], anchor: fx.Node, miss: NearMiss) -> None:
+    """Record a near miss at `anchor`, once: a second recogniser that stops at the same anchor
+    for the same reason (a cache's, said whatever op each stopped at) adds nothing."""
+    entry = (where_of(anchor), near_miss_text(miss))
+    if entry not in near:
+        near.append(entry)
 
 
 def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[CacheAccess]]:
