@@ -327,6 +327,7 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
     ctx = MatchContext(graph, cache_writes(graph))
     matches: list[MlaMatch] = []
     near: list[tuple[str, str]] = []
+    said_at: set[tuple[fx.Node, str]] = set()
     notes: list[str] = []
     claimed: set[fx.Node] = set()
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -347,7 +348,7 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                 # empty residual): a near miss, with the cache's reason
                 grown = growing_cache(node) if str(why) else None
                 if grown is not None:
-                    _add_near_miss(near, node, NearMiss(growing_cache_reason(grown), grown))
+                    _add_near_miss(near, said_at, node, NearMiss(growing_cache_reason(grown), grown))
                 elif str(why):
                     notes.append(f"{where_of(node)}: {why}")
                 continue
@@ -359,7 +360,7 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                     said = NearMiss(growing_cache_reason(grown), grown)
                 elif moved is not None:
                     said = NearMiss(OFFLOADED_CACHE, moved)
-                _add_near_miss(near, node, said)
+                _add_near_miss(near, said_at, node, said)
                 continue
             claimed.update((match.anchor, match.output))
             ctx.merged_outputs.add(match.output)
@@ -370,12 +371,14 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
     return GraphMatches(matches, near, ctx.writes, notes)
 
 
-def _add_near_miss(near: list[tuple[str, str]], anchor: fx.Node, miss: NearMiss) -> None:
+def _add_near_miss(near: list[tuple[str, str]], said: set, anchor: fx.Node, miss: NearMiss) -> None:
     """Record a near miss at `anchor`, once: a second recogniser that stops at the same anchor
-    for the same reason (a cache's, said whatever op each stopped at) adds nothing."""
-    entry = (where_of(anchor), near_miss_text(miss))
-    if entry not in near:
-        near.append(entry)
+    for the same reason (a cache's, said whatever op each stopped at) adds nothing. Anchors of
+    several layers share a source line: `said` holds (anchor, reason) pairs."""
+    text = near_miss_text(miss)
+    if (anchor, text) not in said:
+        said.add((anchor, text))
+        near.append((where_of(anchor), text))
 
 
 def _writes_as_read(match: MlaMatch, ctx: MatchContext) -> dict[fx.Node, list[CacheAccess]]:
