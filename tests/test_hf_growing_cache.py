@@ -13,6 +13,9 @@ breaks the graph, so only the steps that do not quantize compile whole. Its resi
 empty (a 1-D tensor, not a cache the recognisers know): the reason is still the cache's. With
 nothing rewritten, rank 0 warns once, with that reason.
 
+A DynamicCache's sliding-window layer (Gemma3's layer 0) is bounded by its window: its reason
+says so and advises nothing.
+
 `cache_implementation="offloaded"` needs CUDA (transformers calls torch.cuda's streams): off a
 GPU the compiled model raises transformers' own error, as the eager one does.
 """
@@ -113,3 +116,40 @@ def test_quantized_cache_is_unchanged_with_its_reason_and_offloaded_needs_a_gpu(
             eager, compiled = offloaded
             assert eager is not None and "CUDA" in eager, eager
             assert compiled is not None and "CUDA" in compiled and "dcp_pass" not in compiled, (eager, compiled)
+
+
+def test_dynamic_cache_window_layer_is_said_bounded():
+    """Gemma3 under generate()'s default: its sliding-window layer's DynamicSlidingWindowLayer
+    keeps the last sliding_window - 1 rows (bounded, nothing to stripe), its full layer's
+    DynamicLayer grows; each layer of each decode graph gets its own line (the recognition
+    alone, no process group)."""
+    import torch._dynamo
+
+    from dcp_pass.rewrites.cache_reads import GROWING_CACHE, GROWING_WINDOW_CACHE
+    from dcp_pass.rewrites.match import find_mla
+
+    found = []
+
+    def record(gm, example_inputs):
+        found.append(find_mla(gm.graph))
+        return gm.forward
+
+    prompts = torch.tensor([[3, 5, 7, 9, 11, 2, 4, 6], [1, 2, 3, 4, 6, 8, 5, 7]])  # past gemma3's window of 4
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            want = hf_tiny.tiny_model("gemma3", attn_implementation="eager").generate(
+                prompts, max_new_tokens=2, do_sample=False)
+            model = hf_tiny.tiny_model("gemma3", attn_implementation="eager")
+            model.compile(backend=record)
+            got = model.generate(prompts, max_new_tokens=2, do_sample=False)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+    decode = [f for f in found if f.near_misses]
+    assert decode and not any(f.matches for f in found)
+    for f in decode:
+        reasons = [reason for _, reason in f.near_misses]
+        assert len(reasons) == 2, reasons  # layer 0 sliding, layer 1 full
+        assert GROWING_WINDOW_CACHE in reasons[0] and "static" not in reasons[0], reasons
+        assert GROWING_CACHE in reasons[1], reasons
