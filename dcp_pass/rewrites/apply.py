@@ -606,13 +606,15 @@ class InstallShards(GraphPass):
                 shards.install_at_first_call(ctx.values[buf.name], entry)
             else:
                 shards.install(ctx.values[buf.name], entry)
+        placeholders = fx_util.placeholders(ctx.graph)
+        # the graph decided for each buffer it takes (a kept layer's stays whole)
+        inputs = [ctx.values[p.name] for p in placeholders if p.name in ctx.values]
         siblings = 0
         for buf, entry in kept.items():
-            # the same cache of the other layers a shared graph will be called with
-            for other, name in shards.sibling_buffers(ctx.values[buf.name]):
+            # the same cache of the other layers this graph will be called with
+            for other, name in shards.sibling_buffers(ctx.values[buf.name], fx_util.dynamo_source_name(buf), inputs):
                 shards.local_for(other, attn.c, attn.rank, name, entry.kind, entry.kv_format)
                 siblings += 1
-        placeholders = fx_util.placeholders(ctx.graph)
         caches = tuple((placeholders.index(buf), entry) for buf, entry in kept.items())
         allocations = tuple(
             _allocated_cache(ctx, buf, plan.cache_shards[buf].entry.kind)

@@ -12,17 +12,18 @@ created without memory (`memory.unallocated`) and gets only its shard.
 
 from __future__ import annotations
 
+import re
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from dcp_pass.report import log
 from dcp_pass.runtime.decode import kv_format as fp8
 from dcp_pass.runtime.decode import layout
-from dcp_pass.state.guards import guard, mark_striped, modules_on_stack, owners_of
+from dcp_pass.state.guards import StripedCacheTensor, guard, mark_striped, modules_on_stack, owners_of
 from dcp_pass.state.memory import storage_nbytes, unallocated
 from dcp_pass.state.store import (
     DEFERRED,
@@ -336,33 +337,197 @@ def install_allocated(shell: torch.Tensor, entry: LocalCache) -> None:
     mark_striped(shell)
 
 
-def sibling_buffers(buffer: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
-    """The buffers that play `buffer`'s part in the other layers: the same attribute of every
-    module of its owner's class (in the modules the calling frames run), of the same shape,
-    dtype and device, not yet striped.
+def sibling_buffers(
+    buffer: torch.Tensor, source: Optional[str] = None, graph_inputs: Sequence[Any] = ()
+) -> list[tuple[torch.Tensor, str]]:
+    """The buffers that play `buffer`'s part in the other layers and will run the graph being
+    compiled: the same attribute of every module of its owner's class (in the modules the
+    calling frames run), of the same shape, dtype and device, not yet striped.
 
     One compiled graph serves every layer of a model whose blocks share their code; its
     guards check the class of each buffer it takes, so every layer's caches must be
     striped together, before the first call that passes them (else each layer's first
     call would compile the graph again).
+
+    Left out: a buffer the graph takes itself (`graph_inputs`: the graph decided for it,
+    striped where it rewrote that layer, else kept whole), and a sibling whose module fails
+    the guards Dynamo recorded on the owner's module while it traced this graph (`source`:
+    the buffer's source name, e.g. `L['self']._buffers['kv_cache']`): a block with another
+    `self.window` (a sliding-window block beside full ones), or an MoE where the owner has
+    an MLP, runs another graph, which decides for that layer; striping its cache here would
+    take the whole cache from a layer that graph may keep. Without Dynamo's record (the
+    pass run outside Dynamo) every sibling counts.
     """
     owners = owners_of(buffer)
     names = {(type(m), key) for m in owners for key, b in m._buffers.items() if b is buffer}
     if not names:
         return []
-    roots = modules_on_stack(sys._getframe(1))
+    taken = {id(t) for t in graph_inputs if isinstance(t, torch.Tensor)}
+    guards = _traced_guards()
+    match = _BUFFER_SOURCE.match(source or "")
     found: dict[int, tuple[torch.Tensor, str]] = {}
-    for root in roots.values():
-        for path, module in root.named_modules():
+    for root in modules_on_stack(sys._getframe(1)).values():
+        paths = dict(root.named_modules())
+        runs_the_graph = _runs_the_graph(buffer, match, guards, paths)
+        for path, module in paths.items():
             for cls, key in names:
                 other = module._buffers.get(key) if type(module) is cls else None
                 if (
                     other is not None
                     and other is not buffer
+                    and id(other) not in taken
                     and not is_released(other)
                     and other.shape == buffer.shape
                     and other.dtype == buffer.dtype
                     and other.device == buffer.device
+                    and runs_the_graph(path)
                 ):
                     found.setdefault(id(other), (other, f"{path}.{key}" if path else key))
     return list(found.values())
+
+
+@dataclass(frozen=True)
+class _GuardedScope:
+    """The module whose frame Dynamo traced (the graph's root module, e.g. a block), seen
+    from the owner of the buffer being striped (the module holding it), and the guards
+    recorded under the root."""
+
+    expression: str  # the root's source name in the guards, e.g. L['self']
+    owner_expression: str  # the owner's, e.g. L['self']._modules['attn']
+    below: str  # the owner's module path under the root ("" when the owner is the root itself)
+    root_path: str
+    guards: tuple[tuple[str, str], ...]  # (source name, guard kind) under the root
+    paths: dict[str, torch.nn.Module]  # module path -> module, in the stack root searched
+
+    def runs_the_graph(self, path: str) -> bool:
+        """Whether a call of the graph can pass the buffer of the module at `path`: its
+        counterpart of the traced root agrees with the owner's root on every guard of the
+        owner's module and everything under it (its attributes, submodules, weights), and on
+        the plain values (flags, sizes: a block's `window`) read anywhere under the root.
+        A root that differs only in the structure around the owner (an MoE where the owner's
+        block has an MLP) takes another graph too, but one that runs the same attention:
+        its cache is striped with the owner's, as the layers of a shared graph are."""
+        root_path = _above(path, self.below)
+        if root_path is None or root_path == self.root_path or root_path not in self.paths:
+            # no counterpart, or the traced root itself: the graph runs that module without
+            # taking this buffer, so no call of it passes the buffer
+            return False
+        mine, theirs = self.paths[self.root_path], self.paths[root_path]
+        for name, kind in self.guards:
+            # the name read from the root, e.g. `root.window` for L['self'].window: Dynamo's
+            # source names are Python expressions
+            read = "root" + name[len(self.expression) :]
+            in_owner = _under(name, self.owner_expression)
+            try:
+                owner_value = eval(read, {"root": mine})
+            except Exception:  # noqa: BLE001 - a name this evaluation cannot read: no verdict from it
+                continue
+            if not in_owner and not isinstance(owner_value, _PLAIN):
+                continue
+            try:
+                their_value = eval(read, {"root": theirs})
+            except Exception:  # noqa: BLE001 - the counterpart lacks what the graph reads
+                if in_owner:
+                    return False
+                continue
+            if in_owner and not _guard_agrees(kind, owner_value, their_value):
+                return False
+            if not in_owner and not (type(owner_value) is type(their_value) and owner_value == their_value):
+                return False
+        return True
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+# `<root>._modules['a']._modules['b']._buffers['kv_cache']`: a buffer of a module under the frame's root
+_BUFFER_SOURCE = re.compile(r"^(?P<root>.*?)(?P<below>(?:\._modules\['[^']+'\])*)\._buffers\['[^']+'\]$")
+
+
+def _runs_the_graph(
+    buffer: torch.Tensor,
+    source: Optional["re.Match[str]"],
+    guards: Optional[list[tuple[str, str]]],
+    paths: dict[str, torch.nn.Module],
+) -> Callable[[str], bool]:
+    """Whether the graph being compiled will be called with the sibling buffer of the module
+    at a path of `paths` (one stack root's modules): judged against the traced root of
+    `buffer`'s graph, found from the buffer's parsed source name. Without Dynamo's record
+    of this trace, or a source of another shape, every sibling counts; where the owner is
+    not among `paths`, none."""
+    if guards is None or source is None:
+        return lambda path: True
+    expression = source.group("root")
+    below = ".".join(re.findall(r"\['([^']+)'\]", source.group("below")))
+    owner_path = next((p for p, m in paths.items() if any(b is buffer for b in m._buffers.values())), None)
+    root_path = _above(owner_path, below) if owner_path is not None else None
+    if root_path is None or root_path not in paths:
+        return lambda path: False
+    under = tuple((name, kind) for name, kind in guards if _under(name, expression))
+    owner_expression = source.group(0)[: source.group(0).rindex("._buffers[")]
+    return _GuardedScope(expression, owner_expression, below, root_path, under, paths).runs_the_graph
+
+
+def _under(name: str, expression: str) -> bool:
+    """Whether the source name `name` is `expression` or reached from it."""
+    return name == expression or name.startswith(expression + ".") or name.startswith(expression + "[")
+
+
+def _above(path: str, below: str) -> Optional[str]:
+    """The path of the module `below` (a relative module path) is under, for the module at
+    `path`; None if `path` does not end with `below`."""
+    if not below:
+        return path
+    if path == below:
+        return ""
+    return path[: -len(below) - 1] if path.endswith("." + below) else None
+
+
+def _plain_class(value: Any) -> type:
+    # the owner's caches are striped already (or about to be, with the sibling's)
+    return torch.Tensor if type(value) is StripedCacheTensor else type(value)
+
+
+def _guard_agrees(kind: str, mine: Any, theirs: Any) -> bool:
+    """Whether the counterpart's value `theirs` passes a guard of `kind` that the owner's
+    value `mine` passes (compared as Dynamo compares it; a kind not known here: no verdict)."""
+    try:
+        if kind == "TENSOR_MATCH":
+            return (
+                isinstance(theirs, torch.Tensor)
+                and _plain_class(mine) is _plain_class(theirs)
+                and (mine.dtype, mine.device, mine.shape, mine.stride(), mine.requires_grad)
+                == (theirs.dtype, theirs.device, theirs.shape, theirs.stride(), theirs.requires_grad)
+            )
+        if kind == "TYPE_MATCH":
+            return _plain_class(mine) is _plain_class(theirs)
+        if kind in ("EQUALS_MATCH", "CONSTANT_MATCH"):
+            return type(mine) is type(theirs) and bool(mine == theirs)
+        if "KEYS" in kind:
+            return list(mine.keys()) == list(theirs.keys())
+        if "LENGTH" in kind:
+            return len(mine) == len(theirs)
+        if kind.endswith("_MATCH"):
+            return mine is theirs  # ID_MATCH, NONE_MATCH, BOOL_MATCH, FUNCTION_MATCH, CLOSURE_MATCH, ...
+    except Exception:  # noqa: BLE001 - values that do not compare: not the same graph
+        return False
+    return True
+
+
+def _traced_guards() -> Optional[list[tuple[str, str]]]:
+    """(source name, guard kind) of every guard Dynamo has recorded for the frame it traces
+    now (its tracing context; read at compile time, before Dynamo builds its guard
+    function); None outside a Dynamo trace. Reads Dynamo internals."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    guards = getattr(getattr(context, "guards_context", None), "dynamo_guards", None)
+    if guards is None:
+        return None
+    out = []
+    for recorded in guards:
+        try:
+            out.append((recorded.name, recorded.create_fn_name()))
+        except Exception:  # noqa: BLE001 - a guard without a name (global state): not about a module
+            continue
+    return out
