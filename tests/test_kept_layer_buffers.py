@@ -49,6 +49,9 @@ class Block(nn.Module):
         self.scale = (NOPE + ROPE) ** -0.5
 
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        return self.attend(x, start_pos, self.window)
+
+    def attend(self, x: torch.Tensor, start_pos: int, window: Optional[int]) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         end = start_pos + seqlen
         q = (x @ self.wq.T).view(bsz, seqlen, HEADS, NOPE + ROPE)
@@ -57,13 +60,13 @@ class Block(nn.Module):
         q_lat = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, :NOPE])
         rows = x @ self.wkv_a.T  # latent || rotary of the new tokens
         query_pos = torch.arange(start_pos, end, device=x.device)
-        if self.window is None:
+        if window is None:
             self.kv_cache[:bsz, start_pos:end] = rows
             keys = self.kv_cache[:bsz, :end]
             key_pos = torch.arange(end, device=x.device)
             visible = key_pos[None, :] <= query_pos[:, None]
         else:
-            w = self.window
+            w = window
             # a shift register: the last w positions in rows 0..w-1, the newest last
             self.kv_cache[:bsz, :w] = torch.roll(self.kv_cache[:bsz, :w], -seqlen, dims=1)
             self.kv_cache[:bsz, w - seqlen:w] = rows
@@ -174,3 +177,42 @@ def test_kept_layers_keep_their_caches_c2(graph_break):
 def test_kept_layers_keep_their_caches_c4(graph_break):
     for result in run_ranks(_run, 4, graph_break, "aot_eager"):
         _check(result, graph_break)
+
+
+class ArgumentBlock(Block):
+    """A block told its window by its caller: Dynamo's guards on the block cannot tell a
+    sliding block from a full one."""
+
+    def forward(self, x: torch.Tensor, start_pos: int, window: Optional[int]) -> torch.Tensor:
+        return self.attend(x, start_pos, window)
+
+
+class ArgumentDecoder(Decoder):
+    def __init__(self):
+        super().__init__(graph_break=True)
+        self.layers = nn.ModuleList(ArgumentBlock(i, None) for i in range(LAYERS))
+        self.windows = [WINDOW if i % 2 == 0 else None for i in range(LAYERS)]
+
+    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        h = self.embed[tokens]
+        for layer, window in zip(self.layers, self.windows):
+            torch._dynamo.graph_break()
+            h = layer(h, start_pos, window)
+        return h[:, -1] @ self.head.T
+
+
+@torch.no_grad()
+def test_a_window_passed_as_an_argument_is_refused_with_what_to_change(fake_world):
+    """The one case the guards cannot foresee: the full block's graph stripes a sliding block's
+    cache with its own, and the sliding block's graph then refuses it, saying why and what to
+    change (before: the same refusal, without the why)."""
+    from dcp_pass.backend import DcpBackend
+    from dcp_pass.rewrites.apply import DcpRewriteError
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ArgumentDecoder(), backend=DcpBackend(dcp_size=2, tp_size=1, inner="eager"))
+    with pytest.raises(Exception, match=r"layers\.2\.kv_cache was striped with layers\.1\.kv_cache.*"
+                                        r"keep that value as an attribute of the block") as raised:
+        _greedy(compiled, torch.zeros(MAX_B, 3, dtype=torch.long), 2)  # Dynamo wraps the backend's error
+    chain = [raised.value, raised.value.__cause__, getattr(raised.value, "inner_exception", None)]
+    assert any(isinstance(e, DcpRewriteError) for e in chain), [type(e) for e in chain]

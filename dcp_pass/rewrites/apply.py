@@ -560,7 +560,7 @@ class VerifyBuffers(GraphPass):
                 more = len(rings) - 1
                 reason = rings[0] + (f"; {more} more cache(s) of this graph are rings too" if more else "")
             if any(is_released(values[n.name]) for n in leftovers) or ctx.config.strict:
-                raise DcpRewriteError(reason)
+                raise DcpRewriteError(reason + shards.striped_with_note([values[n.name] for n in leftovers]))
             kept = _layers_to_keep(plan.rewritten, leftovers)
             if kept and len(kept) < len(plan.rewritten):
                 raise _KeepLayers(kept)  # apply_dcp starts again without them
@@ -613,7 +613,7 @@ class InstallShards(GraphPass):
         for buf, entry in kept.items():
             # the same cache of the other layers this graph will be called with
             for other, name in shards.sibling_buffers(ctx.values[buf.name], fx_util.dynamo_source_name(buf), inputs):
-                shards.local_for(other, attn.c, attn.rank, name, entry.kind, entry.kv_format)
+                shards.stripe_sibling(other, name, ctx.values[buf.name], attn.c, attn.rank, entry)
                 siblings += 1
         caches = tuple((placeholders.index(buf), entry) for buf, entry in kept.items())
         allocations = tuple(
@@ -864,7 +864,7 @@ def _refuse_released(graph: fx.Graph, values: dict[str, Any], near_misses: Seque
         raise DcpRewriteError(
             f"cache buffer(s) {names} have no full-size storage (striped by DCP in an earlier graph, or "
             f"deferred by dcp_pass.deferred_caches()), but this graph reads them outside an MLA attention "
-            f"the pass can rewrite{why}"
+            f"the pass can rewrite{why}{shards.striped_with_note([values[n.name] for n in used])}"
         )
 
 

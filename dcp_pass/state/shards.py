@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_pass.report import log
 from dcp_pass.runtime.decode import kv_format as fp8
@@ -33,6 +34,7 @@ from dcp_pass.state.store import (
     DcpCacheError,
     LocalCache,
     ShardKind,
+    describe,
     is_deferred,
     is_released,
     lookup_local_cache,
@@ -335,6 +337,46 @@ def install_allocated(shell: torch.Tensor, entry: LocalCache) -> None:
     STRIPED[shell] = entry
     guard(shell, [])  # held by a cache object, not a module: no owner to guard
     mark_striped(shell)
+
+
+# a cache striped with another layer's, as its sibling -> (that cache, weakly; its name in its graph)
+_STRIPED_WITH: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def stripe_sibling(buffer: torch.Tensor, name: str, owner: torch.Tensor, c: int, rank: int, entry: LocalCache) -> None:
+    """Stripe `buffer`, the sibling cache `name` of the cache `owner` (its shard: `entry`), with it."""
+    local_for(buffer, c, rank, name, entry.kind, entry.kv_format)
+    _STRIPED_WITH[buffer] = (weakref.ref(owner), entry.name)
+
+
+def striped_with_note(buffers: Sequence[Any]) -> str:
+    """For an error about released `buffers` that a graph reads as they are: how the first
+    one striped as a sibling came to be striped, and what tells its block apart ("" if none)."""
+    for buffer in buffers:
+        found = _STRIPED_WITH.get(buffer) if isinstance(buffer, torch.Tensor) else None
+        if found is not None:
+            owner, owner_name = found
+            name, _ = describe(buffer)
+            owner_name = _path_on_stack(owner(), sys._getframe(1)) or owner_name
+            return (
+                f"; {name} was striped with {owner_name}, whose graph its block was expected to run (Dynamo's "
+                f"guards on the two blocks agree), but its attention takes another form here: a block that picks "
+                f"its attention from a value it is passed (a window size) cannot be told apart by its module; keep "
+                f"that value as an attribute of the block (self.window = ...)"
+            )
+    return ""
+
+
+def _path_on_stack(buffer: Optional[torch.Tensor], frame) -> Optional[str]:
+    """`layers.1.kv_cache`: where `buffer` sits in the modules the calling frames run."""
+    if buffer is None:
+        return None
+    for root in modules_on_stack(frame).values():
+        for path, module in root.named_modules():
+            key = next((k for k, b in module._buffers.items() if b is buffer), None)
+            if key is not None:
+                return f"{path}.{key}" if path else key
+    return None
 
 
 def sibling_buffers(
