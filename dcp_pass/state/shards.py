@@ -392,13 +392,14 @@ def sibling_buffers(
     call would compile the graph again).
 
     Left out: a buffer the graph takes itself (`graph_inputs`: the graph decided for it,
-    striped where it rewrote that layer, else kept whole), and a sibling whose module fails
-    the guards Dynamo recorded on the owner's module while it traced this graph (`source`:
-    the buffer's source name, e.g. `L['self']._buffers['kv_cache']`): a block with another
-    `self.window` (a sliding-window block beside full ones), or an MoE where the owner has
-    an MLP, runs another graph, which decides for that layer; striping its cache here would
-    take the whole cache from a layer that graph may keep. Without Dynamo's record (the
-    pass run outside Dynamo) every sibling counts.
+    striped where it rewrote that layer, else kept whole), and a sibling whose block would
+    fail this graph's guards as Dynamo recorded them while tracing (`source`: the buffer's
+    source name, e.g. `L['self']._buffers['kv_cache']`): its cache's module differs from the
+    owner's where the graph looked (attributes, submodules, weights), or its block holds
+    another plain value where the graph read one (a sliding-window block's `self.window`
+    beside a full block's None). That block runs another graph, which decides for its layer:
+    striping its cache here would take the whole cache from a layer that graph may keep.
+    Without Dynamo's record (the pass run outside Dynamo) every sibling counts.
     """
     owners = owners_of(buffer)
     names = {(type(m), key) for m in owners for key, b in m._buffers.items() if b is buffer}
