@@ -476,7 +476,10 @@ def write_owned_tokens_(
     # position (relative to start_pos) of the token that belongs on local row row0 + i
     token = torch.arange(window, device=values.device) * c + (row0 * c + r - start_pos)
     owned = (token >= 0) & (token < seq)
-    picked = values.index_select(1, token.clamp(0, seq - 1)).to(shard.dtype)
+    # clamped from above, then from below: an index the inner compiler sees as never negative
+    # (inductor wraps one it cannot prove so in a `Where`, which its CPU code generation fails
+    # to simplify when the length is an expression such as `(s - s % 4) // 4`)
+    picked = values.index_select(1, token.clamp(max=seq - 1).clamp(min=0)).to(shard.dtype)
     rows = cols[:, row0 : row0 + window]
     rows.copy_(torch.where(owned[None, :, None], picked, rows))
 
