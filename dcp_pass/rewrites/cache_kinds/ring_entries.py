@@ -308,6 +308,7 @@ RING_ENTRIES = CacheKind(
     layout=ring_entries_layout,
     write_form=ring_entries_write,
     stripe_check=check_whole_read,
-    layer_note=", window ring + striped entries",
+    # the report's bytes per token count a buffer row: here one entry, which pools m tokens
+    layer_note=", window ring + striped entries (the bytes per token count an entry row, m tokens)",
     shard_mask=shard_mask,
 )
