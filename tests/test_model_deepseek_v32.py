@@ -38,10 +38,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def single_rank_group():
-    """A 1-rank gloo group: the indexer calls dist.broadcast at every world size, as the official code does."""
+    """A 1-rank gloo group: the indexer calls dist.broadcast at every world size, as the official code does.
+    A group an earlier test of this worker left (a fake one of 2 ranks) is replaced: build_model
+    reads the TP degree from it and would shard the model over ranks that do not exist."""
     if dist.is_initialized():
-        yield
-        return
+        dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'pg')}", rank=0, world_size=1)
         try:
