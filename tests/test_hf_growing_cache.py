@@ -118,11 +118,13 @@ def test_quantized_cache_is_unchanged_with_its_reason_and_offloaded_needs_a_gpu(
             assert compiled is not None and "CUDA" in compiled and "dcp_pass" not in compiled, (eager, compiled)
 
 
-def test_dynamic_cache_window_layer_is_said_bounded():
-    """Gemma3 under generate()'s default: its sliding-window layer's DynamicSlidingWindowLayer
-    keeps the last sliding_window - 1 rows (bounded, nothing to stripe), its full layer's
-    DynamicLayer grows; each layer of each decode graph gets its own line (the recognition
-    alone, no process group)."""
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
+def test_dynamic_cache_window_layer_is_said_bounded(name):
+    """Gemma3 and gpt-oss under generate()'s default: the sliding-window layer's
+    DynamicSlidingWindowLayer keeps the last sliding_window - 1 rows (bounded, nothing to
+    stripe), the full layer's DynamicLayer grows; each layer of each decode graph gets its own
+    line, and nothing else does (gpt-oss's MoE router, a softmax over its top-k logits, is not
+    attention), the recognition alone, no process group."""
     import torch._dynamo
 
     from dcp_pass.rewrites.cache_reads import GROWING_CACHE, GROWING_WINDOW_CACHE
@@ -134,13 +136,13 @@ def test_dynamic_cache_window_layer_is_said_bounded():
         found.append(find_mla(gm.graph))
         return gm.forward
 
-    prompts = torch.tensor([[3, 5, 7, 9, 11, 2, 4, 6], [1, 2, 3, 4, 6, 8, 5, 7]])  # past gemma3's window of 4
+    prompts = torch.tensor([[3, 5, 7, 9, 11, 2, 4, 6], [1, 2, 3, 4, 6, 8, 5, 7]])  # past the window of 4
     torch._dynamo.reset()
     try:
         with torch.no_grad():
-            want = hf_tiny.tiny_model("gemma3", attn_implementation="eager").generate(
+            want = hf_tiny.tiny_model(name, attn_implementation="eager").generate(
                 prompts, max_new_tokens=2, do_sample=False)
-            model = hf_tiny.tiny_model("gemma3", attn_implementation="eager")
+            model = hf_tiny.tiny_model(name, attn_implementation="eager")
             model.compile(backend=record)
             got = model.generate(prompts, max_new_tokens=2, do_sample=False)
     finally:
@@ -150,6 +152,6 @@ def test_dynamic_cache_window_layer_is_said_bounded():
     assert decode and not any(f.matches for f in found)
     for f in decode:
         reasons = [reason for _, reason in f.near_misses]
-        assert len(reasons) == 2, reasons  # layer 0 sliding, layer 1 full
+        assert len(reasons) == 2, f.near_misses  # layer 0 sliding, layer 1 full
         assert GROWING_WINDOW_CACHE in reasons[0] and "static" not in reasons[0], reasons
         assert GROWING_CACHE in reasons[1], reasons

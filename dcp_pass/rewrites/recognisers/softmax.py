@@ -388,6 +388,7 @@ _WALKED_FUNCTIONS = {
     torch.square,
     torch.clamp,
     torch.where,
+    torch.topk,  # a router's top-k logits (gpt-oss): a selection of the scores, walked to them
     torch.sub,
     operator.sub,
     operator.neg,
