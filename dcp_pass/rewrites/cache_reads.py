@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -622,28 +622,33 @@ def _stored_rows(node: Any, hops: int = 4) -> Optional[fx.Node]:
     return None
 
 
-def growing_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
-    """The concatenation, among `node`'s inputs up to `hops` ops back, that appends rows to a
-    graph input (or a copy of one) along its token axis (the axis before the features), or None."""
+def _inputs_back(node: fx.Node, hops: int) -> Iterator[fx.Node]:
+    """The nodes `node` reads, up to `hops` ops back, nearest first, each once."""
     seen: set[fx.Node] = set()
     frontier = [node]
     for _ in range(hops):
         nxt: list[fx.Node] = []
         for n in frontier:
             for i in n.all_input_nodes:
-                if i in seen:
-                    continue
-                seen.add(i)
-                cat = _cat_inputs(i)
-                shape = axes.shape_of(i)
-                if cat is not None and shape is not None:
-                    tensors, dim = cat
-                    if axes.normalize_dim(dim, len(shape)) == len(shape) - 2 and any(
-                        _stored_rows(t) is not None for t in tensors
-                    ):
-                        return i
-                nxt.append(i)
+                if i not in seen:
+                    seen.add(i)
+                    yield i
+                    nxt.append(i)
         frontier = nxt
+
+
+def growing_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
+    """The concatenation, among `node`'s inputs up to `hops` ops back, that appends rows to a
+    graph input (or a copy of one) along its token axis (the axis before the features), or None."""
+    for i in _inputs_back(node, hops):
+        cat = _cat_inputs(i)
+        shape = axes.shape_of(i)
+        if cat is not None and shape is not None:
+            tensors, dim = cat
+            if axes.normalize_dim(dim, len(shape)) == len(shape) - 2 and any(
+                _stored_rows(t) is not None for t in tensors
+            ):
+                return i
     return None
 
 
@@ -711,23 +716,13 @@ def offloaded_cache(node: fx.Node, hops: int = 16) -> Optional[fx.Node]:
     """The copy onto another device of a cache tensor that `node` reads (among its inputs up to
     `hops` ops back): the copy it reads (a cache moved back from the CPU), or one the graph makes
     of a cache tensor it reads in place (moved to the CPU after the attention); None if neither."""
-    seen: set[fx.Node] = set()
-    frontier = [node]
-    for _ in range(hops):
-        nxt: list[fx.Node] = []
-        for n in frontier:
-            for i in n.all_input_nodes:
-                if i in seen:
-                    continue
-                seen.add(i)
-                if is_cache_tensor(i):
-                    moved = next((u for u in _uses_through_views(i) if _device_copy(u)), None)
-                    if moved is not None:
-                        return moved
-                elif _device_copy(i) and is_cache_tensor(fx_util.view_base(i.args[0])):
-                    return i
-                nxt.append(i)
-        frontier = nxt
+    for i in _inputs_back(node, hops):
+        if is_cache_tensor(i):
+            moved = next((u for u in _uses_through_views(i) if _device_copy(u)), None)
+            if moved is not None:
+                return moved
+        elif _device_copy(i) and is_cache_tensor(fx_util.view_base(i.args[0])):
+            return i
     return None
 
 
