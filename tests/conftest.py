@@ -17,6 +17,19 @@ def fake_world():
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_across_files():
+    """Every test file starts and ends without a default process group: a model built in the
+    test process (the eager references) reads its TP degree from torch.distributed, so a fake
+    2-rank group an earlier file of the same xdist worker left would shard it over ranks that
+    do not exist."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _grad_mode_restored():
     """Tests that drive a model in this process turn autograd off as a user's inference
