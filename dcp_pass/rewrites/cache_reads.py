@@ -607,19 +607,22 @@ GROWING_MODEL_CACHE = (
 _STORED_ROWS_METHODS = {"to", "cuda", "contiguous", "clone", "dequantize", "index_select"}
 
 
-def _stored_rows(node: Any, hops: int = 4) -> Optional[fx.Node]:
-    """The graph input `node` is the stored rows of (through views and copies), or None."""
+def _copy_chain(node: Any, hops: int = 4) -> Iterator[fx.Node]:
+    """`node` and what it copies, back through views and the copies a cache makes of its stored
+    rows (`_STORED_ROWS_METHODS`), nearest first; the last is the first node that is not such a copy."""
     for _ in range(hops):
         node = fx_util.view_base(node)
         if not isinstance(node, fx.Node):
-            return None
-        if node.op == "placeholder":
-            return node
-        if node.op == "call_method" and node.target in _STORED_ROWS_METHODS and node.args:
-            node = node.args[0]
-            continue
-        return None
-    return None
+            return
+        yield node
+        if not (node.op == "call_method" and node.target in _STORED_ROWS_METHODS and node.args):
+            return
+        node = node.args[0]
+
+
+def _stored_rows(node: Any, hops: int = 4) -> Optional[fx.Node]:
+    """The graph input `node` is the stored rows of (through views and copies), or None."""
+    return next((n for n in _copy_chain(node, hops) if n.op == "placeholder"), None)
 
 
 def _inputs_back(node: fx.Node, hops: int) -> Iterator[fx.Node]:
@@ -667,16 +670,7 @@ def growing_cache_reason(cat: fx.Node) -> str:
 
 def _dequantized(node: Any, hops: int = 4) -> bool:
     """Whether `node` is a dequantized stored tensor (through views and copies)."""
-    for _ in range(hops):
-        node = fx_util.view_base(node)
-        if not isinstance(node, fx.Node) or node.op != "call_method" or not node.args:
-            return False
-        if node.target == "dequantize":
-            return True
-        if node.target not in _STORED_ROWS_METHODS:
-            return False
-        node = node.args[0]
-    return False
+    return any(n.op == "call_method" and n.target == "dequantize" and n.args for n in _copy_chain(node, hops))
 
 
 def _keeps_last_rows(cat: fx.Node) -> bool:
