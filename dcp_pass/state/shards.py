@@ -372,10 +372,19 @@ def _path_on_stack(buffer: Optional[torch.Tensor], frame) -> Optional[str]:
     if buffer is None:
         return None
     for root in modules_on_stack(frame).values():
-        for path, module in root.named_modules():
-            key = next((k for k, b in module._buffers.items() if b is buffer), None)
-            if key is not None:
-                return f"{path}.{key}" if path else key
+        place = _place_of(buffer, dict(root.named_modules()))
+        if place is not None:
+            path, key = place
+            return f"{path}.{key}" if path else key
+    return None
+
+
+def _place_of(buffer: torch.Tensor, paths: dict[str, torch.nn.Module]) -> Optional[tuple[str, str]]:
+    """(module path, buffer key) of the first module of `paths` that holds `buffer`, or None."""
+    for path, module in paths.items():
+        key = next((k for k, b in module._buffers.items() if b is buffer), None)
+        if key is not None:
+            return path, key
     return None
 
 
@@ -502,7 +511,8 @@ def _runs_the_graph(
         return lambda path: True
     expression = source.group("root")
     below = ".".join(re.findall(r"\['([^']+)'\]", source.group("below")))
-    owner_path = next((p for p, m in paths.items() if any(b is buffer for b in m._buffers.values())), None)
+    place = _place_of(buffer, paths)
+    owner_path = place[0] if place is not None else None
     root_path = _above(owner_path, below) if owner_path is not None else None
     if root_path is None or root_path not in paths:
         return lambda path: False
