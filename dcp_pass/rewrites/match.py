@@ -354,8 +354,9 @@ def find_mla(graph: fx.Graph) -> GraphMatches:
                 continue
             except NearMiss as miss:
                 # said in the user's terms, whatever op the recogniser stopped at
-                grown, moved = growing_cache(node), offloaded_cache(node)
                 said = miss
+                grown = growing_cache(node)
+                moved = offloaded_cache(node) if grown is None else None
                 if grown is not None:
                     said = NearMiss(growing_cache_reason(grown), grown)
                 elif moved is not None:
